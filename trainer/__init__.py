@@ -1,0 +1,1 @@
+"""Pipeline + data-parallel training engine (the Varuna API)."""

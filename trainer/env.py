@@ -1,0 +1,156 @@
+"""The environment contract between whoever starts a worker and the worker itself.
+
+The local launcher (`python -m trainer.launch`) and, later, the daemon start every trainer
+worker with these variables; `Varuna(..., stage_to_rank_map=None)` reads them back. Keeping
+both directions in one module means the two sides cannot disagree on a name.
+
+Variables (all strings):
+
+    VARUNA_RANK            this worker's global rank, 0 .. world-1
+    VARUNA_WORLD_SIZE      P * D
+    VARUNA_STAGE_TO_RANK   JSON {"<stage>": [rank of replica 0, rank of replica 1, ...]}
+    VARUNA_ENDPOINTS       JSON list, by rank, of the ZeroMQ endpoint each worker binds
+                           for activations/gradients ("tcp://host:port")
+    VARUNA_DIST_URL        torch.distributed rendezvous ("tcp://host:port") for gloo/NCCL
+    VARUNA_JOB             job id (tags every tensor frame)
+    VARUNA_EPOCH           plan epoch (frames from another epoch are dropped)
+    VARUNA_CUTS            optional JSON list of the active cut-point indices, decided by
+                           whoever planned; absent means Varuna balances them itself
+    VARUNA_SCHEDULE        optional: varuna | gpipe | 1f1b
+    VARUNA_THREADS         torch intra-op threads for this worker
+    VARUNA_TRACE_DIR       optional: write a Chrome trace of each step here
+    VARUNA_STORE           optional: the job's checkpoint store (global_store)
+    VARUNA_DEVICE          optional: "cpu" or a CUDA ordinal
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from trainer.errors import ConfigError
+
+__all__ = ["Assignment", "stage_to_rank_from_json", "stage_to_rank_to_json"]
+
+
+def stage_to_rank_to_json(stage_to_rank: Mapping[int, list[int]]) -> str:
+    return json.dumps({str(s): list(r) for s, r in sorted(stage_to_rank.items())})
+
+
+def stage_to_rank_from_json(text: str) -> dict[int, list[int]]:
+    try:
+        raw = json.loads(text)
+        return {int(s): [int(r) for r in ranks] for s, ranks in raw.items()}
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ConfigError(
+            f"VARUNA_STAGE_TO_RANK is not a JSON object of stage -> [ranks]: {text!r}",
+            hint='set it like {"0": [0, 2], "1": [1, 3]}',
+        ) from exc
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Assignment:
+    """Where one worker sits in a P x D plan, and how it reaches its peers."""
+
+    rank: int
+    stage_to_rank: dict[int, list[int]]
+    endpoints: list[str]
+    dist_url: str
+    job: str = "local"
+    epoch: int = 0
+    cuts: list[int] | None = None
+    schedule: str | None = None
+    threads: int | None = None
+    trace_dir: str | None = None
+    store: str | None = None
+    device: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        stages = sorted(self.stage_to_rank)
+        if stages != list(range(len(stages))) or not stages:
+            raise ConfigError(f"stages must be numbered 0..P-1, got {stages}")
+        widths = {len(r) for r in self.stage_to_rank.values()}
+        if len(widths) != 1:
+            raise ConfigError(f"every stage needs the same number of replicas, got {self.stage_to_rank}")
+        ranks = sorted(r for rs in self.stage_to_rank.values() for r in rs)
+        if ranks != list(range(len(ranks))):
+            raise ConfigError(f"ranks must be 0..P*D-1, each once, got {ranks}")
+        if len(self.endpoints) != len(ranks):
+            raise ConfigError(f"{len(self.endpoints)} endpoints for {len(ranks)} ranks")
+        if not 0 <= self.rank < len(ranks):
+            raise ConfigError(f"rank {self.rank} outside 0..{len(ranks) - 1}")
+
+    @property
+    def pipeline_depth(self) -> int:
+        return len(self.stage_to_rank)
+
+    @property
+    def data_depth(self) -> int:
+        return len(self.stage_to_rank[0])
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_depth * self.data_depth
+
+    def position(self, rank: int | None = None) -> tuple[int, int]:
+        """(stage, replica) of `rank` (default: this worker)."""
+        rank = self.rank if rank is None else rank
+        for stage, ranks in self.stage_to_rank.items():
+            if rank in ranks:
+                return stage, ranks.index(rank)
+        raise ConfigError(f"rank {rank} is in no stage of {self.stage_to_rank}")
+
+    def to_env(self) -> dict[str, str]:
+        env = {
+            "VARUNA_RANK": str(self.rank),
+            "VARUNA_WORLD_SIZE": str(self.world_size),
+            "VARUNA_STAGE_TO_RANK": stage_to_rank_to_json(self.stage_to_rank),
+            "VARUNA_ENDPOINTS": json.dumps(self.endpoints),
+            "VARUNA_DIST_URL": self.dist_url,
+            "VARUNA_JOB": self.job,
+            "VARUNA_EPOCH": str(self.epoch),
+        }
+        optional = {
+            "VARUNA_CUTS": None if self.cuts is None else json.dumps(self.cuts),
+            "VARUNA_SCHEDULE": self.schedule,
+            "VARUNA_THREADS": None if self.threads is None else str(self.threads),
+            "VARUNA_TRACE_DIR": self.trace_dir,
+            "VARUNA_STORE": self.store,
+            "VARUNA_DEVICE": self.device,
+        }
+        env.update({k: v for k, v in optional.items() if v is not None})
+        env.update(self.extra)
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Assignment:
+        environ = os.environ if environ is None else environ
+        missing = [k for k in ("VARUNA_RANK", "VARUNA_STAGE_TO_RANK", "VARUNA_ENDPOINTS", "VARUNA_DIST_URL")
+                   if k not in environ]
+        if missing:
+            raise ConfigError(
+                f"no worker assignment in the environment (missing {', '.join(missing)})",
+                hint="start the script with `python -m trainer.launch --stages P --replicas D script.py`, "
+                     "under varunad, or pass stage_to_rank_map to Varuna",
+            )
+        try:
+            cuts = environ.get("VARUNA_CUTS")
+            return cls(
+                rank=int(environ["VARUNA_RANK"]),
+                stage_to_rank=stage_to_rank_from_json(environ["VARUNA_STAGE_TO_RANK"]),
+                endpoints=list(json.loads(environ["VARUNA_ENDPOINTS"])),
+                dist_url=environ["VARUNA_DIST_URL"],
+                job=environ.get("VARUNA_JOB", "local"),
+                epoch=int(environ.get("VARUNA_EPOCH", "0")),
+                cuts=None if cuts is None else [int(c) for c in json.loads(cuts)],
+                schedule=environ.get("VARUNA_SCHEDULE"),
+                threads=int(environ["VARUNA_THREADS"]) if "VARUNA_THREADS" in environ else None,
+                trace_dir=environ.get("VARUNA_TRACE_DIR"),
+                store=environ.get("VARUNA_STORE"),
+                device=environ.get("VARUNA_DEVICE"),
+            )
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"malformed worker assignment in the environment: {exc}") from exc

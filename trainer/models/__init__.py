@@ -1,0 +1,1 @@
+"""Reference models: a GPT-2 style decoder and a small CNN."""
