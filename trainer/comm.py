@@ -1,0 +1,105 @@
+"""Activations and gradients between neighbour stages, over ZeroMQ with protocol/ tensor frames.
+
+Each worker binds one PULL socket at its own endpoint and connects a PUSH socket to each
+neighbour. Sends return at once (ZeroMQ's I/O thread moves the bytes, so compute never
+waits for the network); receives block until the wanted micro-batch arrives, keeping frames
+that arrive early (a neighbour already in the next step) in per-key FIFOs. A frame of another
+job or epoch is dropped and logged: after a morph, stragglers of the old plan cannot leak in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import defaultdict, deque
+
+import torch
+import zmq
+
+from protocol.errors import ProtocolError
+from protocol.frames import recv_tensor, send_tensor
+from trainer.errors import WorkerError
+
+__all__ = ["PeerChannel"]
+
+log = logging.getLogger("varuna.comm")
+
+_DEFAULT_TIMEOUT_S = float(os.environ.get("VARUNA_PEER_TIMEOUT", "600"))
+
+
+class PeerChannel:
+    def __init__(self, *, bind: str, prev: str | None, nxt: str | None, job: str, epoch: int, stage: int,
+                 timeout_s: float = _DEFAULT_TIMEOUT_S, security=None) -> None:
+        self.job, self.epoch, self.stage = job, epoch, stage
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context.instance()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        if security is not None:
+            security.apply_stream_server(self._pull)
+        self._pull.bind(bind)
+        self._push: dict[str, zmq.Socket] = {}
+        for direction, endpoint in (("act", nxt), ("grad", prev)):
+            if endpoint is None:
+                continue
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 2000)
+            if security is not None:
+                security.apply_stream_client(sock, endpoint)
+            sock.connect(endpoint)
+            self._push[direction] = sock
+        self._early: dict[tuple[str, int], deque] = defaultdict(deque)
+        self.wait_s = 0.0   # time spent blocked in recv, for the busy fraction
+
+    def send(self, direction: str, micro_batch: int, tensor: torch.Tensor) -> None:
+        send_tensor(self._push[direction], tensor.detach(), job=self.job, epoch=self.epoch,
+                    stage=self.stage, micro_batch=micro_batch, direction=direction)
+
+    def recv(self, direction: str, micro_batch: int) -> torch.Tensor:
+        key = (direction, micro_batch)
+        if self._early[key]:
+            return self._early[key].popleft()
+        start = time.perf_counter()
+        deadline = start + self.timeout_s
+        try:
+            while True:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    peer = self.stage - 1 if direction == "act" else self.stage + 1
+                    raise WorkerError(
+                        f"stage {self.stage} got no {direction} for micro-batch {micro_batch} from stage "
+                        f"{peer} within {self.timeout_s:.0f}s: the peer probably died",
+                        hint="the daemon re-plans when a member is lost; locally, check the other workers' output",
+                    )
+                if not self._pull.poll(min(remaining, 1.0) * 1000):
+                    continue
+                got = self._accept()
+                if got is None:
+                    continue
+                if got[0] == key:
+                    return got[1]
+                self._early[got[0]].append(got[1])
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+    def _accept(self) -> tuple[tuple[str, int], torch.Tensor] | None:
+        try:
+            header, tensor = recv_tensor(self._pull)
+        except ProtocolError as exc:
+            log.warning("stage %d dropped a malformed frame: %s", self.stage, exc)
+            return None
+        if header.job != self.job or header.epoch != self.epoch:
+            log.info("stage %d dropped a frame of job %s epoch %d (now %s epoch %d)",
+                     self.stage, header.job, header.epoch, self.job, self.epoch)
+            return None
+        expected_sender = self.stage - 1 if header.direction == "act" else self.stage + 1
+        if header.stage != expected_sender:
+            log.warning("stage %d dropped a %s frame from stage %d", self.stage, header.direction, header.stage)
+            return None
+        return (header.direction, header.micro_batch), tensor
+
+    def close(self) -> None:
+        for sock in (*self._push.values(), self._pull):
+            sock.close(linger=2000 if sock is not self._pull else 0)

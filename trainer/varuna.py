@@ -1,0 +1,394 @@
+"""The Varuna API: one worker's view of a P x D pipeline + data-parallel job.
+
+A script written for Varuna ports with an import change:
+
+    model = Varuna(model, None, get_batch_fn, batch_size=512, chunk_size=8)
+    model.set_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
+    while model.iteration < steps:
+        loss, overflow = model.step(shard_for(model.iteration))
+
+Each worker traces the whole model, keeps only its stage (the rest of the parameters are
+freed), and runs the schedule's action list for its stage every step. Gradients are summed
+over replicas (the loss is normalised by the global batch), so every P x D computes the same
+update as a single process would (DESIGN idea 3).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer import checkpointing
+from trainer.comm import PeerChannel
+from trainer.data_parallel import GradReducer, TiedReducer
+from trainer.env import Assignment
+from trainer.errors import ConfigError
+from trainer.executor import StageExecutor
+from trainer.layout import Layout, build_layout
+from trainer.partition import balance, dry_run, slice_stages, trace_model
+from trainer.precision import LossScaler, Precision
+from trainer.schedule import SCHEDULES, Action, Kind, build_table
+
+__all__ = ["Varuna"]
+
+log = logging.getLogger("varuna")
+
+
+class Varuna:
+    def __init__(self, model: nn.Module, stage_to_rank_map: Mapping[int, Sequence[int]] | None,
+                 get_batch_fn: Callable[[int, torch.device | str], Mapping[str, torch.Tensor]],
+                 batch_size: int, chunk_size: int, fp16: bool = False, local_rank: int = -1,
+                 device: int | str = -1, shared_weights: Sequence[tuple[str, str]] | None = None,
+                 from_cache: bool = True, *, precision: Precision | None = None,
+                 schedule: str | None = None, recompute: bool = True,
+                 assignment: Assignment | None = None) -> None:
+        self.assignment = assignment or _assignment(stage_to_rank_map)
+        a = self.assignment
+        self.rank = a.rank
+        self.stage, self.replica = a.position()
+        self.pipeline_depth, self.data_depth = a.pipeline_depth, a.data_depth
+        self.batch_size, self.micro_batch_size = int(batch_size), int(chunk_size)
+        self.precision: Precision = precision or ("fp16" if fp16 else "fp32")
+        self.schedule = schedule or a.schedule or "varuna"
+        self.recompute = recompute
+        self.iteration = 0
+        _check_sizes(self.batch_size, self.micro_batch_size, self.data_depth, self.precision, self.schedule)
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        self.device = _device(a, local_rank, device)
+        self._init_distributed()
+
+        traced = trace_model(model)
+        cuts = self._agree_on_cuts(traced, get_batch_fn)
+        slices = slice_stages(traced, cuts)
+        aliases = _aliases(model, traced.canonical)
+        self.layout: Layout = build_layout(traced, slices, shared_weights or (), aliases)
+        self.cuts = cuts
+        mine = slices[self.stage]
+        self.module = mine.module
+        self._named = _named_tensors(model, traced.canonical, mine)
+        _free_other_stages(model, traced.canonical, set(mine.owned) | set(mine.owned_buffers))
+        del traced, slices
+        self.module.to(self.device)
+        self.input_names = mine.input_names
+
+        self._build_groups()
+        self.channel = self._open_channel() if self.pipeline_depth > 1 else None
+        self.recorder = _recorder(a, self.stage, self.replica)
+        self.executor = StageExecutor(self.module, stage=self.stage, stages=self.pipeline_depth,
+                                      takes_activation=mine.takes_activation, channel=self.channel,
+                                      device=self.device, precision=self.precision, recorder=self.recorder)
+        self._tables: dict[tuple[str, int, bool], list[Action]] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler = None
+        self.scaler = LossScaler()
+        self.grad_norm = 0.0
+        self._shard_checkpoint = False
+        log.info("rank %d: stage %d/%d replica %d/%d, %d parameters (%.1f MB), cuts %s",
+                 self.rank, self.stage, self.pipeline_depth, self.replica, self.data_depth,
+                 sum(p.numel() for p in self.parameters()), self.parameter_bytes() / 2**20, cuts)
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This stage's parameters (each once), the ones to give the optimizer."""
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, t) for n, t in self._named.items() if isinstance(t, nn.Parameter)]
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def set_optimizer(self, optimizer: torch.optim.Optimizer, loss_scale: float | str = "dynamic",
+                      init_loss_scale: float = 2.0**20, min_loss_scale: float = 1.0,
+                      lr_scheduler=None) -> None:
+        mine = {id(p) for p in self.parameters()}
+        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
+        if foreign:
+            raise ConfigError(f"the optimizer holds {len(foreign)} parameters that this stage does not own",
+                              hint="build it from varuna.parameters(), after creating Varuna")
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        if self.precision == "fp16":
+            self.scaler = LossScaler(loss_scale, init_loss_scale, min_loss_scale)
+        else:
+            self.scaler = LossScaler(1.0, 1.0, 1.0)
+
+    def step(self, inputs: Mapping[str, torch.Tensor], clip_grad_max_norm: float | None = None
+             ) -> tuple[float, bool]:
+        """One optimizer step on the global mini-batch; `inputs` is this replica's shard."""
+        if self.optimizer is None:
+            raise ConfigError("step() before set_optimizer()")
+        micro, weights = self._micro_batches(inputs, self.batch_size)
+        table = self._table(self.schedule, len(micro), self.recompute)
+        self.optimizer.zero_grad(set_to_none=True)
+        result: dict[str, object] = {}
+        self.executor.run(
+            table, micro, weights, loss_scale=self.scaler.scale,
+            handlers={Kind.ALLREDUCE: self._allreduce,
+                      Kind.STEP: lambda: result.update(self._optimizer_step(clip_grad_max_norm))},
+            before_last_backward=self.reducer.arm,
+        )
+        self.iteration += 1
+        if self.recorder is not None:
+            self.recorder.save()
+        return result["loss"], result["overflow"]
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Mapping[str, torch.Tensor], batch_size: int | None = None) -> float:
+        """Global mean loss of an evaluation batch (this replica's shard in `inputs`)."""
+        shard = _shard_size(inputs)
+        total = batch_size or shard * self.data_depth
+        micro, weights = self._micro_batches(inputs, total)
+        actions = []
+        for m in range(len(micro)):
+            if self.stage > 0:
+                actions.append(Action(self.stage, Kind.RECV_ACT, m))
+            actions.append(Action(self.stage, Kind.FORWARD, m))
+            if self.stage < self.pipeline_depth - 1:
+                actions.append(Action(self.stage, Kind.SEND_ACT, m))
+        local = self.executor.run(actions, micro, weights, training=False)
+        out = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(out)
+        return float(out[0])
+
+    def checkpoint(self, global_store: str, step: int | None = None, tmpdir: str | None = None,
+                   shard: bool = False, on_demand: bool = False) -> str:
+        """Write this job's state as `global_store/varuna_ckpt_<step>`; collective (every worker calls it)."""
+        return checkpointing.save(self, global_store, self.iteration if step is None else step,
+                                  tmpdir=tmpdir, shard=shard)
+
+    def load_checkpoint(self, global_store: str, iteration: int | None = None, check_complete: bool = True) -> int:
+        """Load `varuna_ckpt_<iteration>` (default: the newest complete one); collective.
+        Call after set_optimizer so the optimizer state is restored too. Returns the iteration."""
+        return checkpointing.load(self, global_store, iteration, check_complete=check_complete)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _init_distributed(self) -> None:
+        a = self.assignment
+        if dist.is_initialized():
+            if dist.get_world_size() != a.world_size or dist.get_rank() != a.rank:
+                raise ConfigError(f"torch.distributed is initialised as rank {dist.get_rank()}/"
+                                  f"{dist.get_world_size()}, the assignment says {a.rank}/{a.world_size}")
+            return
+        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=float(os.environ.get("VARUNA_DIST_TIMEOUT", "600")))
+        if a.world_size == 1:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=a.dist_url, rank=a.rank,
+                                    world_size=a.world_size, timeout=timeout)
+
+    def _agree_on_cuts(self, traced, get_batch_fn) -> list[int]:
+        """Every worker must cut the same way: rank 0 times the segments and decides."""
+        P = self.pipeline_depth
+        if self.assignment.cuts is not None:
+            cuts = sorted(self.assignment.cuts)
+            if len(cuts) != P - 1:
+                raise ConfigError(f"VARUNA_CUTS has {len(cuts)} cut points for {P} stages")
+            return cuts
+        if P == 1:
+            return []
+        decision: list[object] = [None]
+        if self.rank == 0:
+            try:
+                sample = get_batch_fn(self.micro_batch_size, "cpu")
+                decision[0] = balance(dry_run(traced, sample), P)
+            except Exception as exc:  # sent to every rank, so all fail with the same reason
+                decision[0] = exc
+        dist.broadcast_object_list(decision, src=0)
+        if isinstance(decision[0], Exception):
+            raise decision[0]
+        return list(decision[0])
+
+    def _build_groups(self) -> None:
+        """Process groups: one per stage (its replicas) and one per tied tensor set spanning
+        stages. Every rank creates every group, in the same order, as torch.distributed requires."""
+        a, layout = self.assignment, self.layout
+        stage_groups = [dist.new_group(sorted(a.stage_to_rank[s])) for s in range(self.pipeline_depth)]
+        self.stage_group = stage_groups[self.stage]
+        tied_reduce = []
+        tied_names: set[str] = set()
+        for names in layout.tied:
+            stages = sorted({s for n in names for s in layout.owners[n]})
+            group = None
+            if len(stages) > 1:
+                ranks = sorted(r for s in stages for r in a.stage_to_rank[s])
+                group = dist.new_group(ranks)
+            local = [self._named[n] for n in names if n in self._named]
+            if self.stage in stages:
+                tied_reduce.append((local, group))
+                if group is not None:
+                    tied_names.update(names)
+        self.tied = TiedReducer(tied_reduce)
+        dp_params = [p for n, p in self.named_parameters() if n not in tied_names]
+        self.reducer = GradReducer(dp_params, self.stage_group, self.data_depth)
+        # A tied set is counted once in the gradient norm: on its lowest stage, first name.
+        self._norm_params = [p for n, p in self.named_parameters() if self._counts_in_norm(n)]
+
+    def _counts_in_norm(self, name: str) -> bool:
+        tied = self.layout.tied_set(name)
+        if tied is None:
+            return True
+        lowest = min(s for n in tied for s in self.layout.owners[n])
+        first_here = next(n for n in tied if lowest in self.layout.owners[n])
+        return self.stage == lowest and name == first_here
+
+    def _open_channel(self) -> PeerChannel:
+        a = self.assignment
+        prev = a.stage_to_rank[self.stage - 1][self.replica] if self.stage > 0 else None
+        nxt = a.stage_to_rank[self.stage + 1][self.replica] if self.stage < self.pipeline_depth - 1 else None
+        return PeerChannel(bind=a.endpoints[self.rank],
+                           prev=None if prev is None else a.endpoints[prev],
+                           nxt=None if nxt is None else a.endpoints[nxt],
+                           job=a.job, epoch=a.epoch, stage=self.stage)
+
+    def _table(self, name: str, m: int, recompute: bool) -> list[Action]:
+        key = (name, m, recompute)
+        if key not in self._tables:
+            self._tables[key] = build_table(name, self.pipeline_depth, m, recompute)[self.stage]
+        return self._tables[key]
+
+    def _micro_batches(self, inputs: Mapping[str, torch.Tensor], global_batch: int):
+        shard = _shard_size(inputs)
+        expected = global_batch // self.data_depth
+        if global_batch == self.batch_size and shard != expected:
+            raise ConfigError(f"step() got {shard} examples; this replica's shard of the global batch "
+                              f"{self.batch_size} over {self.data_depth} replicas is {expected}",
+                              hint="pass GlobalBatches(...).shard(step, varuna.replica, varuna.data_depth)")
+        wanted = {k: v for k, v in inputs.items() if k in self.input_names}
+        missing = set(self.input_names) - set(wanted)
+        if missing:
+            raise ConfigError(f"the batch lacks {sorted(missing)}, which stage {self.stage} needs")
+        micro, weights = [], []
+        for start in range(0, shard, self.micro_batch_size):
+            chunk = {k: v[start:start + self.micro_batch_size].to(self.device, non_blocking=True)
+                     for k, v in wanted.items()}
+            n = min(self.micro_batch_size, shard - start)
+            micro.append(chunk)
+            weights.append(n / global_batch)
+        return micro, weights
+
+    def _allreduce(self) -> None:
+        self.tied.reduce()
+        self.reducer.reduce()
+
+    def _optimizer_step(self, clip: float | None) -> dict[str, object]:
+        """Agree on the loss, the gradient norm and overflow with one world all-reduce, then step."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self._norm_params:
+            if p.grad is not None:
+                sq += p.grad.detach().double().pow(2).sum().cpu()
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in self.parameters() if p.grad is not None)
+        if not finite and self.precision != "fp16":
+            log.warning("rank %d: non-finite gradients at step %d in %s; skipping the step",
+                        self.rank, self.iteration, self.precision)
+        last = self.stage == self.pipeline_depth - 1
+        local_loss = self.executor.loss_so_far() if last else 0.0
+        stats = torch.tensor([sq.item() if finite else math.inf, local_loss, 0.0 if finite else 1.0],
+                             dtype=torch.float64)
+        dist.all_reduce(stats)
+        scale = self.scaler.scale
+        overflow = bool(stats[2] > 0)
+        # every replica holds the same reduced gradients: the norm counts one replica's stages
+        norm = math.sqrt(stats[0] / self.data_depth) / scale if not overflow else math.inf
+        if not overflow:
+            factor = 1.0 / scale
+            if clip is not None and norm > clip:
+                factor *= clip / (norm + 1e-6)
+            if factor != 1.0:
+                for p in self.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(factor)
+            self.optimizer.step()
+        self.scaler.update(overflow)
+        self.grad_norm = norm
+        return {"loss": float(stats[1]), "overflow": overflow}
+
+
+# -- construction helpers ------------------------------------------------------------------------
+
+def _assignment(stage_to_rank_map) -> Assignment:
+    if "VARUNA_RANK" not in os.environ:
+        if stage_to_rank_map is None or sum(len(r) for r in stage_to_rank_map.values()) == 1:
+            log.warning("no worker assignment in the environment: running as a single worker (1 x 1); "
+                        "start with `python -m trainer.launch` for more")
+            return Assignment(rank=0, stage_to_rank={0: [0]}, endpoints=["inproc://varuna-0"], dist_url="")
+    a = Assignment.from_env()
+    if stage_to_rank_map is not None:
+        given = {int(s): [int(r) for r in ranks] for s, ranks in stage_to_rank_map.items()}
+        a = Assignment(**{**{f: getattr(a, f) for f in a.__dataclass_fields__}, "stage_to_rank": given})
+    return a
+
+
+def _check_sizes(batch: int, chunk: int, D: int, precision: str, schedule: str) -> None:
+    if batch <= 0 or chunk <= 0:
+        raise ConfigError(f"batch_size and chunk_size must be positive, got {batch}, {chunk}")
+    if batch % D:
+        raise ConfigError(f"global batch {batch} does not split over {D} replicas",
+                          hint=f"use a batch size divisible by {D}")
+    if precision not in ("fp32", "fp16", "bf16"):
+        raise ConfigError(f"precision must be fp32, fp16 or bf16, got {precision!r}")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {sorted(SCHEDULES)}")
+
+
+def _device(a: Assignment, local_rank: int, device: int | str) -> torch.device:
+    choice = a.device if a.device is not None else device
+    if isinstance(choice, str) and choice not in ("-1", ""):
+        return torch.device(choice if not choice.isdigit() else f"cuda:{choice}")
+    if isinstance(choice, int) and choice >= 0:
+        return torch.device(f"cuda:{choice}")
+    if local_rank >= 0 and torch.cuda.is_available():
+        return torch.device(f"cuda:{local_rank}")
+    return torch.device("cpu")
+
+
+def _aliases(model: nn.Module, canonical: Mapping[int, str]) -> dict[str, str]:
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = canonical.get(id(p), name)
+    return out
+
+
+def _named_tensors(model, canonical, mine) -> dict[str, torch.Tensor]:
+    by_name = {canonical[id(t)]: t for t in (*model.parameters(), *model.buffers()) if id(t) in canonical}
+    return {n: by_name[n] for n in (*mine.owned, *mine.owned_buffers)}
+
+
+def _free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
+    """Release the storage of tensors other stages own (per-stage memory ~ 1/P); the user's
+    model object keeps empty placeholders for them."""
+    for t in (*model.parameters(), *model.buffers()):
+        if canonical.get(id(t)) not in keep:
+            t.data = torch.empty(0, dtype=t.dtype)
+
+
+def _shard_size(inputs: Mapping[str, torch.Tensor]) -> int:
+    sizes = {k: v.shape[0] for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if not sizes or len(set(sizes.values())) != 1:
+        raise ConfigError(f"inputs must be batch-first tensors of one batch size, got {sizes}")
+    return next(iter(sizes.values()))
+
+
+def _recorder(a: Assignment, stage: int, replica: int):
+    if not a.trace_dir:
+        return None
+    from trainer.trace import TraceRecorder
+    path = os.path.join(a.trace_dir, f"trace_rank{a.rank}.json")
+    return TraceRecorder(path, rank=a.rank, stage=stage, replica=replica)
