@@ -1,0 +1,469 @@
+"""trainer.ckpt_store: atomic files, manifests as commit records, finding, pruning, copying."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import posixpath
+import queue
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer import ckpt_store as cs
+from trainer.errors import CheckpointError
+from trainer.ckpt_store import (
+    MANIFEST,
+    FileEntry,
+    checkpoint_dir,
+    copy_to_store,
+    latest_complete,
+    list_checkpoints,
+    prune,
+    read_tensors,
+    verify,
+    write_manifest,
+    write_tensors,
+)
+
+
+def _save(store, it, files=None, *, manifest=True):
+    """A checkpoint with a few small files; returns its directory."""
+    d = checkpoint_dir(str(store), it)
+    files = files or {
+        "layer_000.pt": {"w": torch.full((4,), float(it))},
+        "layer_001.pt": {"step": it},
+    }
+    entries = [write_tensors(d, name, obj) for name, obj in files.items()]
+    if manifest:
+        write_manifest(d, entries, {"P": 2, "D": 1, "step": it})
+    return d
+
+
+def _sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+# ---------------------------------------------------------------- writing and reading
+
+
+def test_round_trip_dtypes_scalars_and_nested(tmp_path):
+    d = checkpoint_dir(str(tmp_path), 7)
+    tensors = {
+        str(dt): (torch.arange(6) % 3).to(dt).reshape(2, 3)
+        for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                   torch.int32, torch.int8, torch.uint8, torch.bool, torch.complex64)
+    }
+    obj = {
+        "tensors": tensors,
+        "lr": 3e-4, "step": 12, "fp16": True, "name": "adam", "none": None, "raw": b"\x00\xff",
+        "nested": {
+            "betas": [0.9, 0.999],
+            "rng": (torch.get_rng_state(), 5),
+            3: {"deep": [1, {"x": "y"}]},
+        },
+        "dtype": torch.bfloat16,
+    }
+    entry = write_tensors(d, "layer_003.pt", obj)
+    path = os.path.join(d, "layer_003.pt")
+    assert entry == FileEntry("layer_003.pt", os.path.getsize(path), _sha(path))
+    back = read_tensors(d, "layer_003.pt")
+    for k, t in tensors.items():
+        assert back["tensors"][k].dtype == t.dtype and torch.equal(back["tensors"][k], t)
+    plain = {k: v for k, v in obj.items() if k not in ("tensors", "nested")}
+    assert {k: v for k, v in back.items() if k not in ("tensors", "nested")} == plain
+    nested = back["nested"]
+    assert nested["betas"] == [0.9, 0.999] and nested[3] == {"deep": [1, {"x": "y"}]}
+    assert torch.equal(nested["rng"][0], obj["nested"]["rng"][0]) and nested["rng"][1] == 5
+    assert sorted(os.listdir(d)) == ["layer_003.pt"]  # no temporaries left behind
+
+
+_plain_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=3)
+    | st.dictionaries(st.text(max_size=4), kids, max_size=3),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.dictionaries(st.text(max_size=6), _plain_values, max_size=4))
+def test_plain_values_round_trip(obj):
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tensors(tmp, "x.pt", obj)
+        assert read_tensors(tmp, "x.pt") == obj
+
+
+def test_a_view_is_saved_without_its_whole_storage(tmp_path):
+    flat = torch.zeros(1_000_000)
+    entry = write_tensors(str(tmp_path), "slice.pt", {"w": flat[10:20]})
+    assert entry.size < 10_000  # not the 4 MB buffer
+    assert torch.equal(read_tensors(str(tmp_path), "slice.pt")["w"], torch.zeros(10))
+
+
+@pytest.mark.parametrize("bad", [{"a": np.zeros(2)}, {"a": {1.5: 2}}, {"a": [object()]}])
+def test_write_refuses_what_weights_only_could_not_load(tmp_path, bad):
+    with pytest.raises(TypeError, match=r"layer\.pt\['a'\]"):
+        write_tensors(str(tmp_path), "layer.pt", bad)
+    assert not os.path.exists(tmp_path / "layer.pt")
+
+
+@pytest.mark.parametrize("name", ["../x.pt", "a/b.pt", ".hidden", MANIFEST, ""])
+def test_write_refuses_names_outside_the_directory_or_reserved(tmp_path, name):
+    with pytest.raises(ValueError, match="checkpoint file name"):
+        write_tensors(str(tmp_path / "c"), name, {"a": 1})
+
+
+def test_failed_atomic_write_leaves_nothing(tmp_path):
+    target = str(tmp_path / "f.bin")
+    with pytest.raises(RuntimeError):
+        with cs.LocalStorage().open_atomic(target) as f:
+            f.write(b"half")
+            raise RuntimeError("writer died")
+    assert os.listdir(tmp_path) == []
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_read_refuses_pickled_python_objects(tmp_path):
+    marker = str(tmp_path / "pwned")
+    torch.save({"x": _Evil(marker)}, str(tmp_path / "evil.pt"))
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        read_tensors(str(tmp_path), "evil.pt")
+    assert not os.path.exists(marker)
+
+
+def test_read_reports_missing_and_garbage_files(tmp_path):
+    d = _save(tmp_path, 3)
+    with pytest.raises(CheckpointError, match="missing nope.pt"):
+        read_tensors(d, "nope.pt")
+    with open(os.path.join(d, "junk.pt"), "wb") as f:
+        f.write(b"not a zip file at all")
+    with pytest.raises(CheckpointError, match="corrupt: junk.pt is not a torch zip file"):
+        read_tensors(d, "junk.pt")
+
+
+# ---------------------------------------------------------------- manifest and verify
+
+
+def test_manifest_lists_every_file_and_meta(tmp_path):
+    d = _save(tmp_path, 20)
+    doc = verify(d)
+    assert doc["format"] == 1 and doc["iteration"] == 20 and doc["complete"] is True
+    assert doc["meta"] == {"P": 2, "D": 1, "step": 20}
+    assert [f["name"] for f in doc["files"]] == ["layer_000.pt", "layer_001.pt"]
+    assert all(f["sha256"] == _sha(os.path.join(d, f["name"])) for f in doc["files"])
+
+
+def test_missing_manifest_is_incomplete_and_points_at_an_older_one(tmp_path):
+    _save(tmp_path, 30)
+    d = _save(tmp_path, 40, manifest=False)
+    with pytest.raises(CheckpointError, match="incomplete: no manifest") as ei:
+        verify(d)
+    assert "checkpoint 40" in str(ei.value) and ", 30)" in str(ei.value)
+
+
+def test_unparsable_manifest_is_incomplete(tmp_path):
+    d = _save(tmp_path, 5)
+    with open(os.path.join(d, MANIFEST), "w") as f:
+        f.write('{"format": 1, "files": [')
+    with pytest.raises(CheckpointError, match="incomplete: its manifest is not valid JSON"):
+        verify(d)
+
+
+def test_truncated_file_is_named(tmp_path):
+    d = _save(tmp_path, 5)
+    path = os.path.join(d, "layer_001.pt")
+    os.truncate(path, os.path.getsize(path) - 10)
+    with pytest.raises(CheckpointError, match=r"corrupt: layer_001\.pt is \d+ bytes.*truncated"):
+        verify(d, checksums=False)
+
+
+def test_flipped_byte_fails_the_checksum(tmp_path):
+    d = _save(tmp_path, 5)
+    path = os.path.join(d, "layer_000.pt")
+    with open(path, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x01]))
+    verify(d, checksums=False)  # same size: only the checksum can tell
+    with pytest.raises(CheckpointError, match=r"corrupt: layer_000\.pt sha256"):
+        verify(d)
+
+
+def test_listed_file_missing(tmp_path):
+    d = _save(tmp_path, 5)
+    os.unlink(os.path.join(d, "layer_000.pt"))
+    with pytest.raises(CheckpointError, match="layer_000.pt is in the manifest but missing"):
+        verify(d)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        verify(checkpoint_dir(str(tmp_path), 9))
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/abs", ".hidden"])
+def test_manifest_name_escaping_the_directory(tmp_path, name):
+    d = _save(tmp_path, 5)
+    with open(os.path.join(d, MANIFEST)) as f:
+        doc = json.load(f)
+    doc["files"][0]["name"] = name
+    with open(os.path.join(d, MANIFEST), "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(CheckpointError, match="corrupt: manifest file name"):
+        verify(d)
+
+
+def test_manifest_for_another_iteration_is_refused(tmp_path):
+    d = _save(tmp_path, 5)
+    os.rename(d, checkpoint_dir(str(tmp_path), 6))
+    with pytest.raises(CheckpointError, match="says iteration 5"):
+        verify(checkpoint_dir(str(tmp_path), 6))
+
+
+def test_unlisted_temp_file_is_ignored(tmp_path):
+    d = _save(tmp_path, 5)
+    with open(os.path.join(d, ".layer_002.pt.1234.abcd.tmp"), "wb") as f:
+        f.write(b"half-written by a dead writer")
+    assert verify(d)["iteration"] == 5
+    assert latest_complete(str(tmp_path)) == 5
+
+
+def test_write_manifest_refuses_missing_or_conflicting_entries(tmp_path):
+    d = checkpoint_dir(str(tmp_path), 1)
+    e = write_tensors(d, "a.pt", {"x": 1})
+    with pytest.raises(CheckpointError, match="b.pt is missing"):
+        write_manifest(d, [e, FileEntry("b.pt", 10, "0" * 64)], {})
+    with pytest.raises(CheckpointError, match="two writers reported a.pt"):
+        write_manifest(d, [e, FileEntry("a.pt", e.size, "1" * 64)], {})
+    write_manifest(d, [e, e], {})  # the same report twice is harmless
+    assert [f["name"] for f in verify(d)["files"]] == ["a.pt"]
+
+
+def _writer(ckpt_dir, rank, barrier, results):
+    barrier.wait(timeout=60)  # start together so the writes (and makedirs) really overlap
+    entries = [
+        write_tensors(ckpt_dir, f"layer_{rank}_{i}.pt", {"w": torch.full((1000,), rank * 10.0 + i)})
+        for i in range(5)
+    ]
+    results.put(entries)
+
+
+def test_two_processes_write_one_checkpoint(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    d = checkpoint_dir(str(tmp_path), 100)  # not created yet: both writers race to create it
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(d, r, barrier, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    entries: list[FileEntry] = []
+    deadline = time.monotonic() + 90
+    try:
+        for _ in procs:
+            while True:
+                try:
+                    entries += results.get(timeout=0.2)
+                    break
+                except queue.Empty:
+                    # A writer that died (e.g. on import) must fail the test now, not at the deadline.
+                    died = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                    if died or time.monotonic() > deadline:
+                        pytest.fail(f"a writer process died or hung (exit codes {died})")
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    write_manifest(d, entries, {"P": 2})
+    assert len(verify(d)["files"]) == 10
+    assert latest_complete(str(tmp_path)) == 100
+    assert read_tensors(d, "layer_1_3.pt")["w"][0].item() == 13.0
+
+
+# ---------------------------------------------------------------- finding, pruning, copying
+
+
+def test_list_checkpoints_ignores_other_names(tmp_path):
+    for it in (10, 2, 30):
+        _save(tmp_path, it, manifest=it != 30)
+    os.mkdir(tmp_path / "varuna_ckpt_007")
+    os.mkdir(tmp_path / "varuna_ckpt_x")
+    (tmp_path / "varuna_ckpt_5").write_text("a file, not a checkpoint")
+    assert list_checkpoints(str(tmp_path)) == [2, 10, 30]
+    assert list_checkpoints(str(tmp_path / "nowhere")) == []
+
+
+def test_latest_complete_skips_newer_broken_ones(tmp_path, caplog):
+    _save(tmp_path, 10)
+    _save(tmp_path, 20, manifest=False)  # writer died
+    d = _save(tmp_path, 30)
+    with open(os.path.join(d, "layer_000.pt"), "r+b") as f:
+        f.seek(64)
+        f.write(b"\xde\xad")
+    assert latest_complete(str(tmp_path)) == 10
+    assert "skipping checkpoint 30" in caplog.text and "skipping checkpoint 20" in caplog.text
+    assert latest_complete(str(tmp_path), verify_checksums=False) == 30
+    assert latest_complete(str(tmp_path / "empty")) is None
+
+
+def test_prune_keeps_the_newest_complete_ones(tmp_path):
+    for it in (10, 20, 30, 40):
+        _save(tmp_path, it)
+    _save(tmp_path, 25, manifest=False)  # dead, older than the newest complete
+    _save(tmp_path, 50, manifest=False)  # maybe still being written
+    assert prune(str(tmp_path), keep=2) == [10, 20, 25]
+    assert list_checkpoints(str(tmp_path)) == [30, 40, 50]
+    assert prune(str(tmp_path), keep=2) == []
+    with pytest.raises(ValueError, match="keep must be"):
+        prune(str(tmp_path), keep=0)
+
+
+def test_prune_never_deletes_the_newest_complete(tmp_path):
+    _save(tmp_path, 10)
+    d = _save(tmp_path, 20)
+    os.truncate(os.path.join(d, "layer_000.pt"), 5)  # 20 has a manifest but is corrupt
+    assert prune(str(tmp_path), keep=1) == []  # 10 is what a resume would load
+    assert latest_complete(str(tmp_path)) == 10
+    _save(tmp_path, 30)
+    assert prune(str(tmp_path), keep=1) == [10, 20]
+    assert list_checkpoints(str(tmp_path)) == [30]
+
+
+def test_prune_with_nothing_complete_deletes_nothing(tmp_path):
+    _save(tmp_path, 10, manifest=False)
+    assert prune(str(tmp_path), keep=1) == []
+    assert list_checkpoints(str(tmp_path)) == [10]
+
+
+def test_copy_to_store_then_verify(tmp_path):
+    local = str(tmp_path / "local" / "ckpt")
+    entries = [
+        write_tensors(local, "a.pt", {"x": torch.ones(3)}),
+        write_tensors(local, "b.pt", {"y": 2}),
+    ]
+    write_manifest(local, entries, {"P": 1}, iteration=60)
+    store = str(tmp_path / "store")
+    dest = copy_to_store(local, store, 60)
+    assert dest == checkpoint_dir(store, 60)
+    assert verify(dest)["meta"] == {"P": 1} and latest_complete(store) == 60
+    assert torch.equal(read_tensors(dest, "a.pt")["x"], torch.ones(3))
+    assert copy_to_store(local, store, 60) == dest  # a retry after success is a no-op
+    with pytest.raises(ValueError, match="holds checkpoint 60"):
+        copy_to_store(local, store, 61)
+
+
+def test_copy_of_a_corrupt_local_checkpoint_never_commits(tmp_path):
+    local = _save(tmp_path / "local", 70)
+    with open(os.path.join(local, "layer_001.pt"), "r+b") as f:
+        f.seek(40)
+        f.write(b"\x00\x01\x02")
+    store = str(tmp_path / "store")
+    with pytest.raises(CheckpointError, match="layer_001.pt does not match"):
+        copy_to_store(local, store, 70)
+    dest = checkpoint_dir(store, 70)
+    assert not os.path.exists(os.path.join(dest, MANIFEST))
+    assert not os.path.exists(os.path.join(dest, "layer_001.pt"))
+    assert latest_complete(store) is None
+
+
+class _MemStorage:
+    """An object store in a dict: keys are paths, 'directories' are prefixes."""
+
+    def __init__(self):
+        self.blobs: dict[str, bytes] = {}
+
+    def makedirs(self, path):
+        pass
+
+    @contextlib.contextmanager
+    def open_atomic(self, path):
+        buf = io.BytesIO()
+        yield buf
+        self.blobs[path] = buf.getvalue()
+
+    def sync_dir(self, path):
+        pass
+
+    def open_read(self, path):
+        if path not in self.blobs:
+            raise FileNotFoundError(path)
+        return io.BytesIO(self.blobs[path])
+
+    def size(self, path):
+        if path not in self.blobs:
+            raise FileNotFoundError(path)
+        return len(self.blobs[path])
+
+    def listdir(self, path):
+        names = {k[len(path) + 1:].split("/")[0] for k in self.blobs if k.startswith(path + "/")}
+        if not names:
+            raise FileNotFoundError(path)
+        return sorted(names)
+
+    def isdir(self, path):
+        return any(k.startswith(path + "/") for k in self.blobs)
+
+    def exists(self, path):
+        return path in self.blobs or self.isdir(path)
+
+    def remove(self, path):
+        del self.blobs[path]
+
+    def rmtree(self, path):
+        for k in [k for k in self.blobs if k.startswith(path + "/")]:
+            del self.blobs[k]
+
+
+def test_a_registered_object_store_serves_every_operation(tmp_path, monkeypatch):
+    mem = _MemStorage()
+    monkeypatch.setitem(cs._BACKENDS, "mem", mem)
+    store = "mem://bucket/job"
+    _save(store, 1)
+    local = _save(tmp_path, 2)
+    copy_to_store(local, store, 2)
+    assert list_checkpoints(store) == [1, 2] and latest_complete(store) == 2
+    assert read_tensors(checkpoint_dir(store, 2), "layer_001.pt") == {"step": 2}
+    assert prune(store, keep=1) == [1]
+    assert all(k.startswith("mem://bucket/job/varuna_ckpt_2/") for k in mem.blobs)
+    assert not any(posixpath.basename(k).startswith(".") for k in mem.blobs)
+    with pytest.raises(CheckpointError, match="register_storage"):
+        list_checkpoints("s4://nobody/registered/this")
+
+
+class _FailingDeletes(_MemStorage):
+    def rmtree(self, path):
+        raise PermissionError(path)
+
+
+def test_a_half_pruned_checkpoint_reads_as_incomplete(monkeypatch):
+    mem = _FailingDeletes()
+    monkeypatch.setitem(cs._BACKENDS, "mem", mem)
+    store = "mem://bucket/job"
+    for it in (1, 2):
+        _save(store, it)
+    with pytest.raises(CheckpointError, match="could not delete checkpoint 1"):
+        prune(store, keep=1)
+    # The manifest went first, so the remains can never be mistaken for a complete checkpoint.
+    with pytest.raises(CheckpointError, match="incomplete: no manifest"):
+        verify(checkpoint_dir(store, 1))
+    assert latest_complete(store) == 2
