@@ -1,0 +1,181 @@
+"""Slicing a model into stages: the slices compute the whole model, misuse gets a clear error."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer import CutPoint
+from trainer.errors import ConfigError, PartitionError
+from trainer.layout import build_layout
+from trainer.models.cnn import CNN, CNNConfig
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.partition import ACTIVATION, balance, dry_run, slice_stages, trace_model
+
+
+def gpt_batch(cfg, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (n, cfg.seq_len), generator=g)
+    return {"input_ids": ids, "targets": torch.roll(ids, -1, 1)}
+
+
+def run_slices(slices, batch):
+    x = None
+    for sl in slices:
+        kwargs = {k: batch[k] for k in sl.input_names}
+        if sl.takes_activation:
+            kwargs[ACTIVATION] = x
+        x = sl.module(**kwargs)
+    return x
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [0, 2], [0, 1, 2, 3]])
+def test_slices_compute_the_whole_model(cuts):
+    cfg = GPTConfig.preset("tiny")
+    model = GPT(cfg, seed=0)
+    batch = gpt_batch(cfg)
+    expected = model(**batch)
+    slices = slice_stages(trace_model(model), cuts)
+    assert len(slices) == len(cuts) + 1
+    torch.testing.assert_close(run_slices(slices, batch), expected)
+
+
+def test_stages_own_disjoint_layers_and_share_the_tied_embedding():
+    model = GPT(GPTConfig.preset("tiny"), seed=0)
+    traced = trace_model(model)
+    slices = slice_stages(traced, [1, 3])
+    owned = [set(s.owned) for s in slices]
+    assert "wte.weight" in owned[0] and "wte.weight" in owned[-1]
+    assert not (owned[0] - {"wte.weight"}) & owned[-1]
+    assert set().union(*owned) == {n for n, _ in model.named_parameters()}
+    assert slices[0].input_names == ("input_ids",) and not slices[0].takes_activation
+    assert slices[-1].input_names == ("targets",) and slices[-1].takes_activation
+    layout = build_layout(traced, slices, aliases={n: n for n, _ in model.named_parameters()})
+    assert layout.tied == (("wte.weight",),)
+    assert layout.owners["wte.weight"] == (0, 2)
+
+
+def test_a_cut_plan_does_not_change_layer_files():
+    """Checkpoint files are named by layer, so every plan writes the same names."""
+    model = GPT(GPTConfig.preset("tiny"), seed=0)
+    traced = trace_model(model)
+    files = [build_layout(traced, slice_stages(traced, cuts)).files for cuts in ([], [1], [0, 2])]
+    assert files[0] == files[1] == files[2]
+    assert len(set(files[0].values())) == len(traced.markers) + 1   # one file per layer
+
+
+def test_model_without_cutpoints_is_cut_between_sequential_blocks():
+    cfg = CNNConfig.preset("tiny")
+    model = CNN(cfg)
+    traced = trace_model(model)
+    assert traced.auto and traced.marker_names
+    assert all(name.endswith(":out") for name in traced.marker_names)
+    batch = {"images": torch.randn(2, cfg.in_channels, cfg.image_size, cfg.image_size),
+             "labels": torch.tensor([0, 1])}
+    slices = slice_stages(traced, [0])
+    torch.testing.assert_close(run_slices(slices, batch), model(**batch))
+
+
+def test_balance_minimises_the_slowest_stage():
+    assert balance([1, 1, 1, 1], 2) == [1]
+    assert balance([4, 1, 1, 1, 1], 2) == [0]
+    assert balance([1, 1, 1, 1, 1, 1], 3) == [1, 3]
+    assert balance([3, 1, 1, 1], 4) == [0, 1, 2]
+    # any P up to the number of cut points + 1, not only divisors
+    assert len(balance([1] * 5, 3)) == 2
+
+
+def test_too_many_stages_says_how_many_are_possible():
+    with pytest.raises(PartitionError, match="at most 5 stages"):
+        balance([1.0] * 5, 6)
+
+
+def test_dry_run_times_every_segment():
+    cfg = GPTConfig.preset("tiny")
+    traced = trace_model(GPT(cfg, seed=0))
+    costs = dry_run(traced, gpt_batch(cfg), repeats=1)
+    assert len(costs) == len(traced.markers) + 1 and all(c > 0 for c in costs)
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.cut = nn.Linear(4, 4), CutPoint()
+
+    def forward(self, x):
+        return self.cut(self.cut(self.lin(x))).sum()
+
+
+class _Skip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.cut, self.b = nn.Linear(4, 4), CutPoint(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return (self.b(self.cut(h)) + h).sum()
+
+
+class _NotBatchFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.cut = nn.Linear(4, 4), CutPoint()
+
+    def forward(self, x):
+        return self.cut(self.a(x).sum(0)).sum()
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        if y.sum() > 0:
+            return y.sum()
+        return -y.sum()
+
+
+def test_cutpoint_called_twice_is_refused():
+    with pytest.raises(PartitionError, match="called twice"):
+        trace_model(_Twice())
+
+
+def test_skip_connection_across_a_cut_is_refused():
+    with pytest.raises(PartitionError, match="skip connection"):
+        slice_stages(trace_model(_Skip()), [0])
+
+
+def test_cutpoint_input_must_be_batch_first():
+    with pytest.raises(PartitionError, match="first dimension is the batch"):
+        dry_run(trace_model(_NotBatchFirst()), {"x": torch.randn(3, 4)}, repeats=1)
+
+
+def test_untraceable_model_says_why():
+    with pytest.raises(PartitionError, match="cannot trace"):
+        trace_model(_DataDependent())
+
+
+def test_unknown_shared_weight_name_is_refused():
+    model = GPT(GPTConfig.preset("tiny"), seed=0)
+    traced = trace_model(model)
+    aliases = {n: n for n, _ in model.named_parameters(remove_duplicate=False)}
+    with pytest.raises(ConfigError, match="lm_head.wieght"):
+        build_layout(traced, slice_stages(traced, [1]), [("wte.weight", "lm_head.wieght")], aliases)
+
+
+def test_distinct_parameters_named_in_shared_weights_are_tied():
+    class TwoEmbeddings(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.cut, self.out = nn.Embedding(8, 4), CutPoint(), nn.Linear(4, 8, bias=False)
+
+        def forward(self, ids, targets):
+            return F.cross_entropy(self.out(self.cut(self.emb(ids))), targets)
+
+    model = TwoEmbeddings()
+    traced = trace_model(model)
+    aliases = {n: n for n, _ in model.named_parameters()}
+    layout = build_layout(traced, slice_stages(traced, [0]), [("emb.weight", "out.weight")], aliases)
+    assert layout.tied == (("emb.weight", "out.weight"),)
