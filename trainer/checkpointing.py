@@ -22,7 +22,7 @@ from torch import nn
 from trainer import ckpt_store
 from trainer.errors import CheckpointError
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "agree"]
 
 log = logging.getLogger("varuna.checkpoint")
 
@@ -102,7 +102,7 @@ def _copy_file(src_dir: str, dst_dir: str, name: str) -> None:
     os.replace(tmp, posixpath.join(dst_dir, name))
 
 
-def _agree(v, fn):
+def agree(v, fn):
     """Run `fn` on rank 0 and hand every rank its result, or the same exception."""
     box: list[object] = [None]
     if v.rank == 0:
@@ -119,12 +119,12 @@ def _agree(v, fn):
 def load(v, store: str, iteration: int | None, *, check_complete: bool = True) -> int:
     start = time.perf_counter()
     if iteration is None:
-        iteration = _agree(v, lambda: ckpt_store.latest_complete(store, verify_checksums=check_complete))
+        iteration = agree(v, lambda: ckpt_store.latest_complete(store, verify_checksums=check_complete))
         if iteration is None:
             raise CheckpointError(f"no complete checkpoint in {store}",
                                   hint="train from scratch, or point global_store at the job's store")
     ckpt_dir = ckpt_store.checkpoint_dir(store, iteration)
-    manifest = _agree(v, lambda: ckpt_store.verify(ckpt_dir, checksums=check_complete))
+    manifest = agree(v, lambda: ckpt_store.verify(ckpt_dir, checksums=check_complete))
     index = manifest["meta"]["index"]
     missing = sorted(n for n in v._named if n not in index)
     if missing:

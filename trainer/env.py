@@ -21,6 +21,12 @@ Variables (all strings):
     VARUNA_TRACE_DIR       optional: write a Chrome trace of each step here
     VARUNA_STORE           optional: the job's checkpoint store (global_store)
     VARUNA_DEVICE          optional: "cpu" or a CUDA ordinal
+    VARUNA_CONTROL         optional: the daemon's local ZeroMQ endpoint for progress and
+                           checkpoint/stop requests (trainer.control)
+    VARUNA_CHECKPOINT_EVERY  optional: checkpoint to VARUNA_STORE every K steps
+    VARUNA_KEEP_CHECKPOINTS  optional: complete checkpoints to keep (default 3)
+    VARUNA_RESUME          optional: "latest" loads the newest complete checkpoint of
+                           VARUNA_STORE in set_optimizer, so scripts need no resume code
 """
 
 from __future__ import annotations
@@ -66,6 +72,10 @@ class Assignment:
     trace_dir: str | None = None
     store: str | None = None
     device: str | None = None
+    control: str | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 3
+    resume: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -82,6 +92,12 @@ class Assignment:
             raise ConfigError(f"{len(self.endpoints)} endpoints for {len(ranks)} ranks")
         if not 0 <= self.rank < len(ranks):
             raise ConfigError(f"rank {self.rank} outside 0..{len(ranks) - 1}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ConfigError(f"checkpoint interval must be >= 1 step, got {self.checkpoint_every}")
+        if (self.checkpoint_every or self.resume == "latest") and not self.store:
+            raise ConfigError("periodic checkpoints and resume need a store (VARUNA_STORE)")
+        if self.resume not in (None, "latest", "none"):
+            raise ConfigError(f"VARUNA_RESUME must be 'latest' or 'none', got {self.resume!r}")
 
     @property
     def pipeline_depth(self) -> int:
@@ -120,6 +136,10 @@ class Assignment:
             "VARUNA_TRACE_DIR": self.trace_dir,
             "VARUNA_STORE": self.store,
             "VARUNA_DEVICE": self.device,
+            "VARUNA_CONTROL": self.control,
+            "VARUNA_CHECKPOINT_EVERY": None if self.checkpoint_every is None else str(self.checkpoint_every),
+            "VARUNA_KEEP_CHECKPOINTS": str(self.keep_checkpoints),
+            "VARUNA_RESUME": self.resume,
         }
         env.update({k: v for k, v in optional.items() if v is not None})
         env.update(self.extra)
@@ -151,6 +171,11 @@ class Assignment:
                 trace_dir=environ.get("VARUNA_TRACE_DIR"),
                 store=environ.get("VARUNA_STORE"),
                 device=environ.get("VARUNA_DEVICE"),
+                control=environ.get("VARUNA_CONTROL"),
+                checkpoint_every=(int(environ["VARUNA_CHECKPOINT_EVERY"])
+                                  if environ.get("VARUNA_CHECKPOINT_EVERY") else None),
+                keep_checkpoints=int(environ.get("VARUNA_KEEP_CHECKPOINTS", "3")),
+                resume=environ.get("VARUNA_RESUME"),
             )
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"malformed worker assignment in the environment: {exc}") from exc

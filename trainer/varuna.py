@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
@@ -25,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer import checkpointing
+from trainer import checkpointing, ckpt_store
 from trainer.comm import PeerChannel
+from trainer.control import ControlClient, StopRequested
 from trainer.data_parallel import GradReducer, TiedReducer
 from trainer.env import Assignment
 from trainer.errors import ConfigError
@@ -91,6 +93,8 @@ class Varuna:
         self.scaler = LossScaler()
         self.grad_norm = 0.0
         self._shard_checkpoint = False
+        self.control = ControlClient(a.control, job=a.job, epoch=a.epoch, rank=a.rank)
+        self._agreed = {"checkpoint": False, "stop": False}
         log.info("rank %d: stage %d/%d replica %d/%d, %d parameters (%.1f MB), cuts %s",
                  self.rank, self.stage, self.pipeline_depth, self.replica, self.data_depth,
                  sum(p.numel() for p in self.parameters()), self.parameter_bytes() / 2**20, cuts)
@@ -121,12 +125,20 @@ class Varuna:
             self.scaler = LossScaler(loss_scale, init_loss_scale, min_loss_scale)
         else:
             self.scaler = LossScaler(1.0, 1.0, 1.0)
+        a = self.assignment
+        if a.resume == "latest":
+            newest = checkpointing.agree(self, lambda: ckpt_store.latest_complete(a.store))
+            if newest is not None:
+                self.load_checkpoint(a.store, newest)
+                log.info("rank %d: resumed from checkpoint %d", self.rank, newest)
 
     def step(self, inputs: Mapping[str, torch.Tensor], clip_grad_max_norm: float | None = None
              ) -> tuple[float, bool]:
         """One optimizer step on the global mini-batch; `inputs` is this replica's shard."""
         if self.optimizer is None:
             raise ConfigError("step() before set_optimizer()")
+        start = time.perf_counter()
+        waited = self.channel.wait_s if self.channel is not None else 0.0
         micro, weights = self._micro_batches(inputs, self.batch_size)
         table = self._table(self.schedule, len(micro), self.recompute)
         self.optimizer.zero_grad(set_to_none=True)
@@ -140,7 +152,28 @@ class Varuna:
         self.iteration += 1
         if self.recorder is not None:
             self.recorder.save()
+        elapsed = time.perf_counter() - start
+        blocked = (self.channel.wait_s if self.channel is not None else 0.0) - waited
+        self.control.progress(self.iteration - 1, result["loss"], self.batch_size / elapsed,
+                              1.0 - blocked / elapsed)
+        self._after_step()
         return result["loss"], result["overflow"]
+
+    def _after_step(self) -> None:
+        """Checkpoint every K steps and when any worker was asked to; stop when asked. The
+        decision was agreed in the step's all-reduce, so every worker takes the same branch."""
+        a = self.assignment
+        periodic = a.checkpoint_every is not None and self.iteration % a.checkpoint_every == 0
+        if a.store and (periodic or self._agreed["checkpoint"]):
+            path = self.checkpoint(a.store)
+            self.control.checkpointed(self.iteration, path)
+            self.control.clear()
+            if self.rank == 0:
+                ckpt_store.prune(a.store, a.keep_checkpoints)
+        if self._agreed["stop"]:
+            log.warning("rank %d: stopping after step %d as asked", self.rank, self.iteration - 1)
+            self.close()
+            raise StopRequested(self.iteration)
 
     @torch.no_grad()
     def evaluate(self, inputs: Mapping[str, torch.Tensor], batch_size: int | None = None) -> float:
@@ -175,6 +208,7 @@ class Varuna:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+        self.control.close()
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -300,9 +334,12 @@ class Varuna:
                         self.rank, self.iteration, self.precision)
         last = self.stage == self.pipeline_depth - 1
         local_loss = self.executor.loss_so_far() if last else 0.0
-        stats = torch.tensor([sq.item() if finite else math.inf, local_loss, 0.0 if finite else 1.0],
+        self.control.poll()
+        stats = torch.tensor([sq.item() if finite else math.inf, local_loss, 0.0 if finite else 1.0,
+                              float(self.control.checkpoint_requested), float(self.control.stop_requested)],
                              dtype=torch.float64)
         dist.all_reduce(stats)
+        self._agreed = {"checkpoint": bool(stats[3] > 0), "stop": bool(stats[4] > 0)}
         scale = self.scaler.scale
         overflow = bool(stats[2] > 0)
         # every replica holds the same reduced gradients: the norm counts one replica's stages

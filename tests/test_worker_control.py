@@ -1,0 +1,120 @@
+"""The worker side of the daemon contract: progress out; checkpoint/stop requests honoured at one
+step boundary agreed by every worker; SIGTERM means checkpoint-then-stop; resume needs no code.
+
+The daemon's end is a real ZeroMQ ROUTER socket in the test; the workers are real processes.
+"""
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+
+from protocol.messages import StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
+from reference import reference_run
+from trainer.ckpt_store import latest_complete, verify
+from trainer.control import STOPPED_EXIT_CODE
+from trainer.launch import launch
+
+WORKER = Path(__file__).parent / "workers" / "train_check.py"
+STEPS, BATCH = 12, 12
+
+pytestmark = pytest.mark.slow
+
+
+class FakeDaemon:
+    """Just the daemon's control socket."""
+
+    def __init__(self):
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+
+    def next_message(self, timeout_s=60.0):
+        if not self.sock.poll(timeout_s * 1000):
+            raise AssertionError("no message from the workers")
+        identity, data = self.sock.recv_multipart()
+        return identity, decode(data)
+
+    def close(self):
+        self.sock.close(0)
+
+
+def start_launch(tmp_path, store, env, name, job="local"):
+    out = tmp_path / name
+    box = {}
+    args = ["--out", str(out), "--steps", str(STEPS), "--batch-size", str(BATCH)]
+    thread = threading.Thread(target=lambda: box.setdefault("result", launch(
+        WORKER, args, stages=2, replicas=1, timeout=240, job=job, env={"VARUNA_STORE": str(store), **env})))
+    thread.start()
+    return thread, box, out
+
+
+def test_stop_request_checkpoints_every_worker_at_one_step_and_resume_continues(tmp_path):
+    store = tmp_path / "store"
+    daemon = FakeDaemon()
+    try:
+        thread, box, _ = start_launch(tmp_path, store, {"VARUNA_CONTROL": daemon.endpoint}, "first",
+                                      job="j1")
+        seen_steps = set()
+        while True:
+            identity, msg = daemon.next_message()
+            assert isinstance(msg, WorkerProgress) and msg.job == "j1"
+            assert 0.0 <= msg.busy_fraction <= 1.0 and msg.samples_per_s > 0
+            seen_steps.add(msg.step)
+            if msg.step == 2:
+                # ask only rank 0: rank 1 must stop at the very same step all the same
+                daemon.sock.send_multipart([identity, encode(
+                    StopWorkers(job="j1", epoch=0, reason="test morph", checkpoint=True))])
+                break
+        checkpointed = {}
+        while len(checkpointed) < 2:
+            _, msg = daemon.next_message()
+            if isinstance(msg, WorkerCheckpointed):
+                checkpointed[msg.rank] = msg.step
+        thread.join(120)
+        result = box["result"]
+    finally:
+        daemon.close()
+    assert result.returncode == STOPPED_EXIT_CODE, result.errors
+    stop_step = checkpointed[0]
+    assert checkpointed[1] == stop_step and 3 <= stop_step < STEPS
+    assert latest_complete(str(store)) == stop_step
+    verify(str(store / f"varuna_ckpt_{stop_step}"))
+
+    # A new epoch under another plan resumes by itself (the script has no resume code).
+    out = tmp_path / "second"
+    result = launch(WORKER, ["--out", str(out), "--steps", str(STEPS), "--batch-size", str(BATCH)],
+                    stages=1, replicas=2, timeout=240,
+                    env={"VARUNA_STORE": str(store), "VARUNA_RESUME": "latest"})
+    assert result.ok, result.errors
+    record = json.loads((out / "losses_rank0.json").read_text())["record"]
+    assert [r["step"] for r in record] == list(range(stop_step, STEPS))
+    ref_losses, _ = reference_run(STEPS, BATCH)
+    assert [r["loss"] for r in record] == pytest.approx(ref_losses[stop_step:], rel=1e-5)
+
+
+def test_sigterm_to_one_worker_checkpoints_all_and_stops(tmp_path):
+    store = tmp_path / "store"
+    daemon = FakeDaemon()
+    try:
+        thread, box, _ = start_launch(tmp_path, store, {"VARUNA_CONTROL": daemon.endpoint}, "sig")
+        while True:   # the first step's progress: training is under way, handlers installed
+            _, msg = daemon.next_message()
+            if isinstance(msg, WorkerProgress):
+                break
+        workers = [p for p in psutil.Process().children(recursive=True)
+                   if "train_check.py" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        os.kill(workers[-1].pid, signal.SIGTERM)   # the preemption notice reaches one VM
+        thread.join(120)
+        result = box["result"]
+    finally:
+        daemon.close()
+    assert result.returncode == STOPPED_EXIT_CODE, result.errors
+    step = latest_complete(str(store))
+    assert step is not None and 1 <= step < STEPS
