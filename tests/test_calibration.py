@@ -1,0 +1,146 @@
+"""Calibration documents: cost formulas, JSON round trip, strict validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from trainer.calibration import (
+    SCHEMA_VERSION,
+    Calibration,
+    CalibrationError,
+    LinkCost,
+    SegmentCost,
+    SegmentProfile,
+)
+
+LINKS = {"intra": LinkCost(1e-5, 1e10), "inter": LinkCost(1e-4, 1.25e9)}
+
+
+def _cal(**kw) -> Calibration:
+    args = dict(
+        model="gpt-tiny@abc", device_kind="v100-16g", segments=3, micro_batch_sizes=(1, 2, 4),
+        forward_s=0.01, backward_s=0.02, activation_bytes=1000, peak_activation_bytes=8000,
+        param_bytes=10_000, optimizer_bytes=40_000, step_s=0.001, input_bytes=16, links=LINKS,
+    )
+    args.update(kw)
+    return Calibration.uniform(**args)
+
+
+def test_link_cost_formulas():
+    link = LinkCost(latency_s=0.001, bandwidth_Bps=1e9)
+    assert link.send_s(2e9) == pytest.approx(2.001)
+    assert link.allreduce_s(1e9, 1) == 0.0
+    # ring: 2 (D-1)/D * bytes / bw + 2 (D-1) * latency
+    assert link.allreduce_s(1e9, 4) == pytest.approx(2 * 3 / 4 * 1.0 + 6 * 0.001)
+
+
+def test_uniform_scales_with_micro_batch_size_and_looks_up_costs():
+    cal = _cal()
+    assert cal.key == ("gpt-tiny@abc", "v100-16g")
+    assert cal.n_segments == 3
+    c4 = cal.cost(2, 4)
+    assert (c4.forward_s, c4.backward_s, c4.recompute_s) == pytest.approx((0.04, 0.08, 0.04))
+    assert c4.activation_bytes == 4000 and c4.peak_activation_bytes == 32000
+    assert cal.input_bytes == (16, 32, 64)
+    assert cal.segments[0].static_bytes == 2 * 10_000 + 40_000
+
+
+def test_unmeasured_micro_batch_size_says_what_to_do():
+    with pytest.raises(CalibrationError, match="micro-batch size 3 was not calibrated") as err:
+        _cal().cost(0, 3)
+    assert "[1, 2, 4]" in str(err.value)
+
+
+def test_round_trip_bytes_and_file(tmp_path):
+    cal = _cal()
+    again = Calibration.from_bytes(cal.to_bytes())
+    assert again == cal and hash(again) == hash(cal)
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert Calibration.load(path) == cal
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "varunad.calibration" and doc["version"] == SCHEMA_VERSION
+
+
+def test_value_objects_are_immutable():
+    cal = _cal()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cal.model = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        cal.links["inter"] = LinkCost(0, 1)  # type: ignore[index]
+    assert isinstance(cal.segments, tuple) and isinstance(cal.segments[0].costs, tuple)
+
+
+def _doc():
+    return _cal().to_dict()
+
+
+def _edit(path, value):
+    doc = _doc()
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    if value is _DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return json.dumps(doc).encode()
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        (("schema",), "something.else", "not a calibration document"),
+        (("version",), 99, "schema version 99 is not supported"),
+        (("extra",), 1, "unexpected \\['extra'\\]"),
+        (("model",), _DELETE, "missing \\['model'\\]"),
+        (("model",), "", "non-empty string"),
+        (("micro_batch_sizes",), [2, 1, 4], "increasing"),
+        (("micro_batch_sizes",), [1, 2], "one value per micro-batch size"),
+        (("micro_batch_sizes",), [0, 2, 4], "must be > 0"),
+        (("input_bytes",), [1, 2], "one value per micro-batch size"),
+        (("segments", 0, "param_bytes"), -1, "param_bytes must be >= 0"),
+        (("segments", 0, "param_bytes"), 1.5, "must be an integer"),
+        (("segments", 1, "costs", 0, "forward_s"), True, "finite number"),
+        (("segments", 1, "costs", 0, "backward_s"), "fast", "finite number"),
+        (("segments", 2, "costs"), [], "non-empty"),
+        (("segments",), [], "non-empty"),
+        (("segments",), {}, "must be a list"),
+        (("links", "inter"), _DELETE, "missing \\['inter'\\]"),
+        (("links", "inter", "bandwidth_Bps"), 0, "must be > 0"),
+        (("allreduce", "intra", "latency_s"), -0.1, "must be >= 0"),
+    ],
+)
+def test_from_bytes_refuses_malformed_documents(path, value, message):
+    with pytest.raises(CalibrationError, match=message):
+        Calibration.from_bytes(_edit(path, value))
+
+
+def test_segment_cost_count_must_match_sizes():
+    doc = _doc()
+    doc["segments"][1]["costs"].pop()
+    with pytest.raises(CalibrationError, match="segment 1 has 2 costs for 3"):
+        Calibration.from_dict(doc)
+
+
+@pytest.mark.parametrize("data", [b"{", b"\xff\xfe", b"[]", b"null"])
+def test_from_bytes_refuses_non_documents(data):
+    with pytest.raises(CalibrationError):
+        Calibration.from_bytes(data)
+
+
+def test_constructors_validate_directly():
+    with pytest.raises(ValueError):
+        SegmentCost(1.0, 1.0, 1.0, -5, 0)
+    with pytest.raises(ValueError):
+        SegmentProfile(1, 1, 0.0, ())
+    with pytest.raises(ValueError):
+        LinkCost(0.0, float("inf") * 0)
+    with pytest.raises(CalibrationError, match="link kinds"):
+        _cal(links={"intra": LinkCost(0, 1)})

@@ -1,0 +1,331 @@
+"""Calibration: the measured cost of every cut-point segment, independent of P and D.
+
+Varuna profiles each segment (the layers between two consecutive potential cut points) once per
+micro-batch size, plus the network once per link kind; the simulator and the planner then predict
+any P x D from these numbers alone (the paper's "scale-invariant calibration"). A `Calibration` is
+keyed by (model fingerprint, device kind) and saved as versioned JSON.
+
+Memory model (shared by the simulator and the planner):
+  * a segment's parameters take `param_bytes`, their gradients the same again, and the optimizer
+    state `optimizer_bytes`;
+  * `activation_bytes` is the tensor at the segment's output boundary: what is sent to the next
+    stage and, when recomputing, stashed; its gradient has the same size;
+  * `peak_activation_bytes` is what the autograd graph keeps for one micro-batch of the segment
+    (a forward with grad, or a recompute), freed by its backward.
+
+Links: a send of n bytes takes ``latency_s + n / bandwidth_Bps``. All-reduce of n bytes over a
+ring of D replicas takes ``2 (D-1)/D * n / bandwidth_Bps + 2 (D-1) * latency_s`` (reduce-scatter
+then all-gather, D-1 steps each), with its own measured constants per link kind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from trainer.errors import VarunaError
+
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "LINK_KINDS",
+    "CalibrationError",
+    "LinkCost",
+    "SegmentCost",
+    "SegmentProfile",
+    "Calibration",
+]
+
+SCHEMA = "varunad.calibration"
+SCHEMA_VERSION = 1
+LINK_KINDS = ("intra", "inter")  # same host, across hosts
+
+
+class CalibrationError(VarunaError, ValueError):
+    """A calibration document is malformed or does not cover what was asked of it."""
+
+
+def _num(owner: str, name: str, value: Any, *, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise CalibrationError(f"{owner}.{name} must be a finite number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise CalibrationError(f"{owner}.{name} must be {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
+def _int(owner: str, name: str, value: Any, *, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CalibrationError(f"{owner}.{name} must be an integer, got {value!r}")
+    _num(owner, name, value, positive=positive)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCost:
+    latency_s: float
+    bandwidth_Bps: float
+
+    def __post_init__(self) -> None:
+        _num("LinkCost", "latency_s", self.latency_s)
+        _num("LinkCost", "bandwidth_Bps", self.bandwidth_Bps, positive=True)
+
+    def send_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+    def allreduce_s(self, nbytes: float, replicas: int) -> float:
+        if replicas <= 1:
+            return 0.0
+        d = replicas
+        return 2 * (d - 1) / d * nbytes / self.bandwidth_Bps + 2 * (d - 1) * self.latency_s
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentCost:
+    """One segment at one micro-batch size."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    activation_bytes: int
+    peak_activation_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "recompute_s"):
+            _num("SegmentCost", name, getattr(self, name))
+        for name in ("activation_bytes", "peak_activation_bytes"):
+            _int("SegmentCost", name, getattr(self, name))
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentProfile:
+    """One segment: its static memory, optimizer step time, and a cost per micro-batch size
+    (aligned with `Calibration.micro_batch_sizes`)."""
+
+    param_bytes: int
+    optimizer_bytes: int
+    step_s: float
+    costs: tuple[SegmentCost, ...]
+
+    def __post_init__(self) -> None:
+        _int("SegmentProfile", "param_bytes", self.param_bytes)
+        _int("SegmentProfile", "optimizer_bytes", self.optimizer_bytes)
+        _num("SegmentProfile", "step_s", self.step_s)
+        object.__setattr__(self, "costs", tuple(self.costs))
+        if not self.costs or not all(isinstance(c, SegmentCost) for c in self.costs):
+            raise CalibrationError("SegmentProfile.costs must be a non-empty sequence of SegmentCost")
+
+    @property
+    def static_bytes(self) -> int:
+        """Weights, their gradients and the optimizer state."""
+        return 2 * self.param_bytes + self.optimizer_bytes
+
+
+def _links(owner: str, value: Mapping[str, LinkCost]) -> Mapping[str, LinkCost]:
+    if set(value) != set(LINK_KINDS):
+        raise CalibrationError(f"{owner} must have exactly the link kinds {LINK_KINDS}, got {sorted(value)}")
+    if not all(isinstance(v, LinkCost) for v in value.values()):
+        raise CalibrationError(f"{owner} values must be LinkCost")
+    return MappingProxyType({k: value[k] for k in LINK_KINDS})
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """Everything measured for one (model fingerprint, device kind)."""
+
+    model: str
+    device_kind: str
+    micro_batch_sizes: tuple[int, ...]
+    input_bytes: tuple[int, ...]  # stage 0's input per micro-batch, per micro-batch size
+    segments: tuple[SegmentProfile, ...]
+    links: Mapping[str, LinkCost]
+    allreduce: Mapping[str, LinkCost]
+    version: int = field(default=SCHEMA_VERSION)
+
+    def __post_init__(self) -> None:
+        if self.version != SCHEMA_VERSION:
+            raise CalibrationError(
+                f"calibration schema version {self.version} is not supported (this build reads {SCHEMA_VERSION})",
+                hint="re-run the profiler",
+            )
+        for name in ("model", "device_kind"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise CalibrationError(f"Calibration.{name} must be a non-empty string")
+        sizes = tuple(self.micro_batch_sizes)
+        for b in sizes:
+            _int("Calibration", "micro_batch_sizes[]", b, positive=True)
+        if not sizes or list(sizes) != sorted(set(sizes)):
+            raise CalibrationError(f"micro_batch_sizes must be non-empty, increasing and unique, got {sizes}")
+        object.__setattr__(self, "micro_batch_sizes", sizes)
+        object.__setattr__(self, "input_bytes", tuple(self.input_bytes))
+        if len(self.input_bytes) != len(sizes):
+            raise CalibrationError("input_bytes needs one value per micro-batch size")
+        for v in self.input_bytes:
+            _int("Calibration", "input_bytes[]", v)
+        object.__setattr__(self, "segments", tuple(self.segments))
+        if not self.segments or not all(isinstance(s, SegmentProfile) for s in self.segments):
+            raise CalibrationError("Calibration.segments must be a non-empty sequence of SegmentProfile")
+        for k, seg in enumerate(self.segments):
+            if len(seg.costs) != len(sizes):
+                raise CalibrationError(
+                    f"segment {k} has {len(seg.costs)} costs for {len(sizes)} micro-batch sizes"
+                )
+        object.__setattr__(self, "links", _links("Calibration.links", self.links))
+        object.__setattr__(self, "allreduce", _links("Calibration.allreduce", self.allreduce))
+
+    def __hash__(self) -> int:  # the mapping fields are read-only proxies
+        return hash((self.model, self.device_kind, self.micro_batch_sizes, self.segments))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.model, self.device_kind)
+
+    @property
+    def n_segments(self) -> int:
+        return len(self.segments)
+
+    def size_index(self, micro_batch_size: int) -> int:
+        try:
+            return self.micro_batch_sizes.index(micro_batch_size)
+        except ValueError:
+            raise CalibrationError(
+                f"micro-batch size {micro_batch_size} was not calibrated for {self.key}",
+                hint=f"use one of {list(self.micro_batch_sizes)} or re-run the profiler with it",
+            ) from None
+
+    def cost(self, segment: int, micro_batch_size: int) -> SegmentCost:
+        return self.segments[segment].costs[self.size_index(micro_batch_size)]
+
+    # --- serialisation --------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        link = lambda c: {"latency_s": c.latency_s, "bandwidth_Bps": c.bandwidth_Bps}  # noqa: E731
+        return {
+            "schema": SCHEMA,
+            "version": self.version,
+            "model": self.model,
+            "device_kind": self.device_kind,
+            "micro_batch_sizes": list(self.micro_batch_sizes),
+            "input_bytes": list(self.input_bytes),
+            "segments": [
+                {
+                    "param_bytes": s.param_bytes,
+                    "optimizer_bytes": s.optimizer_bytes,
+                    "step_s": s.step_s,
+                    "costs": [
+                        {f: getattr(c, f) for f in SegmentCost.__slots__} for c in s.costs
+                    ],
+                }
+                for s in self.segments
+            ],
+            "links": {k: link(v) for k, v in self.links.items()},
+            "allreduce": {k: link(v) for k, v in self.allreduce.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> Calibration:
+        top = _fields(doc, "calibration", {"schema", "version", "model", "device_kind", "micro_batch_sizes",
+                                           "input_bytes", "segments", "links", "allreduce"})
+        if top["schema"] != SCHEMA:
+            raise CalibrationError(f"not a calibration document (schema {top['schema']!r})")
+        segs = []
+        for k, s in enumerate(_list(top["segments"], "segments")):
+            sd = _fields(s, f"segments[{k}]", {"param_bytes", "optimizer_bytes", "step_s", "costs"})
+            costs = tuple(
+                SegmentCost(**_fields(c, f"segments[{k}].costs[{j}]", set(SegmentCost.__slots__)))
+                for j, c in enumerate(_list(sd["costs"], f"segments[{k}].costs"))
+            )
+            segs.append(SegmentProfile(sd["param_bytes"], sd["optimizer_bytes"], sd["step_s"], costs))
+
+        def links(name: str) -> dict[str, LinkCost]:
+            d = _fields(top[name], name, set(LINK_KINDS))
+            return {k: LinkCost(**_fields(v, f"{name}.{k}", {"latency_s", "bandwidth_Bps"})) for k, v in d.items()}
+
+        return cls(
+            model=top["model"],
+            device_kind=top["device_kind"],
+            micro_batch_sizes=tuple(_list(top["micro_batch_sizes"], "micro_batch_sizes")),
+            input_bytes=tuple(_list(top["input_bytes"], "input_bytes")),
+            segments=tuple(segs),
+            links=links("links"),
+            allreduce=links("allreduce"),
+            version=top["version"],
+        )
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Calibration:
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CalibrationError(f"calibration is not valid JSON: {exc}") from None
+        return cls.from_dict(doc)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(self.to_bytes())
+        tmp.replace(path)  # readers never see half a file
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        return cls.from_bytes(Path(path).read_bytes())
+
+    # --- synthetic calibrations (tests, benchmarks, planning before profiling) -----------------
+
+    @classmethod
+    def uniform(
+        cls,
+        *,
+        model: str,
+        device_kind: str,
+        segments: int,
+        micro_batch_sizes: Sequence[int],
+        forward_s: float,
+        backward_s: float,
+        recompute_s: float | None = None,
+        activation_bytes: int,
+        peak_activation_bytes: int,
+        param_bytes: int,
+        optimizer_bytes: int,
+        step_s: float = 0.0,
+        input_bytes: int = 0,
+        links: Mapping[str, LinkCost],
+        allreduce: Mapping[str, LinkCost] | None = None,
+    ) -> Calibration:
+        """Identical segments whose per-sample costs and activations scale linearly with the
+        micro-batch size (forward_s etc. are per sample)."""
+        rec = forward_s if recompute_s is None else recompute_s
+        costs = tuple(
+            SegmentCost(forward_s * b, backward_s * b, rec * b, activation_bytes * b, peak_activation_bytes * b)
+            for b in micro_batch_sizes
+        )
+        seg = SegmentProfile(param_bytes, optimizer_bytes, step_s, costs)
+        return cls(
+            model=model,
+            device_kind=device_kind,
+            micro_batch_sizes=tuple(micro_batch_sizes),
+            input_bytes=tuple(input_bytes * b for b in micro_batch_sizes),
+            segments=(seg,) * segments,
+            links=links,
+            allreduce=links if allreduce is None else allreduce,
+        )
+
+
+def _fields(doc: Any, where: str, names: set[str]) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise CalibrationError(f"{where} must be an object, got {type(doc).__name__}")
+    missing, extra = names - set(doc), set(doc) - names
+    if missing or extra:
+        raise CalibrationError(f"{where}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    return doc
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise CalibrationError(f"{where} must be a list, got {type(value).__name__}")
+    return value
