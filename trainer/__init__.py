@@ -1,12 +1,34 @@
 """Pipeline + data-parallel training engine (the Varuna API).
 
     from trainer import CutPoint, Varuna, GlobalBatches
+
+Names are imported on first use: the daemon imports trainer.planner and trainer.simulator,
+which need no torch, and must not pay for (or depend on) torch to do so.
 """
 
-from trainer.cutpoint import CutPoint
-from trainer.data import GlobalBatches
-from trainer.errors import CheckpointError, ConfigError, PartitionError, VarunaError, WorkerError
-from trainer.varuna import Varuna
+import importlib
 
-__all__ = ["CutPoint", "Varuna", "GlobalBatches", "VarunaError", "ConfigError", "PartitionError",
+__all__ = ["CutPoint", "Varuna", "GlobalBatches", "Profiler", "VarunaError", "ConfigError", "PartitionError",
            "CheckpointError", "WorkerError"]
+
+_HOME = {
+    "CutPoint": "trainer.cutpoint",
+    "Varuna": "trainer.varuna",
+    "GlobalBatches": "trainer.data",
+    "Profiler": "trainer.profiler",
+    "VarunaError": "trainer.errors",
+    "ConfigError": "trainer.errors",
+    "PartitionError": "trainer.errors",
+    "CheckpointError": "trainer.errors",
+    "WorkerError": "trainer.errors",
+}
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)
