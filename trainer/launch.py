@@ -1,0 +1,391 @@
+"""Local launcher: run a Varuna script as P x D worker processes on this machine (like torchrun).
+
+    python -m trainer.launch --stages 2 --replicas 2 examples/train_gpt.py --steps 20
+
+Each worker is `python script.py [args]` with its `trainer.env.Assignment` in the
+environment: rank = replica * P + stage, one ZeroMQ endpoint per rank on a free loopback port,
+one torch.distributed rendezvous URL for all. The cores are shared out evenly (OMP/MKL and
+VARUNA_THREADS). Output lines are prefixed with `[s<stage>r<replica>]`.
+
+Lifecycle: SIGINT/SIGTERM to the launcher are forwarded to every worker (a second one kills
+them); if a worker exits non-zero, the others are stopped (SIGTERM, then SIGKILL after a grace
+period) and the launcher exits non-zero, naming the failing rank and the tail of its stderr.
+Each worker runs in its own process group, so the forwarded signal is the only one it gets
+and stopping it also stops anything it started.
+
+The module imports neither torch nor zmq, so starting workers stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trainer
+from trainer.env import Assignment
+from trainer.errors import ConfigError
+from trainer.schedule import SCHEDULES
+
+__all__ = ["LaunchResult", "launch", "plan_assignments", "main"]
+
+_TAIL_LINES = 40
+_POLL_S = 0.05
+# What the package's own directory must be on the workers' path for: a script in examples/
+# does `import trainer` and would otherwise only find it if the package were installed.
+_PACKAGE_ROOT = str(Path(trainer.__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchResult:
+    """How a launch ended. `outputs`/`errors` are each rank's stdout/stderr (empty when not captured)."""
+
+    returncode: int
+    outputs: list[str]
+    errors: list[str]
+    failed_rank: int | None = None
+    reason: str = "all workers finished"
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+@dataclass(eq=False)
+class _Worker:
+    assignment: Assignment
+    proc: subprocess.Popen
+    stdout: list[str] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=_TAIL_LINES))
+    readers: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return self.assignment.rank
+
+    @property
+    def label(self) -> str:
+        stage, replica = self.assignment.position()
+        return f"rank {self.rank} (stage {stage}, replica {replica})"
+
+    def signal(self, signum: int) -> None:
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # already gone
+
+
+def _free_ports(n: int) -> list[int]:
+    # Hold every socket open until all are bound so the n ports are distinct; another
+    # process could still take one before the worker binds it (torchrun has the same race).
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def plan_assignments(
+    stages: int,
+    replicas: int,
+    *,
+    job: str = "local",
+    schedule: str | None = None,
+    cuts: Sequence[int] | None = None,
+    threads: int | None = None,
+    trace_dir: str | None = None,
+    store: str | None = None,
+    device: str | None = None,
+) -> list[Assignment]:
+    """One Assignment per rank (rank = replica * stages + stage), with fresh loopback ports."""
+    if stages < 1 or replicas < 1:
+        raise ConfigError(f"need at least one stage and one replica, got --stages {stages} --replicas {replicas}")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {', '.join(SCHEDULES)}")
+    world = stages * replicas
+    if threads is None:
+        threads = max(1, _available_cores() // world)
+    ports = _free_ports(world + 1)
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[:world]]
+    stage_to_rank = {s: [r * stages + s for r in range(replicas)] for s in range(stages)}
+    return [
+        Assignment(
+            rank=rank,
+            stage_to_rank=stage_to_rank,
+            endpoints=endpoints,
+            dist_url=f"tcp://127.0.0.1:{ports[world]}",
+            job=job,
+            cuts=None if cuts is None else list(cuts),
+            schedule=schedule,
+            threads=threads,
+            trace_dir=trace_dir,
+            store=store,
+            device=device,
+        )
+        for rank in range(world)
+    ]
+
+
+def _worker_env(assignment: Assignment, extra: Mapping[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    threads = str(assignment.threads or 1)
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+    env.update(extra or {})
+    path = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
+    env.update(assignment.to_env())
+    return env
+
+
+class _Launcher:
+    def __init__(self, *, echo: bool, capture: bool, grace: float) -> None:
+        self.echo = echo
+        self.capture = capture
+        self.grace = grace
+        self.workers: list[_Worker] = []
+        self.signalled: int | None = None
+        self._print_lock = threading.Lock()
+
+    # -- output ---------------------------------------------------------------------------
+
+    def _pump(self, worker: _Worker, pipe, is_err: bool) -> None:
+        stage, replica = worker.assignment.position()
+        prefix = f"[s{stage}r{replica}] "
+        sink = sys.stderr if is_err else sys.stdout
+        store = worker.stderr if is_err else worker.stdout
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", errors="replace")
+                if is_err:
+                    worker.stderr_tail.append(line)
+                if self.capture:
+                    store.append(line)
+                if self.echo:
+                    with self._print_lock:
+                        sink.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+                        sink.flush()
+
+    def note(self, message: str) -> None:
+        if self.echo:
+            with self._print_lock:
+                print(f"[launch] {message}", file=sys.stderr, flush=True)
+
+    # -- processes ------------------------------------------------------------------------
+
+    def start(self, script: str, args: Sequence[str], assignments: list[Assignment],
+              env: Mapping[str, str] | None) -> None:
+        for a in assignments:
+            proc = subprocess.Popen(
+                [sys.executable, script, *args],
+                env=_worker_env(a, env),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            worker = _Worker(a, proc)
+            self.workers.append(worker)
+            for pipe, is_err in ((proc.stdout, False), (proc.stderr, True)):
+                t = threading.Thread(target=self._pump, args=(worker, pipe, is_err), daemon=True)
+                t.start()
+                worker.readers.append(t)
+            if self.signalled is not None:
+                break  # interrupted while starting: do not start the rest
+
+    def forward(self, signum: int, _frame=None) -> None:
+        # First signal: pass it on and let workers shut down cleanly; a second one means
+        # "now", as with Ctrl-C twice.
+        sig = signum if self.signalled is None else signal.SIGKILL
+        self.signalled = signum
+        for w in self.workers:
+            w.signal(sig)
+
+    def stop(self, signum: int | None = signal.SIGTERM) -> None:
+        """Send `signum` (None: already sent) to live workers, wait `grace`, then SIGKILL."""
+        alive = [w for w in self.workers if w.proc.poll() is None]
+        if signum is not None:
+            for w in alive:
+                w.signal(signum)
+        deadline = time.monotonic() + self.grace
+        for w in alive:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for w in self.workers:
+            # Also reaps anything a worker started in its group and left behind.
+            w.signal(signal.SIGKILL)
+            w.proc.wait()
+
+    def supervise(self, timeout: float | None) -> tuple[int, int | None, str]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.signalled is not None:
+                name = signal.Signals(self.signalled).name
+                self.note(f"got {name}; stopping {len(self.workers)} workers")
+                self.stop(None)
+                return 128 + self.signalled, None, f"interrupted by {name}"
+            codes = [w.proc.poll() for w in self.workers]
+            failed = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
+            if failed:
+                w = failed[0]
+                code = w.proc.returncode
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                others = sum(c is None for c in codes)
+                self.stop()
+                return (code if code > 0 else 128 - code), w.rank, f"worker {w.label} {how}; stopped {others} other(s)"
+            if all(c == 0 for c in codes):
+                return 0, None, "all workers finished"
+            if deadline is not None and time.monotonic() > deadline:
+                self.stop()
+                return 124, None, f"timed out after {timeout:g}s; stopped all workers"
+            time.sleep(_POLL_S)
+
+    def drain(self) -> None:
+        for w in self.workers:
+            for t in w.readers:
+                t.join(timeout=5.0)
+
+
+def launch(
+    script: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    *,
+    stages: int,
+    replicas: int,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    job: str = "local",
+    schedule: str | None = None,
+    cuts: Sequence[int] | None = None,
+    threads: int | None = None,
+    trace_dir: str | os.PathLike[str] | None = None,
+    store: str | os.PathLike[str] | None = None,
+    device: str | None = None,
+    grace: float = 5.0,
+    echo: bool = False,
+    capture: bool = True,
+) -> LaunchResult:
+    """Run `script` as stages x replicas workers and wait for them.
+
+    `env` is added to every worker's environment (the assignment's variables win). `timeout`
+    stops everything after that many seconds (return code 124). `grace` is how long stopped
+    workers get between SIGTERM (or the forwarded signal) and SIGKILL. `echo` prints the
+    prefixed output as it comes; `capture` keeps it in the result. When called from the main
+    thread, SIGINT/SIGTERM are forwarded to the workers for the duration of the call.
+    """
+    script = os.fspath(script)
+    if not os.path.isfile(script):
+        raise ConfigError(f"no such script: {script}")
+    assignments = plan_assignments(
+        stages, replicas, job=job, schedule=schedule, cuts=cuts, threads=threads,
+        trace_dir=None if trace_dir is None else os.fspath(trace_dir),
+        store=None if store is None else os.fspath(store), device=device,
+    )
+    launcher = _Launcher(echo=echo, capture=capture, grace=grace)
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handlers[sig] = signal.signal(sig, launcher.forward)
+    try:
+        launcher.start(script, [str(a) for a in args], assignments, env)
+        code, failed_rank, reason = launcher.supervise(timeout)
+    except BaseException:
+        launcher.stop(signal.SIGKILL)
+        raise
+    finally:
+        for sig, old in handlers.items():
+            signal.signal(sig, old)
+    launcher.drain()
+    if failed_rank is not None:
+        tail = "".join("    " + line for line in launcher.workers[failed_rank].stderr_tail).rstrip()
+        launcher.note(reason)
+        launcher.note(f"last lines of rank {failed_rank}'s stderr:\n{tail or '    (nothing)'}")
+    elif code:
+        launcher.note(reason)
+    return LaunchResult(
+        returncode=code,
+        outputs=["".join(w.stdout) for w in launcher.workers],
+        errors=["".join(w.stderr) for w in launcher.workers],
+        failed_rank=failed_rank,
+        reason=reason,
+    )
+
+
+def _parse_cuts(text: str) -> list[int]:
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated cut-point indices, got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.launch",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a Varuna training script as P pipeline stages x D data-parallel replicas\n"
+                    "of local worker processes. Rank = replica * P + stage; each worker finds its\n"
+                    "assignment in VARUNA_* environment variables (see trainer/env.py). Output\n"
+                    "lines are prefixed [s<stage>r<replica>]. If a worker fails, the others are\n"
+                    "stopped; Ctrl-C stops them all.",
+        epilog="examples:\n"
+               "  python -m trainer.launch --stages 2 --replicas 2 examples/train_gpt.py --steps 20\n"
+               "  python -m trainer.launch -P 4 --trace-dir traces examples/train_cnn.py\n"
+               "  python -m trainer.timeline traces -o timeline.png",
+    )
+    p.add_argument("--stages", "-P", type=int, required=True, help="pipeline depth P")
+    p.add_argument("--replicas", "-D", type=int, default=1, help="data-parallel width D (default 1)")
+    p.add_argument("--schedule", choices=list(SCHEDULES), help="pipeline schedule (default: Varuna's)")
+    p.add_argument("--cuts", type=_parse_cuts, metavar="I,J,...",
+                   help="active cut-point indices, P-1 of them (default: Varuna balances the stages)")
+    p.add_argument("--trace-dir", metavar="DIR", help="write a Chrome trace per worker here "
+                   "(render with `python -m trainer.timeline DIR`)")
+    p.add_argument("--store", metavar="DIR", help="checkpoint store of the job")
+    p.add_argument("--job", default="local", help="job id (default: local)")
+    p.add_argument("--threads", type=int, help="torch threads per worker (default: cores // (P*D))")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop all workers after this long")
+    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
+                   help="time a stopping worker gets before SIGKILL (default 5)")
+    p.add_argument("script", help="the training script; every worker runs `python script [args]`")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    try:
+        result = launch(
+            ns.script, ns.script_args, stages=ns.stages, replicas=ns.replicas, timeout=ns.timeout,
+            job=ns.job, schedule=ns.schedule, cuts=ns.cuts, threads=ns.threads,
+            trace_dir=ns.trace_dir, store=ns.store, grace=ns.grace, echo=True, capture=False,
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
