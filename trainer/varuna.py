@@ -37,10 +37,13 @@ from trainer.layout import Layout, build_layout
 from trainer.partition import balance, dry_run, slice_stages, trace_model
 from trainer.precision import LossScaler, Precision
 from trainer.schedule import SCHEDULES, Action, Kind, build_table
+from trainer.trace import NullRecorder, recorder_for
 
 __all__ = ["Varuna"]
 
 log = logging.getLogger("varuna")
+
+_TRACE_STEPS = int(os.environ.get("VARUNA_TRACE_STEPS", "10"))
 
 
 class Varuna:
@@ -83,7 +86,7 @@ class Varuna:
 
         self._build_groups()
         self.channel = self._open_channel() if self.pipeline_depth > 1 else None
-        self.recorder = _recorder(a, self.stage, self.replica)
+        self.recorder = recorder_for(a.trace_dir or None, rank=a.rank, stage=self.stage, replica=self.replica)
         self.executor = StageExecutor(self.module, stage=self.stage, stages=self.pipeline_depth,
                                       takes_activation=mine.takes_activation, channel=self.channel,
                                       device=self.device, precision=self.precision, recorder=self.recorder)
@@ -137,6 +140,7 @@ class Varuna:
         """One optimizer step on the global mini-batch; `inputs` is this replica's shard."""
         if self.optimizer is None:
             raise ConfigError("step() before set_optimizer()")
+        self.recorder.set_step(self.iteration)
         start = time.perf_counter()
         waited = self.channel.wait_s if self.channel is not None else 0.0
         micro, weights = self._micro_batches(inputs, self.batch_size)
@@ -150,8 +154,10 @@ class Varuna:
             before_last_backward=self.reducer.arm,
         )
         self.iteration += 1
-        if self.recorder is not None:
+        if self.recorder.enabled:
             self.recorder.save()
+            if self.iteration >= _TRACE_STEPS:   # a few steps show the schedule; more only grow the file
+                self.recorder = self.executor.recorder = NullRecorder()
         elapsed = time.perf_counter() - start
         blocked = (self.channel.wait_s if self.channel is not None else 0.0) - waited
         self.control.progress(self.iteration - 1, result["loss"], self.batch_size / elapsed,
@@ -421,11 +427,3 @@ def _shard_size(inputs: Mapping[str, torch.Tensor]) -> int:
     if not sizes or len(set(sizes.values())) != 1:
         raise ConfigError(f"inputs must be batch-first tensors of one batch size, got {sizes}")
     return next(iter(sizes.values()))
-
-
-def _recorder(a: Assignment, stage: int, replica: int):
-    if not a.trace_dir:
-        return None
-    from trainer.trace import TraceRecorder
-    path = os.path.join(a.trace_dir, f"trace_rank{a.rank}.json")
-    return TraceRecorder(path, rank=a.rank, stage=stage, replica=replica)
