@@ -112,3 +112,13 @@ def test_fp16_overflow_skips_step_and_lowers_scale(tmp_path):
     scales = [r["scale"] for r in record]
     assert scales == sorted(scales, reverse=True)
     assert any(not r["overflow"] for r in record), "the scale never came down far enough"
+
+
+def test_cnn_without_cutpoints_trains_under_2x1():
+    """A non-transformer model, cut automatically between its Sequential blocks, learns."""
+    script = Path(__file__).parent.parent / "examples" / "train_cnn.py"
+    result = launch(script, ["--steps", "30"], stages=2, replicas=1, timeout=240)
+    assert result.ok, result.errors
+    losses = [float(line.split()[-1]) for line in result.outputs[0].splitlines() if line.startswith("step ")]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
