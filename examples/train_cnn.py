@@ -14,6 +14,7 @@ import torch
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import ImageDataset
+from trainer.env import job_setting
 from trainer.models.cnn import CNN, PRESETS, CNNConfig
 
 
@@ -21,8 +22,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                    help="tiny: 1x16x16 images, cifar: 3x32x32 (default tiny)")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps to train to")
-    p.add_argument("--batch-size", type=int, default=64, help="global batch (images per step, all replicas)")
+    p.add_argument("--steps", type=int, default=job_setting("steps", 40), help="optimizer steps to train to")
+    p.add_argument("--batch-size", type=int, default=job_setting("batch_size", 64),
+                   help="global batch (images per step, all replicas)")
     p.add_argument("--chunk-size", type=int, default=8, help="micro-batch size")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0, help="fixes the weights and the data")

@@ -8,9 +8,9 @@ The script is what any Varuna script looks like: build the whole model, wrap it 
 each step this replica's shard of the global batch. The global batch of step s is fixed by
 (seed, s), so any --stages x --replicas prints the same losses (up to float rounding).
 
-With a checkpoint store (`--store DIR` on the launcher), the run resumes from the newest
-complete checkpoint and writes one every --checkpoint-every steps: stop it, relaunch it with
-another P x D, and it carries on where it was.
+With a checkpoint store (`--store DIR --checkpoint-every K` on the launcher, or under varunad),
+Varuna resumes from the newest complete checkpoint and writes one every K steps by itself: stop
+the run, relaunch it with another P x D, and it carries on where it was. No code here for that.
 """
 
 from __future__ import annotations
@@ -20,22 +20,22 @@ import argparse
 import torch
 
 from trainer import GlobalBatches, Varuna
-from trainer.ckpt_store import latest_complete
 from trainer.data import TextDataset
+from trainer.env import job_setting
 from trainer.models.gpt import GPT, PRESETS, GPTConfig
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size (default tiny)")
-    p.add_argument("--steps", type=int, default=50, help="optimizer steps to train to")
-    p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences per step, all replicas)")
+    p.add_argument("--steps", type=int, default=job_setting("steps", 50), help="optimizer steps to train to")
+    p.add_argument("--batch-size", type=int, default=job_setting("batch_size", 32),
+                   help="global batch (sequences per step, all replicas)")
     p.add_argument("--chunk-size", type=int, default=4, help="micro-batch size")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="fixes the weights, the data order and dropout")
     p.add_argument("--examples", type=int, default=4096, help="sequences in the generated corpus")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: never)")
     return p.parse_args()
 
 
@@ -53,12 +53,8 @@ def main() -> None:
     varuna = Varuna(model, None, get_batch_fn, batch_size=args.batch_size, chunk_size=args.chunk_size)
     opt = torch.optim.AdamW(varuna.parameters(), lr=args.lr)
     varuna.set_optimizer(opt)
-
-    store = varuna.assignment.store
-    if store and latest_complete(store) is not None:
-        varuna.load_checkpoint(store)
-        if varuna.rank == 0:
-            print(f"resumed at step {varuna.iteration} from {store}", flush=True)
+    if varuna.iteration and varuna.rank == 0:
+        print(f"resumed at step {varuna.iteration}", flush=True)
 
     batches = GlobalBatches(len(ds), args.batch_size, args.seed)
     while varuna.iteration < args.steps:
@@ -67,8 +63,6 @@ def main() -> None:
         if varuna.rank == 0:
             print(f"step {varuna.iteration} loss {loss:.4f}" + (" (overflow, skipped)" if overflow else ""),
                   flush=True)
-        if store and args.checkpoint_every and varuna.iteration % args.checkpoint_every == 0:
-            varuna.checkpoint(store)
     varuna.close()
 
 

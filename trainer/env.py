@@ -27,6 +27,10 @@ Variables (all strings):
     VARUNA_KEEP_CHECKPOINTS  optional: complete checkpoints to keep (default 3)
     VARUNA_RESUME          optional: "latest" loads the newest complete checkpoint of
                            VARUNA_STORE in set_optimizer, so scripts need no resume code
+    VARUNA_BATCH_SIZE      optional: the job's global batch; the script's must agree
+    VARUNA_MICRO_BATCH     optional: the planner's micro-batch size (overrides chunk_size)
+    VARUNA_STEPS           optional: the job's total steps (`Assignment.steps`, for scripts)
+    VARUNA_PROFILE         optional: profile the model into this calibration file and exit
 """
 
 from __future__ import annotations
@@ -38,7 +42,21 @@ from dataclasses import dataclass, field
 
 from trainer.errors import ConfigError
 
-__all__ = ["Assignment", "stage_to_rank_from_json", "stage_to_rank_to_json"]
+__all__ = ["Assignment", "job_setting", "stage_to_rank_from_json", "stage_to_rank_to_json"]
+
+
+def job_setting(name: str, default: int) -> int:
+    """A job-level number the daemon (or launcher) may set, e.g. job_setting("steps", 50)
+    reads VARUNA_STEPS: scripts use it as their flag's default so one script runs both ways."""
+    return int(os.environ.get(f"VARUNA_{name.upper()}", default))
+
+
+def _opt_int(text: str | None) -> int | None:
+    return int(text) if text else None
+
+
+def _opt_str(value: int | None) -> str | None:
+    return None if value is None else str(value)
 
 
 def stage_to_rank_to_json(stage_to_rank: Mapping[int, list[int]]) -> str:
@@ -76,6 +94,10 @@ class Assignment:
     checkpoint_every: int | None = None
     keep_checkpoints: int = 3
     resume: str | None = None
+    batch_size: int | None = None
+    micro_batch_size: int | None = None
+    steps: int | None = None
+    profile: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -140,6 +162,10 @@ class Assignment:
             "VARUNA_CHECKPOINT_EVERY": None if self.checkpoint_every is None else str(self.checkpoint_every),
             "VARUNA_KEEP_CHECKPOINTS": str(self.keep_checkpoints),
             "VARUNA_RESUME": self.resume,
+            "VARUNA_BATCH_SIZE": _opt_str(self.batch_size),
+            "VARUNA_MICRO_BATCH": _opt_str(self.micro_batch_size),
+            "VARUNA_STEPS": _opt_str(self.steps),
+            "VARUNA_PROFILE": self.profile,
         }
         env.update({k: v for k, v in optional.items() if v is not None})
         env.update(self.extra)
@@ -172,10 +198,13 @@ class Assignment:
                 store=environ.get("VARUNA_STORE"),
                 device=environ.get("VARUNA_DEVICE"),
                 control=environ.get("VARUNA_CONTROL"),
-                checkpoint_every=(int(environ["VARUNA_CHECKPOINT_EVERY"])
-                                  if environ.get("VARUNA_CHECKPOINT_EVERY") else None),
+                checkpoint_every=_opt_int(environ.get("VARUNA_CHECKPOINT_EVERY")),
                 keep_checkpoints=int(environ.get("VARUNA_KEEP_CHECKPOINTS", "3")),
                 resume=environ.get("VARUNA_RESUME"),
+                batch_size=_opt_int(environ.get("VARUNA_BATCH_SIZE")),
+                micro_batch_size=_opt_int(environ.get("VARUNA_MICRO_BATCH")),
+                steps=_opt_int(environ.get("VARUNA_STEPS")),
+                profile=environ.get("VARUNA_PROFILE"),
             )
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"malformed worker assignment in the environment: {exc}") from exc

@@ -118,8 +118,10 @@ def plan_assignments(
     trace_dir: str | None = None,
     store: str | None = None,
     device: str | None = None,
+    checkpoint_every: int | None = None,
 ) -> list[Assignment]:
-    """One Assignment per rank (rank = replica * stages + stage), with fresh loopback ports."""
+    """One Assignment per rank (rank = replica * stages + stage), with fresh loopback ports.
+    With a store, the workers resume from its newest complete checkpoint by themselves."""
     if stages < 1 or replicas < 1:
         raise ConfigError(f"need at least one stage and one replica, got --stages {stages} --replicas {replicas}")
     if schedule is not None and schedule not in SCHEDULES:
@@ -143,6 +145,8 @@ def plan_assignments(
             trace_dir=trace_dir,
             store=store,
             device=device,
+            checkpoint_every=checkpoint_every,
+            resume="latest" if store else None,
         )
         for rank in range(world)
     ]
@@ -284,6 +288,7 @@ def launch(
     trace_dir: str | os.PathLike[str] | None = None,
     store: str | os.PathLike[str] | None = None,
     device: str | None = None,
+    checkpoint_every: int | None = None,
     grace: float = 5.0,
     echo: bool = False,
     capture: bool = True,
@@ -303,6 +308,7 @@ def launch(
         stages, replicas, job=job, schedule=schedule, cuts=cuts, threads=threads,
         trace_dir=None if trace_dir is None else os.fspath(trace_dir),
         store=None if store is None else os.fspath(store), device=device,
+        checkpoint_every=checkpoint_every,
     )
     launcher = _Launcher(echo=echo, capture=capture, grace=grace)
     handlers = {}
@@ -362,7 +368,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="active cut-point indices, P-1 of them (default: Varuna balances the stages)")
     p.add_argument("--trace-dir", metavar="DIR", help="write a Chrome trace per worker here "
                    "(render with `python -m trainer.timeline DIR`)")
-    p.add_argument("--store", metavar="DIR", help="checkpoint store of the job")
+    p.add_argument("--store", metavar="DIR", help="checkpoint store of the job; workers resume from its "
+                   "newest complete checkpoint")
+    p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint to --store every K steps")
     p.add_argument("--job", default="local", help="job id (default: local)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: cores // (P*D))")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop all workers after this long")
@@ -381,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ns.script, ns.script_args, stages=ns.stages, replicas=ns.replicas, timeout=ns.timeout,
             job=ns.job, schedule=ns.schedule, cuts=ns.cuts, threads=ns.threads,
             trace_dir=ns.trace_dir, store=ns.store, grace=ns.grace, echo=True, capture=False,
+            checkpoint_every=ns.checkpoint_every,
         )
     except ConfigError as exc:
         parser.error(str(exc))

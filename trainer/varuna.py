@@ -59,7 +59,11 @@ class Varuna:
         self.rank = a.rank
         self.stage, self.replica = a.position()
         self.pipeline_depth, self.data_depth = a.pipeline_depth, a.data_depth
-        self.batch_size, self.micro_batch_size = int(batch_size), int(chunk_size)
+        self.batch_size, self.micro_batch_size = int(batch_size), int(a.micro_batch_size or chunk_size)
+        if a.batch_size is not None and a.batch_size != self.batch_size:
+            raise ConfigError(f"the job was submitted with global batch {a.batch_size}, the script passes "
+                              f"batch_size={self.batch_size} to Varuna",
+                              hint="make the script read the batch size it is given, or submit it with the script's")
         self.precision: Precision = precision or ("fp16" if fp16 else "fp32")
         self.schedule = schedule or a.schedule or "varuna"
         self.recompute = recompute
