@@ -34,6 +34,7 @@ class PeerChannel:
         self.job, self.epoch, self.stage = job, epoch, stage
         self.timeout_s = timeout_s
         self._ctx = zmq.Context.instance()
+        self._security = security
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         if security is not None:
@@ -103,3 +104,5 @@ class PeerChannel:
     def close(self) -> None:
         for sock in (*self._push.values(), self._pull):
             sock.close(linger=2000 if sock is not self._pull else 0)
+        if self._security is not None:
+            self._security.close()

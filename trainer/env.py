@@ -31,6 +31,9 @@ Variables (all strings):
     VARUNA_MICRO_BATCH     optional: the planner's micro-batch size (overrides chunk_size)
     VARUNA_STEPS           optional: the job's total steps (`Assignment.steps`, for scripts)
     VARUNA_PROFILE         optional: profile the model into this calibration file and exit
+    VARUNA_SECURITY, VARUNA_SECRET_KEY_FILE, VARUNA_ALLOWED_KEYS_DIR, VARUNA_TRUSTED_NETWORK
+                           how the tensor streams are secured (protocol.security.SecurityConfig)
+    VARUNA_PEER_KEYS       JSON {endpoint: z85 public key} of the neighbours' stream sockets
 """
 
 from __future__ import annotations

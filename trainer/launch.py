@@ -156,6 +156,9 @@ def _worker_env(assignment: Assignment, extra: Mapping[str, str] | None) -> dict
     env = dict(os.environ)
     threads = str(assignment.threads or 1)
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+    # Every worker listens on loopback only: the local launcher is for one machine, so it asks
+    # for plaintext streams explicitly (the daemon passes CURVE keys instead).
+    env.setdefault("VARUNA_SECURITY", "plaintext")
     env.update(extra or {})
     path = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")

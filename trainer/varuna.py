@@ -15,6 +15,7 @@ update as a single process would (DESIGN idea 3).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from protocol.errors import SecurityError
+from protocol.security import Security, SecurityConfig
 from trainer import checkpointing, ckpt_store
 from trainer.comm import PeerChannel
 from trainer.control import ControlClient, StopRequested
@@ -300,7 +303,7 @@ class Varuna:
         return PeerChannel(bind=a.endpoints[self.rank],
                            prev=None if prev is None else a.endpoints[prev],
                            nxt=None if nxt is None else a.endpoints[nxt],
-                           job=a.job, epoch=a.epoch, stage=self.stage)
+                           job=a.job, epoch=a.epoch, stage=self.stage, security=_stream_security(a.endpoints))
 
     def _table(self, name: str, m: int, recompute: bool) -> list[Action]:
         key = (name, m, recompute)
@@ -424,6 +427,20 @@ def _free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
     for t in (*model.parameters(), *model.buffers()):
         if canonical.get(id(t)) not in keep:
             t.data = torch.empty(0, dtype=t.dtype)
+
+
+def _stream_security(endpoints: Sequence[str]) -> Security:
+    """CURVE for the tensor streams unless the environment says plaintext or a trusted network
+    (protocol.security.SecurityConfig.from_env); neighbours' server keys by endpoint come in
+    VARUNA_PEER_KEYS as JSON {endpoint: z85 public key}, "*" standing for any other endpoint."""
+    try:
+        keys = json.loads(os.environ.get("VARUNA_PEER_KEYS", "{}"))
+        peers = {ep: keys.get(ep, keys.get("*")) for ep in endpoints if keys.get(ep, keys.get("*"))}
+        return Security(SecurityConfig.from_env(os.environ), peers=peers)
+    except (SecurityError, ValueError) as exc:
+        raise ConfigError(f"cannot secure the tensor streams: {exc}",
+                          hint="start workers with trainer.launch or varunad, which set VARUNA_SECURITY "
+                               "and the keys; VARUNA_SECURITY=plaintext only on a private machine") from exc
 
 
 def _shard_size(inputs: Mapping[str, torch.Tensor]) -> int:
