@@ -1,0 +1,322 @@
+"""Membership: every daemon registers ``members/<name>`` under its own lease and keeps it alive.
+
+A member's key lives exactly as long as its lease: a VM that vanishes stops renewing, etcd
+expires the lease within one TTL and deletes the key, and the leader re-plans. ``leave()``
+revokes the lease at once (graceful shutdown on SIGTERM).
+
+The node tracks ``lease_deadline`` on ``time.monotonic()`` (never the wall clock): the earliest
+moment etcd may expire the lease, i.e. the send time of the last successful renewal plus the
+TTL etcd granted. Until then the lease (and whatever hangs on it, such as the leader key) is
+certainly alive; after it the node must assume it is gone. The election builds on this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
+
+from varunad.keys import Keys, check_component
+from varunad.store import Lease, LeaseExpired, Store, StoreError
+
+__all__ = [
+    "DEFAULT_TTL",
+    "Member",
+    "MembersSnapshot",
+    "Membership",
+    "NameInUse",
+    "read_members",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL = 10.0
+_NAME_POLL = 0.2  # while waiting for a previous incarnation's key to expire
+
+
+class NameInUse(StoreError):
+    """etcd holds this member name for another live daemon."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Member:
+    """What a daemon tells the fleet about itself (the value of ``members/<name>``)."""
+
+    name: str
+    host: str
+    endpoint: str  # ZeroMQ endpoint the leader and peers reach this daemon at
+    slots: int  # device slots, one trainer worker each
+    device_kind: str  # e.g. "NVIDIA H200" or "cpu"; calibration is per device kind
+    memory_bytes: int  # memory per device slot
+    version: str  # varunad version, so a leader can refuse to mix incompatible daemons
+    started_at: float  # wall-clock seconds, for display only; never used for deadlines
+
+    def __post_init__(self) -> None:
+        check_component("member name", self.name)
+        for name in ("slots", "memory_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"member {self.name}: {name} must be a non-negative int, got {value!r}")
+        for name in ("host", "endpoint", "device_kind", "version"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"member {self.name}: {name} must be a string")
+
+    def encode(self) -> bytes:
+        # JSON so that `etcdctl get --prefix /varunad/members/` is readable by a person.
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Member:
+        """Parse a stored value; fields added by newer daemons are ignored (rolling upgrades)."""
+        try:
+            raw = json.loads(data)
+        except ValueError as exc:
+            raise ValueError(f"member value is not JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError("member value is not a JSON object")
+        known = {f.name for f in fields(cls)}
+        missing = known - raw.keys()
+        if missing:
+            raise ValueError(f"member value lacks {sorted(missing)}")
+        try:
+            return cls(**{k: v for k, v in raw.items() if k in known})
+        except TypeError as exc:
+            raise ValueError(f"member value is malformed: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class MembersSnapshot:
+    """All registered members at one etcd ``revision``, sorted by name."""
+
+    revision: int
+    members: tuple[Member, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.members)
+
+    def get(self, name: str) -> Member | None:
+        return next((m for m in self.members if m.name == name), None)
+
+    def __contains__(self, name: object) -> bool:
+        return any(m.name == name for m in self.members)
+
+    def __iter__(self) -> Iterator[Member]:
+        return iter(self.members)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+
+async def read_members(store: Store, keys: Keys, *, timeout: float | None = None) -> MembersSnapshot:
+    """One consistent read of ``members/``; entries that cannot be parsed are logged and skipped."""
+    listing = await store.get_prefix(keys.members, timeout=timeout)
+    members = []
+    for kv in listing:
+        try:
+            name = keys.member_name(kv.key)
+            member = Member.decode(kv.value)
+        except ValueError as exc:
+            # A bad entry (another version, a hand edit) must not stop the leader from planning.
+            log.warning("ignoring member key %s: %s", kv.key, exc)
+            continue
+        if member.name != name:
+            log.warning("ignoring member key %s: it describes %r", kv.key, member.name)
+            continue
+        members.append(member)
+    return MembersSnapshot(listing.revision, tuple(sorted(members, key=lambda m: m.name)))
+
+
+class Membership:
+    """This daemon's registration: join, keep the lease alive from a task, leave.
+
+    ``clock`` is ``time.monotonic`` except in tests that need a node whose sense of time is
+    wrong (a paused VM).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        keys: Keys,
+        member: Member,
+        *,
+        ttl: float = DEFAULT_TTL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl < 2:
+            raise ValueError(f"member lease TTL must be at least 2 s (etcd's minimum), got {ttl}")
+        self.store = store
+        self.keys = keys
+        self.clock = clock
+        self.ttl = float(ttl)
+        self._member = member
+        self._lease: Lease | None = None
+        self._deadline = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self._member.name
+
+    @property
+    def member(self) -> Member:
+        return self._member
+
+    @property
+    def key(self) -> str:
+        return self.keys.member(self.name)
+
+    @property
+    def lease(self) -> Lease | None:
+        """The current lease; it changes when the node registers again after losing one."""
+        return self._lease
+
+    @property
+    def lease_deadline(self) -> float:
+        """``clock()`` time before which etcd cannot have expired the lease (0.0 before join)."""
+        return self._deadline
+
+    def lease_valid(self) -> bool:
+        return self._lease is not None and self._deadline > self.clock()
+
+    @property
+    def renew_interval(self) -> float:
+        return self.ttl / 3
+
+    # -- joining
+
+    async def join(self, *, name_wait: float | None = None) -> None:
+        """Register and start the keepalive task.
+
+        A key left under this name by a previous incarnation (a crash, a quick restart) expires
+        within its TTL; wait for that, at most ``name_wait`` seconds (default: what is left of
+        its lease plus one second). Raises NameInUse if the name is still held after that.
+        """
+        if self._task is not None:
+            raise RuntimeError(f"member {self.name} has already joined")
+        await self._wait_for_name(name_wait)
+        await self._register()
+        self._task = asyncio.get_running_loop().create_task(
+            self._keepalive(), name=f"varunad-keepalive-{self.name}"
+        )
+
+    async def _wait_for_name(self, name_wait: float | None) -> None:
+        limit: float | None = None if name_wait is None else self.clock() + name_wait
+        while True:
+            held = await self.store.get(self.key)
+            if held is None:
+                return
+            if held.lease == 0:
+                raise NameInUse(
+                    f"{self.key} exists without a lease, so it would never expire",
+                    hint=f"delete it (etcdctl del {self.key}) or give this node another name",
+                )
+            if limit is None:
+                remaining = await self.store.time_to_live(held.lease)
+                limit = self.clock() + (remaining if remaining is not None else 0) + 1.0
+                log.info("%s: waiting up to %.1fs for the key of an earlier incarnation to expire",
+                         self.name, limit - self.clock())
+            if self.clock() >= limit:
+                raise NameInUse(
+                    f"another daemon is registered as {self.name!r} (lease {held.lease:x} is alive)",
+                    hint="give every node a unique name (e.g. its hostname)",
+                )
+            await asyncio.sleep(_NAME_POLL)
+
+    async def _register(self) -> None:
+        sent = self.clock()
+        lease = await self.store.grant(self.ttl)
+        try:
+            created = await self.store.create_if_absent(self.key, self._member.encode(), lease=lease)
+        except BaseException:
+            await self._revoke_quietly(lease)
+            raise
+        if not created:
+            await self._revoke_quietly(lease)
+            raise NameInUse(
+                f"another daemon registered as {self.name!r} at the same moment",
+                hint="give every node a unique name (e.g. its hostname)",
+            )
+        self._lease, self._deadline = lease, sent + lease.ttl
+        log.info("%s: registered with lease %x (ttl %ds)", self.name, lease.id, lease.ttl)
+
+    async def update(self, member: Member) -> int:
+        """Publish changed facts (e.g. a slot lost to a failed device) under the same lease."""
+        if member.name != self.name:
+            raise ValueError(f"cannot rename member {self.name!r} to {member.name!r}; leave and join again")
+        if self._lease is None:
+            raise RuntimeError(f"member {self.name} is not registered")
+        self._member = member
+        return await self.store.put(self.key, member.encode(), lease=self._lease)
+
+    # -- keeping the lease alive
+
+    async def renew(self) -> float:
+        """Renew the lease once; returns the new deadline. Raises LeaseExpired or StoreError."""
+        lease = self._lease
+        if lease is None:
+            raise LeaseExpired(f"member {self.name} holds no lease", hint="join first")
+        sent = self.clock()
+        ttl = await self.store.refresh(lease, timeout=self.renew_interval)
+        # Measured from the send time, so a slow reply cannot stretch the deadline past etcd's.
+        if self._lease is lease:
+            self._deadline = max(self._deadline, sent + ttl)
+        return self._deadline
+
+    async def _keepalive(self) -> None:
+        delay = self.renew_interval
+        while True:
+            await asyncio.sleep(delay)
+            delay = self.renew_interval
+            try:
+                await self.renew()
+            except LeaseExpired:
+                log.warning("%s: lease expired (etcd or this node stalled); registering again", self.name)
+                self._lease = None
+                try:
+                    await self._register()
+                except (StoreError, NameInUse) as exc:
+                    log.warning("%s: could not register again: %s", self.name, exc)
+                    delay = self.renew_interval / 2
+            except StoreError as exc:
+                left = self._deadline - self.clock()
+                log.warning("%s: lease renewal failed (%s); the lease is certain for %.1fs more",
+                            self.name, exc, max(left, 0.0))
+                delay = self.renew_interval / 2
+            except Exception:
+                # A bug here must not end the heartbeat silently: log it and keep renewing.
+                log.exception("%s: unexpected error while renewing the lease", self.name)
+                delay = self.renew_interval / 2
+
+    # -- leaving
+
+    async def _stop_keepalive(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            # asyncio.wait, not `await task`: the task's CancelledError must not be confused
+            # with (and swallow) a cancellation of the caller.
+            await asyncio.wait({task})
+
+    async def leave(self) -> None:
+        """Stop renewing and revoke the lease, which deletes the member key (and a leader key) now."""
+        await self._stop_keepalive()
+        lease, self._lease, self._deadline = self._lease, None, 0.0
+        if lease is not None:
+            await self._revoke_quietly(lease)
+            log.info("%s: left the fleet", self.name)
+
+    async def abandon(self) -> None:
+        """Stop renewing without revoking: the lease runs out as if this node had crashed."""
+        await self._stop_keepalive()
+
+    async def _revoke_quietly(self, lease: Lease) -> None:
+        try:
+            await self.store.revoke(lease)
+        except StoreError as exc:
+            # Leaving must not fail: etcd expires the lease within one TTL anyway.
+            log.warning("%s: could not revoke lease %x (%s); it expires within %ss",
+                        self.name, lease.id, exc, lease.ttl)
