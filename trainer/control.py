@@ -83,8 +83,8 @@ class ControlClient:
         self.checkpoint_requested = False
 
     def progress(self, step: int, loss: float, samples_per_s: float, busy_fraction: float) -> None:
-        if not math.isfinite(loss):
-            return
+        if not (math.isfinite(loss) and math.isfinite(samples_per_s) and math.isfinite(busy_fraction)):
+            return   # an overflowed fp16 step or a zero-length timing: nothing worth reporting
         self._send(WorkerProgress(job=self.job, epoch=self.epoch, rank=self.rank, step=step, loss=loss,
                                   samples_per_s=max(0.0, samples_per_s),
                                   busy_fraction=min(1.0, max(0.0, busy_fraction))))

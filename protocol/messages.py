@@ -1,0 +1,538 @@
+"""Control messages between daemons, the leader and trainer workers, and their encoding.
+
+Wire layout: one ZeroMQ frame holding one msgpack array of three items::
+
+    [PROTOCOL_VERSION, type_tag, {field_name: value, ...}]
+
+`PROTOCOL_VERSION` is an int (1), separate from the package version; a peer speaking another version
+is refused, never guessed at. `type_tag` is a short string naming the message class (`"ping"`,
+`"assignment"`, ...). The map holds exactly the class's fields, by name, every one of them (optional
+values are sent as nil). Values are msgpack nil, bool, int, float, str, array and map only: tuples
+travel as arrays, nested value objects (`SlotAssignment`) as maps of their fields. No bin, no ext, no
+timestamps. Nothing is ever unpickled.
+
+`decode` trusts nothing: size first, then msgpack with bounded lengths and unique str keys, then the
+version, the tag, the exact field set, each field's type (a bool is not an int) and range, then the
+cross-field rules of the class (`Assignment`'s slot table). Any failure is a `ProtocolError` with the
+reason. Building a message locally runs the same checks and raises `MessageValueError` (a ValueError).
+
+Identifiers (job ids, member names, schedule names) are 1..128 characters of letters, digits and
+`. _ - : @`: they end up in etcd keys, file names and log lines.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from protocol.errors import MessageValueError, ProtocolError
+
+__all__ = [
+    "MAX_MESSAGE_SIZE",
+    "PROTOCOL_VERSION",
+    "Assignment",
+    "CheckpointNow",
+    "Message",
+    "Ping",
+    "Pong",
+    "SlotAssignment",
+    "StopWorkers",
+    "WorkerCheckpointed",
+    "WorkerFailed",
+    "WorkerProgress",
+    "decode",
+    "encode",
+    "message_types",
+]
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_SIZE = 1 << 20
+
+_I64_MAX = (1 << 63) - 1
+_U64_MAX = (1 << 64) - 1
+_SMALL_MAX = (1 << 31) - 1    # ranks, stages, slots, sizes: anything that indexes real hardware
+_MAX_ID = 128
+_MAX_TEXT = 16 * 1024         # reasons and error text: enough for a traceback tail, not a log file
+_MAX_PATH = 4096
+_MAX_URL = 1024
+_MAX_ITEMS = 1 << 16          # slots per assignment, cuts per pipeline
+_ID_RE = re.compile(r"[A-Za-z0-9._:@-]+")
+
+
+# --- field kinds: one object per field says how to check it, write it and read it back -------------
+
+def _short(value: Any) -> str:
+    # Error text may quote a peer's value: keep it short so a hostile message cannot flood logs.
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+class _Kind:
+    """check: validate (and normalise) a value, run by the record's __post_init__.
+    dump: value -> msgpack-native. load: msgpack-native -> what check expects; plain kinds pass the
+    wire value through, so each field is validated exactly once, by check."""
+
+    def check(self, where: str, value: Any) -> Any:
+        raise NotImplementedError
+
+    def dump(self, value: Any) -> Any:
+        return value
+
+    def load(self, where: str, wire: Any) -> Any:
+        return wire
+
+
+class _Int(_Kind):
+    def __init__(self, lo: int = 0, hi: int = _I64_MAX) -> None:
+        self.lo, self.hi = lo, hi
+
+    def check(self, where: str, value: Any) -> int:
+        if isinstance(value, bool):
+            raise MessageValueError(f"{where} must be an integer, not a bool")
+        try:
+            number = operator.index(value)
+        except TypeError:
+            raise MessageValueError(f"{where} must be an integer, got {_type_name(value)}") from None
+        if not self.lo <= number <= self.hi:
+            raise MessageValueError(f"{where} must be in [{self.lo}, {self.hi}], got {_short(number)}")
+        return number
+
+
+class _Float(_Kind):
+    def __init__(self, lo: float = -math.inf, hi: float = math.inf) -> None:
+        self.lo, self.hi = lo, hi
+
+    def check(self, where: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MessageValueError(f"{where} must be a number, got {_type_name(value)}")
+        try:
+            number = float(value)
+        except OverflowError:
+            raise MessageValueError(f"{where} is too large for a float") from None
+        if not math.isfinite(number):
+            raise MessageValueError(f"{where} must be finite, got {number}")
+        if not self.lo <= number <= self.hi:
+            raise MessageValueError(f"{where} must be in [{self.lo}, {self.hi}], got {number}")
+        return number
+
+
+class _Bool(_Kind):
+    def check(self, where: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise MessageValueError(f"{where} must be true or false, got {_type_name(value)}")
+        return value
+
+
+class _Str(_Kind):
+    def __init__(self, max_len: int, *, min_len: int = 1, pattern: re.Pattern[str] | None = None,
+                 what: str = "", nul: bool = False) -> None:
+        self.max_len, self.min_len, self.pattern, self.what, self.nul = max_len, min_len, pattern, what, nul
+
+    def check(self, where: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise MessageValueError(f"{where} must be a string, got {_type_name(value)}")
+        if not self.min_len <= len(value) <= self.max_len:
+            hint = "; keep its tail" if self.min_len == 0 else ""
+            raise MessageValueError(
+                f"{where} must have {self.min_len}..{self.max_len} characters, got {len(value)}{hint}")
+        if not self.nul and "\x00" in value:
+            raise MessageValueError(f"{where} must not contain NUL characters")
+        if self.pattern is not None and not self.pattern.fullmatch(value):
+            raise MessageValueError(f"{where} must be {self.what}, got {_short(value)}")
+        return value
+
+
+class _Optional(_Kind):
+    def __init__(self, inner: _Kind) -> None:
+        self.inner = inner
+
+    def check(self, where: str, value: Any) -> Any:
+        return None if value is None else self.inner.check(where, value)
+
+    def dump(self, value: Any) -> Any:
+        return None if value is None else self.inner.dump(value)
+
+    def load(self, where: str, wire: Any) -> Any:
+        return None if wire is None else self.inner.load(where, wire)
+
+
+class _Tuple(_Kind):
+    def __init__(self, item: _Kind, max_items: int = _MAX_ITEMS) -> None:
+        self.item, self.max_items = item, max_items
+
+    def _items(self, where: str, value: Any) -> list | tuple:
+        if not isinstance(value, (list, tuple)):
+            raise MessageValueError(f"{where} must be a sequence, got {_type_name(value)}")
+        if len(value) > self.max_items:
+            raise MessageValueError(f"{where} has {len(value)} items; at most {self.max_items} are allowed")
+        return value
+
+    def check(self, where: str, value: Any) -> tuple:
+        return tuple(self.item.check(f"{where}[{i}]", v) for i, v in enumerate(self._items(where, value)))
+
+    def dump(self, value: Any) -> list:
+        return [self.item.dump(v) for v in value]
+
+    def load(self, where: str, wire: Any) -> Any:
+        if type(self.item).load is _Kind.load:
+            return wire
+        return [self.item.load(f"{where}[{i}]", v) for i, v in enumerate(self._items(where, wire))]
+
+
+class _Nested(_Kind):
+    def __init__(self, cls: type[_Record]) -> None:
+        self.cls = cls
+
+    def check(self, where: str, value: Any) -> Any:
+        if not isinstance(value, self.cls):
+            raise MessageValueError(f"{where} must be a {self.cls.__name__}, got {_type_name(value)}")
+        return value
+
+    def dump(self, value: Any) -> dict:
+        return _dump_record(value)
+
+    def load(self, where: str, wire: Any) -> Any:
+        try:
+            return _load_record(self.cls, wire, where)
+        except MessageValueError as exc:
+            if exc.reason.startswith(where):
+                raise
+            raise MessageValueError(f"{where}: {exc.reason}") from None
+
+
+def _f(kind: _Kind) -> Any:
+    """A dataclass field checked by `kind` on construction and on decode."""
+    return field(metadata={"kind": kind})
+
+
+_ID = _Str(_MAX_ID, pattern=_ID_RE, what="an identifier of letters, digits and . _ - : @")
+_TEXT = _Str(_MAX_TEXT, min_len=0, nul=True)   # free text: error output may hold anything
+_PATH = _Str(_MAX_PATH)
+_URL = _Str(_MAX_URL, pattern=re.compile(r"[a-z][a-z0-9+.-]*://\S*"), what="a URL like tcp://host:port or env://")
+_EPOCH = _Int()
+_RANK = _Int(0, _SMALL_MAX)
+_STEP = _Int()
+
+
+# --- records: frozen dataclasses whose fields carry kinds -------------------------------------------
+
+_FIELD_CACHE: dict[type, tuple[tuple[str, _Kind], ...]] = {}
+
+
+def _kinds(cls: type) -> tuple[tuple[str, _Kind], ...]:
+    cached = _FIELD_CACHE.get(cls)
+    if cached is None:
+        cached = tuple((f.name, f.metadata["kind"]) for f in fields(cls))
+        _FIELD_CACHE[cls] = cached
+    return cached
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Record:
+    """Base of messages and the value objects inside them: checks every field, then `_validate`."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for field_name, kind in _kinds(type(self)):
+            value = getattr(self, field_name)
+            checked = kind.check(f"{name}.{field_name}", value)
+            if checked is not value:
+                object.__setattr__(self, field_name, checked)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Rules across fields; subclasses raise MessageValueError."""
+
+
+def _dump_record(record: _Record) -> dict[str, Any]:
+    return {name: kind.dump(getattr(record, name)) for name, kind in _kinds(type(record))}
+
+
+def _load_record(cls: type[_Record], wire: Any, where: str) -> Any:
+    if not isinstance(wire, dict):
+        raise MessageValueError(f"{where} must be a map of fields, got {_type_name(wire)}")
+    kinds = _kinds(cls)
+    expected = {name for name, _ in kinds}
+    if wire.keys() != expected:
+        missing = sorted(expected - wire.keys())
+        unknown = sorted(k for k in wire if k not in expected)
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing)}")
+        if unknown:
+            parts.append(f"unknown {_short(unknown)}")
+        raise MessageValueError(f"{where} has the wrong fields ({'; '.join(parts)})")
+    return cls(**{name: kind.load(f"{where}.{name}", wire[name]) for name, kind in kinds})
+
+
+# --- strict msgpack ---------------------------------------------------------------------------------
+
+def _unique_str_map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if not isinstance(key, str):
+            raise ProtocolError(f"map keys must be strings, got {_type_name(key)}")
+        if key in out:
+            raise ProtocolError(f"map key {_short(key)} appears twice")
+        out[key] = value
+    return out
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def _unpack(data: Any, max_size: int, what: str) -> Any:
+    """msgpack bytes -> plain Python values, or ProtocolError. Shared with frames.py."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        try:
+            data = memoryview(data)
+        except TypeError:
+            raise ProtocolError(f"a {what} must be bytes, got {_type_name(data)}") from None
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
+    if size > max_size:
+        raise ProtocolError(f"a {what} of {size} bytes exceeds the limit of {max_size}")
+    if size == 0:
+        raise ProtocolError(f"an empty {what}")
+    try:
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True, timestamp=0,
+            object_pairs_hook=_unique_str_map, ext_hook=_refuse_ext,
+            max_str_len=size, max_bin_len=0, max_array_len=size, max_map_len=size, max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises many types (ValueError, FormatError, StackError, ...)
+        detail = str(exc)
+        if len(detail) > 120:
+            detail = detail[:117] + "..."
+        cause = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+        raise ProtocolError(f"a {what} that is not valid msgpack ({cause})") from None
+
+
+def _pack(payload: Any) -> bytes:
+    return msgpack.packb(payload, use_bin_type=True)
+
+
+# --- messages ---------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message(_Record):
+    """A control message. Subclasses set TYPE, the tag that names them on the wire."""
+
+    TYPE: ClassVar[str] = ""
+
+
+def _register(cls: type[Message]) -> type[Message]:
+    if not cls.TYPE or cls.TYPE in _REGISTRY:
+        raise RuntimeError(f"message type tag {cls.TYPE!r} of {cls.__name__} is empty or taken")
+    _REGISTRY[cls.TYPE] = cls
+    return cls
+
+
+def message_types() -> dict[str, type[Message]]:
+    """Type tag -> message class, for every message `decode` accepts."""
+    return dict(_REGISTRY)
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ping(Message):
+    """Liveness probe; the peer answers with a Pong carrying the same nonce."""
+
+    TYPE: ClassVar[str] = "ping"
+    sender: str = _f(_ID)
+    nonce: int = _f(_Int(0, _U64_MAX))
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pong(Message):
+    TYPE: ClassVar[str] = "pong"
+    sender: str = _f(_ID)
+    nonce: int = _f(_Int(0, _U64_MAX))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotAssignment(_Record):
+    """One worker of a plan: global `rank`, its pipeline `stage` and data-parallel `replica`, the
+    daemon (`member`) and device `slot` it runs on, and the ZeroMQ `endpoint` it binds for tensors."""
+
+    rank: int = _f(_RANK)
+    stage: int = _f(_RANK)
+    replica: int = _f(_RANK)
+    member: str = _f(_ID)
+    slot: int = _f(_RANK)
+    endpoint: str = _f(_URL)
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Assignment(Message):
+    """A plan for one epoch: P = `pipeline_depth` stages x D = `data_depth` replicas.
+
+    `cuts` are the P-1 cut-point (marker) indices where stages split, strictly increasing, as
+    `trainer.partition.slice_stages` takes them. `slots` has one entry per rank 0..P*D-1. `dist_url`
+    is the torch.distributed init_method for this epoch's all-reduce groups. `resume_step` is the
+    checkpointed step to load, or None to start from scratch.
+    """
+
+    TYPE: ClassVar[str] = "assignment"
+    job: str = _f(_ID)
+    epoch: int = _f(_EPOCH)
+    pipeline_depth: int = _f(_Int(1, _MAX_ITEMS))
+    data_depth: int = _f(_Int(1, _MAX_ITEMS))
+    micro_batch_size: int = _f(_Int(1, _SMALL_MAX))
+    schedule: str = _f(_ID)
+    cuts: tuple[int, ...] = _f(_Tuple(_Int(0, _SMALL_MAX)))
+    slots: tuple[SlotAssignment, ...] = _f(_Tuple(_Nested(SlotAssignment)))
+    dist_url: str = _f(_URL)
+    resume_step: int | None = _f(_Optional(_STEP))
+
+    def _validate(self) -> None:
+        p, d = self.pipeline_depth, self.data_depth
+        if len(self.cuts) != p - 1:
+            raise MessageValueError(
+                f"Assignment.cuts must hold pipeline_depth-1 = {p - 1} cut points, got {len(self.cuts)}")
+        if any(a >= b for a, b in zip(self.cuts, self.cuts[1:])):
+            raise MessageValueError(f"Assignment.cuts must be strictly increasing, got {_short(self.cuts)}")
+        if len(self.slots) != p * d:
+            raise MessageValueError(
+                f"Assignment.slots must hold pipeline_depth*data_depth = {p * d} entries, got {len(self.slots)}")
+        ranks, cells, devices = set(), set(), set()
+        for s in self.slots:
+            if s.stage >= p or s.replica >= d:
+                raise MessageValueError(
+                    f"Assignment slot of rank {s.rank} has stage {s.stage}, replica {s.replica}; "
+                    f"this plan has stages < {p} and replicas < {d}")
+            if s.rank >= p * d or s.rank in ranks:
+                raise MessageValueError(f"Assignment ranks must be 0..{p * d - 1} each once; rank {s.rank} is not")
+            if (s.stage, s.replica) in cells:
+                raise MessageValueError(f"Assignment has two workers for stage {s.stage}, replica {s.replica}")
+            if (s.member, s.slot) in devices:
+                raise MessageValueError(f"Assignment puts two workers on slot {s.slot} of member {s.member}")
+            ranks.add(s.rank)
+            cells.add((s.stage, s.replica))
+            devices.add((s.member, s.slot))
+
+    def slot_of(self, rank: int) -> SlotAssignment:
+        """The entry for `rank`; KeyError if the plan has no such rank."""
+        for s in self.slots:
+            if s.rank == rank:
+                return s
+        raise KeyError(rank)
+
+    def slots_on(self, member: str) -> tuple[SlotAssignment, ...]:
+        """The workers this plan runs on `member`, in rank order."""
+        return tuple(sorted((s for s in self.slots if s.member == member), key=lambda s: s.rank))
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopWorkers(Message):
+    """Stop the job's workers of `epoch` (after a checkpoint when `checkpoint` is true)."""
+
+    TYPE: ClassVar[str] = "stop_workers"
+    job: str = _f(_ID)
+    epoch: int = _f(_EPOCH)
+    reason: str = _f(_TEXT)
+    checkpoint: bool = _f(_Bool())
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointNow(Message):
+    """Checkpoint at the next step boundary and keep running."""
+
+    TYPE: ClassVar[str] = "checkpoint_now"
+    job: str = _f(_ID)
+    epoch: int = _f(_EPOCH)
+    reason: str = _f(_TEXT)
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerProgress(Message):
+    """A worker finished `step`. `loss` is finite (a diverged worker sends WorkerFailed instead);
+    `busy_fraction` is the share of wall time spent computing rather than waiting, in [0, 1]."""
+
+    TYPE: ClassVar[str] = "worker_progress"
+    job: str = _f(_ID)
+    epoch: int = _f(_EPOCH)
+    rank: int = _f(_RANK)
+    step: int = _f(_STEP)
+    loss: float = _f(_Float())
+    samples_per_s: float = _f(_Float(0.0))
+    busy_fraction: float = _f(_Float(0.0, 1.0))
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerCheckpointed(Message):
+    """A worker wrote its share of the checkpoint of `step` at `path`."""
+
+    TYPE: ClassVar[str] = "worker_checkpointed"
+    job: str = _f(_ID)
+    epoch: int = _f(_EPOCH)
+    rank: int = _f(_RANK)
+    step: int = _f(_STEP)
+    path: str = _f(_PATH)
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerFailed(Message):
+    """A worker stopped with an error. `exit_code` is None while the process is still alive
+    (an error it caught and reported), negative for a signal as in `subprocess`."""
+
+    TYPE: ClassVar[str] = "worker_failed"
+    job: str = _f(_ID)
+    epoch: int = _f(_EPOCH)
+    rank: int = _f(_RANK)
+    error: str = _f(_TEXT)
+    exit_code: int | None = _f(_Optional(_Int(-255, 255)))
+
+
+# --- encode / decode --------------------------------------------------------------------------------
+
+def encode(msg: Message, *, max_size: int = MAX_MESSAGE_SIZE) -> bytes:
+    """One message -> the bytes of one frame. Raises MessageValueError past `max_size`, because
+    receivers with the default limit would refuse it."""
+    cls = type(msg)
+    if not isinstance(msg, Message) or _REGISTRY.get(cls.TYPE) is not cls:
+        raise TypeError(f"encode takes a registered Message, got {_type_name(msg)}")
+    data = _pack([PROTOCOL_VERSION, cls.TYPE, _dump_record(msg)])
+    if len(data) > max_size:
+        raise MessageValueError(f"{cls.__name__} encodes to {len(data)} bytes, over the limit of {max_size}")
+    return data
+
+
+def decode(data: bytes, *, max_size: int = MAX_MESSAGE_SIZE) -> Message:
+    """The bytes of one frame -> a validated message. Raises ProtocolError, and only that, on any
+    input that is not exactly what `encode` produces for a valid message."""
+    obj = _unpack(data, max_size, "message")
+    if not isinstance(obj, list) or len(obj) != 3:
+        raise ProtocolError("a message must be a msgpack array [version, type, fields]")
+    version, tag, body = obj
+    if isinstance(version, bool) or not isinstance(version, int) or version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {_short(version)} is not {PROTOCOL_VERSION}; run the same varunad release everywhere")
+    if not isinstance(tag, str) or tag not in _REGISTRY:
+        raise ProtocolError(f"unknown message type {_short(tag)}")
+    cls = _REGISTRY[tag]
+    try:
+        return _load_record(cls, body, cls.__name__)
+    except MessageValueError as exc:
+        raise ProtocolError(f"bad {tag} message: {exc.reason}") from None

@@ -1,0 +1,289 @@
+"""protocol.frames: tensors of every dtype and shape cross real sockets intact; bad frames are refused."""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.errors import MessageValueError, ProtocolError
+from protocol.frames import (
+    CHUNK_BYTES,
+    DIRECTIONS,
+    DTYPES,
+    TensorHeader,
+    recv_tensor,
+    send_tensor,
+)
+from protocol.messages import PROTOCOL_VERSION
+
+META = dict(job="job-1", epoch=3, stage=1, micro_batch=5, direction="act")
+TIMEOUT_MS = 5000
+
+
+def _pair(ctx: zmq.Context, kind: str):
+    if kind == "inproc":
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind(f"inproc://frames-{random.getrandbits(64)}")
+    else:   # the trainer's setup: PUSH -> PULL over TCP, no high-water mark
+        a, b = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        a.setsockopt(zmq.SNDHWM, 0)
+        b.setsockopt(zmq.RCVHWM, 0)
+        a.bind("tcp://127.0.0.1:*")
+    b.connect(a.getsockopt_string(zmq.LAST_ENDPOINT))
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def inproc(ctx):
+    return _pair(ctx, "inproc")
+
+
+@pytest.fixture(scope="module")
+def tcp(ctx):
+    return _pair(ctx, "tcp")
+
+
+def _recv(sock):
+    assert sock.poll(TIMEOUT_MS), "nothing arrived"
+    return recv_tensor(sock)
+
+
+def _random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8).view(torch.bool).reshape(shape)
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)   # every bit pattern, NaNs included
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bitwise, so that NaN payloads and -0.0 count too.
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _check(sent: torch.Tensor, header: TensorHeader, got: torch.Tensor, **meta) -> None:
+    meta = {**META, **meta}
+    assert (header.job, header.epoch, header.stage, header.micro_batch, header.direction) == (
+        meta["job"], meta["epoch"], meta["stage"], meta["micro_batch"], meta["direction"])
+    assert header.dtype == str(sent.dtype).removeprefix("torch.")
+    assert header.shape == tuple(sent.shape) and header.nbytes == sent.numel() * sent.element_size()
+    assert got.dtype == sent.dtype and got.shape == sent.shape and got.device.type == "cpu"
+    assert got.is_contiguous()
+    assert _same_bytes(got, sent)
+
+
+# --- round trips -----------------------------------------------------------------------------------
+
+shapes = st.lists(st.integers(0, 6), min_size=0, max_size=4).map(tuple)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dtype=st.sampled_from(sorted(DTYPES)), shape=shapes, seed=st.integers(0, 2**32 - 1),
+       transpose=st.booleans(), direction=st.sampled_from(DIRECTIONS), micro_batch=st.integers(0, 2**31 - 1))
+def test_round_trip_every_dtype_and_shape(inproc, dtype, shape, seed, transpose, direction, micro_batch):
+    t = _random_tensor(DTYPES[dtype], shape, seed)
+    if transpose and t.dim() >= 2:
+        t = t.transpose(0, -1)   # non-contiguous
+    a, b = inproc
+    send_tensor(a, t, **{**META, "direction": direction, "micro_batch": micro_batch})
+    header, got = _recv(b)
+    _check(t, header, got, direction=direction, micro_batch=micro_batch)
+
+
+@settings(max_examples=12, deadline=None)
+@given(dtype=st.sampled_from(["float32", "bfloat16", "float16", "int64", "bool", "uint8"]),
+       extra=st.integers(-3, 3 * CHUNK_BYTES), seed=st.integers(0, 2**32 - 1))
+def test_multi_frame_round_trip_over_tcp(tcp, dtype, extra, seed):
+    itemsize = DTYPES[dtype].itemsize
+    numel = max(1, (CHUNK_BYTES + extra) // itemsize)
+    t = _random_tensor(DTYPES[dtype], (numel,), seed)
+    a, b = tcp
+    send_tensor(a, t, **META)
+    header, got = _recv(b)
+    _check(t, header, got)
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.tensor(3.5),
+    torch.tensor(True),
+    torch.empty(0),
+    torch.empty(3, 0, 2, dtype=torch.bfloat16),
+    torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)[:, ::2, 1:],
+    torch.arange(4 * CHUNK_BYTES // 4, dtype=torch.float32).reshape(1024, -1).t(),
+    torch.randn(CHUNK_BYTES // 2).to(torch.bfloat16),
+    torch.tensor([1 + 2j, -3j], dtype=torch.complex64).conj(),
+    torch.ones(3, dtype=torch.complex64).conj().imag,
+    torch.randn(4, 4, requires_grad=True) * 2,
+], ids=["0dim", "0dim-bool", "empty", "empty-3d", "strided", "multi-frame-transposed", "bf16-1MiB", "conj",
+        "neg-view", "requires-grad"])
+def test_round_trip_edge_cases(tcp, tensor):
+    a, b = tcp
+    send_tensor(a, tensor, **META)
+    header, got = _recv(b)
+    _check(tensor.detach().resolve_conj().resolve_neg(), header, got)
+
+
+def test_received_tensors_are_usable_and_writable(tcp):
+    a, b = tcp
+    for n in (3, 1000, CHUNK_BYTES // 4, CHUNK_BYTES // 4 + 1):
+        send_tensor(a, torch.ones(n), **META)
+        _, got = _recv(b)
+        got.add_(1)   # in place: the buffer must be ours and writable
+        assert torch.all(got == 2)
+        assert got.data_ptr() % got.element_size() == 0
+
+
+def test_sender_keeps_memory_alive_after_the_caller_drops_it(tcp):
+    a, b = tcp
+    t = torch.arange(3 * CHUNK_BYTES // 8, dtype=torch.float64)
+    expected = t.clone()
+    send_tensor(a, t, **META)
+    del t
+    gc.collect()
+    junk = [torch.full((CHUNK_BYTES // 8,), -1.0, dtype=torch.float64) for _ in range(8)]  # reuse freed memory
+    _, got = _recv(b)
+    assert torch.equal(got, expected)
+    assert junk[0][0] == -1.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_arrive_on_cpu(tcp):
+    a, b = tcp
+    t = torch.randn(5, 7, device="cuda").t()
+    send_tensor(a, t, **META)
+    _, got = _recv(b)
+    assert got.device.type == "cpu" and torch.equal(got, t.cpu())
+
+
+def test_noblock_on_an_empty_socket_raises_again(ctx):
+    _, b = _pair(ctx, "inproc")
+    with pytest.raises(zmq.Again):
+        recv_tensor(b, zmq.NOBLOCK)
+
+
+# --- refused on send --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make, meta, words", [
+    (lambda: torch.ones(2), dict(direction="fwd"), "direction"),
+    (lambda: torch.ones(2), dict(epoch=-1), "epoch"),
+    (lambda: torch.ones(2), dict(stage=True), "bool"),
+    (lambda: torch.ones(2), dict(job=""), "job"),
+    (lambda: torch.ones(2), dict(micro_batch=-1), "micro_batch"),
+    pytest.param(lambda: torch.ones(2, dtype=torch.complex32), {}, "cannot be sent",
+                 marks=pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")),
+    (lambda: torch.ones(2).to_sparse(), {}, "dense"),
+])
+def test_send_refuses_bad_arguments(ctx, make, meta, words):
+    a, b = _pair(ctx, "inproc")
+    with pytest.raises(MessageValueError, match=words):
+        send_tensor(a, make(), **{**META, **meta})
+    assert not b.poll(0)   # nothing half-sent
+
+
+# --- refused on receive ------------------------------------------------------------------------------
+
+def _header(**over):
+    body = dict(job="j", epoch=0, stage=0, micro_batch=0, direction="act", dtype="float32", shape=[2], nbytes=8)
+    nframes = over.pop("nframes", 1)
+    body.update(over)
+    return msgpack.packb([PROTOCOL_VERSION, "tensor", body, nframes])
+
+
+BAD_MESSAGES = {
+    "not-msgpack": [b"\xc1", b"\x00" * 8],
+    "wrong-layout": [msgpack.packb([PROTOCOL_VERSION, "tensor", {}]), b"\x00" * 8],
+    "wrong-version": [msgpack.packb([2, "tensor", {}, 1]), b"\x00" * 8],
+    "float-version": [msgpack.packb([1.0, "tensor", msgpack.unpackb(_header())[2], 1]), b"\x00" * 8],
+    "wrong-tag": [msgpack.packb([PROTOCOL_VERSION, "ping", {}, 1]), b"\x00" * 8],
+    "nbytes-vs-shape": [_header(nbytes=12), b"\x00" * 12],
+    "unknown-dtype": [_header(dtype="float128", nbytes=32), b"\x00" * 32],
+    "bad-direction": [_header(direction="sideways"), b"\x00" * 8],
+    "negative-dim": [_header(shape=[-2]), b"\x00" * 8],
+    "bool-nframes": [_header(nframes=True), b"\x00" * 8],
+    "too-few-parts": [_header(shape=[CHUNK_BYTES // 2], nbytes=2 * CHUNK_BYTES, nframes=2), b"\x00" * CHUNK_BYTES],
+    "too-many-parts": [_header(), b"\x00" * 8, b"\x00" * 8],
+    "part-too-short": [_header(), b"\x00" * 7],
+    "part-too-long": [_header(), b"\x00" * 9],
+    "chunk-wrong-size": [_header(shape=[CHUNK_BYTES // 2], nbytes=2 * CHUNK_BYTES, nframes=2),
+                         b"\x00" * (CHUNK_BYTES - 1), b"\x00" * (CHUNK_BYTES + 1)],
+    "nframes-disagrees": [_header(nframes=2), b"\x00" * 4, b"\x00" * 4],
+    "data-missing": [_header()],
+    "empty-with-data": [_header(shape=[0], nbytes=0, nframes=0), b"\x00"],
+    "bool-not-0-1": [_header(dtype="bool", shape=[4], nbytes=4), b"\x00\x01\x02\x01"],
+    "huge-claim": [_header(dtype="uint8", shape=[2**40], nbytes=2**40, nframes=2**20), b"\x00" * 8],
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_MESSAGES))
+def test_recv_refuses_bad_frames_and_stays_in_sync(inproc, name):
+    a, b = inproc
+    a.send_multipart(BAD_MESSAGES[name])
+    assert b.poll(TIMEOUT_MS)
+    with pytest.raises(ProtocolError):
+        recv_tensor(b)
+    # The refused message was consumed whole: the next one arrives intact.
+    t = torch.arange(5.0)
+    send_tensor(a, t, **META)
+    header, got = _recv(b)
+    assert torch.equal(got, t) and header.micro_batch == META["micro_batch"]
+
+
+def test_mutated_headers_raise_only_protocol_error(inproc):
+    a, b = inproc
+    rng = random.Random(99)
+    good = _header(shape=[2, 1], nbytes=8)
+    refused = 0
+    for _ in range(1500):
+        head = bytearray(good)
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(max(1, len(head)))
+            if rng.random() < 0.5 and head:
+                head[i] = rng.randrange(256)
+            else:
+                del head[i:]
+                head += rng.randbytes(rng.randint(0, 4))
+        a.send_multipart([bytes(head), b"\x00" * 8])
+        try:
+            header, got = recv_tensor(b)
+        except ProtocolError:
+            refused += 1
+        else:
+            assert got.numel() * got.element_size() == header.nbytes
+    assert refused > 1000
+    assert not b.poll(0)   # every message consumed whole
+
+
+# --- the header value object ------------------------------------------------------------------------
+
+def test_header_validates_itself():
+    h = TensorHeader(job="j", epoch=0, stage=2, micro_batch=1, direction="grad", dtype="bfloat16",
+                     shape=[3, 4], nbytes=24)
+    assert h.shape == (3, 4)
+    with pytest.raises(MessageValueError, match="needs 24"):
+        TensorHeader(job="j", epoch=0, stage=2, micro_batch=1, direction="grad", dtype="bfloat16",
+                     shape=(3, 4), nbytes=48)
+    with pytest.raises(MessageValueError, match="not supported"):
+        TensorHeader(job="j", epoch=0, stage=0, micro_batch=0, direction="act", dtype="float128",
+                     shape=(), nbytes=16)
+    with pytest.raises(TypeError):
+        TensorHeader("j", 0, 0, 0, "act", "float32", (), 4)  # type: ignore[misc]
+
+
+def test_dtypes_cover_the_required_ones():
+    assert {"float32", "float16", "bfloat16", "int64", "bool"} <= set(DTYPES)
