@@ -1,0 +1,237 @@
+"""varunactl: the operator's command line.
+
+One small dispatcher: each command group has an `_add_<group>(subparsers)` function that declares its
+arguments and binds one handler per subcommand with `set_defaults(handler=...)`; a handler takes the
+parsed arguments and returns the exit status. Add a group by writing its `_add_*` function and listing
+it in `_GROUPS`. Errors the user can fix print one line on stderr and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from protocol.errors import ProtocolError
+from protocol.security import generate_key_pair, load_public_key
+
+__all__ = ["main"]
+
+# --- keys -----------------------------------------------------------------------------------------
+
+def _cmd_keys_generate(args: argparse.Namespace) -> int:
+    public, secret = generate_key_pair(args.dir, args.name, force=args.force)
+    print(f"public key  {public}  (copy it into the allow-list directory of every daemon)")
+    print(f"secret key  {secret}  (mode 0600; keep it on this machine)")
+    return 0
+
+
+def _cmd_keys_show(args: argparse.Namespace) -> int:
+    print(load_public_key(args.file).decode("ascii"))
+    return 0
+
+
+def _add_keys(sub: argparse._SubParsersAction) -> None:
+    keys = sub.add_parser(
+        "keys", help="create and inspect CURVE key pairs",
+        description="CURVE key pairs authenticate daemons to each other and encrypt their traffic.")
+    actions = keys.add_subparsers(dest="action", metavar="ACTION", required=True)
+    gen = actions.add_parser(
+        "generate", help="write NAME.key and NAME.key_secret",
+        description="Write a new key pair: DIR/NAME.key (public, share it) and DIR/NAME.key_secret "
+                    "(secret, mode 0600). Name it after the daemon's member name.")
+    gen.add_argument("--dir", required=True, metavar="DIR", help="directory to write into (created if missing)")
+    gen.add_argument("--name", required=True, metavar="NAME", help="key name: letters, digits, . _ - : @")
+    gen.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
+    gen.set_defaults(handler=_cmd_keys_generate)
+    show = actions.add_parser("show", help="print the public key of a key file",
+                              description="Print the Z85 public key held in a .key or .key_secret file.")
+    show.add_argument("file", metavar="FILE", help="a NAME.key or NAME.key_secret file")
+    show.set_defaults(handler=_cmd_keys_show)
+
+
+# --- fleet commands (through etcd; implemented in varunad.ctl, imported on use) ---------------------
+
+def _keys(args: argparse.Namespace):
+    from varunad.fleetkeys import FleetKeys
+
+    return FleetKeys(args.root)
+
+
+def _run(args: argparse.Namespace, fn) -> int:
+    from varunad import ctl
+
+    return ctl.run(args.etcd, args.timeout, fn)
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from varunad import ctl
+
+    script_args = list(args.script_args)
+    if script_args and script_args[0] == "--":
+        script_args = script_args[1:]
+    spec, bundle = ctl.build_spec(
+        name=args.name, script=args.script, args=script_args, batch_size=args.batch_size,
+        chunk_size=args.chunk_size, steps=args.steps, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, store=args.store, schedule=args.schedule)
+    return _run(args, lambda store: ctl.submit(store, _keys(args), spec, bundle))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from varunad import ctl
+
+    async def go(store) -> int:
+        doc = await (ctl.job_status(store, _keys(args), args.job) if args.job else
+                     ctl.fleet_status(store, _keys(args)))
+        if args.json:
+            print(ctl.dumps(doc))
+        elif args.job:
+            ctl.print_job(doc)
+        else:
+            ctl.print_fleet(doc)
+        return 0
+
+    return _run(args, go)
+
+
+def _cmd_nodes(args: argparse.Namespace) -> int:
+    from varunad import ctl
+
+    async def go(store) -> int:
+        members = await ctl.nodes(store, _keys(args))
+        if args.json:
+            print(ctl.dumps(members))
+            return 0
+        print(f"{'NAME':<16} {'HOST':<16} {'SLOTS':>5} {'KIND':<8} {'MEM_GiB':>8} {'LEASE_AGE':>9} {'TTL_LEFT':>8} "
+              f"{'UP_S':>8}  VERSION")
+        for m in members:
+            age = "-" if m["lease_age_s"] is None else f"{m['lease_age_s']:.0f}s"
+            left = "-" if m["lease_ttl_left_s"] is None else f"{m['lease_ttl_left_s']}s"
+            print(f"{m['name']:<16} {m['host']:<16} {m['slots']:>5} {m['device_kind']:<8} "
+                  f"{m['memory_bytes'] / 2**30:>8.1f} {age:>9} {left:>8} {m['up_s']:>8.0f}  {m['version']}"
+                  + ("  (leaving)" if m["draining"] else ""))
+        return 0
+
+    return _run(args, go)
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    from varunad import ctl
+
+    async def go(store) -> int:
+        rows = await ctl.jobs(store, _keys(args))
+        if args.json:
+            print(ctl.dumps(rows))
+            return 0
+        print(f"{'JOB':<24} {'STATE':<10} {'EPOCH':>8}  REASON")
+        for j in rows:
+            print(f"{j['job']:<24} {j['state']:<10} {j['epoch']:>8}  {j['reason']}")
+        return 0
+
+    return _run(args, go)
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from varunad import ctl
+
+    return _run(args, lambda store: ctl.logs(store, _keys(args), args.job, follow=args.follow))
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    from varunad import ctl
+
+    return _run(args, lambda store: ctl.cancel(store, _keys(args), args.job, wait=args.wait))
+
+
+def _add_jobs(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "submit", help="submit a training script as a job",
+        description="Bundle SCRIPT and the files next to it (size-limited) into etcd as job NAME. The fleet's "
+                    "leader runs it when it reaches the head of the queue, as P x D workers chosen for the live "
+                    "VMs, and morphs it (same global batch, from the newest checkpoint) when VMs come and go.")
+    p.add_argument("--name", required=True, help="job name: letters, digits, . _ - : @")
+    p.add_argument("--batch-size", type=int, required=True, metavar="B", help="global batch per step")
+    p.add_argument("--chunk-size", default="auto", metavar="M|auto",
+                   help="micro-batch size (must divide B), or auto to let the planner choose (default)")
+    p.add_argument("--steps", type=int, required=True, metavar="S", help="optimizer steps to train")
+    p.add_argument("--checkpoint-every", type=int, required=True, metavar="K", help="checkpoint every K steps")
+    p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="complete checkpoints kept (3)")
+    p.add_argument("--store", metavar="DIR", help="checkpoint store of the job (default: the daemons' --store/NAME)")
+    p.add_argument("--schedule", default="varuna", choices=["varuna", "gpipe", "1f1b"], help="pipeline schedule")
+    p.add_argument("script", metavar="SCRIPT", help="a Varuna training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="arguments for the script")
+    p.set_defaults(handler=_cmd_submit)
+
+    p = sub.add_parser("status", help="the fleet, or one job",
+                       description="Without JOB: leader, members, plan and jobs. With JOB: its state, plan "
+                                   "(P, D, micro-batch, epoch), step, loss, throughput and last morph.")
+    p.add_argument("job", nargs="?", metavar="JOB")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=_cmd_status)
+
+    p = sub.add_parser("nodes", help="members with their facts and lease age",
+                       description="Every live daemon: host, slots, device kind, memory, lease age and version.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=_cmd_nodes)
+
+    p = sub.add_parser("jobs", help="every job and its state", description="Jobs in queue order with their state.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=_cmd_jobs)
+
+    p = sub.add_parser("logs", help="the workers' output of a job",
+                       description="The recent output of every worker of JOB, as the daemons ship it to etcd.")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends (Ctrl-C stops)")
+    p.set_defaults(handler=_cmd_logs)
+
+    p = sub.add_parser("cancel", help="cancel a job", description="Stop JOB's workers and mark it cancelled.")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+                   help="how long to wait for the leader to confirm (default 10)")
+    p.set_defaults(handler=_cmd_cancel)
+
+
+# --- dispatcher -----------------------------------------------------------------------------------
+
+_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_keys, _add_jobs)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="varunactl",
+        description="Control a varunad fleet: keys, jobs, status. "
+                    "Run `varunactl COMMAND --help` for a command's options.")
+    parser.add_argument("--etcd", metavar="HOST:PORT[,...]",
+                        default=os.environ.get("VARUNAD_ETCD", "127.0.0.1:2379"),
+                        help="etcd endpoints (default $VARUNAD_ETCD or 127.0.0.1:2379)")
+    parser.add_argument("--root", default=os.environ.get("VARUNAD_ROOT", "/varunad/"), metavar="PREFIX",
+                        help="the fleet's etcd key root (default $VARUNAD_ROOT or /varunad/)")
+    parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="give up on an unreachable etcd after this long (default 5)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in _GROUPS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run varunactl with `argv` (default: the process arguments); returns the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:   # --help, or a usage error argparse already explained
+        return exc.code if isinstance(exc.code, int) else 2
+    from varunad.ctl import CtlError
+    from varunad.jobs import JobSpecError
+
+    try:
+        return args.handler(args)
+    except (ProtocolError, OSError, CtlError, JobSpecError, ValueError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"varunactl {args.command}: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
