@@ -7,8 +7,9 @@ from trainer.data import TextDataset
 from trainer.models.gpt import GPT, GPTConfig
 
 
-def reference_run(steps: int, batch_size: int):
-    """Per-step losses and final named parameters of the tiny GPT under SGD with momentum, dropout 0."""
+def reference_run(steps: int, batch_size: int, *, clip: float | None = None, precision: str = "fp32"):
+    """Per-step losses and final named parameters of the tiny GPT under SGD with momentum,
+    dropout 0; also the final model's loss on a held-out batch (as `eval`)."""
     torch.manual_seed(1234)
     cfg = GPTConfig.preset("tiny")
     model = GPT(cfg, seed=0)
@@ -16,10 +17,19 @@ def reference_run(steps: int, batch_size: int):
     batches = GlobalBatches(len(data), batch_size, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
+                else torch.autocast("cpu", enabled=False))
     for step in range(steps):
         opt.zero_grad()
-        loss = model(**data.batch(batches.indices(step)))
+        with autocast:
+            loss = model(**data.batch(batches.indices(step)))
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        held_out = model(**data.batch(GlobalBatches(len(data), batch_size, seed=99).indices(0))).item()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params["eval"] = held_out
+    return losses, params

@@ -25,6 +25,7 @@ p.add_argument("--store", default=None, help="checkpoint store")
 p.add_argument("--checkpoint-at", type=int, default=None, help="checkpoint after this many steps")
 p.add_argument("--resume", type=int, default=None, help="load this checkpoint before training")
 p.add_argument("--grads", action="store_true", help="do one forward/backward and dump gradients, no step")
+p.add_argument("--clip", type=float, default=None, help="global gradient-norm clipping")
 args = p.parse_args()
 
 torch.manual_seed(1234)
@@ -52,14 +53,17 @@ if args.grads:
 record = []
 while varuna.iteration < args.steps:
     idx = batches.shard(varuna.iteration, varuna.replica, varuna.data_depth)
-    loss, overflow = varuna.step(data.batch(idx))
+    loss, overflow = varuna.step(data.batch(idx), clip_grad_max_norm=args.clip)
     record.append({"step": varuna.iteration - 1, "loss": loss, "overflow": overflow,
                    "scale": varuna.scaler.scale})
     if args.checkpoint_at is not None and varuna.iteration == args.checkpoint_at:
         varuna.checkpoint(args.store)
+eval_idx = GlobalBatches(len(data), args.batch_size, seed=99).shard(0, varuna.replica, varuna.data_depth)
+eval_loss = varuna.evaluate(data.batch(eval_idx))
 with open(f"{args.out}/losses_rank{varuna.rank}.json", "w") as f:
     json.dump({"stage": varuna.stage, "replica": varuna.replica, "P": varuna.pipeline_depth,
-               "record": record, "param_bytes": varuna.parameter_bytes()}, f)
+               "record": record, "param_bytes": varuna.parameter_bytes(), "eval": eval_loss,
+               "grad_norm": varuna.grad_norm}, f)
 if varuna.replica == 0:
     torch.save({n: p.detach() for n, p in varuna.named_parameters()}, f"{args.out}/params_rank{varuna.rank}.pt")
 varuna.close()
