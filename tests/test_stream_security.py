@@ -26,7 +26,7 @@ def curve_env(tmp_path, *, allow_self: bool):
     return {"VARUNA_SECURITY": "curve", "VARUNA_SECRET_KEY_FILE": str(secret),
             "VARUNA_ALLOWED_KEYS_DIR": str(allowed), "VARUNA_TRUSTED_NETWORK": "0",
             "VARUNA_PEER_KEYS": json.dumps({"*": load_public_key(public).decode()}),
-            "VARUNA_PEER_TIMEOUT": "15"}
+            "VARUNA_PEER_TIMEOUT": "5"}
 
 
 def test_curve_streams_train(tmp_path):
