@@ -231,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"varunactl {args.command}: {message}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C, e.g. ending `logs --follow`
+        return 130
 
 
 if __name__ == "__main__":

@@ -31,13 +31,19 @@ import abc
 import asyncio
 import logging
 import math
+import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, Union
 
-import aetcd
+# Before grpc (under aetcd) is imported: its fork handlers crash children forked while another
+# thread is inside gRPC (about 1 in 8 in a stress test), and the daemon forks every worker. The
+# children exec at once and never use gRPC, so they need no such handlers.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import aetcd  # noqa: E402
 import aetcd.exceptions
 import aetcd.rpc
 import aetcd.transactions as _tx

@@ -1,0 +1,67 @@
+"""The job the daemon tests submit with varunactl: the tiny GPT of tests/workers/train_check.py
+(dropout 0, SGD with momentum), written as a plain Varuna script that reads its steps and batch
+from the job (VARUNA_STEPS, VARUNA_BATCH_SIZE), so `tests/reference.py` predicts every loss.
+
+--step-sleep slows each step down so that a test can act while the job runs. With
+VARUNA_PROFILE set (a calibration run), it writes a synthetic calibration of the model's five
+segments there and exits, standing in for the profiler hook.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+p = argparse.ArgumentParser()
+p.add_argument("--step-sleep", type=float, default=0.0)
+p.add_argument("--chunk-size", type=int, default=4)
+p.add_argument("--fail-at", type=int, default=None, help="exit 3 after this step (tests of failures)")
+args = p.parse_args()
+
+if os.environ.get("VARUNA_PROFILE"):
+    from trainer.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
+
+    # Five equal segments (the tiny GPT has four cut points) whose weights and optimizer state
+    # take 300 MB each: a daemon started with --memory 1073741824 cannot hold the whole model,
+    # so the planner must pipeline it: 2 slots run 2x1, 3 slots 3x1, 4 slots 4x1.
+    links = {"intra": LinkCost(50e-6, 5e9), "inter": LinkCost(200e-6, 1e9)}
+    sizes = (1, 2, 3, 4, 6)
+    costs = tuple(SegmentCost(1e-3 + 1e-3 * b, 2e-3 + 2e-3 * b, 1e-3 + 1e-3 * b, 1000 * b, 1000 * b) for b in sizes)
+    Calibration(model="tiny-gpt", device_kind="cpu", micro_batch_sizes=sizes, input_bytes=tuple(100 * b for b in sizes),
+                segments=(SegmentProfile(100_000_000, 100_000_000, 0.0, costs),) * 5, links=links,
+                allreduce=links).save(os.environ["VARUNA_PROFILE"])
+    sys.exit(0)
+
+import torch  # noqa: E402
+
+from trainer import GlobalBatches, Varuna  # noqa: E402
+from trainer.data import TextDataset  # noqa: E402
+from trainer.env import job_setting  # noqa: E402
+from trainer.models.gpt import GPT, GPTConfig  # noqa: E402
+
+steps = job_setting("steps", 5)
+batch_size = job_setting("batch_size", 12)
+started = time.time()
+torch.manual_seed(1234)
+cfg = GPTConfig.preset("tiny", dropout=0.0)
+model = GPT(cfg, seed=0)
+data = TextDataset(cfg.seq_len, num_examples=256, seed=0)
+varuna = Varuna(model, None, data.sample_batch, batch_size, args.chunk_size)
+opt = torch.optim.SGD(varuna.parameters(), lr=0.1, momentum=0.9)
+before_load = time.time()
+varuna.set_optimizer(opt)
+loaded = time.time()
+print(f"TIMING start={started:.6f} before_load={before_load:.6f} loaded={loaded:.6f} "
+      f"resumed_at={varuna.iteration}", flush=True)
+batches = GlobalBatches(len(data), batch_size, seed=0)
+while varuna.iteration < steps:
+    idx = batches.shard(varuna.iteration, varuna.replica, varuna.data_depth)
+    loss, _ = varuna.step(data.batch(idx))
+    if varuna.rank == 0:
+        print(f"step {varuna.iteration - 1} loss {loss:.6f} t={time.time():.6f}", flush=True)
+    if args.fail_at is not None and varuna.iteration > args.fail_at and varuna.rank == 0:
+        print("failing on purpose", file=sys.stderr, flush=True)
+        sys.exit(3)
+    if args.step_sleep:
+        time.sleep(args.step_sleep)
+varuna.close()

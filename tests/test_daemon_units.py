@@ -1,0 +1,312 @@
+"""varunad's pieces without processes: config and its timing rules, job specs and bundles, plan
+documents, and the leader's decisions from snapshot data (Patroni's layer of unit tests)."""
+
+from __future__ import annotations
+
+import io
+import os
+import json
+import logging
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from varunad.config import ConfigError, load_config, parse_env_file
+from varunad.facts import DaemonMember
+from varunad.fleet import FleetSnapshot, JobEntry
+from varunad.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_digest, model_fingerprint, pack_bundle,
+                          unpack_bundle)
+from varunad.leader import LeaderMemory, decide
+from varunad.plans import PlanDoc, make_plan, uniform_calibration
+from varunad.records import WorkerRecord, WorkerReport, epoch_ranges, merge_history
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = ["--etcd", "127.0.0.1:2379", "--store", "/tmp/store", "--plaintext"]
+
+
+# --- config ---------------------------------------------------------------------------------------
+
+def test_config_defaults_follow_the_ttl():
+    c = load_config(BASE, environ={})
+    assert c.ttl == 10 and c.loop_wait == 2 and c.retry_timeout == 2.5
+    assert c.loop_wait + 2 * c.retry_timeout <= c.ttl
+    c = load_config(BASE + ["--ttl", "4"], environ={})
+    assert c.loop_wait + 2 * c.retry_timeout <= 4
+
+
+def test_config_lowers_a_retry_timeout_that_breaks_the_rule(caplog):
+    with caplog.at_level(logging.WARNING):
+        c = load_config(BASE + ["--ttl", "6", "--loop-wait", "2", "--retry-timeout", "5"], environ={})
+    assert c.retry_timeout == 2.0 and "lowering retry_timeout" in caplog.text
+    with pytest.raises(ConfigError, match="below --ttl"):
+        load_config(BASE + ["--ttl", "4", "--loop-wait", "5"], environ={})
+
+
+def test_config_precedence_flags_over_env_file_over_environment(tmp_path):
+    env_file = tmp_path / "varunad.env"
+    env_file.write_text("# comment\nVARUNAD_TTL=8\nVARUNAD_NAME='from-file'\nVARUNAD_STOP_GRACE=30\n")
+    environ = {"VARUNAD_TTL": "20", "VARUNAD_NAME": "from-env", "VARUNAD_SLOTS": "2", "OTHER": "x"}
+    c = load_config(BASE + ["--env-file", str(env_file), "--name", "from-flag"], environ=environ)
+    assert (c.name, c.ttl, c.slots, c.stop_grace) == ("from-flag", 8.0, 2, 30.0)
+    assert parse_env_file(env_file) == {"VARUNAD_TTL": "8", "VARUNAD_NAME": "from-file", "VARUNAD_STOP_GRACE": "30"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--store", "/s", "--plaintext"], "no etcd endpoint"),
+    (["--etcd", "h:1", "--plaintext"], "no checkpoint store"),
+    (["--etcd", "h:1", "--store", "/s"], "--curve-keys DIR"),
+    (BASE + ["--ttl", "1"], "minimum lease"),
+    (BASE + ["--name", "a/b"], "--name"),
+    (BASE + ["--abort-grace", "70"], "shorter than --stop-grace"),
+])
+def test_config_refuses_unusable_settings(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(argv, environ={})
+
+
+def test_varunad_help_and_errors():
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-m", "varunad.daemon", "--help"], capture_output=True, text=True, env=env,
+                       cwd=str(REPO), timeout=60)
+    assert r.returncode == 0 and "SIGTERM" in r.stdout and "VARUNAD_" in r.stdout and "--curve-keys" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "varunad.daemon", "--store", "/tmp/x", "--plaintext"], capture_output=True,
+                       text=True, env=env, cwd=str(REPO), timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "no etcd endpoint" in r.stderr
+
+
+def test_the_daemon_never_imports_torch():
+    code = ("import sys, varunad.daemon, varunad.leader, varunad.supervisor, varunad.cli, varunad.ctl; "
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO), timeout=60)
+    assert r.stdout.strip() == "False", r.stderr
+
+
+# --- jobs and bundles ---------------------------------------------------------------------------------
+
+def spec(**kw) -> JobSpec:
+    doc = dict(job="j", script="train.py", batch_size=12, steps=10, checkpoint_every=3, bundle_digest="a" * 64,
+               bundle_bytes=10)
+    doc.update(kw)
+    return JobSpec(**doc)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"batch_size": 10, "chunk_size": 4}, "not divisible"),
+    ({"steps": 0}, "steps must be a positive integer"),
+    ({"checkpoint_every": -1}, "checkpoint interval"),
+    ({"batch_size": True}, "batch size"),
+    ({"job": "a b"}, "job name"),
+    ({"script": "../x.py"}, "relative path"),
+    ({"schedule": "zigzag"}, "schedule"),
+])
+def test_job_spec_refuses(kw, message):
+    with pytest.raises(JobSpecError, match=message):
+        spec(**kw)
+
+
+def test_job_spec_round_trip_and_hand_written_values():
+    s = spec(args=("--x", "1"), chunk_size=4)
+    assert JobSpec.decode(s.encode(), job="j") == s
+    assert s.micro_batch_sizes() == [4] and spec().micro_batch_sizes() == [1, 2, 3, 4, 6, 12]
+    for bad, message in [(b"{", "not JSON"), (b"[]", "not a JSON object"), (b'{"job": "j", "zap": 1}', "unknown"),
+                         (b'{"job": "j"}', "malformed")]:
+        with pytest.raises(JobSpecError, match=message):
+            JobSpec.decode(bad, job="j")
+    with pytest.raises(JobSpecError, match="names job"):
+        JobSpec.decode(spec(job="k").encode(), job="j")
+    assert model_fingerprint(s) != model_fingerprint(spec(args=("--x", "2"), chunk_size=4))
+
+
+def test_job_state_round_trip():
+    st = JobState(job="j").but(state="running", epoch=7, epochs=(7,), plan={"P": 2})
+    assert JobState.decode(st.encode()) == st
+
+
+def test_bundle_packs_the_script_directory_and_unpacks_once(tmp_path):
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "train.py").write_text("import pkg.helper\n")
+    (src / "pkg" / "helper.py").write_text("X = 1\n")
+    (src / "__pycache__").mkdir()
+    (src / "__pycache__" / "train.cpython-311.pyc").write_bytes(b"\0")
+    (src / ".git").mkdir()
+    (src / ".git" / "HEAD").write_text("ref")
+    data, rel = pack_bundle(src / "train.py")
+    assert rel == "train.py"
+    assert sorted(zipfile.ZipFile(io.BytesIO(data)).namelist()) == ["pkg/helper.py", "train.py"]
+    again, _ = pack_bundle(src / "train.py")
+    assert bundle_digest(again) == bundle_digest(data)  # same files, same digest
+    out = unpack_bundle(data, bundle_digest(data), tmp_path / "dest")
+    assert (out / "pkg" / "helper.py").read_text() == "X = 1\n"
+    assert unpack_bundle(data, bundle_digest(data), tmp_path / "dest") == out
+    with pytest.raises(BundleError, match="digest"):
+        unpack_bundle(data, "0" * 64, tmp_path / "dest2")
+
+
+def test_bundle_size_limit_names_the_biggest_files(tmp_path):
+    (tmp_path / "train.py").write_text("pass\n")
+    (tmp_path / "weights.bin").write_bytes(os.urandom(256 * 1024))  # does not compress
+    with pytest.raises(BundleError, match=r"weights\.bin"):
+        pack_bundle(tmp_path / "train.py", limit=64 * 1024)
+
+
+def test_unpack_refuses_entries_outside_the_bundle(tmp_path):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("../evil.py", "x")
+    data = buf.getvalue()
+    with pytest.raises(BundleError, match="unsafe"):
+        unpack_bundle(data, bundle_digest(data), tmp_path / "dest")
+    assert not (tmp_path / "evil.py").exists()
+
+
+# --- plans ----------------------------------------------------------------------------------------
+
+def member(name: str, *, lease_ports: int = 0, draining: bool = False, slots: int = 1) -> DaemonMember:
+    base = 20000 + 10 * int(name[-1])
+    return DaemonMember(name=name, host=f"10.0.0.{name[-1]}", endpoint=f"tcp://10.0.0.{name[-1]}:{base}", slots=slots,
+                        device_kind="cpu", memory_bytes=2**30, version="0.1.0", started_at=0.0,
+                        worker_ports=tuple(range(base + 1, base + 1 + slots)), rendezvous_port=base + 9,
+                        draining=draining)
+
+
+def test_member_facts_round_trip_and_old_readers_ignore_them():
+    from varunad.membership import Member
+
+    m = member("d1", slots=2)
+    assert DaemonMember.decode(m.encode()) == m
+    assert Member.decode(m.encode()).name == "d1"
+    with pytest.raises(ValueError, match="worker ports"):
+        DaemonMember(**{**json.loads(m.encode()), "worker_ports": [1]})
+
+
+def test_make_plan_places_ranks_and_the_rendezvous_on_rank_0():
+    s = spec()
+    members = [(member(f"d{i}"), 100 + i) for i in (1, 2, 3)] + [(member("d4", draining=True), 104)]
+    doc, _ = make_plan(s, members, {"cpu": uniform_calibration(s, "cpu")}, calibrated=False, reason="test")
+    assert (doc.pipeline_depth, doc.data_depth) == (1, 3)  # synthetic calibration: data parallel only
+    assert doc.members == ("d1", "d2", "d3") and doc.incarnations == {"d1": 101, "d2": 102, "d3": 103}
+    rank0 = next(x for x in doc.slots if x.rank == 0)
+    assert doc.dist_url == f"tcp://10.0.0.{rank0.member[-1]}:{20000 + 10 * int(rank0.member[-1]) + 9}"
+    assert doc.endpoints() == [f"tcp://10.0.0.{x.member[-1]}:{20000 + 10 * int(x.member[-1]) + 1}"
+                               for x in sorted(doc.slots, key=lambda x: x.rank)]
+    assert PlanDoc.decode(doc.encode()) == doc
+    a = doc.assignment(42)
+    assert a.epoch == 42 and a.slots_on("d2")[0].endpoint.endswith(":20021")
+
+
+# --- the leader's decisions -------------------------------------------------------------------------
+
+def snapshot(*, plan=None, epoch=0, jobs=None, states=None, reports=None, members=None, cancels=()):
+    members = members if members is not None else {f"d{i}": (member(f"d{i}"), 100 + i) for i in (1, 2, 3)}
+    return FleetSnapshot(revision=1000, members=members, plan=plan, plan_epoch=epoch,
+                         jobs=tuple(jobs or [JobEntry("j", spec(), None, 5)]), states=states or {},
+                         cancels=frozenset(cancels), reports=reports or {})
+
+
+def run_plan(members=("d1", "d2", "d3")) -> PlanDoc:
+    s = spec()
+    ms = [(member(m), 100 + int(m[-1])) for m in members]
+    return make_plan(s, ms, {"cpu": uniform_calibration(s, "cpu")}, calibrated=False, reason="t")[0]
+
+
+def reports_for(plan: PlanDoc, epoch: int, outcome="running", step=3, overrides=None):
+    out = {}
+    for m in plan.members:
+        records = []
+        for s in plan.slots_on(m):
+            o = (overrides or {}).get(s.rank, outcome)
+            records.append(WorkerRecord(rank=s.rank, slot=s.slot, outcome=o, step=step,
+                                        error="Traceback\nboom" if o == "failed" else ""))
+        out[m] = WorkerReport(member=m, job="j", epoch=epoch, workers=tuple(records))
+    return out
+
+
+def running(epoch=50):
+    return {"j": JobState(job="j", state="running", epoch=epoch, epochs=(epoch,))}
+
+
+def d(snap, memory=None, now=100.0):
+    return decide(snap, memory or LeaderMemory(), now=now, start_timeout=60.0)
+
+
+def test_decide_starts_the_head_of_the_queue_and_clears_an_empty_one():
+    assert d(snapshot()).action == "start"
+    done = {"j": JobState(job="j", state="done")}
+    assert d(snapshot(states=done, plan=run_plan(), epoch=50)).action == "idle"
+    assert d(snapshot(states=done, plan=PlanDoc.idle("x"), epoch=51)).action == "nothing"
+
+
+def test_decide_fails_a_bad_spec_and_cancels_on_request():
+    bad = JobEntry("bad", None, "job spec is not JSON", 3)
+    dec = d(snapshot(jobs=[bad, JobEntry("j", spec(), None, 5)]))
+    assert (dec.action, dec.job) == ("fail", "bad") and "not JSON" in dec.reason
+    assert d(snapshot(cancels=("j",))).action == "cancel"
+
+
+def test_decide_follows_an_epoch_to_its_end():
+    plan = run_plan()
+    assert d(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50))).action == "nothing"
+    dec = d(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50, "done")))
+    assert dec.action == "done"
+    stopped = reports_for(plan, 50, "stopped")
+    assert d(snapshot(plan=plan, epoch=50, states=running(), reports=stopped)).action == "start"
+    dec = d(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50, overrides={1: "failed"})))
+    assert (dec.action, dec.failure, dec.checkpoint) == ("abort", True, False) and "boom" not in dec.reason
+
+
+def test_decide_morphs_when_a_member_of_the_plan_leaves_or_is_noticed_leaving():
+    plan = run_plan()
+    members = {f"d{i}": (member(f"d{i}"), 100 + i) for i in (1, 3)}
+    dec = d(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50), members=members))
+    assert (dec.action, dec.checkpoint, dec.failure) == ("abort", False, False) and "d2" in dec.reason
+    members = {f"d{i}": (member(f"d{i}"), 100 + i) for i in (1, 2, 3)}
+    members["d2"] = (member("d2"), 999)  # the same name, registered again: its workers died with it
+    dec = d(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50), members=members))
+    assert dec.action == "abort" and "d2" in dec.reason
+    members["d2"] = (member("d2", draining=True), 102)
+    dec = d(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50), members=members))
+    assert (dec.action, dec.checkpoint) == ("abort", True) and "preemption" in dec.reason
+
+
+def test_decide_considers_a_newcomer_once():
+    plan = run_plan(("d1", "d2"))
+    memory = LeaderMemory()
+    snap = snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50))
+    dec = d(snap, memory)
+    assert dec.action == "consider" and "d3" in dec.reason
+    memory.considered = (50, frozenset({"d1", "d2", "d3"}))
+    assert d(snap, memory).action == "nothing"
+
+
+def test_decide_waits_for_a_stop_then_plans():
+    plan = run_plan()
+    stop = PlanDoc.stop("j", 50, checkpoint=True, reason="x")
+    alive = reports_for(plan, 50)
+    assert d(snapshot(plan=stop, epoch=51, states=running(), reports=alive)).action == "await_stop"
+    gone = reports_for(plan, 50, "stopped")
+    assert d(snapshot(plan=stop, epoch=51, states=running(), reports=gone)).action == "start"
+
+
+def test_decide_gives_up_on_an_epoch_that_never_starts():
+    plan = run_plan()
+    memory = LeaderMemory(epoch_seen={50: 0.0})
+    reports = reports_for(plan, 50, step=-1)
+    assert d(snapshot(plan=plan, epoch=50, states=running(), reports=reports), memory, now=30.0).action == "nothing"
+    dec = d(snapshot(plan=plan, epoch=50, states=running(), reports=reports), memory, now=61.0)
+    assert (dec.action, dec.failure) == ("abort", True)
+
+
+def test_decide_adopts_a_plan_whose_state_was_not_written():
+    plan = run_plan()
+    dec = d(snapshot(plan=plan, epoch=60, states=running(50), reports=reports_for(plan, 60)))
+    assert dec.action == "adopt"
+
+
+def test_history_merge_keeps_the_newest_epoch_per_step():
+    per_epoch = {10: [(0, 1.0), (1, 2.0), (2, 3.0)], 20: [(2, 3.5), (3, 4.0)]}
+    assert merge_history(per_epoch) == [(0, 1.0), (1, 2.0), (2, 3.5), (3, 4.0)]
+    assert epoch_ranges(per_epoch) == {10: (0, 2), 20: (2, 3)}

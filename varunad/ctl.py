@@ -1,0 +1,299 @@
+"""varunactl's fleet commands: submit, status, nodes, jobs, logs, cancel (all through etcd).
+
+Each command opens the store with a bounded timeout, so an unreachable etcd is one clear error
+after a few seconds, never a hang. Errors the user can fix raise ``CtlError`` (one line on
+stderr, exit status 1); ``varunad.cli`` declares the arguments and dispatches here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TextIO
+
+from varunad.facts import parse_member
+from varunad.fleetkeys import FleetKeys
+from varunad.jobs import JobSpec, JobSpecError, JobState, bundle_digest, pack_bundle
+from varunad.records import Progress, decode_history, epoch_ranges, merge_history
+from varunad.store import EtcdStore, Store, StoreError
+
+__all__ = ["CtlError", "run", "build_spec", "submit", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
+           "print_job", "print_fleet", "dumps"]
+
+
+class CtlError(Exception):
+    """A refusal with its reason (printed as one line)."""
+
+
+async def _open(etcd: str, timeout: float) -> Store:
+    try:
+        store = EtcdStore(etcd, timeout=timeout)
+        await store.connect()
+        return store
+    except StoreError as exc:
+        raise CtlError(f"cannot reach etcd at {etcd} within {timeout:g}s: {exc}") from None
+
+
+def run(etcd: str, timeout: float, fn: Callable[[Store], Awaitable[int]]) -> int:
+    """Open the store, run ``fn(store)``, close it; StoreError becomes CtlError."""
+    async def main() -> int:
+        store = await _open(etcd, timeout)
+        try:
+            return await fn(store)
+        except StoreError as exc:
+            raise CtlError(f"etcd at {etcd} failed: {exc}") from None
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
+
+
+# --- submit --------------------------------------------------------------------------------------------
+
+def build_spec(*, name: str, script: str, args: list[str], batch_size: int, chunk_size: str, steps: int,
+               checkpoint_every: int, keep_checkpoints: int, store: str | None, schedule: str) -> tuple[JobSpec, bytes]:
+    """The spec and bundle for ``submit``; JobSpecError/BundleError say why not."""
+    if chunk_size == "auto":
+        chunk = None
+    else:
+        try:
+            chunk = int(chunk_size)
+        except ValueError:
+            raise JobSpecError(f"--chunk-size must be a positive integer or 'auto', got {chunk_size!r}") from None
+    # Check the numbers first: a bad spec is refused before the script is even read.
+    probe = dict(job=name, script="x.py", args=tuple(args), batch_size=batch_size, chunk_size=chunk, steps=steps,
+                 checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, store=store,
+                 schedule=schedule, bundle_digest="0" * 64, bundle_bytes=0)
+    JobSpec(**probe)
+    data, rel = pack_bundle(script)
+    spec = JobSpec(**{**probe, "script": rel, "bundle_digest": bundle_digest(data), "bundle_bytes": len(data),
+                      "submitted_at": time.time()})
+    return spec, data
+
+
+async def submit(store: Store, keys: FleetKeys, spec: JobSpec, bundle: bytes, out: TextIO = sys.stdout) -> int:
+    if await store.get(keys.job(spec.job)) is not None:
+        raise CtlError(f"a job named {spec.job} exists already; choose another --name")
+    await store.put(keys.bundle(spec.job), bundle)
+    if not await store.create_if_absent(keys.job(spec.job), spec.encode()):
+        raise CtlError(f"a job named {spec.job} was submitted at the same moment; choose another --name")
+    print(f"submitted {spec.job}: {spec.script} {' '.join(spec.args)} (batch {spec.batch_size}, {spec.steps} steps, "
+          f"checkpoint every {spec.checkpoint_every}; bundle {spec.bundle_bytes / 1024:.1f} KiB)", file=out)
+    return 0
+
+
+# --- status --------------------------------------------------------------------------------------------
+
+async def _state(store: Store, keys: FleetKeys, job: str) -> JobState | None:
+    kv = await store.get(keys.state(job))
+    if kv is None:
+        return None
+    try:
+        return JobState.decode(kv.value)
+    except (ValueError, JobSpecError):
+        return None
+
+
+async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
+    spec_kv = await store.get(keys.job(job))
+    if spec_kv is None:
+        raise CtlError(f"no job named {job} (see `varunactl jobs`)")
+    state = await _state(store, keys, job) or JobState(job=job)
+    per_epoch: dict[int, dict[int, float]] = {}
+    for kv in await store.get_prefix(keys.history_of(job)):
+        try:
+            epoch, _member = keys.parse_history(job, kv.key)
+            per_epoch.setdefault(epoch, {}).update(decode_history(kv.value))
+        except ValueError:
+            continue
+    history = merge_history({e: list(v.items()) for e, v in per_epoch.items()})
+    progress = []
+    for kv in await store.get_prefix(keys.progress_of(job)):
+        try:
+            progress.append(Progress.decode(kv.value))
+        except ValueError:
+            continue
+    current = [p for p in progress if p.epoch == state.epoch]
+    step = max([s + 1 for s, _ in history] + [p.step + 1 for p in current] + [0])
+    if state.state == "done":
+        try:
+            step = max(step, JobSpec.decode(spec_kv.value).steps)
+        except JobSpecError:
+            pass
+    plan = state.plan or {}
+    last = state.morphs[-1] if state.morphs else None
+    return {
+        "job": job, "state": state.state, "reason": state.reason, "step": step, "epoch": state.epoch,
+        "plan": {"P": plan.get("P"), "D": plan.get("D"), "micro_batch_size": plan.get("micro_batch_size"),
+                 "schedule": plan.get("schedule"), "members": plan.get("members", []),
+                 "estimated_s": plan.get("estimated_s"), "calibrated": plan.get("calibrated")},
+        "loss": history[-1][1] if history else None,
+        "samples_per_s": sum(p.samples_per_s for p in current) / len(current) if current else None,
+        "busy_fraction": min((p.busy_fraction for p in current), default=None),
+        "restarts": state.restarts, "error": state.error,
+        "epochs": {str(e): list(r) for e, r in sorted(epoch_ranges({e: list(v.items())
+                                                                     for e, v in per_epoch.items()}).items())},
+        "morphs": [{"reason": m.reason, "from": m.from_shape, "to": m.to_shape, "from_epoch": m.from_epoch,
+                    "to_epoch": m.to_epoch, "noticed_at": m.noticed_at, "stopped_at": m.stopped_at,
+                    "planned_at": m.planned_at, "duration_s": round(m.duration_s, 3), "checkpoint": m.checkpoint}
+                   for m in state.morphs],
+        "last_morph": None if last is None else f"{last.from_shape} -> {last.to_shape} because {last.reason}",
+        "loss_history": [[s, v] for s, v in history],
+    }
+
+
+async def _members(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+    out = []
+    for kv in await store.get_prefix(keys.members):
+        try:
+            m = parse_member(kv.value)
+        except ValueError:
+            continue
+        remaining = await store.time_to_live(kv.lease) if kv.lease else None
+        out.append({
+            "name": m.name, "host": m.host, "endpoint": m.endpoint, "slots": m.slots, "device_kind": m.device_kind,
+            "memory_bytes": m.memory_bytes, "version": m.version, "draining": m.draining,
+            "worker_ports": list(m.worker_ports), "rendezvous_port": m.rendezvous_port,
+            "up_s": round(time.time() - m.started_at, 1),
+            "lease_ttl_left_s": remaining,
+            "lease_age_s": None if remaining is None or not m.lease_ttl else round(m.lease_ttl - remaining, 1),
+        })
+    return out
+
+
+async def fleet_status(store: Store, keys: FleetKeys) -> dict[str, Any]:
+    leader = await store.get(keys.leader)
+    plan = await store.get(keys.plan)
+    plan_doc = None
+    if plan is not None:
+        try:
+            plan_doc = json.loads(plan.value)
+            plan_doc["epoch"] = plan.mod_revision
+        except ValueError:
+            plan_doc = {"error": "unreadable plan"}
+    return {"leader": leader.value.decode(errors="replace") if leader else None,
+            "members": await _members(store, keys), "plan": plan_doc, "jobs": await _jobs(store, keys)}
+
+
+async def _jobs(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+    states = {}
+    for kv in await store.get_prefix(keys.states):
+        try:
+            states[keys.state_job(kv.key)] = JobState.decode(kv.value)
+        except (ValueError, JobSpecError):
+            continue
+    out = []
+    for kv in sorted(await store.get_prefix(keys.jobs), key=lambda kv: kv.create_revision):
+        try:
+            job = keys.job_id(kv.key)
+        except ValueError:
+            continue
+        st = states.get(job)
+        try:
+            spec = JobSpec.decode(kv.value)
+            what = f"{spec.script} batch {spec.batch_size} steps {spec.steps}"
+        except JobSpecError as exc:
+            what = f"invalid spec: {exc}"
+        out.append({"job": job, "state": st.state if st else "queued", "epoch": st.epoch if st else 0,
+                    "reason": st.reason if st else "submitted", "spec": what})
+    return out
+
+
+def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
+    plan = doc["plan"]
+    shape = f"{plan['P']}x{plan['D']}, micro-batch {plan['micro_batch_size']}" if plan["P"] else "-"
+    lines = [
+        f"job       {doc['job']}: {doc['state']} ({doc['reason']})",
+        f"plan      epoch {doc['epoch']}: {shape} on {', '.join(plan['members']) or '-'}",
+        f"step      {doc['step']}" + (f", loss {doc['loss']:.4f}" if doc["loss"] is not None else "")
+        + (f", {doc['samples_per_s']:.1f} samples/s" if doc["samples_per_s"] else "")
+        + (f", busy {100 * doc['busy_fraction']:.0f}%" if doc["busy_fraction"] is not None else ""),
+        f"restarts  {doc['restarts']}" + (f" (last error: {doc['error'].splitlines()[0]})" if doc["error"] else ""),
+        f"morph     {doc['last_morph'] or 'none'}",
+    ]
+    print("\n".join(lines), file=out)
+
+
+def print_fleet(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
+    print(f"leader    {doc['leader'] or '(none)'}", file=out)
+    print(f"members   {len(doc['members'])}: " + ", ".join(
+        f"{m['name']} ({m['slots']} {m['device_kind']}{', leaving' if m['draining'] else ''})" for m in doc["members"]),
+        file=out)
+    plan = doc["plan"]
+    if plan and "kind" in plan:
+        if plan["kind"] == "run":
+            print(f"plan      epoch {plan['epoch']}: {plan['job']} as {plan['pipeline_depth']}x{plan['data_depth']}, "
+                  f"micro-batch {plan['micro_batch_size']}", file=out)
+        else:
+            print(f"plan      epoch {plan['epoch']}: {plan['kind']} {plan.get('job') or ''} ({plan['reason']})",
+                  file=out)
+    for j in doc["jobs"]:
+        print(f"job       {j['job']}: {j['state']} ({j['reason']})", file=out)
+
+
+# --- logs and cancel -------------------------------------------------------------------------------------
+
+def _seq(key: str) -> tuple[str, str]:
+    member, _, seq = key.rpartition("/")
+    return seq, member
+
+
+async def logs(store: Store, keys: FleetKeys, job: str, *, follow: bool, out: TextIO = sys.stdout) -> int:
+    if await store.get(keys.job(job)) is None:
+        raise CtlError(f"no job named {job} (see `varunactl jobs`)")
+    prefix = keys.logs_of(job)
+    listing = await store.get_prefix(prefix)
+    for kv in sorted(listing, key=lambda kv: _seq(kv.key)):
+        out.write(kv.value.decode("utf-8", errors="replace"))
+    out.flush()
+    if not follow:
+        return 0
+    watch = store.watch_prefix(prefix, start_revision=listing.revision + 1)
+    try:
+        async with watch:
+            while True:
+                event = await watch.next(timeout=2.0)
+                if event is None:
+                    state = await _state(store, keys, job)
+                    if state is not None and state.terminal:
+                        return 0
+                    continue
+                if event.kind == "put":
+                    out.write(event.value.decode("utf-8", errors="replace"))
+                    out.flush()
+    except KeyboardInterrupt:
+        return 0
+
+
+async def cancel(store: Store, keys: FleetKeys, job: str, *, wait: float, out: TextIO = sys.stdout) -> int:
+    if await store.get(keys.job(job)) is None:
+        raise CtlError(f"no job named {job} (see `varunactl jobs`)")
+    state = await _state(store, keys, job)
+    if state is not None and state.terminal:
+        raise CtlError(f"job {job} is already {state.state}")
+    await store.put(keys.cancel(job), str(time.time()))
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        state = await _state(store, keys, job)
+        if state is not None and state.terminal:
+            print(f"{job} is {state.state}", file=out)
+            return 0
+        await asyncio.sleep(0.2)
+    print(f"asked to cancel {job}; the leader has not confirmed yet (see `varunactl status {job}`)", file=out)
+    return 0
+
+
+def dumps(doc: Any) -> str:
+    return json.dumps(doc, indent=2, sort_keys=False)
+
+
+async def nodes(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+    return await _members(store, keys)
+
+
+async def jobs(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+    return await _jobs(store, keys)
+

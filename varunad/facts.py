@@ -1,0 +1,165 @@
+"""What a daemon tells the fleet about itself, and how it finds those facts out.
+
+``DaemonMember`` is ``varunad.membership.Member`` plus what the leader needs to place workers:
+the TCP port each slot's worker binds for tensor streams and the port of the torch.distributed
+rendezvous (used when this member hosts rank 0), and whether the daemon is leaving (a
+preemption notice arrived; plan without it). Older readers ignore the extra fields.
+
+Ports are chosen free at start and held (bound, not listening) until a worker needs one, so
+other processes on the VM cannot take them in the meantime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+from varunad.membership import Member
+
+__all__ = ["DaemonMember", "PortReservation", "detect_slots", "detect_device_kind", "detect_memory",
+           "parse_member", "version"]
+
+log = logging.getLogger(__name__)
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as _v
+
+        return _v("varunad")
+    except (ImportError, PackageNotFoundError):  # running from a checkout
+        return "0.1.0"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DaemonMember(Member):
+    worker_ports: tuple[int, ...] = ()  # one per slot: tcp://host:port is that slot's stream endpoint
+    rendezvous_port: int = 0  # torch.distributed store when this member hosts rank 0
+    draining: bool = False  # leaving after a preemption notice: plan without it
+    lease_ttl: float = 0.0  # the TTL it asked for, so `varunactl nodes` can show the lease's age
+
+    def __post_init__(self) -> None:
+        Member.__post_init__(self)  # zero-argument super() does not work in slotted dataclasses
+        ports = tuple(self.worker_ports)
+        object.__setattr__(self, "worker_ports", ports)
+        if any(not isinstance(p, int) or isinstance(p, bool) or not 0 < p < 65536 for p in ports):
+            raise ValueError(f"member {self.name}: worker_ports must be TCP ports, got {ports!r}")
+        if ports and len(ports) != self.slots:
+            raise ValueError(f"member {self.name}: {len(ports)} worker ports for {self.slots} slots")
+        if not isinstance(self.rendezvous_port, int) or not 0 <= self.rendezvous_port < 65536:
+            raise ValueError(f"member {self.name}: rendezvous_port must be a TCP port")
+        if not isinstance(self.draining, bool):
+            raise ValueError(f"member {self.name}: draining must be true or false")
+
+    @property
+    def usable_slots(self) -> int:
+        """Slots the leader may use: none while leaving or when the ports are unknown."""
+        if self.draining or len(self.worker_ports) != self.slots or not self.rendezvous_port:
+            return 0
+        return self.slots
+
+    def stream_endpoint(self, slot: int) -> str:
+        return f"tcp://{self.host}:{self.worker_ports[slot]}"
+
+    def rendezvous_url(self) -> str:
+        return f"tcp://{self.host}:{self.rendezvous_port}"
+
+
+def parse_member(data: bytes) -> DaemonMember:
+    """A ``members/<name>`` value; ValueError when it is not a member."""
+    return DaemonMember.decode(data)
+
+
+# --- detection ---------------------------------------------------------------------------------------
+
+def _gpu_count() -> int:
+    try:
+        return sum(1 for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n))
+    except OSError:
+        return 0
+
+
+def detect_slots() -> int:
+    """One slot per GPU, else 1 on a CPU-only host."""
+    return _gpu_count() or 1
+
+
+def detect_device_kind() -> str:
+    return "cuda" if _gpu_count() else "cpu"
+
+
+def detect_memory(slots: int) -> int:
+    """Bytes per slot: the host's memory shared out (a GPU host should pass --memory)."""
+    try:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+    except Exception:  # psutil missing or /proc unreadable: a conservative guess
+        total = 8 * 2**30
+    return max(1, total // max(1, slots))
+
+
+# --- ports ---------------------------------------------------------------------------------------------
+
+class PortReservation:
+    """Hold TCP ports bound (not listening) so no other process takes them until released."""
+
+    def __init__(self, host: str, ports: list[int] | None = None, count: int = 0) -> None:
+        self.host = host
+        self._held: dict[int, socket.socket] = {}
+        if ports:
+            for p in ports:
+                self._held[p] = self._bind(p)
+        for _ in range(count):
+            s = self._bind(0)
+            self._held[s.getsockname()[1]] = s
+
+    def _bind(self, port: int) -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # SO_REUSEADDR: a port a worker just left in TIME_WAIT can be held again at once.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((self._bind_host(), port))
+        except OSError as exc:
+            s.close()
+            raise OSError(f"cannot reserve TCP port {port} on {self.host}: {exc.strerror or exc}") from None
+        return s
+
+    def _bind_host(self) -> str:
+        try:
+            socket.inet_aton(self.host)
+        except OSError:
+            return "0.0.0.0"
+        return self.host if self.host.startswith("127.") else "0.0.0.0"
+
+    @property
+    def ports(self) -> list[int]:
+        return list(self._held)
+
+    def release(self, port: int) -> None:
+        s = self._held.get(port)
+        if s is not None:
+            s.close()
+            self._held[port] = None  # type: ignore[assignment]
+
+    def reacquire(self, port: int) -> bool:
+        if self._held.get(port) is not None:
+            return True
+        try:
+            self._held[port] = self._bind(port)
+            return True
+        except OSError as exc:
+            log.warning("%s; it stays free until the next worker", exc)
+            return False
+
+    def close(self) -> None:
+        for s in self._held.values():
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.close()
+        self._held.clear()

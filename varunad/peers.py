@@ -1,0 +1,176 @@
+"""ZeroMQ between daemons: each daemon's control server, and the leader's clients to every daemon.
+
+Wire: ``protocol.messages`` frames only. The server is a ROUTER (CURVE server unless the daemon
+runs --plaintext) that yields decoded messages; anything that is not exactly one valid message
+(garbage bytes, another protocol version, extra frames) is logged and dropped, and the daemon
+carries on. The leader holds one DEALER per member (CURVE client expecting that member's public
+key) to push assignments and stop requests, and to ping: a member that does not answer a Ping
+within the timeout is left out of the next plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator, Iterable
+
+import zmq
+import zmq.asyncio
+
+from protocol.errors import ProtocolError, SecurityError
+from protocol.messages import Message, Ping, Pong, decode, encode
+from protocol.security import Security
+
+__all__ = ["PeerServer", "PeerClients", "drop_reason"]
+
+log = logging.getLogger(__name__)
+
+_MAX_LOGGED = 20  # malformed messages logged per minute at most, so a flood cannot fill the disk
+
+
+class _RateLimitedLog:
+    def __init__(self) -> None:
+        self._window = 0.0
+        self._count = 0
+
+    def warning(self, fmt: str, *args: object) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now - self._window > 60:
+            if self._count > _MAX_LOGGED:
+                log.warning("... and %d more malformed messages dropped in the last minute", self._count - _MAX_LOGGED)
+            self._window, self._count = now, 0
+        self._count += 1
+        if self._count <= _MAX_LOGGED:
+            log.warning(fmt, *args)
+
+
+def drop_reason(frames: list[bytes]) -> tuple[bytes, Message | None, str]:
+    """(identity, message or None, why it was dropped) for a ROUTER's multipart."""
+    if len(frames) != 2:
+        return (frames[0] if frames else b""), None, f"{len(frames)} frames instead of [identity, message]"
+    identity, data = frames
+    try:
+        return identity, decode(data), ""
+    except ProtocolError as exc:
+        return identity, None, str(exc)
+
+
+class PeerServer:
+    """The daemon's control socket. ``messages()`` yields (identity, message); Pings are answered here."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, security: Security, *, name: str, bind_host: str, port: int) -> None:
+        self.name = name
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)  # libzmq drops the connection of bigger senders
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        security.apply_control_server(self.sock)
+        if port:
+            self.sock.bind(f"tcp://{bind_host}:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        self._log = _RateLimitedLog()
+        self.dropped = 0
+
+    async def messages(self) -> AsyncIterator[tuple[bytes, Message]]:
+        while True:
+            frames = await self.sock.recv_multipart()
+            identity, msg, why = drop_reason(frames)
+            if msg is None:
+                self.dropped += 1
+                self._log.warning("%s: dropped a malformed control message: %s", self.name, why)
+                continue
+            if isinstance(msg, Ping):
+                await self.reply(identity, Pong(sender=self.name, nonce=msg.nonce))
+                continue
+            yield identity, msg
+
+    async def reply(self, identity: bytes, msg: Message) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            await self.sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class PeerClients:
+    """The leader's DEALER sockets, one per (member, endpoint)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, security: Security, *, name: str) -> None:
+        self.ctx = ctx
+        self.security = security
+        self.name = name
+        self._socks: dict[str, tuple[str, zmq.asyncio.Socket]] = {}
+
+    def _sock(self, member: str, endpoint: str) -> zmq.asyncio.Socket | None:
+        known = self._socks.get(member)
+        if known is not None and known[0] == endpoint:
+            return known[1]
+        if known is not None:
+            known[1].close(0)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100)
+        try:
+            if self.security.curve_control:
+                self.security.apply_control_client(sock, self.security.member_public_key(member))
+        except SecurityError as exc:
+            log.warning("cannot reach %s securely: %s", member, exc)
+            sock.close(0)
+            return None
+        sock.connect(endpoint)
+        self._socks[member] = (endpoint, sock)
+        return sock
+
+    async def send(self, member: str, endpoint: str, msg: Message) -> bool:
+        sock = self._sock(member, endpoint)
+        if sock is None:
+            return False
+        try:
+            await sock.send(encode(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.info("could not queue %s for %s (its queue is full)", type(msg).__name__, member)
+            return False
+
+    async def ping(self, members: Iterable[tuple[str, str]], timeout: float) -> set[str]:
+        """The members (name, endpoint) that answer a Ping within ``timeout`` seconds."""
+        async def one(member: str, endpoint: str) -> str | None:
+            sock = self._sock(member, endpoint)
+            if sock is None:
+                return None
+            nonce = secrets.randbits(63)
+            try:
+                await sock.send(encode(Ping(sender=self.name, nonce=nonce)), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while (left := deadline - loop.time()) > 0:
+                if not await sock.poll(left * 1000, zmq.POLLIN):
+                    break
+                try:
+                    msg = decode(await sock.recv())
+                except ProtocolError as exc:
+                    log.warning("%s answered a ping with a malformed message: %s", member, exc)
+                    continue
+                if isinstance(msg, Pong) and msg.nonce == nonce:
+                    return member
+            return None
+
+        found = await asyncio.gather(*(one(m, e) for m, e in members))
+        return {m for m in found if m is not None}
+
+    def forget(self, keep: Iterable[str]) -> None:
+        keep = set(keep)
+        for member in [m for m in self._socks if m not in keep]:
+            self._socks.pop(member)[1].close(0)
+
+    def close(self) -> None:
+        for _, sock in self._socks.values():
+            sock.close(0)
+        self._socks.clear()

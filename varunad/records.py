@@ -1,0 +1,142 @@
+"""What daemons report to etcd about their workers: per-member worker reports, progress, loss history.
+
+* ``workers/<member>`` (on the member's lease): the daemon's workers of the newest epoch it ran
+  and how each ended. The leader decides from these whether an epoch is done, failed, or stopped.
+* ``progress/<job>/<rank>``: the newest step of one worker (throttled).
+* ``history/<job>/<epoch>/<member>``: the (step, loss) pairs of the daemon's lowest rank in that
+  epoch. The loss is agreed by every worker in the step's all-reduce, so any daemon of the
+  epoch holds the whole history; ``merge_history`` keeps, per step, the newest epoch's value.
+
+Outcomes of a worker: ``running``; ``done`` (exit 0); ``stopped`` (exit 75, asked to stop);
+``killed`` (SIGKILLed by its daemon after a stop's grace period: not the script's fault);
+``failed`` (anything else, with the tail of its output).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = ["OUTCOMES", "WorkerRecord", "WorkerReport", "Progress", "merge_history", "epoch_ranges"]
+
+OUTCOMES = ("starting", "running", "done", "stopped", "killed", "failed")
+
+
+def _loads(data: bytes, what: str) -> dict:
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return doc
+
+
+def _build(cls: type, doc: Mapping[str, Any]) -> Any:
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerRecord:
+    rank: int
+    slot: int
+    pid: int = 0
+    outcome: str = "starting"
+    exit_code: int | None = None
+    error: str = ""
+    step: int = -1  # last step this worker reported
+    started_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"worker outcome {self.outcome!r} is not one of {OUTCOMES}")
+
+    @property
+    def alive(self) -> bool:
+        return self.outcome in ("starting", "running")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerReport:
+    member: str
+    job: str | None = None
+    epoch: int = 0
+    workers: tuple[WorkerRecord, ...] = ()
+    first_step_at: float = 0.0  # wall clock of the first progress of this epoch (benchmarks)
+    started_at: float = 0.0  # wall clock the workers of this epoch were started
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", tuple(
+            w if isinstance(w, WorkerRecord) else _build(WorkerRecord, w) for w in self.workers))
+
+    def alive(self, up_to_epoch: int | None = None) -> bool:
+        """Whether workers (of ``up_to_epoch`` or older, when given) still run here."""
+        if up_to_epoch is not None and self.epoch > up_to_epoch:
+            return False
+        return any(w.alive for w in self.workers)
+
+    def of(self, job: str, epoch: int) -> dict[int, WorkerRecord]:
+        if self.job != job or self.epoch != epoch:
+            return {}
+        return {w.rank: w for w in self.workers}
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> WorkerReport:
+        try:
+            return _build(cls, _loads(data, "worker report"))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"worker report is malformed: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Progress:
+    job: str
+    epoch: int
+    rank: int
+    step: int
+    loss: float
+    samples_per_s: float
+    busy_fraction: float
+    member: str = ""
+    at: float = 0.0
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Progress:
+        try:
+            return _build(cls, _loads(data, "progress"))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"progress is malformed: {exc}") from None
+
+
+def encode_history(pairs: Iterable[tuple[int, float]]) -> bytes:
+    return json.dumps({"steps": [[int(s), float(v)] for s, v in sorted(pairs)]}).encode()
+
+
+def decode_history(data: bytes) -> list[tuple[int, float]]:
+    doc = _loads(data, "history")
+    return [(int(s), float(v)) for s, v in doc.get("steps", [])]
+
+
+def merge_history(per_epoch: Mapping[int, Iterable[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """One loss per step: a step redone after a morph takes the newer epoch's value."""
+    merged: dict[int, float] = {}
+    for epoch in sorted(per_epoch):
+        for step, loss in per_epoch[epoch]:
+            merged[step] = loss
+    return sorted(merged.items())
+
+
+def epoch_ranges(per_epoch: Mapping[int, Iterable[tuple[int, float]]]) -> dict[int, tuple[int, int]]:
+    """Epoch -> (first step, last step) it ran."""
+    out = {}
+    for epoch, pairs in per_epoch.items():
+        steps = [s for s, _ in pairs]
+        if steps:
+            out[epoch] = (min(steps), max(steps))
+    return out

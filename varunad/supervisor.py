@@ -1,0 +1,549 @@
+"""Worker supervision: start this daemon's trainer workers, hear from them, stop them, report to etcd.
+
+One worker per assigned slot: ``python script.py args`` in the job's unpacked bundle, with the
+``trainer.env.Assignment`` of its rank in the environment (the local launcher's entry point).
+Each worker
+
+* runs in its own session (so its process group can be signalled as one) and dies with the
+  daemon (``PR_SET_PDEATHSIG`` = SIGKILL): a daemon killed with -9 takes its workers along, as
+  when the VM vanishes;
+* writes stdout and stderr to ``STATE_DIR/logs/<job>/e<epoch>-r<rank>.log``;
+* talks to the daemon over a local ROUTER socket (identity ``rank-<r>``): progress after each
+  step, a note after each checkpoint; the daemon sends it ``StopWorkers`` / ``CheckpointNow``.
+
+A stop request gives the workers a grace period (``stop_grace`` with a checkpoint,
+``abort_grace`` without: a worker blocked on a dead peer never reaches a step boundary), then
+the daemon SIGKILLs their process groups. Outcomes and progress go to etcd (``varunad.records``),
+the report at once, progress and loss history throttled, logs in chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+import trainer
+from protocol.errors import ProtocolError
+from protocol.messages import CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
+from trainer.control import STOPPED_EXIT_CODE
+from trainer.env import Assignment as WorkerAssignment
+
+from varunad.config import DaemonConfig
+from varunad.facts import DaemonMember, PortReservation
+from varunad.fleetkeys import FleetKeys
+from varunad.membership import Membership
+from varunad.plans import PlanDoc
+from varunad.records import Progress, WorkerRecord, WorkerReport, encode_history
+from varunad.store import Store, StoreError
+
+__all__ = ["Supervisor", "STOPPED_EXIT_CODE", "worker_environment"]
+
+log = logging.getLogger(__name__)
+
+_PACKAGE_ROOT = str(Path(trainer.__file__).resolve().parent.parent)
+_TAIL_BYTES = 4096
+_LOG_CHUNK = 64 * 1024
+_LOG_CHUNKS_KEPT = 64
+_HISTORY_CAP = 20000
+
+# Resolved before any fork: the child of a fork may only call what is already loaded.
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    def preexec() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the daemon died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def worker_environment(assignment: WorkerAssignment, *, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of one worker: the daemon's, the package on PYTHONPATH, threads, the assignment."""
+    env = dict(os.environ)
+    for key in [k for k in env if k.startswith(("VARUNA_", "VARUNAD_"))]:
+        del env[key]  # nothing of the daemon's own settings leaks into a worker
+    threads = str(assignment.threads or 1)
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+    path = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
+    env.update(extra or {})
+    env.update(assignment.to_env())
+    return env
+
+
+def _tail(path: Path, size: int = _TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    lines = text.splitlines()
+    return "\n".join(lines[1:] if len(text) >= size and len(lines) > 1 else lines)
+
+
+@dataclass(eq=False)
+class _Worker:
+    job: str
+    epoch: int
+    rank: int
+    slot: int
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    outcome: str = "starting"
+    exit_code: int | None = None
+    error: str = ""
+    step: int = -1
+    started_at: float = 0.0
+    killed_by_daemon: bool = False
+    connected: bool = False
+    pending: list[bytes] = field(default_factory=list)
+    kill_task: asyncio.Task[None] | None = None
+    wait_task: asyncio.Task[None] | None = None
+    profile_path: str | None = None
+    ports: tuple[int, ...] = ()
+    log_offset: int = 0
+
+    @property
+    def identity(self) -> bytes:
+        return f"rank-{self.rank}".encode()
+
+    @property
+    def alive(self) -> bool:
+        return self.outcome in ("starting", "running")
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(rank=self.rank, slot=self.slot, pid=self.proc.pid if self.proc else 0,
+                            outcome=self.outcome, exit_code=self.exit_code, error=self.error[-_TAIL_BYTES:],
+                            step=self.step, started_at=self.started_at)
+
+
+class Supervisor:
+    """This daemon's workers of one epoch at a time, and everything it reports about them."""
+
+    def __init__(
+        self,
+        *,
+        config: DaemonConfig,
+        store: Store,
+        keys: FleetKeys,
+        membership: Membership,
+        ports: PortReservation,
+        ctx: zmq.asyncio.Context,
+        security_env: Mapping[str, str],
+        peer_keys: Callable[[PlanDoc], dict[str, str]],
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.keys = keys
+        self.membership = membership
+        self.ports = ports
+        self.security_env = dict(security_env)
+        self.peer_keys = peer_keys
+        self.name = config.name
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.control_endpoint = f"tcp://127.0.0.1:{port}"
+        log.info("%s: worker control socket at %s", self.name, self.control_endpoint)
+        self.workers: dict[int, _Worker] = {}
+        self.job: str | None = None
+        self.epoch = 0
+        self.epoch_started_at = 0.0
+        self.first_step_at = 0.0
+        self._progress: dict[int, Progress] = {}
+        self._progress_written: dict[int, Progress] = {}
+        self._history: dict[tuple[str, int], dict[int, float]] = {}
+        self._history_dirty: set[tuple[str, int]] = set()
+        self._report_dirty = True
+        self._report_lease: int | None = None
+        self._wake = asyncio.Event()
+        self._exited = asyncio.Event()
+        self._exited.set()
+        self._log_seq = time.time_ns() // 1000
+        self._log_chunks: dict[str, list[str]] = {}  # job -> chunk keys this daemon wrote, oldest first
+        self._on_exit: list[Callable[[_Worker], Any]] = []
+        self.dropped = 0
+
+    # -- the epoch's workers -------------------------------------------------------------------------
+
+    def alive(self) -> list[_Worker]:
+        return [w for w in self.workers.values() if w.alive]
+
+    def report(self) -> WorkerReport:
+        return WorkerReport(member=self.name, job=self.job, epoch=self.epoch,
+                            workers=tuple(w.record() for w in sorted(self.workers.values(), key=lambda w: w.rank)),
+                            first_step_at=self.first_step_at, started_at=self.epoch_started_at)
+
+    async def wait_all_exited(self, timeout: float | None = None) -> bool:
+        if not self.alive():
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                while self.alive():
+                    self._exited.clear()
+                    await self._exited.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def start_epoch(self, doc: PlanDoc, epoch: int, *, member: DaemonMember, script: Path, args: list[str],
+                          store_dir: str, batch_size: int, steps: int, checkpoint_every: int,
+                          keep_checkpoints: int) -> None:
+        """Start a worker for each slot ``doc`` gives this member (after ending any older ones)."""
+        await self.kill_all("a newer plan replaces them")
+        mine = doc.slots_on(self.name)
+        self._begin(doc.job or "", epoch)
+        threads = self.config.threads or max(1, (os.cpu_count() or 1) // max(1, member.slots))
+        extra = dict(self.security_env)
+        if self.security_env.get("VARUNA_SECURITY") == "curve" and self.security_env.get("VARUNA_TRUSTED_NETWORK") != "1":
+            extra["VARUNA_PEER_KEYS"] = json.dumps(self.peer_keys(doc))
+        for s in mine:
+            assignment = WorkerAssignment(
+                rank=s.rank, stage_to_rank=doc.stage_to_rank(), endpoints=doc.endpoints(), dist_url=doc.dist_url,
+                job=doc.job or "", epoch=epoch, cuts=list(doc.cuts), schedule=doc.schedule, threads=threads,
+                store=store_dir, device=self._device(member, s.slot), control=self.control_endpoint,
+                checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume="latest",
+                batch_size=batch_size, micro_batch_size=doc.micro_batch_size, steps=steps,
+            )
+            ports = [member.worker_ports[s.slot]] + ([member.rendezvous_port] if s.rank == 0 else [])
+            await self._spawn(_Worker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot,
+                                      log_path=self._log_path(doc.job or "", epoch, s.rank), ports=tuple(ports)),
+                              script, args, worker_environment(assignment, extra=extra))
+        log.info("%s: started %d worker(s) of %s epoch %d (%s, ranks %s)", self.name, len(mine), doc.job, epoch,
+                 doc.shape, [s.rank for s in mine])
+
+    async def start_profile(self, doc: PlanDoc, epoch: int, *, member: DaemonMember, script: Path, args: list[str],
+                            batch_size: int, steps: int, out_path: str) -> None:
+        """Run the script once on slot 0 with VARUNA_PROFILE: it writes the calibration and exits 0."""
+        await self.kill_all("a newer plan replaces them")
+        self._begin(doc.job or "", epoch)
+        assignment = WorkerAssignment(
+            rank=0, stage_to_rank={0: [0]}, endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
+            job=doc.job or "", epoch=epoch, threads=self.config.threads or max(1, os.cpu_count() or 1),
+            device=self._device(member, 0), control=self.control_endpoint, batch_size=batch_size, steps=steps,
+            profile=out_path,
+        )
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(out_path)
+        worker = _Worker(job=doc.job or "", epoch=epoch, rank=0, slot=0, profile_path=out_path,
+                         log_path=self._log_path(doc.job or "", epoch, 0),
+                         ports=(member.worker_ports[0], member.rendezvous_port))
+        await self._spawn(worker, script, args, worker_environment(assignment, extra=self.security_env))
+
+    def fail_epoch(self, job: str, epoch: int, ranks: list[int], error: str) -> None:
+        """Report ``ranks`` of an epoch this daemon could not even start as failed, with ``error``."""
+        self._begin(job, epoch)
+        for rank in ranks:
+            self.workers[rank] = _Worker(job=job, epoch=epoch, rank=rank, slot=0, outcome="failed", error=error,
+                                         log_path=self._log_path(job, epoch, rank))
+        self._mark_report()
+
+    def on_exit(self, callback: Callable[[_Worker], Any]) -> None:
+        """Call ``callback(worker)`` (may be async) when a worker has exited, before reporting it."""
+        self._on_exit.append(callback)
+
+    def _device(self, member: DaemonMember, slot: int) -> str:
+        return "cpu" if member.device_kind == "cpu" else str(slot)
+
+    def _log_path(self, job: str, epoch: int, rank: int) -> Path:
+        return Path(self.config.state_dir) / "logs" / job / f"e{epoch}-r{rank}.log"
+
+    def _begin(self, job: str, epoch: int) -> None:
+        self.workers = {}
+        self.job, self.epoch = job, epoch
+        self.epoch_started_at = time.time()
+        self.first_step_at = 0.0
+        self._progress.clear()
+        self._report_dirty = True
+
+    async def _spawn(self, w: _Worker, script: Path, args: list[str], env: dict[str, str]) -> None:
+        w.log_path.parent.mkdir(parents=True, exist_ok=True)
+        for port in w.ports:
+            self.ports.release(port)
+        self.workers[w.rank] = w
+        self._exited.clear()
+        w.started_at = time.time()
+        with open(w.log_path, "ab") as out:
+            w.log_offset = out.tell()
+            try:
+                w.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, str(script), *args, cwd=str(script.parent), env=env,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=_die_with(os.getpid()),
+                )
+            except OSError as exc:
+                w.outcome, w.error = "failed", f"could not start {script}: {exc}"
+                self._after_exit(w)
+                return
+        w.outcome = "running"
+        self._mark_report()
+        w.wait_task = asyncio.get_running_loop().create_task(self._wait(w), name=f"worker-{w.job}-e{w.epoch}-r{w.rank}")
+
+    async def _wait(self, w: _Worker) -> None:
+        assert w.proc is not None
+        code = await w.proc.wait()
+        w.exit_code = code
+        if w.kill_task is not None:
+            w.kill_task.cancel()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(w.proc.pid, signal.SIGKILL)  # anything the worker left behind in its group
+        if code == 0:
+            w.outcome = "done"
+        elif code == STOPPED_EXIT_CODE:
+            w.outcome = "stopped"
+        elif w.killed_by_daemon:
+            w.outcome = "killed"
+        else:
+            w.outcome = "failed"
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            w.error = f"rank {w.rank} on {self.name} {how}; last output:\n{_tail(w.log_path)}"
+        for callback in self._on_exit:
+            try:
+                result = callback(w)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:  # a callback must not stop the report
+                log.exception("%s: exit callback failed", self.name)
+        self._after_exit(w)
+
+    def _after_exit(self, w: _Worker) -> None:
+        for port in w.ports:
+            self.ports.reacquire(port)
+        level = logging.WARNING if w.outcome == "failed" else logging.INFO
+        log.log(level, "%s: worker rank %d of %s epoch %d: %s (exit code %s)%s", self.name, w.rank, w.job, w.epoch,
+                w.outcome, w.exit_code, ("\n" + w.error) if w.outcome == "failed" else "")
+        self._mark_report()
+        if not self.alive():
+            self._exited.set()
+
+    # -- stopping --------------------------------------------------------------------------------------
+
+    def stop(self, job: str | None, epoch: int | None, *, checkpoint: bool, reason: str,
+             grace: float | None = None) -> int:
+        """Ask the workers (of ``job``/``epoch``, or all) to stop; SIGKILL those alive after the grace
+        (by default stop_grace with a checkpoint, abort_grace without; 0 kills them now)."""
+        targets = [w for w in self.alive() if (job is None or w.job == job) and (epoch is None or w.epoch <= epoch)]
+        if grace is None:
+            grace = self.config.stop_grace if checkpoint else self.config.abort_grace
+        if grace <= 0:
+            for w in targets:
+                w.killed_by_daemon = True
+                if w.proc is not None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(w.proc.pid, signal.SIGKILL)
+            if targets:
+                log.info("%s: killed %d worker(s) of a broken epoch (%s)", self.name, len(targets), reason)
+            return len(targets)
+        for w in targets:
+            self._deliver(w, StopWorkers(job=w.job, epoch=w.epoch, reason=reason[:1000], checkpoint=checkpoint))
+            if w.kill_task is None or checkpoint is False:
+                if w.kill_task is not None:
+                    w.kill_task.cancel()
+                w.kill_task = asyncio.get_running_loop().create_task(self._kill_after(w, grace))
+        if targets:
+            log.info("%s: asked %d worker(s) to stop (%s; checkpoint=%s, SIGKILL after %.0fs)", self.name,
+                     len(targets), reason, checkpoint, grace)
+        return len(targets)
+
+    def checkpoint_now(self, job: str, epoch: int, reason: str) -> None:
+        for w in self.alive():
+            if w.job == job and w.epoch == epoch:
+                self._deliver(w, CheckpointNow(job=job, epoch=epoch, reason=reason[:1000]))
+
+    async def _kill_after(self, w: _Worker, grace: float) -> None:
+        await asyncio.sleep(grace)
+        if w.alive and w.proc is not None:
+            log.warning("%s: rank %d of %s epoch %d did not stop within %.0fs; SIGKILL", self.name, w.rank, w.job,
+                        w.epoch, grace)
+            w.killed_by_daemon = True
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.proc.pid, signal.SIGKILL)
+
+    def kill_now(self) -> list[_Worker]:
+        """SIGKILL every live worker's process group; returns them."""
+        alive = self.alive()
+        for w in alive:
+            w.killed_by_daemon = True
+            if w.proc is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(w.proc.pid, signal.SIGKILL)
+        return alive
+
+    async def kill_all(self, reason: str) -> None:
+        """SIGKILL every live worker now and wait for them to be reaped."""
+        alive = self.kill_now()
+        if alive:
+            log.warning("%s: killed %d worker(s): %s", self.name, len(alive), reason)
+            await self.wait_all_exited(10.0)
+
+    def _deliver(self, w: _Worker, msg: Any) -> None:
+        data = encode(msg)
+        if not w.connected:
+            w.pending.append(data)  # sent when the worker first speaks (after its first step)
+            return
+        try:
+            self.sock.send_multipart([w.identity, data], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # unroutable (reconnecting) or full: keep it for its next message
+            w.connected = False
+            w.pending.append(data)
+
+    # -- the control socket ------------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) != 2:
+                self._drop(f"{len(frames)} frames instead of [identity, message]")
+                continue
+            identity, data = frames
+            try:
+                msg = decode(data)
+            except ProtocolError as exc:
+                self._drop(str(exc))
+                continue
+            if not isinstance(msg, (WorkerProgress, WorkerCheckpointed)):
+                self._drop(f"unexpected {type(msg).__name__} from a worker")
+                continue
+            w = self.workers.get(msg.rank)
+            if w is None or w.job != msg.job or w.epoch != msg.epoch or identity != w.identity:
+                log.debug("%s: ignored %s of %s epoch %d rank %d", self.name, type(msg).__name__, msg.job,
+                          msg.epoch, msg.rank)
+                continue
+            if not w.connected:
+                w.connected = True
+                pending, w.pending = w.pending, []
+                for item in pending:
+                    with contextlib.suppress(zmq.ZMQError):
+                        self.sock.send_multipart([w.identity, item], flags=zmq.NOBLOCK)
+            if isinstance(msg, WorkerProgress):
+                self._on_progress(w, msg)
+            else:
+                log.info("%s: rank %d checkpointed step %d of %s", self.name, msg.rank, msg.step, msg.job)
+                self._wake.set()  # flush the history now: the next epoch resumes from here
+
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        if self.dropped <= 20 or self.dropped % 1000 == 0:
+            log.warning("%s: dropped a malformed message on the worker socket (%d so far): %s",
+                        self.name, self.dropped, why)
+
+    def _on_progress(self, w: _Worker, msg: WorkerProgress) -> None:
+        if w.step < 0 and not self.first_step_at:
+            self.first_step_at = time.time()
+            self._mark_report()
+        w.step = max(w.step, msg.step)
+        self._progress[w.rank] = Progress(job=msg.job, epoch=msg.epoch, rank=msg.rank, step=msg.step, loss=msg.loss,
+                                          samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
+                                          member=self.name, at=time.time())
+        if w.rank == min(self.workers):
+            key = (msg.job, msg.epoch)
+            hist = self._history.setdefault(key, {})
+            if len(hist) < _HISTORY_CAP:
+                hist[msg.step] = msg.loss
+                self._history_dirty.add(key)
+
+    # -- reporting to etcd ---------------------------------------------------------------------------
+
+    def _mark_report(self) -> None:
+        self._report_dirty = True
+        self._wake.set()
+
+    async def report_loop(self) -> None:
+        """Write what changed: the report at once, the rest every progress_interval."""
+        last_periodic = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.progress_interval):
+                    await self._wake.wait()
+            self._wake.clear()
+            await self.flush(periodic=loop.time() - last_periodic >= self.config.progress_interval)
+            if loop.time() - last_periodic >= self.config.progress_interval:
+                last_periodic = loop.time()
+
+    async def flush(self, *, periodic: bool = True) -> bool:
+        """Write pending records; False if etcd refused or did not answer (they stay pending)."""
+        ok = True
+        t = self.config.retry_timeout
+        lease = self.membership.lease
+        try:
+            if lease is not None and (self._report_dirty or lease.id != self._report_lease):
+                self._report_dirty = False
+                try:
+                    await self.store.put(self.keys.workers_of(self.name), self.report().encode(), lease=lease,
+                                         timeout=t)
+                    self._report_lease = lease.id
+                except BaseException:
+                    self._report_dirty = True
+                    raise
+            for key in list(self._history_dirty):
+                job, epoch = key
+                self._history_dirty.discard(key)
+                try:
+                    await self.store.put(self.keys.history_entry(job, epoch, self.name),
+                                         encode_history(self._history[key].items()), timeout=t)
+                except BaseException:
+                    self._history_dirty.add(key)
+                    raise
+            if periodic:
+                for rank, p in list(self._progress.items()):
+                    if self._progress_written.get(rank) != p:
+                        await self.store.put(self.keys.progress_entry(p.job, rank), p.encode(), timeout=t)
+                        self._progress_written[rank] = p
+                await self._ship_logs(t)
+        except StoreError as exc:
+            ok = False
+            log.debug("%s: could not write reports to etcd yet: %s", self.name, exc)
+        return ok
+
+    async def _ship_logs(self, timeout: float) -> None:
+        for w in list(self.workers.values()):
+            try:
+                with open(w.log_path, "rb") as f:
+                    f.seek(w.log_offset)
+                    data = f.read(_LOG_CHUNK)
+            except OSError:
+                continue
+            if not data:
+                continue
+            if len(data) == _LOG_CHUNK and b"\n" in data:
+                data = data[: data.rindex(b"\n") + 1]  # whole lines only
+            prefix = f"[{self.name} e{w.epoch} r{w.rank}] ".encode()
+            text = b"".join(prefix + line for line in data.splitlines(keepends=True))
+            self._log_seq = max(self._log_seq + 1, time.time_ns() // 1000)
+            key = self.keys.log_chunk(w.job, self.name, self._log_seq)
+            await self.store.put(key, text, timeout=timeout)
+            w.log_offset += len(data)
+            chunks = self._log_chunks.setdefault(w.job, [])
+            chunks.append(key)
+            while len(chunks) > _LOG_CHUNKS_KEPT:
+                await self.store.delete(chunks.pop(0), timeout=timeout)
+
+    def close(self) -> None:
+        self.sock.close(0)
