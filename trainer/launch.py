@@ -152,22 +152,30 @@ def plan_assignments(
     ]
 
 
-def _worker_env(assignment: Assignment, extra: Mapping[str, str] | None) -> dict[str, str]:
-    env = dict(os.environ)
+def worker_environment(assignment: Assignment, extra: Mapping[str, str] | None = None, *,
+                       base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of one worker process; the launcher and the daemon both start workers
+    with it. `base` defaults to this process's environment; `extra` goes over it and the
+    assignment's variables over everything."""
+    env = dict(os.environ if base is None else base)
     threads = str(assignment.threads or 1)
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
-    # Every worker listens on loopback only: the local launcher is for one machine, so it asks
-    # for plaintext streams explicitly (the daemon passes CURVE keys instead).
-    env.setdefault("VARUNA_SECURITY", "plaintext")
     # Gradients are freed and reallocated every step; glibc's default of returning big blocks
     # to the OS turns that into ~1,000 page faults a step (~9% of a worker's CPU, measured).
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 << 20))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
-    env.update(extra or {})
     path = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
+    env.update(extra or {})
     env.update(assignment.to_env())
     return env
+
+
+def _worker_env(assignment: Assignment, extra: Mapping[str, str] | None) -> dict[str, str]:
+    # Every worker listens on loopback only: the local launcher is for one machine, so it asks
+    # for plaintext streams explicitly (the daemon passes CURVE keys instead).
+    security = {"VARUNA_SECURITY": os.environ.get("VARUNA_SECURITY", "plaintext")}
+    return worker_environment(assignment, {**security, **(extra or {})})
 
 
 class _Launcher:

@@ -36,11 +36,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-import trainer
 from protocol.errors import ProtocolError
 from protocol.messages import CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
 from trainer.control import STOPPED_EXIT_CODE
 from trainer.env import Assignment as WorkerAssignment
+from trainer.launch import worker_environment as launch_environment
 
 from varunad.config import DaemonConfig
 from varunad.facts import DaemonMember, PortReservation
@@ -54,7 +54,6 @@ __all__ = ["Supervisor", "STOPPED_EXIT_CODE", "worker_environment"]
 
 log = logging.getLogger(__name__)
 
-_PACKAGE_ROOT = str(Path(trainer.__file__).resolve().parent.parent)
 _TAIL_BYTES = 4096
 _LOG_CHUNK = 64 * 1024
 _LOG_CHUNKS_KEPT = 64
@@ -79,17 +78,9 @@ def _die_with(parent: int) -> Callable[[], None]:
 
 
 def worker_environment(assignment: WorkerAssignment, *, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of one worker: the daemon's, the package on PYTHONPATH, threads, the assignment."""
-    env = dict(os.environ)
-    for key in [k for k in env if k.startswith(("VARUNA_", "VARUNAD_"))]:
-        del env[key]  # nothing of the daemon's own settings leaks into a worker
-    threads = str(assignment.threads or 1)
-    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
-    path = env.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
-    env.update(extra or {})
-    env.update(assignment.to_env())
-    return env
+    """The launcher's worker environment, without any of the daemon's own settings."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("VARUNA_", "VARUNAD_"))}
+    return launch_environment(assignment, extra, base=base)
 
 
 def _tail(path: Path, size: int = _TAIL_BYTES) -> str:
