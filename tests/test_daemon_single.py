@@ -1,10 +1,11 @@
-"""One varunad with its defaults (plaintext, no calibration: the synthetic one plans data-parallel
-only) runs a job to the end, and leaves the fleet at once on SIGTERM."""
+"""One varunad runs a job to the end, with the synthetic calibration (data-parallel only) or by
+profiling the real script first (the default), and leaves the fleet at once on SIGTERM."""
 
 from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,10 +15,10 @@ from ring import Ring
 pytestmark = pytest.mark.slow
 
 
-def test_one_daemon_runs_a_job_with_the_default_calibration_and_leaves_on_sigterm(tmp_path, etcd, etcd_root):
+def test_one_daemon_runs_a_job_with_the_synthetic_calibration_and_leaves_on_sigterm(tmp_path, etcd, etcd_root):
     ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=10.0)
     try:
-        d = ring.start("solo")
+        d = ring.start("solo", "--calibrate", "uniform")
         ring.wait_members(["solo"])
         assert ring.poll(ring.leader, timeout=20, what="a leader") == "solo"
         ring.submit("solo-job", steps=6, every=2)
@@ -37,5 +38,25 @@ def test_one_daemon_runs_a_job_with_the_default_calibration_and_leaves_on_sigter
         left = time.monotonic() - sent
         assert not ring.member_present("solo") and ring.leader() is None, "the lease was not revoked"
         assert left < 10.0, f"leaving took {left:.1f}s with no workers to stop"
+    finally:
+        ring.close()
+
+
+def test_the_default_profiles_the_real_script_before_planning(tmp_path, etcd, etcd_root):
+    """No calibration in etcd: the daemon runs the job's script once with VARUNA_PROFILE (the
+    Varuna object profiles the model and exits), stores the calibration, then plans from it."""
+    ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=10.0)
+    try:
+        d = ring.start("solo")
+        ring.wait_members(["solo"])
+        script = Path(__file__).parent.parent / "examples" / "train_gpt.py"
+        r = ring.varunactl("submit", "--name", "prof", "--batch-size", "8", "--steps", "3", "--checkpoint-every",
+                           "3", str(script), "--", "--preset", "tiny")
+        assert r.returncode == 0, r.stderr
+        st = ring.wait_state("prof", ("done", "failed"), timeout=240)
+        assert st["state"] == "done", st
+        assert st["plan"]["calibrated"] is True
+        assert "stored the calibration of prof" in d.log_text()
+        assert [s for s, _ in st["loss_history"]] == [0, 1, 2]
     finally:
         ring.close()

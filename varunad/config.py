@@ -107,7 +107,7 @@ class DaemonConfig:
     """Seconds the workers of a new epoch may take to report their first step."""
     progress_interval: float = 1.0
     """Seconds between progress (and log) writes to etcd."""
-    calibrate: Literal["uniform", "profile"] = "uniform"
+    calibrate: Literal["uniform", "profile"] = "profile"
     """What to do when no calibration exists for a job's model: plan data-parallel only from a
     synthetic one ("uniform"), or run the script once with VARUNA_PROFILE on one slot ("profile")."""
     log_level: str = "INFO"
@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--start-timeout", type=float, help="seconds a new epoch may take to its first step (default 120)")
     a("--progress-interval", type=float, help="seconds between progress writes to etcd (default 1)")
     a("--calibrate", choices=["uniform", "profile"],
-      help="missing calibration: plan from a synthetic one (uniform, default) or profile the script once")
+      help="missing calibration: profile the job's script once on one slot (profile, default) or plan "
+           "from a synthetic one (uniform: data-parallel only, for quick experiments)")
     a("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     a("--version", action="store_true", help="print the version and exit")
     return p
