@@ -1,0 +1,219 @@
+"""The profiler: a real calibration of the tiny GPT, checked against independently computed sizes,
+its cache, and its fingerprint. No wall-clock assertions."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from trainer.calibration import Calibration, CalibrationError, LinkCost
+from trainer.data import TextDataset
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.partition import trace_model
+from trainer.profiler import Profiler, fit_affine, measure_segments, model_fingerprint, segment_slices
+
+SIZES = [1, 2]
+FAST = dict(repeats=1, warmup=0)
+
+
+def _tiny(**overrides):
+    cfg = GPTConfig.preset("tiny", **overrides)
+    return GPT(cfg, seed=0), TextDataset(cfg.seq_len, num_examples=16, seed=0)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """The tiny GPT profiled once, with the real network measurement."""
+    folder = tmp_path_factory.mktemp("profiles")
+    model, data = _tiny()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prof = Profiler(model, data.sample_batch, out_folder=folder, **FAST)
+    prof.set_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    cal = prof.profile_all(SIZES)
+    return {"folder": folder, "model": model, "data": data, "prof": prof, "cal": cal, "before": before}
+
+
+def test_one_entry_per_segment_and_size(profiled):
+    cal, model, prof = profiled["cal"], profiled["model"], profiled["prof"]
+    assert cal.n_segments == model.config.n_layer + 1 == len(prof.traced.markers) + 1
+    assert cal.micro_batch_sizes == tuple(SIZES)
+    assert cal.key == (prof.fingerprint, "cpu")
+    assert prof.measured == cal.n_segments * len(SIZES) and prof.network_measured
+    for seg in cal.segments:
+        assert len(seg.costs) == len(SIZES)
+        assert seg.step_s > 0
+        for c in seg.costs:
+            assert c.forward_s > 0 and c.recompute_s > 0 and c.backward_s > 0
+
+
+def test_activation_bytes_are_the_real_boundaries(profiled):
+    cal, model, data = profiled["cal"], profiled["model"], profiled["data"]
+    for j, b in enumerate(SIZES):
+        seen: dict[int, int] = {}
+        hooks = [cut.register_forward_pre_hook(lambda _m, args, k=k: seen.__setitem__(k, _nbytes(args[0])))
+                 for k, cut in enumerate(model.cuts)]
+        try:
+            batch = data.sample_batch(b)
+            with torch.no_grad():
+                loss = model(**batch)
+        finally:
+            for h in hooks:
+                h.remove()
+        expected = [seen[k] for k in range(len(model.cuts))] + [_nbytes(loss)]
+        assert [seg.costs[j].activation_bytes for seg in cal.segments] == expected
+        assert expected[0] == b * model.config.seq_len * model.config.n_embd * 4
+        assert cal.input_bytes[j] == sum(_nbytes(v) for v in batch.values())
+        # autograd keeps more than the boundary inside a block (attention, MLP, LayerNorm inputs)
+        for seg in cal.segments[1:-1]:
+            assert seg.costs[j].peak_activation_bytes > seg.costs[j].activation_bytes
+
+
+def test_parameter_and_optimizer_bytes(profiled):
+    cal, model = profiled["cal"], profiled["model"]
+    size = lambda *mods: sum(_nbytes(p) for m in mods for p in m.parameters())  # noqa: E731
+    assert cal.segments[0].param_bytes == size(model.wte, model.wpe)
+    for k, block in enumerate(model.blocks[:-1], start=1):
+        assert cal.segments[k].param_bytes == size(block)
+    # the tied head: the last stage holds its own copy of the embedding
+    assert cal.segments[-1].param_bytes == size(model.blocks[-1], model.ln_f) + _nbytes(model.wte.weight)
+    for seg in cal.segments:  # AdamW: exp_avg and exp_avg_sq
+        assert seg.optimizer_bytes == 2 * seg.param_bytes
+
+
+def test_network_costs(profiled):
+    cal = profiled["cal"]
+    for table in (cal.links, cal.allreduce):
+        assert table["intra"].latency_s >= 0 and table["intra"].bandwidth_Bps > 0
+        assert table["inter"] == table["intra"]   # no override given
+    assert cal.allreduce["intra"].allreduce_s(1 << 20, 4) > cal.allreduce["intra"].allreduce_s(1 << 20, 2)
+
+
+def test_model_left_as_found(profiled):
+    model = profiled["model"]
+    for n, p in model.named_parameters():
+        assert torch.equal(p, profiled["before"][n]), n
+        assert p.grad is None
+
+
+def test_round_trip_through_bytes_and_file(profiled):
+    cal, prof = profiled["cal"], profiled["prof"]
+    assert Calibration.from_bytes(cal.to_bytes()) == cal
+    assert prof.path.parent == profiled["folder"] and Calibration.load(prof.path) == cal
+
+
+def test_cache_hit_measures_nothing(profiled):
+    model, data, prof = profiled["model"], profiled["data"], profiled["prof"]
+    mtime = os.stat(prof.path).st_mtime_ns
+    again = Profiler(model, data.sample_batch, out_folder=profiled["folder"], **FAST)
+    assert again.profile_all(SIZES) == profiled["cal"]
+    one = again.profile_all([2])
+    assert one.micro_batch_sizes == (2,) and one.segments[3].costs[0] == profiled["cal"].segments[3].costs[1]
+    assert again.measured == 0 and not again.network_measured
+    assert os.stat(prof.path).st_mtime_ns == mtime
+
+
+def test_add_to_existing_measures_only_missing_sizes(profiled, tmp_path):
+    model, data = profiled["model"], profiled["data"]
+    profiled["cal"].save(tmp_path / profiled["prof"].path.name)
+    prof = Profiler(model, data.sample_batch, out_folder=tmp_path, add_to_existing=True, **FAST)
+    cal = prof.profile_all([1, 3])
+    assert prof.measured == cal.n_segments and not prof.network_measured
+    assert cal.micro_batch_sizes == (1, 3)
+    saved = Calibration.load(prof.path)
+    assert saved.micro_batch_sizes == (1, 2, 3)
+    assert saved.cost(4, 2) == profiled["cal"].cost(4, 2)
+    assert saved.cost(3, 3).activation_bytes == 3 * saved.cost(3, 1).activation_bytes
+
+
+def test_profile_some_segments_fills_the_rest_from_the_cache(profiled, tmp_path):
+    model, data = profiled["model"], profiled["data"]
+    profiled["cal"].save(tmp_path / profiled["prof"].path.name)
+    prof = Profiler(model, data.sample_batch, out_folder=tmp_path, pstages_to_profile=[2], from_cache=False, **FAST)
+    cal = prof.profile_all(SIZES)
+    assert prof.measured == len(SIZES) and not prof.network_measured
+    old = profiled["cal"]
+    assert [cal.segments[k] for k in (0, 1, 3, 4)] == [old.segments[k] for k in (0, 1, 3, 4)]
+    assert cal.cost(2, 2).activation_bytes == old.cost(2, 2).activation_bytes
+    with pytest.raises(CalibrationError):
+        Profiler(model, data.sample_batch, out_folder=tmp_path / "empty", pstages_to_profile=[2]).profile_all(SIZES)
+
+
+def test_network_override_skips_measurement(tmp_path):
+    model, data = _tiny(n_layer=2)
+    intra, inter = LinkCost(1e-4, 1e9), LinkCost(1e-3, 1e8)
+    prof = Profiler(model, data.sample_batch, out_folder=tmp_path, links={"intra": intra},
+                    allreduce={"intra": intra}, inter_link=inter, inter_allreduce=inter, **FAST)
+    cal = prof.profile_all([1])
+    assert not prof.network_measured
+    assert cal.links == {"intra": intra, "inter": inter} and cal.allreduce["inter"] == inter
+    # without an optimizer: AdamW's step is timed, the state is 2x the parameters
+    assert all(s.optimizer_bytes == 2 * s.param_bytes and s.step_s > 0 for s in cal.segments)
+
+
+def test_fingerprint_depends_on_structure_not_values():
+    a, _ = _tiny()
+    same = GPT(GPTConfig.preset("tiny"), seed=7)
+    assert model_fingerprint(a) == model_fingerprint(same)
+    others = [GPT(GPTConfig.preset("tiny", n_layer=3)), GPT(GPTConfig.preset("tiny", n_embd=64)),
+              GPT(GPTConfig.preset("tiny", dropout=0.1))]
+    prints = {model_fingerprint(a), *(model_fingerprint(m) for m in others), model_fingerprint(a, precision="fp16")}
+    assert len(prints) == 5
+
+
+def test_measure_segments_standalone():
+    model, data = _tiny(n_layer=2)
+    slices = segment_slices(trace_model(model))
+    got = measure_segments(slices, data.sample_batch(2), segments=[1], repeats=1, warmup=0)
+    assert list(got) == [1]
+    assert got[1].activation_bytes == 2 * 32 * 48 * 4 and got[1].backward_s > 0
+
+
+def test_fit_affine_recovers_a_line():
+    sizes = [1e3, 1e5, 1e6, 1e7]
+    a, b = fit_affine(sizes, [2e-4 + n / 1e9 for n in sizes])
+    assert a == pytest.approx(2e-4, rel=1e-6) and 1 / b == pytest.approx(1e9, rel=1e-6)
+    a, b = fit_affine(sizes, [n / 1e9 - 1e-6 for n in sizes])  # a negative intercept is clamped
+    assert a == 0 and b > 0
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_cpu_slots_measure_with_the_host_busy(tmp_path, one_thread):
+    model, data = _tiny(n_layer=2)
+    intra = LinkCost(1e-4, 1e9)
+    prof = Profiler(model, data.sample_batch, gpus_per_node=2, out_folder=tmp_path, links={"intra": intra},
+                    allreduce={"intra": intra}, **FAST)
+    cal = prof.profile_all([2])
+    assert cal.device_kind == "cpu-2slots" and prof.measured == cal.n_segments
+    alone = Profiler(model, data.sample_batch, out_folder=tmp_path, links={"intra": intra},
+                     allreduce={"intra": intra}, **FAST).profile_all([2])
+    assert alone.model == cal.model and alone.device_kind == "cpu"   # the same model, another slot kind
+    for busy, lone in zip(cal.segments, alone.segments):
+        assert busy.step_s > 0 and busy.param_bytes == lone.param_bytes
+        assert busy.costs[0].backward_s > 0
+        assert busy.costs[0].activation_bytes == lone.costs[0].activation_bytes
+    with pytest.raises(ValueError):
+        Profiler(model, data.sample_batch, gpus_per_node=0)
+
+
+def test_cpu_slots_need_one_thread_each(tmp_path):
+    if torch.get_num_threads() == 1:
+        pytest.skip("this process already runs one thread")
+    model, data = _tiny(n_layer=2)
+    intra = LinkCost(1e-4, 1e9)
+    prof = Profiler(model, data.sample_batch, gpus_per_node=2, out_folder=tmp_path, links={"intra": intra},
+                    allreduce={"intra": intra}, **FAST)
+    with pytest.raises(ValueError, match="one torch thread per slot"):
+        prof.profile_all([2])
