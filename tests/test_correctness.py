@@ -18,10 +18,10 @@ STEPS, BATCH = 5, 12
 pytestmark = pytest.mark.slow
 
 
-def run_workers(tmp_path, stages, replicas, *args, name="run"):
+def run_workers(tmp_path, stages, replicas, *args, name="run", cuts=None):
     out = tmp_path / name
     result = launch(WORKER, ["--out", str(out), "--steps", str(STEPS), "--batch-size", str(BATCH), *args],
-                    stages=stages, replicas=replicas, timeout=240)
+                    stages=stages, replicas=replicas, timeout=240, cuts=cuts)
     assert result.ok, f"launch failed ({result.reason}):\n" + "\n".join(result.errors)
     return out
 
@@ -91,8 +91,9 @@ def test_ragged_micro_batches(tmp_path, reference):
 
 def test_recompute_reproduces_dropout(tmp_path):
     """With dropout, recompute on and off give the same gradients: the masks are replayed."""
-    outs = [run_workers(tmp_path, 2, 1, "--dropout", "0.2", "--grads", "--recompute", str(r), name=f"r{r}")
-            for r in (0, 1)]
+    # the same cut in both runs, so both compare the same stage's gradients
+    outs = [run_workers(tmp_path, 2, 1, "--dropout", "0.2", "--grads", "--recompute", str(r), name=f"r{r}",
+                        cuts=[1]) for r in (0, 1)]
     for rank in range(2):
         off = torch.load(outs[0] / f"grads_rank{rank}.pt", weights_only=True)
         on = torch.load(outs[1] / f"grads_rank{rank}.pt", weights_only=True)
@@ -119,7 +120,8 @@ def test_checkpoint_from_4x1_resumes_in_2x2(tmp_path, reference):
 
 
 def test_stage_parameter_memory_is_a_share(tmp_path):
-    out = run_workers(tmp_path, 4, 1, name="mem")
+    # cut between every block (the balancer's choice is tested in test_partition)
+    out = run_workers(tmp_path, 4, 1, name="mem", cuts=[1, 2, 3])
     sizes = [read_losses(out, r)["param_bytes"] for r in range(4)]
     whole = sum(p.numel() * 4 for p in
                 __import__("trainer.models.gpt", fromlist=["GPT"]).GPT(

@@ -146,14 +146,15 @@ class _SegmentTimer(fx.Interpreter):
                     f"batch ({self.batch})",
                     hint="a CutPoint's input must be one batch-first tensor",
                 )
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(time.process_time())
             self.boundary_bytes.append(out.numel() * out.element_size())
         return out
 
 
 @torch.no_grad()
 def dry_run(traced: TracedModel, inputs: Mapping[str, torch.Tensor], *, repeats: int = 3) -> list[float]:
-    """Median forward seconds of each segment (len(markers) + 1 of them) on a sample batch."""
+    """Median forward CPU seconds of each segment (len(markers) + 1 of them) on a sample batch.
+    CPU time, not wall time: other processes on a busy machine cannot make a segment look slow."""
     batch = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim()), None)
     if batch is None:
         raise ConfigError("get_batch_fn returned no batch-first tensor")
@@ -161,9 +162,9 @@ def dry_run(traced: TracedModel, inputs: Mapping[str, torch.Tensor], *, repeats:
     runs = []
     for _ in range(repeats):
         timer = _SegmentTimer(traced.graph_module, batch)
-        start = time.perf_counter()
+        start = time.process_time()
         timer.run(*args)
-        stamps = [start, *timer.stamps, time.perf_counter()]
+        stamps = [start, *timer.stamps, time.process_time()]
         runs.append([b - a for a, b in zip(stamps, stamps[1:])])
     return [sorted(col)[len(col) // 2] for col in zip(*runs)]
 

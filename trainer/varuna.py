@@ -15,6 +15,7 @@ update as a single process would (DESIGN idea 3).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -78,6 +79,7 @@ class Varuna:
             torch.set_num_threads(a.threads)
         self.device = _device(a, local_rank, device)
         self._init_distributed()
+        atexit.register(self.close)
 
         traced = trace_model(model)
         cuts = self._agree_on_cuts(traced, get_batch_fn)
@@ -220,15 +222,21 @@ class Varuna:
         return checkpointing.load(self, global_store, iteration, check_complete=check_complete)
 
     def close(self) -> None:
+        """Release sockets and the process group; also run at interpreter exit."""
         if self.channel is not None:
             self.channel.close()
             self.channel = None
         self.control.close()
+        # gloo's threads must be joined before the interpreter tears down, or C++ aborts
+        # ("terminate called without an active exception") and the worker exits non-zero.
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
 
     # -- internals -----------------------------------------------------------------------------
 
     def _init_distributed(self) -> None:
         a = self.assignment
+        self._owns_process_group = not dist.is_initialized()
         if dist.is_initialized():
             if dist.get_world_size() != a.world_size or dist.get_rank() != a.rank:
                 raise ConfigError(f"torch.distributed is initialised as rank {dist.get_rank()}/"
