@@ -20,8 +20,8 @@ What is measured (medians over `repeats` runs after `warmup` runs):
 * per segment: parameter bytes (a weight shared by several segments, like a tied embedding, is
   counted in each: every stage using it holds a copy), optimizer-state bytes (measured after a
   step of the optimizer given to `set_optimizer`, otherwise `optimizer_factor` x the parameter
-  bytes: 2 for Adam), and `step_s`: what the engine's STEP does for those parameters (the squared
-  gradient norm in float64, the finiteness check, then the optimizer's step, on copies so that
+  bytes: 2 for Adam), and `step_s`: what the engine's STEP does for those parameters (its
+  squared gradient norms, the finiteness check, then the optimizer's step, on copies so that
   the model is left untouched);
 * the network, in two helper processes on loopback (so no launcher and no process group of the
   caller is needed): a `PeerChannel` ping-pong fitted to ``latency + bytes / bandwidth`` for
@@ -42,6 +42,11 @@ weights' values. It is saved as `<out_folder>/calibration-<fingerprint>-<device 
 `from_cache=True` returns a saved calibration of the same key that covers the sizes asked for,
 and `add_to_existing=True` measures only what a saved one lacks and merges the two.
 
+CPU timings depend on the allocator: workers run with glibc's trimming and mmap thresholds
+raised (`trainer.launch.worker_environment`), which removes thousands of page faults a step.
+Profile in that environment too (the daemon's VARUNA_PROFILE run is a worker; a script can be
+started with `python -m trainer.launch -P 1`); the profiler logs a warning otherwise.
+
 The measurement functions (`measure_segments`, `measure_network`, `model_fingerprint`) work on
 their own, so a daemon's worker can call them without the rest.
 """
@@ -51,6 +56,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import re
@@ -89,6 +95,7 @@ __all__ = [
 log = logging.getLogger("varuna.profiler")
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+_WORKER_MALLOC = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")   # set by trainer.launch
 _LINK_SIZES = (1 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 _ALLREDUCE_SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
 
@@ -304,11 +311,12 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 def _engine_step(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
-    """What Varuna's STEP does besides the all-reduces: norm, finiteness, step."""
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        sq += p.grad.detach().double().pow(2).sum().cpu()
-    all(bool(torch.isfinite(p.grad).all()) for p in params)
+    """What the engine's STEP does for these parameters besides its all-reduces: the squared
+    gradient norms (the engine's own function, so the two cannot drift apart), the finiteness
+    check on their sum, then the optimizer's step."""
+    from trainer.varuna import _squared_norms   # the engine imports the profiler lazily too
+
+    math.isfinite(sum(_squared_norms([p.grad for p in params if p.grad is not None])))
     optimizer.step()
 
 
@@ -729,6 +737,11 @@ class Profiler:
         self.n_segments = len(self.traced.markers) + 1
         if self.pstages_to_profile and not all(0 <= k < self.n_segments for k in self.pstages_to_profile):
             raise ConfigError(f"pstages_to_profile {self.pstages_to_profile} must lie in 0..{self.n_segments - 1}")
+        if self.device.type == "cpu" and sys.platform.startswith("linux") \
+                and not all(v in os.environ for v in _WORKER_MALLOC):
+            log.warning("profiling outside the workers' environment (%s unset): CPU timings will not be "
+                        "those of the workers; start the script with `python -m trainer.launch -P 1`",
+                        " / ".join(_WORKER_MALLOC))
         self._factory: OptimizerFactory | None = None
         self.measured = 0            # segment x size measurements this profiler took
         self.network_measured = False
