@@ -11,6 +11,8 @@ allocator settings, which change CPU timings by 10-20%). Then, per configuration
   given explicitly (`cuts=`); every worker times each step after warm-up; a step's time is the
   slowest worker's, the row's the median over all timed steps of `--rounds` runs (the rounds
   interleave the configurations, so a burst of other work on the machine hits one run, not a row);
+  every round also profiles the model again, and the estimates use the element-wise median of
+  the rounds' calibrations, so both sides average over the same stretch of time;
 * estimated: `simulator.simulate` replays `schedule.build_table(schedule, P, m)` (the very list
   the engine ran) with `simulator.stage_costs` from the calibration and the same cut points.
 
@@ -41,13 +43,13 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.calibration import Calibration  # noqa: E402
+from trainer.calibration import Calibration, LinkCost  # noqa: E402
 from trainer.launch import launch  # noqa: E402
 from trainer.models.gpt import GPTConfig  # noqa: E402
 from trainer.schedule import build_table  # noqa: E402
@@ -91,6 +93,25 @@ def _cuts(cal, P: int, D: int, mb: int, schedule: str) -> list[int]:
     if P == 1:
         return []
     return min(([c] for c in range(cal.n_segments - 1)), key=lambda cuts: estimate(cal, P, D, mb, schedule, cuts))
+
+
+def median_calibration(cals: list[Calibration]) -> Calibration:
+    """Element-wise median of calibrations of one key (times; sizes and bytes are equal)."""
+    if len(cals) == 1:
+        return cals[0]
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    segments = []
+    for k, seg in enumerate(cals[0].segments):
+        costs = tuple(
+            replace(c, **{f: med([getattr(cal.segments[k].costs[j], f) for cal in cals])
+                          for f in ("forward_s", "backward_s", "recompute_s")})
+            for j, c in enumerate(seg.costs))
+        segments.append(replace(seg, step_s=med([cal.segments[k].step_s for cal in cals]), costs=costs))
+    link = lambda table, kind: LinkCost(med([getattr(c, table)[kind].latency_s for c in cals]),  # noqa: E731
+                                        med([getattr(c, table)[kind].bandwidth_Bps for c in cals]))
+    return replace(cals[0], segments=tuple(segments),
+                   links={k: link("links", k) for k in cals[0].links},
+                   allreduce={k: link("allreduce", k) for k in cals[0].allreduce})
 
 
 def estimate(cal, P: int, D: int, mb: int, schedule: str, cuts: list[int]) -> float:
@@ -184,30 +205,32 @@ def main(argv=None) -> int:
     if ns.wait_quiet > 0:
         _wait_quiet(ns.wait_quiet)
 
-    with _Load() as total:
+    with _Load() as total, tempfile.TemporaryDirectory(prefix="bench-sim-prof-") as folder:
         repeats = 3 if ns.quick else 7
-        cals = {}
-        loads = []
-        with _Load() as load, tempfile.TemporaryDirectory(prefix="bench-sim-prof-") as folder:
-            alone, others = _quietly(lambda: _profile(sizes, folder, repeats), ns.max_others, ns.tries)
-            cals[1] = Calibration.load(alone)
-            loads.append(others)
-            # Two workers share this host: the slot calibration of a host with both slots busy.
-            if any(P * D == 2 for P, D, _, _ in configs):
-                busy, others = _quietly(lambda: _profile(sizes, folder, repeats, slots=2, network=alone),
-                                        ns.max_others, ns.tries)
-                cals[2] = Calibration.load(busy)
-                loads.append(others)
-        cal = cals[1]
-        print(f"profiled {cal.n_segments} segments x sizes {list(cal.micro_batch_sizes)} x slots {sorted(cals)} "
-              f"in {load.wall:.1f}s (others used {', '.join(f'{x:.2f}' for x in loads)} cores); "
-              f"link {cal.links['intra']}, all-reduce {cal.allreduce['intra']}")
+        slot_counts = sorted({P * D for P, D, _, _ in configs})
+        profiles: dict[int, list[Calibration]] = {n: [] for n in slot_counts}
         rows = []
-        for i, (P, D, mb, schedule) in enumerate(configs):
-            cuts = _cuts(cals[P * D], P, D, mb, schedule)
-            rows.append({"P": P, "D": D, "mb": mb, "schedule": schedule, "cuts": cuts, "times": [], "others": [],
-                         "est": estimate(cals[P * D], P, D, mb, schedule, cuts)})
         for r in range(rounds):
+            # Profiles are taken in every round too, so the estimates and the runs they are
+            # compared with average over the same stretch of time.
+            loads = []
+            with _Load() as load:
+                alone, others = _quietly(lambda: _profile(sizes, folder, repeats), ns.max_others, ns.tries)
+                profiles[1].append(Calibration.load(alone))
+                loads.append(others)
+                if 2 in profiles:   # two workers share this host: a slot of a host with both slots busy
+                    busy, others = _quietly(lambda: _profile(sizes, folder, repeats, slots=2, network=alone),
+                                            ns.max_others, ns.tries)
+                    profiles[2].append(Calibration.load(busy))
+                    loads.append(others)
+            cal = profiles[1][-1]
+            print(f"round {r}: profiled {cal.n_segments} segments x sizes {list(cal.micro_batch_sizes)} x slots "
+                  f"{slot_counts} in {load.wall:.1f}s (others used {', '.join(f'{x:.2f}' for x in loads)} cores)",
+                  flush=True)
+            if not rows:   # cut points are fixed by the first round's calibration
+                for P, D, mb, schedule in configs:
+                    rows.append({"P": P, "D": D, "mb": mb, "schedule": schedule, "times": [], "others": [],
+                                 "cuts": _cuts(profiles[P * D][0], P, D, mb, schedule)})
             for i, row in enumerate(rows):
                 trace = None if ns.trace is None else str(
                     Path(ns.trace) / f"row{i}_P{row['P']}D{row['D']}mb{row['mb']}_{row['schedule']}_r{r}")
@@ -216,6 +239,11 @@ def main(argv=None) -> int:
                                    steps=steps, warmup=warmup, trace=trace), ns.max_others, ns.tries)
                 row["times"] += times
                 row["others"].append(others)
+        cals = {n: median_calibration(cs) for n, cs in profiles.items()}
+        print(f"link {cals[1].links['intra']}, all-reduce {cals[1].allreduce['intra']}")
+        for row in rows:
+            row["est"] = estimate(cals[row["P"] * row["D"]], row["P"], row["D"], row["mb"], row["schedule"],
+                                  row["cuts"])
         print(f"{'P':>2} {'D':>2} {'mb':>3} {'m':>3} {'schedule':>8} {'cuts':>6} {'estimated_s':>12} "
               f"{'actual_s':>9} {'error':>7} {'others':>7}")
         errors = []

@@ -213,72 +213,95 @@ def _batch_size_of(batch: Mapping[str, torch.Tensor]) -> int:
 def measure_segments(slices: Sequence[StageSlice], batch: Mapping[str, torch.Tensor], *,
                      device: torch.device | str = "cpu", precision: Precision = "fp32",
                      segments: Iterable[int] | None = None, repeats: int = 5, warmup: int = 2,
-                     seed: int = 0) -> dict[int, SegmentMeasurement]:
+                     ) -> dict[int, SegmentMeasurement]:
     """Time the forward, recompute and backward of each segment in `segments` (default: all) on
     `batch` (one micro-batch, already on `device`). The slices' modules must be on `device`.
-    Gradients accumulate into the parameters' `.grad` as in training; callers that care reset them."""
+
+    Every repeat runs the whole chain of segments, in context: a forward without autograd and
+    one with autograd, timed at each boundary, then one backward of the loss through the whole
+    graph, timed by hooks on the boundary tensors (a hook fires when the gradient of its
+    segment's output is complete). A stage of several segments runs them as one module and
+    one backward too, so the segments' times add up to the stage's; measuring each segment
+    in isolation instead adds the overhead of a separate backward per segment (~8% on the GPT
+    blocks here). Gradients accumulate into the parameters' `.grad`; callers reset them."""
     device = torch.device(device)
-    wanted = set(range(len(slices))) if segments is None else set(segments)
-    last = len(slices) - 1
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    params = [p for s in slices for p in s.module.parameters()]
+    n = len(slices)
+    wanted = sorted(set(range(n)) if segments is None else set(segments))
 
     def kwargs_for(k: int, x: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        kw = {n: batch[n] for n in slices[k].input_names}
+        kw = {name: batch[name] for name in slices[k].input_names}
         if slices[k].takes_activation:
             kw[ACTIVATION] = x
         return kw
 
-    # The real boundary tensors, from one pass without autograd.
-    boundary: list[torch.Tensor | None] = [None]
-    with torch.no_grad(), autocast(precision, device):
+    def chain(grad: bool) -> tuple[list[float], list[torch.Tensor]]:
+        outs: list[torch.Tensor] = []
         x = None
-        for k in range(last):
-            x = slices[k].module(**kwargs_for(k, x))
-            boundary.append(x)
+        _sync(device)
+        stamps = [time.perf_counter()]
+        with torch.set_grad_enabled(grad), autocast(precision, device):
+            for k in range(n):
+                x = slices[k].module(**kwargs_for(k, x))
+                _sync(device)
+                stamps.append(time.perf_counter())
+                outs.append(x)
+        return [b - a for a, b in zip(stamps, stamps[1:])], outs
 
-    order = sorted(wanted)
-    fwd: dict[int, list[float]] = {k: [] for k in order}
-    rec: dict[int, list[float]] = {k: [] for k in order}
-    bwd: dict[int, list[float]] = {k: [] for k in order}
-    upstream: dict[int, torch.Tensor] = {}
-    act_bytes: dict[int, int] = {}
-    # Repeats outermost: each segment's samples spread over the whole measurement, so a burst of
-    # other work on the machine spoils one sample of many segments, not every sample of one.
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    rec: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    act_bytes = [0] * n
     for r in range(warmup + repeats):
-        for k in order:
-            mod, x_in = slices[k].module, boundary[k]
+        f_times, _ = chain(grad=False)
+        r_times, outs = chain(grad=True)
+        act_bytes = [_nbytes(y) for y in outs]
+        done: dict[int, float] = {}     # boundary k -> when the gradient of segment k's output was complete
+
+        def stamp(k: int):
+            def hook(_grad):
+                _sync(device)
+                done[k] = time.perf_counter()
+            return hook
+
+        handles = [outs[k].register_hook(stamp(k)) for k in range(n - 1) if outs[k].requires_grad]
+        try:
             _sync(device)
-            t0 = time.perf_counter()
-            with torch.no_grad(), autocast(precision, device):
-                y = mod(**kwargs_for(k, x_in))
+            done[n - 1] = time.perf_counter()
+            (outs[-1].float() * 1.0).backward()   # the loss, as the executor's last stage does
             _sync(device)
-            t1 = time.perf_counter()
-            xg = None if x_in is None else x_in.detach().requires_grad_(x_in.is_floating_point())
-            with torch.enable_grad(), autocast(precision, device):
-                y = mod(**kwargs_for(k, xg))
-            _sync(device)
-            t2 = time.perf_counter()
-            if k == last:
-                (y.float() * 1.0).backward()   # the loss, as the executor's last stage does
-            else:
-                if k not in upstream:
-                    upstream[k] = torch.randn(y.shape, generator=gen, dtype=torch.float32).to(device, y.dtype)
-                torch.autograd.backward(y, upstream[k])
-            _sync(device)
-            t3 = time.perf_counter()
-            act_bytes[k] = _nbytes(y)
-            if r >= warmup:
-                fwd[k].append(t1 - t0)
-                rec[k].append(t2 - t1)
-                bwd[k].append(t3 - t2)
-            del y, xg
+            end = time.perf_counter()
+        finally:
+            for h in handles:
+                h.remove()
+        del outs
+        if r < warmup:
+            continue
+        for k in range(n):
+            fwd[k].append(f_times[k])
+            rec[k].append(r_times[k])
+            start, stop = done.get(k), done.get(k - 1, end) if k > 0 else end
+            if start is not None:
+                bwd[k].append(max(stop - start, 0.0))
+    params = [p for sl in slices for p in sl.module.parameters()]
+    boundary = _boundaries(slices, kwargs_for, device, precision)
     out: dict[int, SegmentMeasurement] = {}
-    for k in order:
+    for k in wanted:
         peak = _peak_bytes(slices[k], batch, boundary[k], device, precision, params)
         # The last stage never recomputes: its FORWARD always keeps the graph.
-        forward_s = _median(rec[k]) if k == last else _median(fwd[k])
-        out[k] = SegmentMeasurement(forward_s, _median(rec[k]), _median(bwd[k]), act_bytes[k], peak)
+        forward_s = _median(rec[k]) if k == n - 1 else _median(fwd[k])
+        backward_s = _median(bwd[k]) if bwd[k] else 0.0
+        out[k] = SegmentMeasurement(forward_s, _median(rec[k]), backward_s, act_bytes[k], peak)
+    return out
+
+
+def _boundaries(slices, kwargs_for, device, precision) -> list[torch.Tensor | None]:
+    """Each segment's input activation (None for those that take none), without autograd."""
+    out: list[torch.Tensor | None] = []
+    x = None
+    with torch.no_grad(), autocast(precision, device):
+        for k, sl in enumerate(slices):
+            out.append(x if sl.takes_activation else None)
+            x = sl.module(**kwargs_for(k, x))
     return out
 
 
@@ -691,9 +714,9 @@ class Profiler:
     `get_batch_fn(size, device)` returns one micro-batch dict of `size` examples. `device` -1 is
     the CPU, an int a CUDA ordinal (a string is taken as a torch device). `gpus_per_node` is the
     number of worker slots per host: on CPU, that many forked processes (one torch thread each:
-    call `torch.set_num_threads(1)` first) measure at once and each number is their median, so the calibration is
-    that of a slot of a fully busy host (device kind 'cpu-<n>slots'); on CUDA it is accepted for
-    Varuna compatibility and segments are measured one after another on `device`.
+    call `torch.set_num_threads(1)` first) measure at once and each number is their median, so
+    the calibration is that of a slot of a fully busy host (device kind 'cpu-<n>slots'); on CUDA
+    it is accepted for Varuna compatibility and segments are measured one after another.
     `pstages_to_profile` limits the measurement to those segments; the others come from the saved
     calibration of the same key. Keyword-only extras: `precision`, `device_kind` (defaults to
     'cpu' or the CUDA device name), `repeats`/`warmup`, `optimizer_factor` (state bytes per
