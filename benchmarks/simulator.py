@@ -206,7 +206,7 @@ def main(argv=None) -> int:
         _wait_quiet(ns.wait_quiet)
 
     with _Load() as total, tempfile.TemporaryDirectory(prefix="bench-sim-prof-") as folder:
-        repeats = 3 if ns.quick else 7
+        repeats = 5 if ns.quick else 7
         slot_counts = sorted({P * D for P, D, _, _ in configs})
         profiles: dict[int, list[Calibration]] = {n: [] for n in slot_counts}
         rows = []
