@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from protocol.frames import recv_tensor, send_tensor  # noqa: E402
 from protocol.security import Security, SecurityConfig, generate_key_pair, load_public_key  # noqa: E402
+from trainer.launch import free_ports  # noqa: E402
 
 __all__ = ["main"]
 
@@ -50,16 +51,6 @@ KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 CONTENDERS = ("ours", "ours_curve", "raw", "raw_reuse", "gloo")
 _FRAME = dict(job="bench", epoch=1, stage=0, micro_batch=0, direction="act")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _cpu_s() -> float:
@@ -251,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     budget_s = 30.0 if args.quick else 1e9
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    ports = _free_ports(4)
+    ports = free_ports(4)
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp)
         generate_key_pair(keys, "sender")

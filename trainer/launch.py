@@ -85,7 +85,8 @@ class _Worker:
             pass  # already gone
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on loopback."""
     # Hold every socket open until all are bound so the n ports are distinct; another
     # process could still take one before the worker binds it (torchrun has the same race).
     socks = []
@@ -129,7 +130,7 @@ def plan_assignments(
     world = stages * replicas
     if threads is None:
         threads = max(1, _available_cores() // world)
-    ports = _free_ports(world + 1)
+    ports = free_ports(world + 1)
     endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[:world]]
     stage_to_rank = {s: [r * stages + s for r in range(replicas)] for s in range(stages)}
     return [

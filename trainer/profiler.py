@@ -60,7 +60,6 @@ import math
 import multiprocessing as mp
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -76,6 +75,7 @@ from torch import fx, nn
 
 from trainer.calibration import LINK_KINDS, Calibration, CalibrationError, LinkCost, SegmentCost, SegmentProfile
 from trainer.errors import ConfigError, VarunaError
+from trainer.launch import free_ports
 from trainer.partition import ACTIVATION, StageSlice, TracedModel, slice_stages, trace_model
 from trainer.precision import Precision, autocast
 
@@ -523,19 +523,6 @@ def _run_concurrently(job: _Job, slots: int, timeout_s: float = 1800.0):
 
 # -- network -------------------------------------------------------------------------------------------
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def fit_affine(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
     """(a, b) with t ~ a + b * n, least squares in relative error, a >= 0 and b > 0."""
     w = [1.0 / max(t, 1e-9) ** 2 for t in times]
@@ -693,7 +680,7 @@ def measure_network(*, sizes: Sequence[int] = _LINK_SIZES, allreduce_sizes: Sequ
     """(send cost, all-reduce cost) between two helper processes on loopback: a PeerChannel
     ping-pong (one way = half the round trip) and gloo all_reduce at D = 2, each fitted.
     Needs no launcher and leaves the caller's process groups and sockets alone."""
-    ports = _free_ports(3)
+    ports = free_ports(3)
     specs = [{"rank": r, "ports": ports, "sizes": list(sizes), "ar_sizes": list(allreduce_sizes),
               "repeats": repeats, "warmup": warmup} for r in range(2)]
     run = _run_helpers_forked if "fork" in mp.get_all_start_methods() else _run_helpers_spawned
