@@ -25,6 +25,14 @@ instead of 16384). A tensor that fits one part is not copied at all: `torch.from
 buffer (copied only in the rare case it is not aligned to the element size). ZeroMQ delivers a
 multipart message whole, so the receiver's copy of a tensor overlaps the transfer of the next tensor,
 not its own.
+
+Header caches: a pipeline sends the same few headers every step (one per micro-batch and direction),
+and building, checking and packing one, or unpacking and checking it, costs more CPU than moving an
+8 KiB activation. The sender keeps the packed bytes per (job, epoch, stage, micro-batch, direction,
+dtype, shape), built and validated by TensorHeader the first time; the receiver keeps the decoded,
+validated header per received header bytes (decoding is a pure function of the bytes, so identical
+bytes stand for an identical header). Only valid headers are kept; anything new is checked in full.
+Both caches are bounded (cleared when full) and shared by all sockets of the process.
 """
 
 from __future__ import annotations
@@ -80,6 +88,11 @@ _DTYPE_NAMES = (
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
 _NAME_OF = {dtype: name for name, dtype in DTYPES.items()}
 
+_CACHE_ENTRIES = 1024           # per cache; a step uses 2 x micro-batches headers per channel
+_CACHE_MAX_HEAD = 512           # header bytes worth keeping (a long job name or many dims: no cache)
+_SENT: dict[tuple, tuple[bytes, int]] = {}                 # header key -> (packed header, nframes)
+_RECEIVED: dict[bytes, tuple["TensorHeader", int, torch.dtype]] = {}   # header bytes -> decoded
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorHeader(_Record):
@@ -115,10 +128,12 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.layout != torch.strided:
         raise MessageValueError(f"only dense tensors can be sent, got layout {tensor.layout}")
     t = tensor.detach()
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         t = t.cpu()
-    # Lazy conjugate/negative views would otherwise send the un-negated bytes.
-    t = t.resolve_conj().resolve_neg().contiguous()
+    # Lazy conjugate/negative views would otherwise send the un-negated bytes. (The checks are
+    # cheaper than the no-op resolve/contiguous calls for the usual dense contiguous tensor.)
+    if t.is_conj() or t.is_neg() or not t.is_contiguous():
+        t = t.resolve_conj().resolve_neg().contiguous()
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -136,11 +151,7 @@ def send_tensor(sock: zmq.Socket, tensor: torch.Tensor, *, job: str, epoch: int,
     if name is None:
         raise MessageValueError(f"dtype {tensor.dtype} cannot be sent; use one of {', '.join(DTYPES)}")
     flat = _flat_bytes(tensor)
-    nbytes = flat.numel()
-    header = TensorHeader(job=job, epoch=epoch, stage=stage, micro_batch=micro_batch,
-                          direction=direction, dtype=name, shape=tuple(tensor.shape), nbytes=nbytes)
-    nframes = _frame_count(nbytes)
-    head = _pack([PROTOCOL_VERSION, _TAG, _dump_record(header), nframes])
+    head, nframes = _head(job, epoch, stage, micro_batch, direction, name, tuple(tensor.shape), flat.numel())
     if nframes == 0:
         sock.send(head, flags)
         return
@@ -151,10 +162,35 @@ def send_tensor(sock: zmq.Socket, tensor: torch.Tensor, *, job: str, epoch: int,
     # The memoryview's exporter is a numpy array whose base is `flat`, which owns (or views) the
     # tensor's storage: every slice handed to zmq keeps that memory alive until zmq frees the part.
     view = memoryview(flat.numpy())
+    if nframes == 1:
+        sock.send(view, flags, copy=len(view) < ZERO_COPY_MIN_BYTES)
+        return
     last = nframes - 1
     for i in range(nframes):
         part = view[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]
         sock.send(part, flags if i == last else flags | zmq.SNDMORE, copy=len(part) < ZERO_COPY_MIN_BYTES)
+
+
+def _head(job, epoch, stage, micro_batch, direction, name: str, shape: tuple, nbytes: int) -> tuple[bytes, int]:
+    """The packed header part and the number of data parts. The TensorHeader checks every field
+    the first time; its bytes are then reused for the same arguments (exact types only, so that
+    e.g. True or 1.0 never reuse the bytes of 1 and are refused as before)."""
+    key = (job, epoch, stage, micro_batch, direction, name, shape)
+    exact = (type(job) is str and type(epoch) is int and type(stage) is int and type(micro_batch) is int
+             and type(direction) is str)
+    if exact:
+        hit = _SENT.get(key)
+        if hit is not None:
+            return hit
+    header = TensorHeader(job=job, epoch=epoch, stage=stage, micro_batch=micro_batch,
+                          direction=direction, dtype=name, shape=shape, nbytes=nbytes)
+    nframes = _frame_count(nbytes)
+    hit = (_pack([PROTOCOL_VERSION, _TAG, _dump_record(header), nframes]), nframes)
+    if exact and len(hit[0]) <= _CACHE_MAX_HEAD:
+        if len(_SENT) >= _CACHE_ENTRIES:
+            _SENT.clear()
+        _SENT[key] = hit
+    return hit
 
 
 def _drain(sock: zmq.Socket) -> None:
@@ -185,26 +221,39 @@ def _decode_header(data: bytes) -> tuple[TensorHeader, int]:
     return header, nframes
 
 
+def _decoded(head: bytes) -> tuple[TensorHeader, int, torch.dtype]:
+    """`_decode_header` through the cache of valid headers (ProtocolError for a bad one)."""
+    hit = _RECEIVED.get(head)
+    if hit is None:
+        header, nframes = _decode_header(head)
+        hit = (header, nframes, DTYPES[header.dtype])
+        if len(head) <= _CACHE_MAX_HEAD:
+            if len(_RECEIVED) >= _CACHE_ENTRIES:
+                _RECEIVED.clear()
+            _RECEIVED[head] = hit
+    return hit
+
+
 def recv_tensor(sock: zmq.Socket, flags: int = 0) -> tuple[TensorHeader, torch.Tensor]:
     """Receive one tensor frame from `sock`: its header and a CPU tensor of the announced dtype/shape.
 
     Raises ProtocolError for anything malformed (the whole message is consumed, so the socket stays
-    usable), zmq.Again with NOBLOCK in `flags` when nothing is waiting.
+    usable), zmq.Again with NOBLOCK in `flags` (or when the socket's RCVTIMEO passes) when nothing
+    is waiting.
     """
     head = sock.recv(flags)
     try:
-        header, nframes = _decode_header(head)
-        if nframes == 0:
+        header, nframes, dtype = _decoded(head)
+        if nframes == 1:
+            flat = _recv_single(sock, header, dtype)
+        elif nframes == 0:
             flat = torch.empty(0, dtype=torch.uint8)
             _expect_end(sock, nframes)
-        elif nframes == 1:
-            flat = _recv_single(sock, header)
         else:
             flat = _recv_chunks(sock, header, nframes)
     except ProtocolError:
         _drain(sock)
         raise
-    dtype = DTYPES[header.dtype]
     if dtype is torch.bool and bool((flat > 1).any()):
         raise ProtocolError("a bool tensor holds bytes other than 0 and 1")
     return header, flat.view(dtype).reshape(header.shape)
@@ -220,17 +269,18 @@ def _next_part(sock: zmq.Socket, index: int, nframes: int) -> None:
         raise ProtocolError(f"tensor frame has {index} data parts; its header announces {nframes}")
 
 
-def _recv_single(sock: zmq.Socket, header: TensorHeader) -> torch.Tensor:
+def _recv_single(sock: zmq.Socket, header: TensorHeader, dtype: torch.dtype) -> torch.Tensor:
     # Wrap ZeroMQ's own buffer: no copy. The tensor keeps the frame alive through the memoryview.
     _next_part(sock, 0, 1)
     part = sock.recv(copy=False)
+    if part.more:
+        raise ProtocolError("tensor frame has more than the 1 data parts its header announces")
     if len(part) != header.nbytes:
         raise ProtocolError(f"tensor data part has {len(part)} bytes; its header announces {header.nbytes}")
-    _expect_end(sock, 1)
     flat = torch.frombuffer(part.buffer, dtype=torch.uint8)
     # ZeroMQ's buffers are 8-byte aligned at best, and small parts sit at any offset of its receive
     # batch. Elements must at least be naturally aligned; copy the few that are not.
-    return flat.clone() if flat.data_ptr() % DTYPES[header.dtype].itemsize else flat
+    return flat.clone() if flat.data_ptr() % dtype.itemsize else flat
 
 
 def _recv_chunks(sock: zmq.Socket, header: TensorHeader, nframes: int) -> torch.Tensor:

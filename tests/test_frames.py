@@ -287,3 +287,87 @@ def test_header_validates_itself():
 
 def test_dtypes_cover_the_required_ones():
     assert {"float32", "float16", "bfloat16", "int64", "bool"} <= set(DTYPES)
+
+
+# --- header caches ----------------------------------------------------------------------------------
+
+def test_send_cache_never_bypasses_validation(ctx):
+    a, b = _pair(ctx, "inproc")
+    t = torch.ones(2)
+    send_tensor(a, t, **META)   # now cached under META's values
+    _recv(b)
+    # True == 1 and 3.0 == 3 hash alike: they must not reuse the bytes sent for 1 and 3
+    for bad, words in ((dict(stage=True), "bool"), (dict(epoch=3.0), "integer"), (dict(micro_batch=-1), "micro_batch")):
+        with pytest.raises(MessageValueError, match=words):
+            send_tensor(a, t, **{**META, **bad})
+    assert not b.poll(0)
+
+
+def test_receive_cache_keeps_refusing_bad_headers(inproc):
+    a, b = inproc
+    good = _header(shape=[2], nbytes=8)
+    for _ in range(3):   # the second and third hit the cache and decode alike
+        a.send_multipart([good, b"\x00" * 8])
+        header, got = _recv(b)
+        assert (header.job, header.epoch, header.shape, got.shape) == ("j", 0, (2,), (2,))
+    for bad in (_header(shape=[2], nbytes=12), _header(direction="sideways")):
+        for _ in range(2):   # a refused header is never cached
+            a.send_multipart([bad, b"\x00" * 8])
+            assert b.poll(TIMEOUT_MS)
+            with pytest.raises(ProtocolError):
+                recv_tensor(b)
+    # a cached header with the wrong number of data bytes is still refused
+    a.send_multipart([good, b"\x00" * 4])
+    assert b.poll(TIMEOUT_MS)
+    with pytest.raises(ProtocolError):
+        recv_tensor(b)
+    assert not b.poll(0)
+
+
+def test_header_caches_are_bounded(inproc):
+    from protocol import frames
+    a, b = inproc
+    for mb in range(frames._CACHE_ENTRIES + 10):
+        send_tensor(a, torch.ones(1), **{**META, "micro_batch": mb})
+        header, _ = _recv(b)
+        assert header.micro_batch == mb
+    assert 0 < len(frames._SENT) <= frames._CACHE_ENTRIES
+    assert 0 < len(frames._RECEIVED) <= frames._CACHE_ENTRIES
+
+
+# --- through the trainer's PeerChannel ----------------------------------------------------------------
+
+def test_peer_channel_drops_stale_epochs_and_times_out(ctx):
+    import time
+
+    from trainer.comm import PeerChannel
+    from trainer.errors import WorkerError
+
+    port = random.randrange(20000, 60000)
+    chan = None
+    for _ in range(20):
+        try:
+            chan = PeerChannel(bind=f"tcp://127.0.0.1:{port}", prev=None, nxt=None, job="job-1", epoch=3,
+                               stage=1, timeout_s=60)
+            break
+        except zmq.ZMQError:
+            port = random.randrange(20000, 60000)
+    assert chan is not None
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        for _ in range(2):   # the second round hits the header caches on both sides
+            send_tensor(push, torch.full((2,), 1.0), **{**META, "stage": 0, "epoch": 2})   # stale epoch
+            send_tensor(push, torch.full((2,), 2.0), **{**META, "stage": 2})               # wrong sender
+            send_tensor(push, torch.full((2,), 3.0), **{**META, "stage": 0, "micro_batch": 7})  # early
+            send_tensor(push, torch.full((2,), 4.0), **{**META, "stage": 0})
+            assert torch.equal(chan.recv("act", 5), torch.full((2,), 4.0))
+            assert torch.equal(chan.recv("act", 7), torch.full((2,), 3.0))   # kept while waiting for 5
+        chan.timeout_s = 0.3
+        start = time.perf_counter()
+        with pytest.raises(WorkerError, match="within"):
+            chan.recv("act", 6)   # stale and misdirected frames never satisfy a wait
+        assert 0.25 < time.perf_counter() - start < 5
+    finally:
+        push.close(linger=0)
+        chan.close()

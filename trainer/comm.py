@@ -5,11 +5,15 @@ neighbour. Sends return at once (ZeroMQ's I/O thread moves the bytes, so compute
 waits for the network); receives block until the wanted micro-batch arrives, keeping frames
 that arrive early (a neighbour already in the next step) in per-key FIFOs. A frame of another
 job or epoch is dropped and logged: after a morph, stragglers of the old plan cannot leak in.
+
+A receive is a blocking ZeroMQ recv with a receive timeout (RCVTIMEO, at most a second, so the
+peer timeout is checked that often): no poller is built per message.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import defaultdict, deque
@@ -26,6 +30,7 @@ __all__ = ["PeerChannel"]
 log = logging.getLogger("varuna.comm")
 
 _DEFAULT_TIMEOUT_S = float(os.environ.get("VARUNA_PEER_TIMEOUT", "600"))
+_WAKE_MS = 1000   # longest single blocking recv: how often the peer timeout is checked
 
 
 class PeerChannel:
@@ -37,6 +42,9 @@ class PeerChannel:
         self._security = security
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._wake_ms = max(1, min(_WAKE_MS, math.ceil(timeout_s * 1000)))
+        self._rcvtimeo = self._wake_ms
+        self._pull.setsockopt(zmq.RCVTIMEO, self._rcvtimeo)
         if security is not None:
             security.apply_stream_server(self._pull)
         self._pull.bind(bind)
@@ -55,35 +63,48 @@ class PeerChannel:
         self.wait_s = 0.0   # time spent blocked in recv, for the busy fraction
 
     def send(self, direction: str, micro_batch: int, tensor: torch.Tensor) -> None:
-        send_tensor(self._push[direction], tensor.detach(), job=self.job, epoch=self.epoch,
+        send_tensor(self._push[direction], tensor, job=self.job, epoch=self.epoch,
                     stage=self.stage, micro_batch=micro_batch, direction=direction)
 
     def recv(self, direction: str, micro_batch: int) -> torch.Tensor:
         key = (direction, micro_batch)
-        if self._early[key]:
-            return self._early[key].popleft()
+        early = self._early.get(key)
+        if early:
+            return early.popleft()
         start = time.perf_counter()
         deadline = start + self.timeout_s
         try:
             while True:
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    peer = self.stage - 1 if direction == "act" else self.stage + 1
-                    raise WorkerError(
-                        f"stage {self.stage} got no {direction} for micro-batch {micro_batch} from stage "
-                        f"{peer} within {self.timeout_s:.0f}s: the peer probably died",
-                        hint="the daemon re-plans when a member is lost; locally, check the other workers' output",
-                    )
-                if not self._pull.poll(min(remaining, 1.0) * 1000):
+                try:
+                    got = self._accept()
+                except zmq.Again:   # nothing within RCVTIMEO
+                    self._wait_less(deadline - time.perf_counter(), direction, micro_batch)
                     continue
-                got = self._accept()
-                if got is None:
+                if got is None:   # dropped; a flood of those must not outlast the timeout either
+                    self._wait_less(deadline - time.perf_counter(), direction, micro_batch)
                     continue
                 if got[0] == key:
                     return got[1]
                 self._early[got[0]].append(got[1])
         finally:
             self.wait_s += time.perf_counter() - start
+            if self._rcvtimeo != self._wake_ms:
+                self._rcvtimeo = self._wake_ms
+                self._pull.setsockopt(zmq.RCVTIMEO, self._wake_ms)
+
+    def _wait_less(self, remaining: float, direction: str, micro_batch: int) -> None:
+        """Raise WorkerError once the peer timeout has passed; shorten the next wait to it."""
+        if remaining <= 0:
+            peer = self.stage - 1 if direction == "act" else self.stage + 1
+            raise WorkerError(
+                f"stage {self.stage} got no {direction} for micro-batch {micro_batch} from stage "
+                f"{peer} within {self.timeout_s:.0f}s: the peer probably died",
+                hint="the daemon re-plans when a member is lost; locally, check the other workers' output",
+            )
+        wanted = max(1, min(self._wake_ms, math.ceil(remaining * 1000)))
+        if wanted != self._rcvtimeo:
+            self._rcvtimeo = wanted
+            self._pull.setsockopt(zmq.RCVTIMEO, wanted)
 
     def _accept(self) -> tuple[tuple[str, int], torch.Tensor] | None:
         try:

@@ -6,7 +6,6 @@ must not reorder or add work: every action in the list is executed, in order, an
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -37,6 +36,7 @@ class StageExecutor:
         self.takes_activation = takes_activation
         self.channel, self.device, self.precision = channel, device, precision
         self.recorder = recorder
+        self._on_cpu = device.type == "cpu"   # received tensors are CPU tensors already
 
     def run(self, actions: Sequence[Action], micro_inputs: Sequence[Mapping[str, torch.Tensor]],
             weights: Sequence[float], *, loss_scale: float = 1.0, training: bool = True,
@@ -57,16 +57,23 @@ class StageExecutor:
         self._recompute_set = {a.micro_batch for a in actions if a.kind is Kind.RECOMPUTE}
         handlers = handlers or {}
         last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD), default=-1)
+        dispatch = self._DISPATCH
+        recorder = self.recorder if getattr(self.recorder, "enabled", self.recorder is not None) else None
         for i, action in enumerate(actions):
             if i == last_backward and before_last_backward is not None:
                 before_last_backward()
-            span = (self.recorder.span(str(action), _CATEGORY[action.kind], action.micro_batch)
-                    if self.recorder is not None else contextlib.nullcontext())
-            with span:
-                if action.kind in handlers:
-                    handlers[action.kind]()
+            kind = action.kind
+            if recorder is None:   # no span (and no action text) per action when not tracing
+                if kind in handlers:
+                    handlers[kind]()
                 else:
-                    self._DISPATCH[action.kind](self, action.micro_batch)
+                    dispatch[kind](self, action.micro_batch)
+                continue
+            with recorder.span(str(action), _CATEGORY[kind], action.micro_batch):
+                if kind in handlers:
+                    handlers[kind]()
+                else:
+                    dispatch[kind](self, action.micro_batch)
         if self._stash or self._act or self._grad_out or self._outbox or self._rng:
             raise RuntimeError(f"stage {self.stage}: the schedule left work undone (stashed "
                                f"{sorted(self._stash)}, unsent {sorted(self._outbox)}, received {sorted(self._act)})")
@@ -123,14 +130,16 @@ class StageExecutor:
     # -- communication -------------------------------------------------------------------------
 
     def _recv_act(self, m: int) -> None:
-        self._act[m] = self.channel.recv("act", m).to(self.device, non_blocking=True)
+        t = self.channel.recv("act", m)
+        self._act[m] = t if self._on_cpu else t.to(self.device, non_blocking=True)
 
     def _send_act(self, m: int) -> None:
         out = self._outbox.pop(m) if m in self._outbox else self._stash[m][1]
         self.channel.send("act", m, out)
 
     def _recv_grad(self, m: int) -> None:
-        self._grad_out[m] = self.channel.recv("grad", m).to(self.device, non_blocking=True)
+        t = self.channel.recv("grad", m)
+        self._grad_out[m] = t if self._on_cpu else t.to(self.device, non_blocking=True)
 
     def _send_grad(self, m: int) -> None:
         self.channel.send("grad", m, self._grad_in.pop(m))
