@@ -1,4 +1,4 @@
-"""Train the GPT on generated English-like text with Varuna (pipeline + data parallelism).
+"""Train the GPT on generated English-like text (or this package's own source) with Varuna (pipeline + data parallelism).
 
     python -m trainer.launch --stages 2 --replicas 2 examples/train_gpt.py --steps 50
     python examples/train_gpt.py --steps 20            # one worker, no launcher
@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from trainer import GlobalBatches, Varuna
-from trainer.data import TextDataset
+from trainer.data import TextDataset, source_corpus
 from trainer.env import job_setting
 from trainer.models.gpt import GPT, PRESETS, GPTConfig
 
@@ -35,7 +35,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="fixes the weights, the data order and dropout")
-    p.add_argument("--examples", type=int, default=4096, help="sequences in the generated corpus")
+    p.add_argument("--examples", type=int, default=4096, help="sequences in the corpus (at most what it holds)")
+    p.add_argument("--corpus", choices=["generated", "source"], default="generated",
+                   help="generated: English-like text from a grammar; source: the Python source of the trainer "
+                        "and protocol packages, real text shipped with the install (every VM must run the same "
+                        "version). Nothing is downloaded either way.")
     return p.parse_args()
 
 
@@ -43,7 +47,8 @@ def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)  # dropout masks; the weights come from GPT(seed=...)
     cfg = GPTConfig.preset(args.preset, dropout=args.dropout)
-    ds = TextDataset(cfg.seq_len, args.examples, seed=args.seed)
+    ds = TextDataset(cfg.seq_len, args.examples, seed=args.seed,
+                     text=source_corpus() if args.corpus == "source" else None)
     model = GPT(cfg, seed=args.seed)
 
     def get_batch_fn(size, device):

@@ -16,6 +16,7 @@ from trainer.data import (
     make_corpus,
     random_image_batch_fn,
     random_token_batch_fn,
+    source_corpus,
 )
 from trainer.errors import ConfigError
 
@@ -141,3 +142,19 @@ def test_dry_run_batch_fns_have_the_right_shapes_and_leave_the_global_rng_alone(
     assert tokens["input_ids"].shape == tokens["targets"].shape == (4, 32)
     assert torch.equal(tokens["input_ids"][:, 1:], tokens["targets"][:, :-1])
     assert images["images"].shape == (4, 3, 32, 32) and images["labels"].shape == (4,)
+
+
+def test_text_dataset_over_a_given_text_keeps_whole_windows_only():
+    text = "def f(x):\n    return x + 1\n" * 3
+    ds = TextDataset(8, 100, text=text)
+    assert len(ds) == (len(text) - 1) // 8  # fewer than asked: what the text holds
+    b = ds.batch([1])
+    assert decode(b["input_ids"][0]) == text[8:16] and decode(b["targets"][0]) == text[9:17]
+    with pytest.raises(ConfigError, match="holds no window"):
+        TextDataset(64, 10, text="too short")
+
+
+def test_source_corpus_is_this_package_and_stable():
+    text = source_corpus()
+    assert len(text) > 100_000 and "class TextDataset" in text
+    assert source_corpus() == text  # every worker on one install reads the same examples

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "encode",
     "decode",
     "make_corpus",
+    "source_corpus",
     "TextDataset",
     "ImageDataset",
     "random_token_batch_fn",
@@ -164,6 +166,19 @@ def _sentence(rng: random.Random) -> str:
     return text[0].upper() + text[1:] + end
 
 
+def source_corpus() -> str:
+    """The Python source of the `trainer` and `protocol` packages (about 400 KB of real text).
+
+    It ships with every install, so a demo trains on real text with nothing to download; every
+    machine of a job must run the same version for the examples to agree.
+    """
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(f for pkg in ("trainer", "protocol") for f in (root / pkg).rglob("*.py"))
+    if not files:
+        raise ConfigError(f"no Python source under {root}/trainer or {root}/protocol to use as a corpus")
+    return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+
+
 def make_corpus(num_chars: int, seed: int = 0) -> str:
     """At least `num_chars` characters of English-like text from a fixed grammar.
 
@@ -182,20 +197,26 @@ def make_corpus(num_chars: int, seed: int = 0) -> str:
 
 
 class TextDataset:
-    """Next-character prediction windows over a generated corpus.
+    """Next-character prediction windows over a generated corpus, or over `text` when given.
 
     Example i is the window tokens[i*seq_len : (i+1)*seq_len + 1]: `input_ids` is all but its
     last token, `targets` all but its first. Windows do not overlap, so one pass sees every
-    character once.
+    character once. A given `text` holds at most (len(text) - 1) // seq_len examples; fewer
+    than `num_examples` are kept then (``len()`` tells).
     """
 
-    def __init__(self, seq_len: int, num_examples: int = 2048, *, seed: int = 0) -> None:
+    def __init__(self, seq_len: int, num_examples: int = 2048, *, seed: int = 0, text: str | None = None) -> None:
         if seq_len < 1 or num_examples < 1:
             raise ConfigError(f"seq_len and num_examples must be >= 1, got {seq_len} and {num_examples}")
+        if text is not None:
+            num_examples = min(num_examples, (len(text) - 1) // seq_len)
+            if num_examples < 1:
+                raise ConfigError(f"a text of {len(text)} characters holds no window of {seq_len + 1}")
         self.seq_len = seq_len
         self.num_examples = num_examples
         self.vocab_size = len(VOCAB)
-        text = make_corpus(num_examples * seq_len + 1, seed=seed)
+        if text is None:
+            text = make_corpus(num_examples * seq_len + 1, seed=seed)
         self.tokens = torch.from_numpy(encode(text[:num_examples * seq_len + 1]).astype(np.int64))
 
     def __len__(self) -> int:
