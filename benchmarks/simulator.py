@@ -30,6 +30,7 @@ a quiet window.
 
 Run:  python benchmarks/simulator.py [--quick] [--steps N] [--warmup W] [--rounds R]
                                      [--max-others CORES] [--tries T] [--wait-quiet S] [--trace DIR]
+                                     [--save DIR]   (keeps the median calibrations and the rows' times)
 Last line:  `bench simulator: median_error=<x> max_error=<y>` (fractions |est - act| / act).
 """
 
@@ -107,8 +108,8 @@ def median_calibration(cals: list[Calibration]) -> Calibration:
                           for f in ("forward_s", "backward_s", "recompute_s")})
             for j, c in enumerate(seg.costs))
         segments.append(replace(seg, step_s=med([cal.segments[k].step_s for cal in cals]), costs=costs))
-    link = lambda table, kind: LinkCost(med([getattr(c, table)[kind].latency_s for c in cals]),  # noqa: E731
-                                        med([getattr(c, table)[kind].bandwidth_Bps for c in cals]))
+    link = lambda table, kind: LinkCost(**{f: med([getattr(getattr(c, table)[kind], f) for c in cals])  # noqa: E731
+                                           for f in LinkCost.__slots__})
     return replace(cals[0], segments=tuple(segments),
                    links={k: link("links", k) for k in cals[0].links},
                    allreduce={k: link("allreduce", k) for k in cals[0].allreduce})
@@ -196,6 +197,7 @@ def main(argv=None) -> int:
                    help="redo a profile or a run during which other processes used more cores (default 0.15)")
     p.add_argument("--tries", type=int, default=4, help="at most this many attempts per profile or run (default 4)")
     p.add_argument("--trace", metavar="DIR", help="write each run's Chrome traces under DIR/<row>")
+    p.add_argument("--save", metavar="DIR", help="keep the (median) calibrations and the rows' times in DIR")
     ns = p.parse_args(argv)
     steps = ns.steps or (4 if ns.quick else 8)
     warmup = ns.warmup or (1 if ns.quick else 2)
@@ -240,6 +242,10 @@ def main(argv=None) -> int:
                 row["times"] += times
                 row["others"].append(others)
         cals = {n: median_calibration(cs) for n, cs in profiles.items()}
+        if ns.save:
+            os.makedirs(ns.save, exist_ok=True)
+            for n, cal in cals.items():
+                cal.save(os.path.join(ns.save, f"calibration-{n}slots.json"))
         print(f"link {cals[1].links['intra']}, all-reduce {cals[1].allreduce['intra']}")
         for row in rows:
             row["est"] = estimate(cals[row["P"] * row["D"]], row["P"], row["D"], row["mb"], row["schedule"],
@@ -254,6 +260,8 @@ def main(argv=None) -> int:
             m = GLOBAL_BATCH // row["D"] // row["mb"]
             print(f"{row['P']:>2} {row['D']:>2} {row['mb']:>3} {m:>3} {row['schedule']:>8} {str(row['cuts']):>6} "
                   f"{row['est']:12.4f} {act:9.4f} {err:7.3f} {statistics.mean(row['others']):7.2f}")
+    if ns.save:
+        Path(ns.save, "rows.json").write_text(json.dumps(rows, indent=1))
     print(f"total {total.wall:.0f}s; other processes used {total.others:.2f} of {os.cpu_count()} cores meanwhile"
           + (" (a busy machine: actual times are not those of dedicated cores)" if total.others > 0.2 else ""))
     print(f"bench simulator: median_error={statistics.median(errors):.4f} max_error={max(errors):.4f}")

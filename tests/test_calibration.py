@@ -14,6 +14,7 @@ from trainer.calibration import (
     LinkCost,
     SegmentCost,
     SegmentProfile,
+    TiedWeights,
 )
 
 LINKS = {"intra": LinkCost(1e-5, 1e10), "inter": LinkCost(1e-4, 1.25e9)}
@@ -32,6 +33,8 @@ def _cal(**kw) -> Calibration:
 def test_link_cost_formulas():
     link = LinkCost(latency_s=0.001, bandwidth_Bps=1e9)
     assert link.send_s(2e9) == pytest.approx(2.001)
+    # one way: the sender's and the receiver's CPU per message count too
+    assert LinkCost(0.001, 1e9, send_overhead_s=0.01, recv_overhead_s=0.02).send_s(2e9) == pytest.approx(2.031)
     assert link.allreduce_s(1e9, 1) == 0.0
     # ring: 2 (D-1)/D * bytes / bw + 2 (D-1) * latency
     assert link.allreduce_s(1e9, 4) == pytest.approx(2 * 3 / 4 * 1.0 + 6 * 0.001)
@@ -63,6 +66,41 @@ def test_round_trip_bytes_and_file(tmp_path):
     assert Calibration.load(path) == cal
     doc = json.loads(path.read_text())
     assert doc["schema"] == "varunad.calibration" and doc["version"] == SCHEMA_VERSION
+
+
+def test_round_trip_keeps_overheads_and_tied_weights():
+    links = {"intra": LinkCost(1e-5, 1e10, 2e-4, 3e-4), "inter": LinkCost(1e-4, 1.25e9, 1e-4, 1e-4)}
+    cal = _cal(links=links, tied=[TiedWeights((0, 2), 4096)])
+    again = Calibration.from_bytes(cal.to_bytes())
+    assert again == cal and again.tied == (TiedWeights((0, 2), 4096),)
+    assert again.links["intra"].recv_overhead_s == 3e-4
+
+
+def test_version_1_documents_migrate_with_no_overheads_and_no_tied_weights():
+    doc = _doc()
+    doc["version"] = 1
+    del doc["tied"]
+    for table in ("links", "allreduce"):
+        for v in doc[table].values():
+            del v["send_overhead_s"], v["recv_overhead_s"]
+    cal = Calibration.from_dict(doc)
+    assert cal.version == SCHEMA_VERSION == 2 and cal.tied == ()
+    assert cal.links == LINKS and cal.links["intra"].send_overhead_s == cal.links["intra"].recv_overhead_s == 0
+    assert cal.segments == _cal().segments
+    doc["links"]["intra"]["send_overhead_s"] = 0.1   # a version 1 document has none
+    with pytest.raises(CalibrationError, match="unexpected"):
+        Calibration.from_dict(doc)
+
+
+def test_tied_weights_are_validated():
+    with pytest.raises(CalibrationError, match="increasing"):
+        TiedWeights((3,), 10)
+    with pytest.raises(CalibrationError, match="increasing"):
+        TiedWeights((2, 1), 10)
+    with pytest.raises(CalibrationError, match="param_bytes"):
+        TiedWeights((0, 1), -1)
+    with pytest.raises(CalibrationError, match="name segment 5 of 3"):
+        _cal(tied=[TiedWeights((0, 5), 10)])
 
 
 def test_value_objects_are_immutable():
@@ -115,6 +153,11 @@ _DELETE = object()
         (("links", "inter"), _DELETE, "missing \\['inter'\\]"),
         (("links", "inter", "bandwidth_Bps"), 0, "must be > 0"),
         (("allreduce", "intra", "latency_s"), -0.1, "must be >= 0"),
+        (("links", "intra", "recv_overhead_s"), -1e-3, "must be >= 0"),
+        (("links", "intra", "send_overhead_s"), _DELETE, "missing \\['send_overhead_s'\\]"),
+        (("tied",), _DELETE, "missing \\['tied'\\]"),
+        (("tied",), [{"segments": [0], "param_bytes": 4}], "increasing"),
+        (("version",), 0, "schema version 0 is not supported"),
     ],
 )
 def test_from_bytes_refuses_malformed_documents(path, value, message):

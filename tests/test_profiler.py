@@ -86,11 +86,21 @@ def test_parameter_and_optimizer_bytes(profiled):
         assert seg.optimizer_bytes == 2 * seg.param_bytes
 
 
+def test_tied_weights_are_found(profiled):
+    cal, model = profiled["cal"], profiled["model"]
+    # the embedding and the LM head are one tensor: held by the first and the last segment
+    assert [(t.segments, t.param_bytes) for t in cal.tied] == [((0, cal.n_segments - 1), _nbytes(model.wte.weight))]
+
+
 def test_network_costs(profiled):
     cal = profiled["cal"]
     for table in (cal.links, cal.allreduce):
         assert table["intra"].latency_s >= 0 and table["intra"].bandwidth_Bps > 0
         assert table["inter"] == table["intra"]   # no override given
+    # every message costs both ends some CPU; the all-reduce table has no per-message part
+    link = cal.links["intra"]
+    assert 0 < link.send_overhead_s < 0.05 and 0 < link.recv_overhead_s < 0.05
+    assert cal.allreduce["intra"].send_overhead_s == cal.allreduce["intra"].recv_overhead_s == 0
     assert cal.allreduce["intra"].allreduce_s(1 << 20, 4) > cal.allreduce["intra"].allreduce_s(1 << 20, 2)
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.calibration import Calibration, LinkCost
+from trainer.calibration import Calibration, LinkCost, TiedWeights
 from trainer.schedule import SCHEDULES, Action, ScheduleError, build_table
 from trainer.simulator import SimulationError, StageCost, Transfer, simulate, stage_costs
 
@@ -61,6 +61,67 @@ def test_recompute_costs_time_where_the_table_has_it():
     without = simulate(build_table("gpipe", P, m, False), _equal(P)).stages
     assert with_r[0].compute_s == pytest.approx(without[0].compute_s + m * F)
     assert with_r[2].compute_s == pytest.approx(without[2].compute_s)  # last stage never recomputes
+
+
+def test_a_forward_that_keeps_its_graph_costs_forward_graph_s():
+    # one stage never recomputes: every FORWARD keeps the graph
+    alone = simulate(build_table("varuna", 1, 4), [StageCost(F, B, recompute_s=1.5, forward_graph_s=1.5)])
+    assert alone.minibatch_s == pytest.approx(4 * (1.5 + B))
+    # two stages: the first recomputes (F without the graph, then R), the last keeps its graph
+    costs = [StageCost(F, B, recompute_s=1.5, forward_graph_s=1.5) for _ in range(2)]
+    stages = simulate(build_table("gpipe", 2, 3, True), costs).stages
+    assert stages[0].compute_s == pytest.approx(3 * (F + 1.5 + B))
+    assert stages[1].compute_s == pytest.approx(3 * (1.5 + B))
+    # without recompute the first stage keeps its graph too
+    assert simulate(build_table("gpipe", 2, 3, False), costs).stages[0].compute_s == pytest.approx(3 * (1.5 + B))
+    assert StageCost(F, B).forward_graph_s == F   # unspecified: the plain forward
+
+
+def test_message_overheads_keep_both_stages_busy():
+    link = Transfer(0.0, 0.0, send_s=0.1, recv_s=0.2)
+    costs = [StageCost(F, B, send_act=link, send_grad=link) for _ in range(2)]
+    result = simulate(build_table("gpipe", 2, 1, False), costs)
+    # F0 | send 0.1 | recv 0.2, F1, B1 | send 0.1 | recv 0.2, B0: the critical path pays each twice
+    assert result.minibatch_s == pytest.approx(2 * (F + B) + 2 * 0.3)
+    assert [st.message_s for st in result.stages] == pytest.approx([0.3, 0.3])
+    # with m micro-batches every stage pays m messages each way
+    result = simulate(build_table("1f1b", 2, 4, False), costs)
+    assert [st.message_s for st in result.stages] == pytest.approx([4 * 0.3, 4 * 0.3])
+
+
+def test_tied_allreduce_waits_for_every_holder():
+    costs = [StageCost(F, B, tied_allreduce_s=0.5, step_s=0.25) for _ in range(2)]
+    result = simulate(build_table("gpipe", 2, 1, False), costs)
+    # stage 1 is done at 4 but meets stage 0 in the all-reduce at 6; both then sum for 0.5
+    assert result.minibatch_s == pytest.approx(2 * (F + B) + 0.5 + 0.25)
+    assert [st.finish_s for st in result.stages] == pytest.approx([6.75, 6.75])
+    assert result.stages[1].allreduce_s == pytest.approx(0.5)
+    # one holder alone has nobody to meet (its copies are summed locally, for free)
+    alone = simulate(build_table("gpipe", 1, 1, False), [StageCost(F, B, tied_allreduce_s=0.5)])
+    assert alone.minibatch_s == pytest.approx(F + B)
+
+
+def test_stage_costs_charge_tied_weights_and_message_overheads():
+    link = LinkCost(1e-3, 1e3, send_overhead_s=0.01, recv_overhead_s=0.02)
+    cal = Calibration.uniform(
+        model="m", device_kind="k", segments=4, micro_batch_sizes=(1,), forward_s=0.1, backward_s=0.2,
+        recompute_s=0.15, activation_bytes=50, peak_activation_bytes=70, param_bytes=300, optimizer_bytes=600,
+        links={"intra": link, "inter": link}, allreduce={"intra": LinkCost(0.0, 1e3), "inter": LinkCost(0.0, 1e2)},
+        tied=[TiedWeights((0, 3), 100)],
+    )
+    s0, s1 = stage_costs([cal, cal], [0, 2, 4], 1, 1, ["intra"], ["intra", "intra"])
+    assert (s0.forward_s, s0.forward_graph_s) == pytest.approx((0.2, 0.3))
+    assert s0.send_act == Transfer(1e-3, 50 / 1e3, 0.01, 0.02) and s1.send_grad == Transfer(1e-3, 50 / 1e3, 0.01, 0.02)
+    # D = 1: no data-parallel all-reduce, but the first and last stage sum the tied 100 bytes
+    assert s0.allreduce_s == s1.allreduce_s == 0
+    assert s0.tied_allreduce_s == s1.tied_allreduce_s == pytest.approx(100 / 1e3)
+    # D = 2: the tied weights leave the stages' rings for the tied group of 4 workers
+    s0, s1 = stage_costs([cal, cal], [0, 2, 4], 1, 2, ["intra"], ["intra", "inter"])
+    assert s0.allreduce_s == pytest.approx(500 / 1e3) and s1.allreduce_s == pytest.approx(500 / 1e2)
+    assert s0.tied_allreduce_s == pytest.approx(2 * 3 / 4 * 100 / 1e2)   # crosses hosts: "inter"
+    # one stage holds both copies: no tied all-reduce, one copy in its ring
+    (one,) = stage_costs([cal], [0, 4], 1, 2, [], ["intra"])
+    assert one.tied_allreduce_s == 0 and one.allreduce_s == pytest.approx(1100 / 1e3)
 
 
 MEM = dict(static_bytes=1000, input_bytes=10, activation_bytes=100)

@@ -15,7 +15,17 @@ Memory model (shared by the simulator and the planner):
 
 Links: a send of n bytes takes ``latency_s + n / bandwidth_Bps``. All-reduce of n bytes over a
 ring of D replicas takes ``2 (D-1)/D * n / bandwidth_Bps + 2 (D-1) * latency_s`` (reduce-scatter
-then all-gather, D-1 steps each), with its own measured constants per link kind.
+then all-gather, D-1 steps each), with its own measured constants per link kind. A point-to-point
+message also costs CPU time on the stages at both ends (building and queueing the frames, or
+taking them off the socket): `send_overhead_s` and `recv_overhead_s`, which keep the stage busy,
+while ``latency_s`` is the rest of the one-way time (in flight: the stages can compute meanwhile).
+
+Tied weights: a weight shared by segments (a tied embedding) is summed over the stages that hold
+it, in an all-reduce among those stages' workers every step, even at D = 1; `tied` lists each such
+set's segments and bytes so that the simulator can charge it.
+
+Schema history: version 1 had no message overheads and no tied sets; such documents still load
+(the overheads read as 0 and the tied sets as unknown, i.e. none).
 """
 
 from __future__ import annotations
@@ -36,13 +46,15 @@ __all__ = [
     "LINK_KINDS",
     "CalibrationError",
     "LinkCost",
+    "TiedWeights",
     "SegmentCost",
     "SegmentProfile",
     "Calibration",
 ]
 
 SCHEMA = "varunad.calibration"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_READABLE_VERSIONS = (1, 2)   # version 1 migrates: zero message overheads, no tied sets
 LINK_KINDS = ("intra", "inter")  # same host, across hosts
 
 
@@ -67,19 +79,40 @@ def _int(owner: str, name: str, value: Any, *, positive: bool = False) -> None:
 class LinkCost:
     latency_s: float
     bandwidth_Bps: float
+    send_overhead_s: float = 0.0  # CPU the sending stage spends per message (point-to-point links)
+    recv_overhead_s: float = 0.0  # CPU the receiving stage spends per message, once it has arrived
 
     def __post_init__(self) -> None:
         _num("LinkCost", "latency_s", self.latency_s)
         _num("LinkCost", "bandwidth_Bps", self.bandwidth_Bps, positive=True)
+        _num("LinkCost", "send_overhead_s", self.send_overhead_s)
+        _num("LinkCost", "recv_overhead_s", self.recv_overhead_s)
 
     def send_s(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bandwidth_Bps
+        """One way, from the start of the send call to the end of the receive."""
+        return self.send_overhead_s + self.latency_s + nbytes / self.bandwidth_Bps + self.recv_overhead_s
 
     def allreduce_s(self, nbytes: float, replicas: int) -> float:
         if replicas <= 1:
             return 0.0
         d = replicas
         return 2 * (d - 1) / d * nbytes / self.bandwidth_Bps + 2 * (d - 1) * self.latency_s
+
+
+@dataclass(frozen=True, slots=True)
+class TiedWeights:
+    """One set of tied weights: the segments that hold a copy, and its bytes (one copy)."""
+
+    segments: tuple[int, ...]
+    param_bytes: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", tuple(self.segments))
+        for k in self.segments:
+            _int("TiedWeights", "segments[]", k)
+        if len(self.segments) < 2 or list(self.segments) != sorted(set(self.segments)):
+            raise CalibrationError(f"TiedWeights.segments must be >= 2 increasing segments, got {self.segments}")
+        _int("TiedWeights", "param_bytes", self.param_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +176,13 @@ class Calibration:
     links: Mapping[str, LinkCost]
     allreduce: Mapping[str, LinkCost]
     version: int = field(default=SCHEMA_VERSION)
+    tied: tuple[TiedWeights, ...] = ()  # weights shared by several segments
 
     def __post_init__(self) -> None:
         if self.version != SCHEMA_VERSION:
             raise CalibrationError(
-                f"calibration schema version {self.version} is not supported (this build reads {SCHEMA_VERSION})",
+                f"calibration schema version {self.version} is not supported (this build writes {SCHEMA_VERSION} "
+                f"and reads {', '.join(map(str, _READABLE_VERSIONS))})",
                 hint="re-run the profiler",
             )
         for name in ("model", "device_kind"):
@@ -174,6 +209,12 @@ class Calibration:
                 )
         object.__setattr__(self, "links", _links("Calibration.links", self.links))
         object.__setattr__(self, "allreduce", _links("Calibration.allreduce", self.allreduce))
+        object.__setattr__(self, "tied", tuple(self.tied))
+        for t in self.tied:
+            if not isinstance(t, TiedWeights):
+                raise CalibrationError("Calibration.tied must be a sequence of TiedWeights")
+            if t.segments[-1] >= len(self.segments):
+                raise CalibrationError(f"tied weights name segment {t.segments[-1]} of {len(self.segments)}")
 
     def __hash__(self) -> int:  # the mapping fields are read-only proxies
         return hash((self.model, self.device_kind, self.micro_batch_sizes, self.segments))
@@ -201,7 +242,7 @@ class Calibration:
     # --- serialisation --------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        link = lambda c: {"latency_s": c.latency_s, "bandwidth_Bps": c.bandwidth_Bps}  # noqa: E731
+        link = lambda c: {f: getattr(c, f) for f in LinkCost.__slots__}  # noqa: E731
         return {
             "schema": SCHEMA,
             "version": self.version,
@@ -222,14 +263,22 @@ class Calibration:
             ],
             "links": {k: link(v) for k, v in self.links.items()},
             "allreduce": {k: link(v) for k, v in self.allreduce.items()},
+            "tied": [{"segments": list(t.segments), "param_bytes": t.param_bytes} for t in self.tied],
         }
 
     @classmethod
     def from_dict(cls, doc: Any) -> Calibration:
-        top = _fields(doc, "calibration", {"schema", "version", "model", "device_kind", "micro_batch_sizes",
-                                           "input_bytes", "segments", "links", "allreduce"})
+        if isinstance(doc, dict) and doc.get("schema") == SCHEMA and doc.get("version") not in _READABLE_VERSIONS:
+            raise CalibrationError(
+                f"calibration schema version {doc.get('version')!r} is not supported (this build reads "
+                f"{', '.join(map(str, _READABLE_VERSIONS))})", hint="re-run the profiler")
+        v1 = isinstance(doc, dict) and doc.get("version") == 1
+        names = {"schema", "version", "model", "device_kind", "micro_batch_sizes", "input_bytes", "segments",
+                 "links", "allreduce"}
+        top = _fields(doc, "calibration", names if v1 else names | {"tied"})
         if top["schema"] != SCHEMA:
             raise CalibrationError(f"not a calibration document (schema {top['schema']!r})")
+        link_fields = {"latency_s", "bandwidth_Bps"} | (set() if v1 else {"send_overhead_s", "recv_overhead_s"})
         segs = []
         for k, s in enumerate(_list(top["segments"], "segments")):
             sd = _fields(s, f"segments[{k}]", {"param_bytes", "optimizer_bytes", "step_s", "costs"})
@@ -241,7 +290,12 @@ class Calibration:
 
         def links(name: str) -> dict[str, LinkCost]:
             d = _fields(top[name], name, set(LINK_KINDS))
-            return {k: LinkCost(**_fields(v, f"{name}.{k}", {"latency_s", "bandwidth_Bps"})) for k, v in d.items()}
+            return {k: LinkCost(**_fields(v, f"{name}.{k}", link_fields)) for k, v in d.items()}
+
+        tied = tuple(
+            TiedWeights(**_fields(t, f"tied[{i}]", {"segments", "param_bytes"}))
+            for i, t in enumerate(_list(top.get("tied", []), "tied"))
+        )
 
         return cls(
             model=top["model"],
@@ -251,7 +305,7 @@ class Calibration:
             segments=tuple(segs),
             links=links("links"),
             allreduce=links("allreduce"),
-            version=top["version"],
+            tied=tied,   # a version 1 document is migrated: no overheads, no tied sets
         )
 
     def to_bytes(self) -> bytes:
@@ -296,6 +350,7 @@ class Calibration:
         input_bytes: int = 0,
         links: Mapping[str, LinkCost],
         allreduce: Mapping[str, LinkCost] | None = None,
+        tied: Sequence[TiedWeights] = (),
     ) -> Calibration:
         """Identical segments whose per-sample costs and activations scale linearly with the
         micro-batch size (forward_s etc. are per sample)."""
@@ -313,6 +368,7 @@ class Calibration:
             segments=(seg,) * segments,
             links=links,
             allreduce=links if allreduce is None else allreduce,
+            tied=tuple(tied),
         )
 
 

@@ -184,7 +184,8 @@ class _Kind:
         segs = self.cal.segments
         for j in range(len(self.cal.micro_batch_sizes)):
             c = [s.costs[j] for s in segs]
-            self.fb.append(acc(x.forward_s + x.backward_s for x in c))
+            # a stage that does not recompute keeps the graph: its forward costs a recompute
+            self.fb.append(acc(x.recompute_s + x.backward_s for x in c))
             self.fbr.append(acc(x.forward_s + x.backward_s + x.recompute_s for x in c))
             self.act.append(acc(x.peak_activation_bytes for x in c))
             self.out.append([x.activation_bytes for x in c])
@@ -291,6 +292,9 @@ def _estimate(kinds, bounds, flags, j, D, m, links, ar, schedule) -> float:
             transfer.append(k.out[j][b - 1] / link.bandwidth_Bps)
             hop.append(link.send_s(k.out[j][b - 1]))
             fill += 2 * hop[-1]
+        for side in ([links[s]] if s < P - 1 else []) + ([links[s - 1]] if s > 0 else []):
+            link = k.cal.links[side]   # a message each way per micro-batch keeps the stage busy
+            work[-1] += link.send_overhead_s + link.recv_overhead_s
         step = sum(seg.step_s for seg in k.cal.segments[a:b])
         tail = max(tail, k.cal.allreduce[ar[s]].allreduce_s(k.params[b] - k.params[a], D) + step)
     # 1F1B (and Varuna on stages that keep activations, bound P-s) has no slack to hide a message

@@ -22,18 +22,25 @@ What is measured (medians over `repeats` runs after `warmup` runs):
   step of the optimizer given to `set_optimizer`, otherwise `optimizer_factor` x the parameter
   bytes: 2 for Adam), and `step_s`: what the engine's STEP does for those parameters (its
   squared gradient norms, the finiteness check, then the optimizer's step, on copies so that
-  the model is left untouched);
+  the model is left untouched; on CPU scaled so that the segments' times add up to one STEP of
+  all of them, which pays a call's fixed costs once);
+* tied weights (one tensor used by several segments, like a tied embedding and LM head): the
+  segments holding each and its bytes (`Calibration.tied`), for the all-reduce that keeps the
+  copies equal at any D;
 * the network, in two helper processes on loopback (so no launcher and no process group of the
   caller is needed): a `PeerChannel` ping-pong fitted to ``latency + bytes / bandwidth`` for
-  the "intra" link, and gloo `all_reduce` between the two fitted to the ring formula of
-  `LinkCost.allreduce_s` at D = 2 (larger rings follow from the formula). "inter" gets the same
-  numbers unless `inter_link` / `inter_allreduce` give measured cross-host costs (this machine
-  cannot measure a link it does not have).
+  the "intra" link, with the CPU time a send call takes and a receive of a message that has
+  already arrived (`send_overhead_s`, `recv_overhead_s`: stage busy time, the medians over the
+  sizes that fit one frame) taken out of the latency; and gloo `all_reduce` between the two,
+  fitted to the ring formula of `LinkCost.allreduce_s` at D = 2 (larger rings follow from the
+  formula). "inter" gets the same numbers unless `inter_link` / `inter_allreduce` give measured
+  cross-host costs (this machine cannot measure a link it does not have).
 
 On CPU the workers of one host share its cores' time, caches and memory bandwidth, so a slot of a
 busy host is slower than a lone worker: `gpus_per_node=n` measures with n slots busy at once
-(n forked processes doing the same measurements; each number is their median) and names the
-device kind 'cpu-<n>slots'.
+(n forked processes doing the same measurements; each number is the slowest slot's, since the
+cores of a VM are not equally fast and lock-step replicas or a pipeline's bottleneck wait for
+the slowest) and names the device kind 'cpu-<n>slots'.
 
 The result depends on neither P nor D. It is keyed by (model fingerprint, device kind): the
 fingerprint hashes the parameter and buffer names, shapes and dtypes, the traced graph's op
@@ -73,7 +80,16 @@ from pathlib import Path
 import torch
 from torch import fx, nn
 
-from trainer.calibration import LINK_KINDS, Calibration, CalibrationError, LinkCost, SegmentCost, SegmentProfile
+from protocol.frames import CHUNK_BYTES
+from trainer.calibration import (
+    LINK_KINDS,
+    Calibration,
+    CalibrationError,
+    LinkCost,
+    SegmentCost,
+    SegmentProfile,
+    TiedWeights,
+)
 from trainer.errors import ConfigError, VarunaError
 from trainer.launch import free_ports
 from trainer.partition import ACTIVATION, StageSlice, TracedModel, slice_stages, trace_model
@@ -89,6 +105,7 @@ __all__ = [
     "measure_segments",
     "measure_steps",
     "measure_network",
+    "tied_weights",
     "calibration_path",
 ]
 
@@ -98,6 +115,7 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 _WORKER_MALLOC = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")   # set by trainer.launch
 _LINK_SIZES = (1 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 _ALLREDUCE_SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
+_ONE_FRAME = CHUNK_BYTES   # larger messages go in several parts
 
 
 class ProfilerError(VarunaError, RuntimeError):
@@ -171,6 +189,18 @@ class SegmentMeasurement:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def tied_weights(slices: Sequence[StageSlice]) -> tuple[TiedWeights, ...]:
+    """Parameters that several segments hold (one storage: a tied embedding and LM head), as the
+    segments holding each and its bytes."""
+    holders: dict[int, tuple[list[int], int]] = {}
+    for k, sl in enumerate(slices):
+        for p in sl.module.parameters():
+            segs, nbytes = holders.setdefault(p.untyped_storage().data_ptr(), ([], _nbytes(p)))
+            if k not in segs:
+                segs.append(k)
+    return tuple(TiedWeights(tuple(segs), nbytes) for segs, nbytes in holders.values() if len(segs) > 1)
 
 
 def _sync(device: torch.device) -> None:
@@ -438,6 +468,15 @@ class _Job:
         groups = [list(self.slices[k].module.parameters()) for k in self.segments]
         steps = measure_steps(groups, self.factory, optimizer_factor=self.optimizer_factor,
                               repeats=self.repeats, warmup=self.warmup, device=self.device)
+        # A stage runs one STEP over all of its segments: one call's fixed costs, not one per
+        # segment. Scale the segments' times so that together they make one STEP of them all
+        # (on CPU, where measure_steps holds every group's copies anyway; a GPU may not fit them).
+        union = list({id(p): p for g in groups for p in g}.values())
+        total = sum(t for t, _ in steps)
+        if self.device.type == "cpu" and len(groups) > 1 and union and total > 0:
+            (whole, _), = measure_steps([union], self.factory, optimizer_factor=self.optimizer_factor,
+                                        repeats=self.repeats, warmup=self.warmup, device=self.device)
+            steps = [(t * min(1.0, whole / total), b) for t, b in steps]
         return per_size, steps
 
     def filler(self) -> None:
@@ -467,8 +506,10 @@ def _slot_main(job: _Job, threads: int, barrier, done, conn) -> None:
 def _run_concurrently(job: _Job, slots: int, timeout_s: float = 1800.0):
     """Run `job` in `slots` forked processes at once (one torch thread each), as the workers of
     a host whose every slot is busy share its cores and memory bandwidth; each number is the
-    median over the slots. A slot that finishes first repeats some work until all have
-    finished, so every measurement sees a fully loaded host."""
+    slowest slot's (each slot's being a median over repeats): replicas run in lock-step and a
+    pipeline is paced by its slowest stage, so the slowest core sets the pace. A slot that
+    finishes first repeats some work until all have finished, so every measurement sees a fully
+    loaded host."""
     if "fork" not in mp.get_all_start_methods():
         raise ConfigError("profiling several CPU slots at once needs fork (Linux)", hint="use gpus_per_node=None")
     threads = torch.get_num_threads()
@@ -515,9 +556,9 @@ def _run_concurrently(job: _Job, slots: int, timeout_s: float = 1800.0):
         for k in results[0][0][b]:
             ms = [res[0][b][k] for res in results]
             per_size[b][k] = SegmentMeasurement(
-                _median([m.forward_s for m in ms]), _median([m.recompute_s for m in ms]),
-                _median([m.backward_s for m in ms]), ms[0].activation_bytes, ms[0].peak_activation_bytes)
-    steps = [(_median([res[1][i][0] for res in results]), results[0][1][i][1]) for i in range(len(results[0][1]))]
+                max(m.forward_s for m in ms), max(m.recompute_s for m in ms),
+                max(m.backward_s for m in ms), ms[0].activation_bytes, ms[0].peak_activation_bytes)
+    steps = [(max(res[1][i][0] for res in results), results[0][1][i][1]) for i in range(len(results[0][1]))]
     return per_size, steps
 
 
@@ -560,23 +601,48 @@ def _network_measure(rank, ports, sizes, ar_sizes, repeats, warmup) -> dict[str,
     chan = PeerChannel(bind=ep[rank], prev=ep[0] if rank else None, nxt=None if rank else ep[1],
                        job="profile", epoch=0, stage=rank, timeout_s=60.0)
     link: list[float] = []
+    send_cpu: list[float] = []
+    recv_cpu: list[float] = []
+    pair_cpu: list[float] = []   # the whole process's CPU (ZeroMQ's I/O thread too) per round trip
     mb = 0
     for n in sizes:
         x = torch.zeros(max(n // 4, 1), dtype=torch.float32)
-        times = []
+        times, sends = [], []
         for r in range(warmup + repeats):
             if rank == 0:
+                if r == warmup:
+                    cpu0 = time.process_time()
                 t0 = time.perf_counter()
                 chan.send("act", mb, x)
+                t1 = time.perf_counter()
                 chan.recv("grad", mb)
                 if r >= warmup:
                     times.append((time.perf_counter() - t0) / 2)
+                    sends.append(t1 - t0)
             else:
                 y = chan.recv("act", mb)
                 chan.send("grad", mb, y)
             mb += 1
         if rank == 0:
+            pair_cpu.append((time.process_time() - cpu0) / repeats)
+        # A receive of a message that has already arrived: the CPU the receiving stage spends.
+        pause = 4 * _median(times) + 2e-3 if rank == 0 else 0.0
+        recvs = []
+        for r in range(warmup + repeats):
+            if rank == 0:
+                chan.send("act", mb, x)
+                time.sleep(pause)
+                t0 = time.perf_counter()
+                chan.recv("grad", mb)
+                if r >= warmup:
+                    recvs.append(time.perf_counter() - t0)
+            else:
+                chan.send("grad", mb, chan.recv("act", mb))
+            mb += 1
+        if rank == 0:
             link.append(_median(times))
+            send_cpu.append(_median(sends))
+            recv_cpu.append(_median(recvs))
     # Let the last echo leave before closing.
     if rank == 1:
         chan.recv("act", mb)
@@ -598,7 +664,8 @@ def _network_measure(rank, ports, sizes, ar_sizes, repeats, warmup) -> dict[str,
                 times.append(time.perf_counter() - t0)
         ar.append(_median(times))
     pg.barrier().wait()
-    return {"link": link, "allreduce": ar}  # rank 1's link list is empty: only rank 0 times
+    # rank 1's lists of the link are empty: only rank 0 times
+    return {"link": link, "send_cpu": send_cpu, "recv_cpu": recv_cpu, "pair_cpu": pair_cpu, "allreduce": ar}
 
 
 def _network_child(spec: dict, conn) -> None:
@@ -676,17 +743,32 @@ def _run_helpers_spawned(specs: list[dict], timeout_s: float) -> list[dict]:
 
 
 def measure_network(*, sizes: Sequence[int] = _LINK_SIZES, allreduce_sizes: Sequence[int] = _ALLREDUCE_SIZES,
-                    repeats: int = 7, warmup: int = 2, timeout_s: float = 120.0) -> tuple[LinkCost, LinkCost]:
+                    repeats: int = 7, warmup: int = 2, timeout_s: float = 120.0,
+                    io_threads_busy: bool = False) -> tuple[LinkCost, LinkCost]:
     """(send cost, all-reduce cost) between two helper processes on loopback: a PeerChannel
     ping-pong (one way = half the round trip) and gloo all_reduce at D = 2, each fitted.
-    Needs no launcher and leaves the caller's process groups and sockets alone."""
+    Needs no launcher and leaves the caller's process groups and sockets alone.
+
+    The per-message overheads are the send call's time and a receive of an arrived message.
+    `io_threads_busy` (CPU workers that fill the host's cores) counts ZeroMQ's I/O threads as
+    well: their CPU then competes with the stages' compute, so the receive overhead becomes what
+    the process spends per round trip (one message each way) beyond the send call."""
     ports = free_ports(3)
     specs = [{"rank": r, "ports": ports, "sizes": list(sizes), "ar_sizes": list(allreduce_sizes),
               "repeats": repeats, "warmup": warmup} for r in range(2)]
     run = _run_helpers_forked if "fork" in mp.get_all_start_methods() else _run_helpers_spawned
     got = run(specs, timeout_s)[0]
     a, b = fit_affine(list(sizes), got["link"])
-    link = LinkCost(latency_s=a, bandwidth_Bps=1.0 / b)
+    # The stages' own CPU per message, from the sizes that fit one frame (larger ones add copies
+    # that scale with the bytes, which the bandwidth term covers); the rest of the one-way time
+    # (the fit's constant, which includes both) is in flight.
+    small = [i for i, n in enumerate(sizes) if n <= _ONE_FRAME] or [0]
+    send_oh = _median([got["send_cpu"][i] for i in small])
+    recv_oh = _median([got["recv_cpu"][i] for i in small])
+    if io_threads_busy:
+        recv_oh = max(recv_oh, _median([got["pair_cpu"][i] for i in small]) - send_oh)
+    link = LinkCost(latency_s=max(0.0, a - send_oh - recv_oh), bandwidth_Bps=1.0 / b,
+                    send_overhead_s=send_oh, recv_overhead_s=recv_oh)
     a, b = fit_affine(list(allreduce_sizes), got["allreduce"])
     allreduce = LinkCost(latency_s=a / 2, bandwidth_Bps=1.0 / b)   # ring at D=2: n / bw + 2 * latency
     return link, allreduce
@@ -701,7 +783,7 @@ class Profiler:
     `get_batch_fn(size, device)` returns one micro-batch dict of `size` examples. `device` -1 is
     the CPU, an int a CUDA ordinal (a string is taken as a torch device). `gpus_per_node` is the
     number of worker slots per host: on CPU, that many forked processes (one torch thread each:
-    call `torch.set_num_threads(1)` first) measure at once and each number is their median, so
+    call `torch.set_num_threads(1)` first) measure at once and each number is the slowest's, so
     the calibration is that of a slot of a fully busy host (device kind 'cpu-<n>slots'); on CUDA
     it is accepted for Varuna compatibility and segments are measured one after another.
     `pstages_to_profile` limits the measurement to those segments; the others come from the saved
@@ -851,7 +933,7 @@ class Profiler:
                                            tuple(per_size[b][k].cost() for b in sizes)))
         return Calibration(model=self.fingerprint, device_kind=self.device_kind, micro_batch_sizes=tuple(sizes),
                            input_bytes=tuple(input_bytes), segments=tuple(profiles), links=links,
-                           allreduce=allreduce)
+                           allreduce=allreduce, tied=tied_weights(slices))
 
     def _network(self, existing: Calibration | None) -> tuple[dict[str, LinkCost], dict[str, LinkCost]]:
         links, allreduce = dict(self._links), dict(self._allreduce)
@@ -860,7 +942,9 @@ class Profiler:
                 links.setdefault("intra", existing.links["intra"])
                 allreduce.setdefault("intra", existing.allreduce["intra"])
             else:
-                link, ar = measure_network(repeats=max(self.repeats, 5), warmup=max(self.warmup, 2))
+                # CPU workers share the host's cores with ZeroMQ's I/O threads
+                link, ar = measure_network(repeats=max(self.repeats, 5), warmup=max(self.warmup, 2),
+                                           io_threads_busy=self.device.type == "cpu")
                 self.network_measured = True
                 links.setdefault("intra", link)
                 allreduce.setdefault("intra", ar)

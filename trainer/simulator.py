@@ -3,13 +3,18 @@
 `simulate` walks the per-stage lists that `schedule.build_table` produced (the lists the
 executor runs; there is no second copy of any schedule here) with calibrated costs:
 
-* FORWARD / RECOMPUTE / BACKWARD advance the stage's clock by the stage's cost;
-* SEND_ACT / SEND_GRAD cost the sender nothing (sends are asynchronous); the bytes occupy the
-  directed link for ``bytes / bandwidth`` (sends on one link go one after another) and arrive
-  ``latency`` later, plus optional seeded jitter;
-* RECV_ACT / RECV_GRAD wait until the matching message arrived;
+* FORWARD / RECOMPUTE / BACKWARD advance the stage's clock by the stage's cost; a FORWARD that
+  keeps its autograd graph (a stage that does not recompute that micro-batch, e.g. the last
+  stage) costs `forward_graph_s`, one that does not `forward_s`;
+* SEND_ACT / SEND_GRAD cost the sender only the message's CPU overhead (`Transfer.send_s`: sends
+  are asynchronous); the bytes then occupy the directed link for ``bytes / bandwidth`` (sends on
+  one link go one after another) and arrive ``latency`` later, plus optional seeded jitter;
+* RECV_ACT / RECV_GRAD wait until the matching message arrived, then cost the receiver the
+  message's CPU overhead (`Transfer.recv_s`);
 * ALLREDUCE and STEP advance the clock by the stage's all-reduce (its gradient bytes over its D
-  replicas) and optimizer step. Replicas of a stage are assumed to run in lock-step.
+  replicas) and optimizer step. Replicas of a stage are assumed to run in lock-step. Stages that
+  share tied weights (`tied_allreduce_s` > 0: the first and last stage of a GPT) first meet in
+  their ALLREDUCE and sum those gradients (at any D).
 
 Memory per stage is replayed too: parameters, gradients and optimizer state, plus what the
 schedule stashes (a recomputing stage keeps only each micro-batch's input until its backward and
@@ -50,13 +55,17 @@ def _nonneg(owner: str, **values: float) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """One message on one link: `transfer_s` occupies the link, `latency_s` is added in flight."""
+    """One message on one link: `transfer_s` occupies the link, `latency_s` is added in flight;
+    `send_s` and `recv_s` are CPU time the sending and the receiving stage spend on it."""
 
     latency_s: float = 0.0
     transfer_s: float = 0.0
+    send_s: float = 0.0
+    recv_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _nonneg("Transfer", latency_s=self.latency_s, transfer_s=self.transfer_s)
+        _nonneg("Transfer", latency_s=self.latency_s, transfer_s=self.transfer_s, send_s=self.send_s,
+                recv_s=self.recv_s)
 
     @property
     def total_s(self) -> float:
@@ -77,11 +86,17 @@ class StageCost:
     static_bytes: int = 0  # parameters + gradients + optimizer state
     input_bytes: int = 0  # its input boundary, stashed per micro-batch in flight
     activation_bytes: int = 0  # what the autograd graph keeps for one micro-batch
+    forward_graph_s: float | None = None  # a FORWARD that keeps its graph (None: forward_s)
+    tied_allreduce_s: float = 0.0  # summing tied weights' gradients with the other stages holding them
 
     def __post_init__(self) -> None:
+        if self.forward_graph_s is None:
+            object.__setattr__(self, "forward_graph_s", self.forward_s)
         _nonneg(
             "StageCost",
             forward_s=self.forward_s,
+            forward_graph_s=self.forward_graph_s,
+            tied_allreduce_s=self.tied_allreduce_s,
             backward_s=self.backward_s,
             recompute_s=self.recompute_s,
             allreduce_s=self.allreduce_s,
@@ -95,11 +110,12 @@ class StageCost:
 @dataclass(frozen=True, slots=True)
 class StageReport:
     compute_s: float  # forward + recompute + backward
-    allreduce_s: float
+    allreduce_s: float  # data-parallel and tied all-reduces
     step_s: float
-    idle_s: float  # mini-batch time minus the above: waiting for peers or the flush
+    idle_s: float  # mini-batch time minus the others: waiting for peers or the flush
     finish_s: float
     peak_bytes: int
+    message_s: float = 0.0  # CPU spent sending and receiving point-to-point messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +159,19 @@ def stage_costs(
     for kind in (*link_kinds, *allreduce_kinds):
         if kind not in LINK_KINDS:
             raise SimulationError(f"unknown link kind {kind!r}; expected one of {LINK_KINDS}")
+    stage_of = [s for s in range(P) for _ in range(bounds[s], bounds[s + 1])]
+    tied_s, tied_less = [0.0] * P, [0] * P   # tied all-reduce per stage; bytes it takes out of the DP one
+    for t in calibrations[0].tied:
+        holders = sorted({stage_of[k] for k in t.segments if k < n})
+        for s in holders:
+            copies = sum(1 for k in t.segments if stage_of[k] == s)
+            tied_less[s] += (copies if len(holders) > 1 else copies - 1) * t.param_bytes
+        if len(holders) > 1:
+            lo, hi = holders[0], holders[-1]
+            crossed = {*link_kinds[lo:hi], *(allreduce_kinds[s] for s in holders)}
+            kind = "inter" if "inter" in crossed else "intra"
+            for s in holders:
+                tied_s[s] += calibrations[s].allreduce[kind].allreduce_s(t.param_bytes, len(holders) * replicas)
     out = []
     for s in range(P):
         cal, lo, hi = calibrations[s], bounds[s], bounds[s + 1]
@@ -156,15 +185,19 @@ def stage_costs(
         act = Transfer()
         if s < P - 1:
             link = cal.links[link_kinds[s]]
-            act = Transfer(link.latency_s, out_bytes / link.bandwidth_Bps)
+            act = Transfer(link.latency_s, out_bytes / link.bandwidth_Bps, link.send_overhead_s,
+                           calibrations[s + 1].links[link_kinds[s]].recv_overhead_s)
         grad = Transfer()
         if s > 0:
             link = cal.links[link_kinds[s - 1]]
-            grad = Transfer(link.latency_s, in_bytes / link.bandwidth_Bps)
-        grad_bytes = sum(seg.param_bytes for seg in segs)
+            grad = Transfer(link.latency_s, in_bytes / link.bandwidth_Bps, link.send_overhead_s,
+                            calibrations[s - 1].links[link_kinds[s - 1]].recv_overhead_s)
+        grad_bytes = max(0, sum(seg.param_bytes for seg in segs) - tied_less[s])
         out.append(
             StageCost(
                 forward_s=sum(c.forward_s for c in costs),
+                forward_graph_s=sum(c.recompute_s for c in costs),  # with the graph: as a recompute
+                tied_allreduce_s=tied_s[s],
                 backward_s=sum(c.backward_s for c in costs),
                 recompute_s=sum(c.recompute_s for c in costs),
                 send_act=act,
@@ -184,6 +217,16 @@ _CODE = {
     Kind.FORWARD: _F, Kind.RECOMPUTE: _R, Kind.BACKWARD: _B, Kind.RECV_ACT: _RA, Kind.SEND_ACT: _SA,
     Kind.RECV_GRAD: _RG, Kind.SEND_GRAD: _SG, Kind.ALLREDUCE: _AR, Kind.STEP: _OPT,
 }
+# The categories trainer.trace records for the executor's actions, so that a simulated and a
+# measured step render alike in trainer.timeline and Perfetto.
+_TRACE_CATEGORY = ("forward", "recompute", "backward", "recv", "send", "recv", "send", "allreduce", "optimizer")
+
+
+def _trace_event(action: Action, code: int, start_s: float, end_s: float) -> dict:
+    """One complete ("X") Chrome trace event, shaped as trainer.trace.TraceRecorder writes it."""
+    args = {} if action.micro_batch is None else {"micro_batch": action.micro_batch}
+    return {"name": str(action), "cat": _TRACE_CATEGORY[code], "ph": "X", "ts": round(start_s * 1e6, 3),
+            "dur": round(max(0.0, end_s - start_s) * 1e6, 3), "pid": action.stage, "tid": 0, "args": args}
 
 
 def simulate(
@@ -192,10 +235,15 @@ def simulate(
     *,
     jitter_s: float = 0.0,
     seed: int = 0,
+    events: list[dict] | None = None,
 ) -> SimResult:
     """Replay `table` with `costs` (one per stage). `jitter_s` > 0 adds an exponentially
     distributed extra delay of that mean to every send, drawn per message from `seed` (the same
-    message gets the same delay whatever the schedule, so schedules compare fairly)."""
+    message gets the same delay whatever the schedule, so schedules compare fairly).
+
+    With `events` (a list), every action is appended to it as a Chrome trace event (times from
+    0 in microseconds, pid = stage, tid = replica 0): compute and waits span the stage's clock,
+    a send spans its time on the link."""
     P = len(table)
     if sorted(table) != list(range(P)) or len(costs) != P:
         raise SimulationError(f"table has stages {sorted(table)} but {len(costs)} stage costs were given")
@@ -206,6 +254,11 @@ def simulate(
     if jitter_s > 0:
         delay = np.random.default_rng(seed).exponential(jitter_s, size=(P, 2, m)).tolist()
     recomputes = [any(c == _R for c, _ in lst) for lst in lists]
+    recomputed = [{mb for c, mb in lst if c == _R} for lst in lists]
+    tied = {s for s in range(P) if costs[s].tied_allreduce_s > 0}
+    tied = tied if len(tied) > 1 else set()   # one holder sums its copies locally
+    tied_ready: dict[int, float] = {}   # stage -> when it reached its ALLREDUCE
+    message = [0.0] * P
 
     clock = [0.0] * P
     idx = [0] * P
@@ -224,9 +277,11 @@ def simulate(
             keep = c.input_bytes + (0 if recomputes[s] else c.activation_bytes)
             while i < len(lst):
                 code, mb = lst[i]
+                t_before = t
                 if code == _F:
-                    t += c.forward_s
-                    compute[s] += c.forward_s
+                    f = c.forward_s if mb in recomputed[s] else c.forward_graph_s
+                    t += f
+                    compute[s] += f
                     held[s] += keep
                 elif code == _B:
                     t += c.backward_s
@@ -240,26 +295,40 @@ def simulate(
                     got = arrive_act[s].get(mb)
                     if got is None:
                         break
-                    t = max(t, got)
+                    t = max(t, got) + costs[s - 1].send_act.recv_s
+                    message[s] += costs[s - 1].send_act.recv_s
                 elif code == _RG:
                     got = arrive_grad[s].get(mb)
                     if got is None:
                         break
-                    t = max(t, got)
+                    t = max(t, got) + costs[s + 1].send_grad.recv_s
+                    message[s] += costs[s + 1].send_grad.recv_s
                 elif code == _SA:
-                    start = max(t, link_free_down[s])
+                    t += c.send_act.send_s
+                    message[s] += c.send_act.send_s
+                    start = t_before = max(t, link_free_down[s])
                     link_free_down[s] = start + c.send_act.transfer_s
                     extra = delay[s][0][mb] if delay else 0.0
                     arrive_act[s + 1][mb] = link_free_down[s] + c.send_act.latency_s + extra
                 elif code == _SG:
-                    start = max(t, link_free_up[s])
+                    t += c.send_grad.send_s
+                    message[s] += c.send_grad.send_s
+                    start = t_before = max(t, link_free_up[s])
                     link_free_up[s] = start + c.send_grad.transfer_s
                     extra = delay[s][1][mb] if delay else 0.0
                     arrive_grad[s - 1][mb] = link_free_up[s] + c.send_grad.latency_s + extra
                 elif code == _AR:
+                    if s in tied:   # meet the other holders of the tied weights first
+                        tied_ready.setdefault(s, t)
+                        if len(tied_ready) < len(tied):
+                            break
+                        t = max(tied_ready.values()) + c.tied_allreduce_s
                     t += c.allreduce_s
                 else:
                     t += c.step_s
+                if events is not None:
+                    end = link_free_down[s] if code == _SA else link_free_up[s] if code == _SG else t
+                    events.append(_trace_event(table[s][i], code, t_before, end))
                 peak[s] = max(peak[s], held[s])
                 i += 1
                 progressed = True
@@ -274,15 +343,17 @@ def simulate(
     for s in range(P):
         n_ar = sum(1 for code, _ in lists[s] if code == _AR)
         n_opt = sum(1 for code, _ in lists[s] if code == _OPT)
-        ar, st = n_ar * costs[s].allreduce_s, n_opt * costs[s].step_s
+        ar = n_ar * (costs[s].allreduce_s + (costs[s].tied_allreduce_s if s in tied else 0.0))
+        st = n_opt * costs[s].step_s
         stages.append(
             StageReport(
                 compute_s=compute[s],
                 allreduce_s=ar,
                 step_s=st,
-                idle_s=max(0.0, total - compute[s] - ar - st),
+                idle_s=max(0.0, total - compute[s] - ar - st - message[s]),
                 finish_s=clock[s],
                 peak_bytes=int(costs[s].static_bytes + peak[s]),
+                message_s=message[s],
             )
         )
     return SimResult(total, tuple(stages))
