@@ -11,6 +11,7 @@ import torch
 
 from reference import reference_run
 from trainer.launch import launch
+from trainer.timeline import load_events
 
 WORKER = Path(__file__).parent / "workers" / "train_check.py"
 STEPS, BATCH = 5, 12
@@ -18,10 +19,10 @@ STEPS, BATCH = 5, 12
 pytestmark = pytest.mark.slow
 
 
-def run_workers(tmp_path, stages, replicas, *args, name="run", cuts=None):
+def run_workers(tmp_path, stages, replicas, *args, name="run", cuts=None, **launch_options):
     out = tmp_path / name
     result = launch(WORKER, ["--out", str(out), "--steps", str(STEPS), "--batch-size", str(BATCH), *args],
-                    stages=stages, replicas=replicas, timeout=240, cuts=cuts)
+                    stages=stages, replicas=replicas, timeout=240, cuts=cuts, **launch_options)
     assert result.ok, f"launch failed ({result.reason}):\n" + "\n".join(result.errors)
     return out
 
@@ -98,6 +99,26 @@ def test_recompute_reproduces_dropout(tmp_path):
         off = torch.load(outs[0] / f"grads_rank{rank}.pt", weights_only=True)
         on = torch.load(outs[1] / f"grads_rank{rank}.pt", weights_only=True)
         assert off.keys() == on.keys() and off
+        for name in off:
+            torch.testing.assert_close(on[name], off[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_planner_recompute_flags_reach_the_workers(tmp_path):
+    """A script that leaves `recompute` unset follows VARUNA_RECOMPUTE (the planner's per-stage choice,
+    passed on by the daemon): stage 0 told not to recompute runs no recompute action, with the same
+    gradients as recompute on."""
+    runs = {}
+    for flags in ("[false, false]", "[true, false]"):
+        name = "off" if "true" not in flags else "on"
+        runs[name] = run_workers(tmp_path, 2, 1, "--dropout", "0.2", "--grads", "--recompute", "-1", name=name,
+                                 cuts=[1], env={"VARUNA_RECOMPUTE": flags}, trace_dir=tmp_path / f"trace_{name}")
+    recomputes = {name: [e for e in load_events([tmp_path / f"trace_{name}"]) if e["cat"] == "recompute"]
+                  for name in runs}
+    assert recomputes["off"] == [] and recomputes["on"]
+    assert {e["pid"] for e in recomputes["on"]} == {0}  # the last stage keeps its graph either way
+    for rank in range(2):
+        off = torch.load(runs["off"] / f"grads_rank{rank}.pt", weights_only=True)
+        on = torch.load(runs["on"] / f"grads_rank{rank}.pt", weights_only=True)
         for name in off:
             torch.testing.assert_close(on[name], off[name], rtol=1e-5, atol=1e-7, msg=name)
 

@@ -194,6 +194,12 @@ def test_make_plan_places_ranks_and_the_rendezvous_on_rank_0():
     assert doc.endpoints() == [f"tcp://10.0.0.{x.member[-1]}:{20000 + 10 * int(x.member[-1]) + 1}"
                                for x in sorted(doc.slots, key=lambda x: x.rank)]
     assert PlanDoc.decode(doc.encode()) == doc
+    assert doc.recompute == (False,)  # the planner's per-stage choice travels with the plan
+    older = json.loads(doc.encode())
+    del older["recompute"]  # a plan written before the field existed: the script decides
+    assert PlanDoc.decode(json.dumps(older).encode()).recompute == ()
+    with pytest.raises(ValueError, match="2 recompute flags for 1 stages"):
+        PlanDoc(**{**older, "recompute": [True, False]})
     a = doc.assignment(42)
     assert a.epoch == 42 and a.slots_on("d2")[0].endpoint.endswith(":20021")
 

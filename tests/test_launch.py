@@ -10,12 +10,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import pytest
 
 import trainer.launch as launch_mod
+from trainer.env import Assignment
 from trainer.errors import ConfigError
 from trainer.launch import launch, plan_assignments
 
@@ -194,3 +196,16 @@ def _read_lines_until(proc: subprocess.Popen, *, count: int, marker: bytes, limi
                 break
             data += chunk
     return data.count(marker)
+
+
+def test_per_stage_recompute_flags_round_trip_through_the_environment():
+    a = plan_assignments(2, 1)[1]
+    flagged = replace(a, recompute=[False, True])
+    env = flagged.to_env()
+    assert json.loads(env["VARUNA_RECOMPUTE"]) == [False, True]
+    assert Assignment.from_env(env).recompute == [False, True]
+    assert "VARUNA_RECOMPUTE" not in a.to_env() and Assignment.from_env(a.to_env()).recompute is None
+    with pytest.raises(ConfigError, match="3 recompute flags for 2 stages"):
+        replace(a, recompute=[True, True, False])
+    with pytest.raises(ConfigError, match="VARUNA_RECOMPUTE must be a JSON list"):
+        Assignment.from_env({**env, "VARUNA_RECOMPUTE": "[1, 0]"})

@@ -16,6 +16,9 @@ Variables (all strings):
     VARUNA_EPOCH           plan epoch (frames from another epoch are dropped)
     VARUNA_CUTS            optional JSON list of the active cut-point indices, decided by
                            whoever planned; absent means Varuna balances them itself
+    VARUNA_RECOMPUTE       optional JSON list, one flag per stage: recompute activations in
+                           backward (the planner turns it off where the stash fits memory);
+                           absent means Varuna's `recompute` argument (default on)
     VARUNA_SCHEDULE        optional: varuna | gpipe | 1f1b
     VARUNA_THREADS         torch intra-op threads for this worker
     VARUNA_TRACE_DIR       optional: write a Chrome trace of each step here
@@ -58,6 +61,15 @@ def _opt_int(text: str | None) -> int | None:
     return int(text) if text else None
 
 
+def _opt_flags(text: str | None) -> list[bool] | None:
+    if not text:
+        return None
+    flags = json.loads(text)
+    if not isinstance(flags, list) or not all(isinstance(f, bool) for f in flags):
+        raise ValueError(f"VARUNA_RECOMPUTE must be a JSON list of true/false, not {text!r}")
+    return flags
+
+
 def _opt_str(value: int | None) -> str | None:
     return None if value is None else str(value)
 
@@ -88,6 +100,7 @@ class Assignment:
     job: str = "local"
     epoch: int = 0
     cuts: list[int] | None = None
+    recompute: list[bool] | None = None  # per stage, from the planner; None = the script's choice
     schedule: str | None = None
     threads: int | None = None
     trace_dir: str | None = None
@@ -117,6 +130,8 @@ class Assignment:
             raise ConfigError(f"{len(self.endpoints)} endpoints for {len(ranks)} ranks")
         if not 0 <= self.rank < len(ranks):
             raise ConfigError(f"rank {self.rank} outside 0..{len(ranks) - 1}")
+        if self.recompute is not None and len(self.recompute) != len(stages):
+            raise ConfigError(f"{len(self.recompute)} recompute flags for {len(stages)} stages")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint interval must be >= 1 step, got {self.checkpoint_every}")
         if (self.checkpoint_every or self.resume == "latest") and not self.store:
@@ -156,6 +171,7 @@ class Assignment:
         }
         optional = {
             "VARUNA_CUTS": None if self.cuts is None else json.dumps(self.cuts),
+            "VARUNA_RECOMPUTE": None if self.recompute is None else json.dumps([bool(r) for r in self.recompute]),
             "VARUNA_SCHEDULE": self.schedule,
             "VARUNA_THREADS": None if self.threads is None else str(self.threads),
             "VARUNA_TRACE_DIR": self.trace_dir,
@@ -195,6 +211,7 @@ class Assignment:
                 job=environ.get("VARUNA_JOB", "local"),
                 epoch=int(environ.get("VARUNA_EPOCH", "0")),
                 cuts=None if cuts is None else [int(c) for c in json.loads(cuts)],
+                recompute=_opt_flags(environ.get("VARUNA_RECOMPUTE")),
                 schedule=environ.get("VARUNA_SCHEDULE"),
                 threads=int(environ["VARUNA_THREADS"]) if "VARUNA_THREADS" in environ else None,
                 trace_dir=environ.get("VARUNA_TRACE_DIR"),

@@ -56,7 +56,7 @@ class Varuna:
                  batch_size: int, chunk_size: int, fp16: bool = False, local_rank: int = -1,
                  device: int | str = -1, shared_weights: Sequence[tuple[str, str]] | None = None,
                  from_cache: bool = True, *, precision: Precision | None = None,
-                 schedule: str | None = None, recompute: bool = True,
+                 schedule: str | None = None, recompute: bool | None = None,
                  assignment: Assignment | None = None) -> None:
         self.assignment = assignment or _assignment(stage_to_rank_map)
         a = self.assignment
@@ -72,7 +72,9 @@ class Varuna:
                               hint="make the script read the batch size it is given, or submit it with the script's")
         self.precision: Precision = precision or ("fp16" if fp16 else "fp32")
         self.schedule = schedule or a.schedule or "varuna"
-        self.recompute = recompute
+        # An explicit argument wins; else the planner's per-stage choice; else recompute everywhere.
+        self.recompute: bool | tuple[bool, ...] = (
+            recompute if recompute is not None else tuple(a.recompute) if a.recompute is not None else True)
         self.iteration = 0
         _check_sizes(self.batch_size, self.micro_batch_size, self.data_depth, self.precision, self.schedule)
         if a.threads:
@@ -98,6 +100,7 @@ class Varuna:
         self._build_groups()
         self.channel = self._open_channel() if self.pipeline_depth > 1 else None
         self.recorder = recorder_for(a.trace_dir or None, rank=a.rank, stage=self.stage, replica=self.replica)
+        self._traced_steps = 0  # counted per process: a resumed epoch starts past step _TRACE_STEPS
         self.executor = StageExecutor(self.module, stage=self.stage, stages=self.pipeline_depth,
                                       takes_activation=mine.takes_activation, channel=self.channel,
                                       device=self.device, precision=self.precision, recorder=self.recorder)
@@ -167,7 +170,8 @@ class Varuna:
         self.iteration += 1
         if self.recorder.enabled:
             self.recorder.save()
-            if self.iteration >= _TRACE_STEPS:   # a few steps show the schedule; more only grow the file
+            self._traced_steps += 1
+            if self._traced_steps >= _TRACE_STEPS:   # a few steps show the schedule; more only grow the file
                 self.recorder = self.executor.recorder = NullRecorder()
         elapsed = time.perf_counter() - start
         blocked = (self.channel.wait_s if self.channel is not None else 0.0) - waited

@@ -60,6 +60,7 @@ class PlanDoc:
     micro_batch_size: int = 0
     schedule: str = "varuna"
     cuts: tuple[int, ...] = ()
+    recompute: tuple[bool, ...] = ()  # per stage, as the planner decided by memory; () = the script's choice
     slots: tuple[PlanSlot, ...] = ()
     dist_url: str = ""
     estimated_s: float = 0.0
@@ -77,6 +78,9 @@ class PlanDoc:
         if self.kind not in KINDS:
             raise ValueError(f"plan kind {self.kind!r} is not one of {KINDS}")
         object.__setattr__(self, "cuts", tuple(self.cuts))
+        object.__setattr__(self, "recompute", tuple(bool(r) for r in self.recompute))
+        if self.recompute and len(self.recompute) != self.pipeline_depth:
+            raise ValueError(f"plan has {len(self.recompute)} recompute flags for {self.pipeline_depth} stages")
         object.__setattr__(self, "slots", tuple(s if isinstance(s, PlanSlot) else PlanSlot(**s) for s in self.slots))
         object.__setattr__(self, "incarnations", dict(self.incarnations))
         if self.kind != "idle" and not self.job:
@@ -116,6 +120,7 @@ class PlanDoc:
     def encode(self) -> bytes:
         doc = asdict(self)
         doc["cuts"] = list(self.cuts)
+        doc["recompute"] = list(self.recompute)
         return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
@@ -199,7 +204,7 @@ def make_plan(
     doc = PlanDoc(
         kind="run", reason=reason, job=spec.job, pipeline_depth=P, data_depth=D,
         micro_batch_size=result.micro_batch_size, schedule=result.schedule, cuts=tuple(result.cuts),
-        slots=tuple(plan_slots), dist_url=host0.rendezvous_url(), estimated_s=float(result.estimated_s),
+        recompute=tuple(result.recompute), slots=tuple(plan_slots), dist_url=host0.rendezvous_url(), estimated_s=float(result.estimated_s),
         calibrated=calibrated, incarnations={m: lease for m, lease in incarnations.items() if m in used},
     )
     return doc, result
@@ -229,6 +234,7 @@ def describe(doc: PlanDoc, epoch: int) -> dict[str, Any]:
     """The plan as job state and ``status`` show it."""
     return {
         "epoch": epoch, "P": doc.pipeline_depth, "D": doc.data_depth, "micro_batch_size": doc.micro_batch_size,
-        "schedule": doc.schedule, "cuts": list(doc.cuts), "members": list(doc.members),
+        "schedule": doc.schedule, "cuts": list(doc.cuts), "recompute": list(doc.recompute),
+        "members": list(doc.members),
         "estimated_s": doc.estimated_s, "calibrated": doc.calibrated,
     }
