@@ -1,135 +1,146 @@
 """A local ring of varunad daemons training the GPT, with one of them preempted midway.
 
-    python3 examples/local_ring.py [--daemons 4] [--steps 60] [--work runs/ring]
+    python3 examples/local_ring.py [--quick] [--daemons 4] [--steps 60] [--dir DIR]
 
-Starts a private etcd (data under --work), N daemons on loopback (plaintext: everything stays
-on this machine), submits examples/train_gpt.py with varunactl, prints the job's progress,
-kill -9s one non-leader daemon and its workers halfway (a spot VM vanishing), and waits until
-the job is done on the survivors from its newest checkpoint, with the same global batch.
-Everything it started is stopped on exit; logs stay under --work.
+What it does, with the library calls behind `varunactl up`, `submit`, `watch` and `down`:
+starts a private etcd and N daemons on loopback (varunad.local.up), submits
+examples/train_gpt.py on this package's own Python source (shipped, nothing to download), shows
+the job's live progress (varunad.progress), kill -9s one daemon that is not the leader halfway
+(a spot VM vanishing: the fleet notices when its lease expires, re-plans and carries on from
+the newest checkpoint with the same global batch), waits until the job is done, writes the
+report when `varunactl report` exists, and stops everything (varunad.local.down), also on
+Ctrl-C or an error. Logs stay under DIR/logs.
+
+--quick is the small size CI runs: the tiny GPT, 3 daemons, 240 short steps, a 3 s lease.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
+import dataclasses
+import importlib.util
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from varunad import ctl, local, progress
+from varunad.config import DaemonConfig
+from varunad.fleetkeys import FleetKeys
 
 REPO = Path(__file__).resolve().parent.parent
+JOB = "gpt"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=REPO, env=env)
-
-
-def varunactl(etcd: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "varunad.cli", "--etcd", etcd, *args],
-                          capture_output=True, text=True, cwd=REPO, timeout=60)
-
-
-def status(etcd: str, job: str) -> dict:
-    r = varunactl(etcd, "status", job, "--json")
-    return json.loads(r.stdout) if r.returncode == 0 else {}
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--daemons", type=int, default=4, help="daemons (one slot each) in the ring")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--checkpoint-every", type=int, default=10)
-    p.add_argument("--ttl", type=float, default=5.0, help="membership lease TTL, seconds")
-    p.add_argument("--work", type=Path, default=Path("runs/ring"), help="etcd data, store, state and logs")
-    p.add_argument("--preset", default="small", help="GPT size for examples/train_gpt.py (tiny, small)")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Full size takes about 5 minutes on 2 cores; --quick about 1.5.")
+    p.add_argument("--quick", action="store_true", help="CI size: tiny GPT, 3 daemons, 240 steps, 3 s lease")
+    p.add_argument("--daemons", type=int, help="daemons (one slot each) in the ring (default 4; 3 with --quick)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default 60; 240 with --quick)")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch (default 16)")
+    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default 10; 20 with --quick)")
+    p.add_argument("--ttl", type=float, help="membership lease TTL in seconds (default 5; 3 with --quick)")
+    p.add_argument("--preset", help="GPT size for examples/train_gpt.py: tiny or small (default small; tiny with "
+                                    "--quick)")
+    p.add_argument("--dir", type=Path, help="state: etcd data, store, logs (default as for `varunactl up`)")
     p.add_argument("--no-preempt", action="store_true", help="do not kill a daemon midway")
-    args = p.parse_args()
-    if shutil.which("etcd") is None:
-        sys.exit("etcd is not installed: apt-get install -y etcd-server")
-    work = args.work.resolve()
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    client, peer = free_port(), free_port()
-    etcd = f"127.0.0.1:{client}"
-    procs: dict[str, subprocess.Popen] = {}
-    procs["etcd"] = start(["etcd", "--name", "ring", "--data-dir", str(work / "etcd"),
-                           "--listen-client-urls", f"http://{etcd}", "--advertise-client-urls", f"http://{etcd}",
-                           "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                           "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                           "--initial-cluster", f"ring=http://127.0.0.1:{peer}"], work / "etcd.log")
+    args = p.parse_args(argv)
+    # The tiny GPT takes milliseconds a step: many steps, so that the job is still running when the
+    # watch (polling every half second) sees it halfway and kills a daemon.
+    quick = dict(daemons=3, steps=240, checkpoint_every=20, ttl=3.0, preset="tiny")
+    full = dict(daemons=4, steps=60, checkpoint_every=10, ttl=5.0, preset="small")
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def _metrics_base(n: int) -> int:
+    # Metrics stay on in the demo when this daemon has them (they arrived after the demo did).
+    has_flag = "metrics_port" in {f.name for f in dataclasses.fields(DaemonConfig)}
+    return local.free_port_range(n) if has_flag and importlib.util.find_spec("varunad.metrics") else 0
+
+
+class Preemption:
+    """Kills a daemon that is not the leader once the job is halfway (the watch's on_status hook)."""
+
+    def __init__(self, store, keys: FleetKeys, ring: local.Ring, at_step: int) -> None:
+        self.store, self.keys, self.ring, self.at_step = store, keys, ring, at_step
+        self.done = False
+
+    async def __call__(self, doc: dict[str, Any]) -> str | None:
+        if self.done or doc["state"] != "running" or doc["step"] < self.at_step:
+            return None
+        kv = await self.store.get(self.keys.leader)
+        leader = kv.value.decode() if kv else None
+        # one that runs a worker of the job, so that the job itself must morph
+        working = set(doc["plan"].get("members") or ())
+        victims = sorted((d for d in reversed(self.ring.daemons) if d.name != leader and local.alive(d)),
+                         key=lambda d: d.name not in working)
+        if not victims:
+            return None
+        local.kill_daemon(victims[0].name, self.ring.dir)
+        self.done = True
+        return (f"*** kill -9 {victims[0].name} at step {doc['step']}: a spot VM vanished; the fleet notices "
+                f"when its {self.ring.ttl:g}s lease expires")
+
+
+async def train(store, ring: local.Ring, args: argparse.Namespace) -> dict[str, Any]:
+    """Submit the GPT, watch it to the end with a preemption halfway; returns the final status."""
+    keys = FleetKeys(ring.root)
+    spec, bundle = ctl.build_spec(
+        name=JOB, script=str(REPO / "examples" / "train_gpt.py"), args=["--preset", args.preset, "--corpus", "source"],
+        batch_size=args.batch_size, chunk_size="auto", steps=args.steps, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=3, store=None, schedule="varuna")
+    await ctl.submit(store, keys, spec, bundle)
+    hook = None if args.no_preempt else Preemption(store, keys, ring, args.steps // 2)
+    await progress.watch(store, keys, JOB, interval=0.5, on_status=hook)
+    return await ctl.job_status(store, keys, JOB)
+
+
+def summary(doc: dict[str, Any], seconds: float) -> str:
+    history = doc["loss_history"]
+    loss = f"loss {history[0][1]:.3f} -> {history[-1][1]:.3f}" if history else "no loss recorded"
+    shapes = " -> ".join([doc["morphs"][0]["from"], *(m["to"] for m in doc["morphs"])]) if doc["morphs"] else "-"
+    return (f"demo: {JOB} {doc['state']} at step {doc['step']} in {seconds:.0f}s, {len(doc['morphs'])} morph(s) "
+            f"({shapes}), {loss}")
+
+
+def report(ring: local.Ring) -> None:
+    if importlib.util.find_spec("varunad.report") is None:
+        return
+    from varunad import cli
+
+    out = Path(ring.dir) / "report"
+    if cli.main(["--etcd", ring.etcd, "--root", ring.root, "report", JOB, "--out", str(out)]) == 0:
+        print(f"report: {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
     try:
-        for i in range(1, args.daemons + 1):
-            name = f"vm{i}"
-            procs[name] = start([sys.executable, "-m", "varunad.daemon", "--etcd", etcd, "--name", name,
-                                 "--advertise", "127.0.0.1", "--slots", "1", "--store", str(work / "store"),
-                                 "--state-dir", str(work / name), "--ttl", str(args.ttl), "--threads", "1",
-                                 "--plaintext", "--calibrate", "profile"], work / f"{name}.log")
-        print(f"etcd on {etcd}; {args.daemons} daemons; logs in {work}", flush=True)
-        deadline = time.monotonic() + 120
-        while varunactl(etcd, "nodes").stdout.count("vm") < args.daemons:
-            if time.monotonic() > deadline:
-                sys.exit(f"the daemons did not all join; see {work}/vm*.log")
-            time.sleep(0.5)
-        r = varunactl(etcd, "submit", "--name", "gpt", "--batch-size", str(args.batch_size),
-                      "--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every),
-                      str(REPO / "examples" / "train_gpt.py"), "--", "--preset", args.preset)
-        if r.returncode:
-            sys.exit(r.stderr.strip())
-        return watch(etcd, args, procs)
+        ring = local.up(args.daemons, args.dir, ttl=args.ttl, metrics_port=_metrics_base(args.daemons),
+                        daemon_args=["--progress-interval", "0.5"], timeout=120.0)
+    except ctl.CtlError as exc:
+        print(f"local_ring: {exc}", file=sys.stderr)
+        return 1
+    try:
+        ports = [f"{d.name}:{d.metrics_port}" for d in ring.daemons if d.metrics_port]
+        print(f"etcd on {ring.etcd}; {len(ring.daemons)} daemons ({', '.join(d.name for d in ring.daemons)}); "
+              f"logs in {ring.dir}/logs" + (f"; metrics at 127.0.0.1 {' '.join(ports)}" if ports else ""), flush=True)
+        doc = ctl.run(ring.etcd, 5.0, lambda store: train(store, ring, args))
+        ctl.print_job(doc)
+        print(summary(doc, time.monotonic() - started), flush=True)
+        if doc["state"] == "done":
+            report(ring)
+        return 0 if doc["state"] == "done" else 1
+    except KeyboardInterrupt:
+        return 130
     finally:
-        for name, proc in procs.items():
-            if name != "etcd" and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for name, proc in procs.items():
-            if name != "etcd":
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-        procs["etcd"].terminate()
-        procs["etcd"].wait(30)
-
-
-def watch(etcd: str, args, procs: dict[str, subprocess.Popen]) -> int:
-    preempted, last = args.no_preempt, None
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        s = status(etcd, "gpt")
-        plan = s.get("plan") or {}
-        line = (f"{s.get('state', '?'):9} step {s.get('step', 0):4}/{args.steps}  epoch {s.get('epoch')}  "
-                f"plan {plan.get('P')}x{plan.get('D')} mb {plan.get('micro_batch_size')}  "
-                f"loss {s['loss_history'][-1][1]:.4f}" if s.get("loss_history") else f"{s.get('state', 'queued')}")
-        if line != last:
-            print(line, flush=True)
-            last = line
-        if s.get("state") in ("done", "failed", "cancelled"):
-            print(varunactl(etcd, "status", "gpt").stdout, flush=True)
-            return 0 if s["state"] == "done" else 1
-        if not preempted and s.get("step", 0) >= args.steps // 2:
-            leader = varunactl(etcd, "status", "--json")
-            lead = json.loads(leader.stdout).get("leader") if leader.returncode == 0 else None
-            victim = next(n for n in procs if n not in ("etcd", lead))
-            os.killpg(procs[victim].pid, signal.SIGKILL)
-            print(f"*** kill -9 {victim} (a spot VM vanished) at step {s['step']}", flush=True)
-            preempted = True
-        time.sleep(1.0)
-    print("the job did not finish in 15 minutes", file=sys.stderr)
-    return 1
+        print("stopping the ring ...", flush=True)
+        local.down(ring.dir, say=lambda line: print(f"  {line}", flush=True))
 
 
 if __name__ == "__main__":

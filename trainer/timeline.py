@@ -70,6 +70,8 @@ _FONT_ROWS = {
     " ": "000 000 000 000 000", ".": "000 000 000 000 010", "-": "000 000 111 000 000",
     ":": "000 010 000 010 000", "/": "001 001 010 100 100", "(": "010 100 100 100 010",
     ")": "010 001 001 001 010", "=": "000 111 000 111 000", "?": "111 001 010 000 010",
+    ">": "100 010 001 010 100", "<": "001 010 100 010 001", ",": "000 000 000 010 100",
+    "+": "000 010 111 010 000", "%": "101 001 010 100 101", "_": "000 000 000 000 111",
 }
 _FONT = {ch: np.array([[c == "1" for c in row] for row in rows.split()], dtype=bool)
          for ch, rows in _FONT_ROWS.items()}
@@ -215,8 +217,10 @@ def render_timeline(
     step: int | str | None = None,
     *,
     width: int = 1400,
+    title: str | None = None,
 ) -> Timeline:
-    """Draw the traces' events (all of them, one step, or "last") into `out_png`."""
+    """Draw the traces' events (all of them, one step, or "last") into `out_png`; `title`
+    goes before the step and shape in the heading (e.g. "measured" or "predicted")."""
     events, chosen_step = _select_step(load_events(trace_files), step)
     if not events:
         raise ConfigError("the traces hold no events to draw")
@@ -232,10 +236,12 @@ def render_timeline(
     tl = Timeline(width=width, height=height, rows=rows, t0_us=t0, t1_us=t1,
                   plot_x0=_LEFT, plot_x1=width - _RIGHT, num_events=len(events))
 
-    title = f"P={len({s for s, _ in keys})} D={len({r for _, r in keys})}"
+    heading = f"P={len({s for s, _ in keys})} D={len({r for _, r in keys})}"
     if chosen_step is not None:
-        title = f"step {chosen_step}   " + title
-    _text(img, _LEFT, 10, title)
+        heading = f"step {chosen_step}   " + heading
+    if title:
+        heading = f"{title}   " + heading
+    _text(img, _LEFT, 10, heading)
     for (stage, replica), top in rows.items():
         _fill(img, tl.plot_x0, top, tl.plot_x1, top + _ROW_H, _ROW_BG)
         _text(img, 8, top + (_ROW_H - _CHAR_H) // 2, f"S{stage} R{replica}")

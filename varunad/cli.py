@@ -192,9 +192,118 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_cancel)
 
 
+# --- the local ring (varunad.local) and live progress (varunad.progress) ---------------------------
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from varunad import local
+
+    daemon_args = list(args.daemon_args)
+    if daemon_args and daemon_args[0] == "--":
+        daemon_args = daemon_args[1:]
+    ring = local.up(args.n, args.dir, ttl=args.ttl, root=args.root, metrics_port=args.metrics_port,
+                    daemon_args=daemon_args, timeout=args.wait)
+    print(f"etcd      {ring.etcd}  (log {ring.etcd_proc.log})")
+    for d in ring.daemons:
+        metrics = f", metrics on 127.0.0.1:{d.metrics_port}" if d.metrics_port else ""
+        print(f"daemon    {d.name}  pid {d.pid}{metrics}  (log {d.log})")
+    print(f"store     {ring.store}")
+    print(f"ring      {ring.dir}/{local.RING_FILE}: varunactl finds this etcd by itself; "
+          f"`varunactl down` stops everything")
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from varunad import local
+
+    if not local.down(args.dir, timeout=args.grace, say=print):
+        print(f"no ring is up in {args.dir or local.default_dir()}")
+    return 0
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from varunad import progress
+
+    return _run(args, lambda store: progress.watch(store, _keys(args), args.job, interval=args.interval))
+
+
+def _add_ring(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up", help="start a local ring: a private etcd and N daemons on this machine",
+        description="Start a private etcd and N varunad daemons (vm1..vmN, one slot each, plaintext, loopback) "
+                    "in the background, with logs under DIR/logs, and wait until all have joined. Other "
+                    "varunactl commands then use this etcd without --etcd, until `varunactl down`.")
+    p.add_argument("n", type=int, metavar="N", help="number of daemons")
+    p.add_argument("--dir", metavar="DIR", help="state: etcd data, store, logs, ring.json; an earlier ring's are "
+                   "removed first (default $VARUNAD_LOCAL_DIR or ~/.local/state/varunad/ring)")
+    p.add_argument("--ttl", type=float, default=5.0, metavar="SECONDS",
+                   help="member lease TTL: how soon a killed daemon is noticed (default 5)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="BASE",
+                   help="give daemon i --metrics-port BASE+i (default 0: no metrics endpoint)")
+    p.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                   help="longest wait for etcd and for the daemons to join (default 60)")
+    p.add_argument("daemon_args", nargs=argparse.REMAINDER, metavar="-- FLAGS",
+                   help="more varunad flags for every daemon, e.g. -- --calibrate uniform")
+    p.set_defaults(handler=_cmd_up)
+
+    p = sub.add_parser("down", help="stop the local ring",
+                       description="SIGTERM every daemon of the local ring (running workers checkpoint), SIGKILL "
+                                   "what is left after --grace seconds, then stop etcd. Logs and the store stay.")
+    p.add_argument("--dir", metavar="DIR", help="the ring's state directory (default as for up)")
+    p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+                   help="how long daemons get to stop before SIGKILL (default 30)")
+    p.set_defaults(handler=_cmd_down)
+
+    p = sub.add_parser("watch", help="live progress of a job until it ends",
+                       description="A progress bar for JOB (step, loss, samples/s, P x D, micro-batch, epoch) and "
+                                   "a line per morph; plain lines when stdout is not a terminal. Exits 0 when the "
+                                   "job is done, 1 when it failed or was cancelled.")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="poll interval (default 1)")
+    p.set_defaults(handler=_cmd_watch)
+
+
+# --- report (varunad.report) ---------------------------------------------------------------------
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from varunad import ctl, report
+    from varunad.prices import load_prices
+
+    prices = load_prices(args.prices)  # a bad price file is refused before etcd is asked anything
+    out = args.out or f"{args.job}-report"
+
+    async def go(store) -> int:
+        inputs = await report.collect(store, _keys(args), args.job, store_dir=args.store)
+        doc = report.build_report(inputs, out, prices)
+        print(ctl.dumps(doc) if args.json else report.format_report(doc) + f"written to {out}/")
+        return 0
+
+    return _run(args, go)
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report", help="pictures and cost of a job",
+        description="Write JOB's report into DIR: loss.png (loss per step, morphs marked), timeline.png and "
+                    "trace.json (one measured step: a row per worker, forward/recompute/backward/all-reduce; "
+                    "open the trace in Perfetto), timeline_predicted.png and trace_predicted.json (the "
+                    "simulator's replay of the plan), cost.json (device-hours, cost at spot and on-demand prices, "
+                    "samples per dollar, time lost to morphs) and report.json; print the summary. The leader "
+                    "writes the same into <job store>/report/ when a job ends.")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--out", metavar="DIR", help="directory to write into (default ./JOB-report)")
+    p.add_argument("--prices", metavar="FILE",
+                   help='JSON price table overriding the built-in one per device kind: '
+                        '{"cpu": {"spot": 0.18, "on_demand": 0.34}, ...} in $ per device-hour '
+                        '(built-in figures and their sources: varunad/prices.py)')
+    p.add_argument("--store", metavar="DIR",
+                   help="the job's store, where its traces are (default: as the leader recorded it)")
+    p.add_argument("--json", action="store_true", help="print report.json instead of the summary")
+    p.set_defaults(handler=_cmd_report)
+
+
 # --- dispatcher -----------------------------------------------------------------------------------
 
-_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_keys, _add_jobs)
+_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_keys, _add_jobs, _add_ring, _add_report)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -203,8 +312,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Control a varunad fleet: keys, jobs, status. "
                     "Run `varunactl COMMAND --help` for a command's options.")
     parser.add_argument("--etcd", metavar="HOST:PORT[,...]",
-                        default=os.environ.get("VARUNAD_ETCD", "127.0.0.1:2379"),
-                        help="etcd endpoints (default $VARUNAD_ETCD or 127.0.0.1:2379)")
+                        help="etcd endpoints (default $VARUNAD_ETCD, else the ring `varunactl up` started, "
+                             "else 127.0.0.1:2379)")
     parser.add_argument("--root", default=os.environ.get("VARUNAD_ROOT", "/varunad/"), metavar="PREFIX",
                         help="the fleet's etcd key root (default $VARUNAD_ROOT or /varunad/)")
     parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
@@ -220,6 +329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
+        if args.etcd is None:
+            from varunad.local import default_etcd
+            args.etcd = default_etcd()
     except SystemExit as exc:   # --help, or a usage error argparse already explained
         return exc.code if isinstance(exc.code, int) else 2
     from varunad.ctl import CtlError

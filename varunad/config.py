@@ -83,6 +83,8 @@ class DaemonConfig:
     etcd_password: str | None = None
     port: int = 0
     """TCP port of this daemon's control socket (0 = a free one)."""
+    metrics_port: int = 0
+    """TCP port of the Prometheus endpoint ``/metrics`` (0 = none; see ``varunad.metrics``)."""
     worker_port_base: int = 0
     """First of slots + 1 consecutive worker ports (0 = free ones chosen at start)."""
     device_kind: str = ""
@@ -126,12 +128,14 @@ class DaemonConfig:
                               "(development only)")
         if self.ttl < 2:
             raise ConfigError(f"--ttl {self.ttl} is below etcd's minimum lease of 2 s")
-        for name in ("slots", "port", "worker_port_base", "memory", "threads", "max_restarts"):
+        for name in ("slots", "port", "worker_port_base", "memory", "threads", "max_restarts", "metrics_port"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         for name in ("stop_grace", "abort_grace", "debounce", "start_timeout", "progress_interval"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if self.metrics_port > 65535:
+            raise ConfigError(f"--metrics-port {self.metrics_port} is not a TCP port (0 turns metrics off)")
         if self.abort_grace >= self.stop_grace:
             raise ConfigError(f"--abort-grace {self.abort_grace} must be shorter than --stop-grace {self.stop_grace}")
         if self.scale_up_threshold < 0:
@@ -267,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--etcd-key", metavar="FILE", help="client key for etcd")
     a("--etcd-user", help="etcd user (password in VARUNAD_ETCD_PASSWORD)")
     a("--port", type=int, help="TCP port of the daemon's control socket (default: a free one)")
+    a("--metrics-port", type=int, metavar="PORT",
+      help="serve Prometheus metrics at http://HOST:PORT/metrics on the control socket's host (default 0: off)")
     a("--worker-port-base", type=int, help="first of SLOTS+1 worker ports (default: free ones)")
     a("--device-kind", help="device kind for calibration (default: detect)")
     a("--memory", type=int, metavar="BYTES", help="memory per slot (default: detect)")

@@ -8,6 +8,7 @@ One asyncio loop, no threads of its own. Tasks:
   a pushed Assignment only makes it read the plan at once: etcd holds the truth;
 * the supervisor (``varunad.supervisor``): workers, their control socket, reports to etcd;
 * the leader (``varunad.leader``), only while this daemon leads.
+* with ``--metrics-port``, the Prometheus endpoint (``varunad.metrics``), served from this loop.
 
 SIGTERM or SIGINT is a preemption notice: the daemon marks itself leaving, stops leading, asks
 its workers to checkpoint and stop (the stop is agreed by every worker of the job, so the whole
@@ -45,7 +46,8 @@ from varunad.facts import DaemonMember, PortReservation, detect_device_kind, det
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import BundleError, JobSpec, JobSpecError, job_store, model_fingerprint, unpack_bundle
 from varunad.leader import Leader
-from varunad.membership import Membership, NameInUse
+from varunad.membership import Membership, NameInUse, read_members
+from varunad.metrics import DaemonMetrics, serve as serve_metrics
 from varunad.peers import PeerClients, PeerServer
 from varunad.plans import PlanDoc
 from varunad.store import EtcdStore, StoreError, StoreUnavailable
@@ -78,6 +80,9 @@ class Daemon:
         self._jobs: dict[str, tuple[JobSpec, Path]] = {}
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # held so they are not garbage-collected mid-run
+        self.metrics = DaemonMetrics()
+        self.metrics.before_scrape = self._refresh_metrics
+        self._metrics_server: asyncio.Server | None = None
 
     # -- start -------------------------------------------------------------------------------------------
 
@@ -114,6 +119,10 @@ class Daemon:
             loop.add_signal_handler(sig, self._on_notice, sig)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         Path(self.config.state_dir).mkdir(parents=True, exist_ok=True)
+        if self.config.metrics_port:  # first: a taken port is a startup error (MetricsError), before joining
+            self._metrics_server = await serve_metrics(self.metrics, self._bind_host(), self.config.metrics_port)
+            log.info("%s: serving Prometheus metrics on %s:%d/metrics", self.name, self._bind_host(),
+                     self.config.metrics_port)
         self.server = PeerServer(self.ctx, self.security, name=self.name, bind_host=self._bind_host(),
                                  port=self.config.port)
         member = self._facts()
@@ -139,7 +148,7 @@ class Daemon:
         self.clients = PeerClients(self.ctx, self.security, name=self.name)
         self.supervisor = Supervisor(config=self.config, store=self.store, keys=self.keys, membership=self.membership,
                                      ports=self.ports, ctx=self.ctx, security_env=self._worker_security_env(),
-                                     peer_keys=self._peer_keys)
+                                     peer_keys=self._peer_keys, metrics=self.metrics)
         self.supervisor.on_exit(self._after_worker)
         self._tasks = [loop.create_task(coro, name=name) for name, coro in (
             ("election", self.election.run()), ("control-server", self._serve()),
@@ -170,7 +179,7 @@ class Daemon:
         try:
             while self.election.is_leader() and not self.draining:
                 leader = Leader(config=self.config, store=self.store, keys=self.keys, election=self.election,
-                                clients=self.clients)
+                                clients=self.clients, metrics=self.metrics)
                 try:
                     await leader.run()
                 except (asyncio.CancelledError, KeyboardInterrupt):
@@ -181,6 +190,16 @@ class Daemon:
         finally:
             if asyncio.current_task() is self.leader_task:
                 self.leader_task = None
+
+    async def _refresh_metrics(self) -> None:
+        """Before a scrape: the values read on demand (members from etcd, bounded by retry_timeout)."""
+        m = self.metrics
+        m.leader.set(1 if hasattr(self, "election") and self.election.is_leader() else 0)
+        m.plan_epoch.set(self.applied_epoch)
+        sup = getattr(self, "supervisor", None)
+        m.workers.set(len(sup.alive()) if sup is not None else 0)
+        if hasattr(self, "membership"):
+            m.members.set(len(await read_members(self.store, self.keys, timeout=self.config.retry_timeout)))
 
     # -- the control server ----------------------------------------------------------------------------------
 
@@ -405,6 +424,8 @@ class Daemon:
             self.clients.close()
         if hasattr(self, "server"):
             self.server.close()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         if hasattr(self, "ports"):
             self.ports.close()
         self.security.close()

@@ -36,6 +36,7 @@ __all__ = [
     "bundle_digest",
     "model_fingerprint",
     "job_store",
+    "job_trace_dir",
 ]
 
 STATES = ("queued", "running", "morphing", "done", "failed", "cancelled")
@@ -155,6 +156,15 @@ def job_store(spec: JobSpec, default_root: str) -> str:
     return spec.store or os.path.join(default_root, spec.job)
 
 
+def job_trace_dir(store: str, epoch: int) -> str | None:
+    """Where the workers of ``epoch`` write their Chrome traces: inside the job's store, which
+    every VM shares, so the end-of-job report finds them all. None for an object-store URL
+    (``s3://...``): traces are plain files."""
+    if "://" in store:
+        return None
+    return os.path.join(store, "traces", f"epoch{epoch}")
+
+
 def model_fingerprint(spec: JobSpec) -> str:
     """Key of the job's calibration in etcd: same bundle and arguments, same model."""
     h = hashlib.sha256(spec.bundle_digest.encode())
@@ -197,6 +207,10 @@ class JobState:
     error: str | None = None
     morphs: tuple[MorphEvent, ...] = ()
     updated_at: float = 0.0
+    # For the end-of-job report (device-hours); 0 / "" in states written before they existed.
+    started_at: float = 0.0  # wall clock of the first run plan
+    finished_at: float = 0.0  # wall clock when it became done, failed or cancelled
+    store: str = ""  # the job's checkpoint store as the leader resolved it (traces and report live there)
 
     def __post_init__(self) -> None:
         if self.state not in STATES:

@@ -20,18 +20,20 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.messages import StopWorkers
 from trainer.calibration import Calibration
-from trainer.planner import PlanError
+from trainer.planner import Plan, PlanError
 
 from varunad.config import DaemonConfig
 from varunad.election import Election, NotLeader
 from varunad.fleet import FleetSnapshot, JobEntry, read_fleet
 from varunad.fleetkeys import FleetKeys
-from varunad.jobs import JobSpec, JobState, MorphEvent, model_fingerprint
+from varunad.jobs import JobSpec, JobState, MorphEvent, job_store, model_fingerprint
+from varunad.metrics import DaemonMetrics
 from varunad.peers import PeerClients
 from varunad.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
 from varunad.store import Store, StoreError, Watch
@@ -175,11 +177,23 @@ class _Deposed(Exception):
     pass
 
 
+def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot) -> dict:
+    """What the end-of-job report needs beyond ``describe``: devices per kind (to price the run)
+    and the planner's per-stage choices (to replay its prediction in the simulator)."""
+    kinds = Counter(snap.members[s.member][0].device_kind for s in doc.slots)
+    return {"device_kinds": dict(kinds), "stage_kinds": [st.device_kind for st in planned.stages],
+            "recompute": list(planned.recompute), "link_kinds": list(planned.link_kinds),
+            "allreduce_kinds": list(planned.allreduce_kinds), "micro_batches": planned.micro_batches,
+            # daemons sharing a host (a local ring) share its cores: the report says so beside its prediction
+            "daemons_per_host": max(Counter(snap.members[m][0].host for m in doc.members).values(), default=0)}
+
+
 class Leader:
     """Runs while this daemon leads; cancelled when it stops leading."""
 
     def __init__(self, *, config: DaemonConfig, store: Store, keys: FleetKeys, election: Election,
-                 clients: PeerClients, clock: Callable[[], float] = time.monotonic) -> None:
+                 clients: PeerClients, clock: Callable[[], float] = time.monotonic,
+                 metrics: DaemonMetrics | None = None) -> None:
         self.config = config
         self.store = store
         self.keys = keys
@@ -187,8 +201,10 @@ class Leader:
         self.clients = clients
         self.clock = clock
         self.memory = LeaderMemory()
+        self.metrics = metrics if metrics is not None else DaemonMetrics()
         self._changed = asyncio.Event()
         self._last_sentence = ""
+        self._reports: set[asyncio.Task[None]] = set()  # end-of-job reports being written
 
     @property
     def t(self) -> float:
@@ -318,10 +334,27 @@ class Leader:
 
     async def _finish(self, snap: FleetSnapshot, job: str, outcome: str, reason: str, *, error: str | None = None) -> None:
         state = await self._state(job)
-        await self._put_state(state.but(state=outcome, reason=reason, error=error))
+        await self._put_state(state.but(state=outcome, reason=reason, error=error, finished_at=time.time()))
         if snap.plan is not None and snap.plan.job == job and snap.plan.kind != "idle":
             await self.election.write_as_leader(self.keys.plan, PlanDoc.idle(f"{job} is {outcome}").encode())
         log.info("leader: job %s is %s: %s", job, outcome, reason)
+        entry = snap.entry(job)
+        if state.epochs and entry is not None and entry.spec is not None:
+            self._write_report(job, state.store or job_store(entry.spec, self.config.store))
+
+    def _write_report(self, job: str, store_dir: str) -> None:
+        """Draw the job's pictures and cost into its store, in the background: the report reads
+        etcd and files and renders PNGs, none of which may hold up the loop or fail the job
+        (write_end_of_job_report logs its own failures)."""
+        try:
+            from varunad.report import write_end_of_job_report  # numpy rendering: loaded when first needed
+        except Exception as exc:  # a broken report must not break the leader
+            log.warning("leader: no report for %s: %s", job, exc)
+            return
+        task = asyncio.get_running_loop().create_task(
+            write_end_of_job_report(self.store, self.keys, job, store_dir, timeout=self.t))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     # -- stopping -----------------------------------------------------------------------------------------
 
@@ -364,7 +397,7 @@ class Leader:
 
     async def _abort(self, snap: FleetSnapshot, d: Decision) -> bool:
         assert d.job is not None and snap.plan is not None
-        job, plan, epoch = d.job, snap.plan, snap.plan_epoch
+        job, plan, epoch, reason = d.job, snap.plan, snap.plan_epoch, d.reason
         noticed = time.time()
         state = snap.states[job]
         await self._put_state(state.but(state="morphing", reason=d.reason))
@@ -380,6 +413,8 @@ class Leader:
             state = await self._state(job)
             if lost:
                 log.info("leader: %s did not answer a ping: not counting the failure as a restart", ", ".join(lost))
+                # A vanished VM breaks its neighbours' workers before its lease expires: name the cause.
+                reason = f"{', '.join(lost)} stopped answering (VM gone?), which broke the epoch: {d.reason}"
             else:
                 restarts = state.restarts + 1
                 if restarts > self.config.max_restarts:
@@ -387,8 +422,8 @@ class Leader:
                                        error=d.reason)
                     return True
                 await self._put_state(state.but(restarts=restarts, error=d.reason))
-        self.memory.morph[job] = (d.reason, plan.shape, epoch, noticed, stopped, d.checkpoint)
-        return await self._start(job, d.reason)
+        self.memory.morph[job] = (reason, plan.shape, epoch, noticed, stopped, d.checkpoint)
+        return await self._start(job, reason)
 
     def _ping_timeout(self) -> float:
         return max(0.5, min(2.0, self.config.ttl / 4))
@@ -464,8 +499,11 @@ class Leader:
             morphs = morphs + (MorphEvent(reason=r, from_shape=from_shape, to_shape=doc.shape, from_epoch=from_epoch,
                                           to_epoch=epoch, noticed_at=noticed, stopped_at=stopped,
                                           planned_at=planned_at, checkpoint=checkpoint),)
+            self.metrics.morphs.inc()
         await self._put_state(state.but(state="running", reason=reason, epoch=epoch, epochs=state.epochs + (epoch,),
-                                        plan=describe(doc, epoch), morphs=morphs[-50:]))
+                                        plan={**describe(doc, epoch), **_report_facts(doc, planned, snap)},
+                                        morphs=morphs[-50:], started_at=state.started_at or planned_at,
+                                        store=job_store(spec, self.config.store)))
         log.info("leader: %s epoch %d: %s on %s (estimated %.3fs per step)\n%s", job, epoch, doc.shape,
                  ", ".join(doc.members), doc.estimated_s, planned.explain())
         assignment = doc.assignment(epoch)

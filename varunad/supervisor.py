@@ -45,7 +45,9 @@ from trainer.launch import worker_environment as launch_environment
 from varunad.config import DaemonConfig
 from varunad.facts import DaemonMember, PortReservation
 from varunad.fleetkeys import FleetKeys
+from varunad.jobs import job_trace_dir
 from varunad.membership import Membership
+from varunad.metrics import DaemonMetrics
 from varunad.plans import PlanDoc
 from varunad.records import Progress, WorkerRecord, WorkerReport, encode_history
 from varunad.store import Store, StoreError
@@ -58,6 +60,9 @@ _TAIL_BYTES = 4096
 _LOG_CHUNK = 64 * 1024
 _LOG_CHUNKS_KEPT = 64
 _HISTORY_CAP = 20000
+# Steps each worker traces (trainer.varuna stops recording after them): enough for a warm-up
+# step plus a few steady ones for the end-of-job timeline, small enough to cost nothing.
+_TRACE_STEPS = 5
 
 # Resolved before any fork: the child of a fork may only call what is already loaded.
 try:
@@ -145,6 +150,7 @@ class Supervisor:
         ctx: zmq.asyncio.Context,
         security_env: Mapping[str, str],
         peer_keys: Callable[[PlanDoc], dict[str, str]],
+        metrics: DaemonMetrics | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -153,6 +159,7 @@ class Supervisor:
         self.ports = ports
         self.security_env = dict(security_env)
         self.peer_keys = peer_keys
+        self.metrics = metrics if metrics is not None else DaemonMetrics()
         self.name = config.name
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -210,17 +217,20 @@ class Supervisor:
         await self.kill_all("a newer plan replaces them")
         mine = doc.slots_on(self.name)
         self._begin(doc.job or "", epoch)
+        self.metrics.begin_epoch({s.rank: s.stage for s in mine})
         threads = self.config.threads or max(1, (os.cpu_count() or 1) // max(1, member.slots))
-        extra = dict(self.security_env)
+        extra = {**self.security_env, "VARUNA_TRACE_STEPS": str(_TRACE_STEPS)}
         if self.security_env.get("VARUNA_SECURITY") == "curve" and self.security_env.get("VARUNA_TRUSTED_NETWORK") != "1":
             extra["VARUNA_PEER_KEYS"] = json.dumps(self.peer_keys(doc))
         for s in mine:
             assignment = WorkerAssignment(
                 rank=s.rank, stage_to_rank=doc.stage_to_rank(), endpoints=doc.endpoints(), dist_url=doc.dist_url,
                 job=doc.job or "", epoch=epoch, cuts=list(doc.cuts), schedule=doc.schedule, threads=threads,
+                recompute=list(doc.recompute) or None,
                 store=store_dir, device=self._device(member, s.slot), control=self.control_endpoint,
                 checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume="latest",
                 batch_size=batch_size, micro_batch_size=doc.micro_batch_size, steps=steps,
+                trace_dir=job_trace_dir(store_dir, epoch),
             )
             ports = [member.worker_ports[s.slot]] + ([member.rendezvous_port] if s.rank == 0 else [])
             await self._spawn(_Worker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot,
@@ -234,6 +244,7 @@ class Supervisor:
         """Run the script once on slot 0 with VARUNA_PROFILE: it writes the calibration and exits 0."""
         await self.kill_all("a newer plan replaces them")
         self._begin(doc.job or "", epoch)
+        self.metrics.begin_epoch({0: 0})
         assignment = WorkerAssignment(
             rank=0, stage_to_rank={0: [0]}, endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
             job=doc.job or "", epoch=epoch, threads=self.config.threads or max(1, os.cpu_count() or 1),
@@ -435,7 +446,9 @@ class Supervisor:
             if isinstance(msg, WorkerProgress):
                 self._on_progress(w, msg)
             else:
-                log.info("%s: rank %d checkpointed step %d of %s", self.name, msg.rank, msg.step, msg.job)
+                seconds = self.metrics.worker_checkpointed(job=msg.job, rank=msg.rank, step=msg.step)
+                log.info("%s: rank %d checkpointed step %d of %s%s", self.name, msg.rank, msg.step, msg.job,
+                         "" if seconds is None else f" in {seconds:.2f}s")
                 self._wake.set()  # flush the history now: the next epoch resumes from here
 
     def _drop(self, why: str) -> None:
@@ -452,6 +465,9 @@ class Supervisor:
         self._progress[w.rank] = Progress(job=msg.job, epoch=msg.epoch, rank=msg.rank, step=msg.step, loss=msg.loss,
                                           samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
                                           member=self.name, at=time.time())
+        self.metrics.worker_progress(job=msg.job, rank=msg.rank, step=msg.step, loss=msg.loss,
+                                     samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
+                                     reports_job=w.rank == min(self.workers))
         if w.rank == min(self.workers):
             key = (msg.job, msg.epoch)
             hist = self._history.setdefault(key, {})

@@ -1,0 +1,217 @@
+"""The local ring (`varunactl up/down`), live progress, and the README's demo in its --quick size.
+
+Progress rendering is tested on status documents alone; the ring tests start the real etcd binary
+and real daemons, and check with psutil that `down` leaves no process of theirs behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from varunad import cli, local, progress
+from varunad.config import DaemonConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def status_doc(step: int, *, state: str = "running", P: int = 2, D: int = 2, epoch: int = 117,
+               loss: float | None = 2.4123, rate: float | None = 84.2, morphs: tuple = (),
+               reason: str = "planned") -> dict:
+    """The fields of `varunactl status JOB --json` that progress reads."""
+    return {"job": "gpt", "state": state, "reason": reason, "step": step, "epoch": epoch, "loss": loss,
+            "samples_per_s": rate, "plan": {"P": P, "D": D, "micro_batch_size": 4}, "morphs": list(morphs)}
+
+
+MORPH = {"reason": "vm3 left the fleet (its lease ended)", "from": "2x2", "to": "3x1", "duration_s": 4.81}
+
+
+# --- progress ------------------------------------------------------------------------------------------
+
+def test_bar_line_shows_step_loss_rate_plan_and_epoch():
+    assert progress.bar_line(status_doc(30), 100) == \
+        "gpt [######..............] 30/100 loss 2.412 84 samples/s 2x2 mb 4 epoch 117"
+    queued = status_doc(0, state="queued", P=None, loss=None, rate=None, reason="calibrating gpt on vm1")
+    assert progress.bar_line(queued, 100) == "gpt [....................] 0/100 queued (calibrating gpt on vm1)"
+    assert progress.plain_line(queued, 100) == "gpt 0/100 queued (calibrating gpt on vm1)"
+
+
+def test_terminal_output_redraws_one_line_and_prints_each_morph_once():
+    shown = progress.start("gpt", 100, tty=True)
+    shown, text = progress.advance(shown, status_doc(30), now=0.0)
+    assert text == "\r\x1b[K" + progress.bar_line(status_doc(30), 100)
+    shown, text = progress.advance(shown, status_doc(30), now=1.0)
+    assert text == ""  # nothing changed: nothing written
+    morphed = status_doc(31, P=3, D=1, morphs=(MORPH,))
+    shown, text = progress.advance(shown, morphed, now=2.0)
+    assert text == "\r\x1b[Kmorph 2x2 -> 3x1 (stopped, re-planned in 4.8s): vm3 left the fleet (its lease ended)\n" + \
+        progress.bar_line(morphed, 100)
+    shown, text = progress.advance(shown, status_doc(32, P=3, D=1, morphs=(MORPH,)), now=3.0)
+    assert "morph" not in text and text.startswith("\r\x1b[K")
+    assert progress.finish(shown) == "\n"
+
+
+def test_plain_output_is_lines_throttled_by_steps_with_morphs_once():
+    shown = progress.start("gpt", 100, tty=False, every_steps=10, every_s=1e9)
+    out = []
+    for step in range(0, 25):
+        shown, text = progress.advance(shown, status_doc(step), now=float(step))
+        out.append(text)
+    lines = "".join(out).splitlines()
+    assert lines == ["gpt 0/100 running: loss 2.412 84 samples/s 2x2 mb 4 epoch 117",
+                     "gpt 10/100 running: loss 2.412 84 samples/s 2x2 mb 4 epoch 117",
+                     "gpt 20/100 running: loss 2.412 84 samples/s 2x2 mb 4 epoch 117"]
+    assert "\r" not in "".join(out) and "\x1b" not in "".join(out)
+    # a new plan is a line at once, its morph a line of its own, printed once
+    shown, text = progress.advance(shown, status_doc(21, P=3, D=1, epoch=130, morphs=(MORPH,)), now=30.0)
+    assert text.splitlines() == ["morph 2x2 -> 3x1 (stopped, re-planned in 4.8s): vm3 left the fleet (its lease ended)",
+                                 "gpt 21/100 running: loss 2.412 84 samples/s 3x1 mb 4 epoch 130"]
+    shown, text = progress.advance(shown, status_doc(22, P=3, D=1, epoch=130, morphs=(MORPH,)), now=31.0)
+    assert text == ""
+    shown, text = progress.advance(shown, status_doc(100, state="done", P=3, D=1, epoch=130, morphs=(MORPH,)),
+                                   now=32.0)
+    assert text == "gpt 100/100 done: loss 2.412 3x1 mb 4 epoch 130\n"
+    assert progress.finish(shown) == ""
+
+
+def test_plain_output_also_prints_after_every_s_seconds():
+    shown = progress.start("gpt", 1000, tty=False, every_steps=100, every_s=30.0)
+    shown, _ = progress.advance(shown, status_doc(1), now=0.0)
+    shown, text = progress.advance(shown, status_doc(2), now=10.0)
+    assert text == ""
+    shown, text = progress.advance(shown, status_doc(3), now=31.0)
+    assert text.startswith("gpt 3/1000 running")
+
+
+def test_morph_line_is_one_line_even_when_the_reason_quotes_output():
+    morph = MORPH | {"reason": "rank 0 on vm1 failed: exited with code 1; last output:\nTraceback (most recent..."}
+    assert progress.morph_line(morph) == \
+        "morph 2x2 -> 3x1 (stopped, re-planned in 4.8s): rank 0 on vm1 failed: exited with code 1; last output:"
+
+
+# --- up and down ------------------------------------------------------------------------------------------
+
+def test_missing_etcd_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    with pytest.raises(local.LocalRingError, match="apt-get install -y etcd-server"):
+        local.up(1, tmp_path / "ring")
+    assert cli.main(["up", "1", "--dir", str(tmp_path / "ring")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("varunactl up: no `etcd` binary on PATH; install it with") and err.count("\n") == 1
+
+
+def test_down_without_a_ring_is_a_no_op(tmp_path, capsys):
+    assert local.down(tmp_path) == []
+    assert cli.main(["down", "--dir", str(tmp_path)]) == 0
+    assert "no ring is up" in capsys.readouterr().out
+
+
+def _ring_processes(base: Path) -> list[psutil.Process]:
+    """Live processes whose command line or working directory is under ``base``."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
+        info = p.info
+        if info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        where = " ".join(info["cmdline"] or []) + " " + (info["cwd"] or "")
+        if str(base) in where:
+            found.append(p)
+    return found
+
+
+def _survivors(ring: local.Ring) -> list[str]:
+    out = []
+    for rec in (ring.etcd_proc, *ring.daemons):
+        if local.alive(rec):
+            out.append(f"{rec.name} pid {rec.pid}")
+        try:
+            group = [p.pid for p in psutil.process_iter() if os.getpgid(p.pid) == rec.pid
+                     and p.status() != psutil.STATUS_ZOMBIE]
+        except (psutil.Error, ProcessLookupError):
+            group = []
+        out += [f"{rec.name}'s group: pid {pid}" for pid in group]
+    return out
+
+
+def _varunactl(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "varunad.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=60, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_up_finds_down_stops_everything(tmp_path):
+    state = tmp_path / "ring"
+    has_metrics = "metrics_port" in {f.name for f in dataclasses.fields(DaemonConfig)}
+    base = local.free_port_range(3) if has_metrics else 0
+    ring = None
+    try:
+        ring = local.up(2, state, ttl=3.0, metrics_port=base, daemon_args=["--calibrate", "uniform"])
+        recorded = json.loads((state / local.RING_FILE).read_text())
+        assert recorded["etcd"] == ring.etcd and [d["name"] for d in recorded["daemons"]] == ["vm1", "vm2"]
+        assert [d.metrics_port for d in ring.daemons] == ([base, base + 1] if base else [None, None])
+        assert all(Path(d.log).is_file() for d in ring.daemons)
+        # no --etcd and no $VARUNAD_ETCD: varunactl finds the ring from its state directory
+        env = {k: v for k, v in os.environ.items() if k != "VARUNAD_ETCD"} | {"VARUNAD_LOCAL_DIR": str(state)}
+        nodes = _varunactl("nodes", "--json", env=env)
+        assert nodes.returncode == 0, nodes.stderr
+        assert sorted(m["name"] for m in json.loads(nodes.stdout)) == ["vm1", "vm2"]
+        # submit and watch a short job, also without --etcd; not a terminal: plain lines
+        script = str(REPO / "tests" / "daemon_job" / "train_job.py")
+        sub = _varunactl("submit", "--name", "t", "--batch-size", "8", "--steps", "4", "--checkpoint-every", "2",
+                         script, env=env)
+        assert sub.returncode == 0, sub.stderr
+        watch = _varunactl("watch", "t", "--interval", "0.3", env=env)
+        assert watch.returncode == 0, watch.stdout + watch.stderr
+        assert watch.stdout.splitlines()[-1].startswith("t 4/4 done: loss ") and "\r" not in watch.stdout
+        again = _varunactl("up", "1", env=env)
+        assert again.returncode == 1 and "already up" in again.stderr
+        # the demo's helpers: a VM vanishes, another boots
+        local.kill_daemon("vm2", state)
+        assert not local.alive(ring.daemon("vm2"))
+        added = local.add_daemon(state)
+        assert added.name == "vm3" and added.metrics_port == (base + 2 if base else None)
+        ring = local.read_ring(state)
+        stopped = local.down(state, timeout=20)
+        assert stopped == ["stopped vm1 (pid %d)" % ring.daemons[0].pid, "stopped vm3 (pid %d)" % added.pid,
+                           "stopped etcd (pid %d)" % ring.etcd_proc.pid]
+        assert _survivors(ring) == [] and _ring_processes(state) == []
+        assert not (state / local.RING_FILE).exists()
+        assert local.down(state) == []  # idempotent
+    finally:
+        if ring is not None:
+            local.down(state, timeout=5)
+
+
+@pytest.mark.slow
+def test_quick_demo_morphs_and_finishes_with_lower_loss(tmp_path):
+    state = tmp_path / "demo"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        run = subprocess.run([sys.executable, str(REPO / "examples" / "local_ring.py"), "--quick", "--dir", str(state)],
+                             capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    finally:
+        leftovers = _ring_processes(state)
+        for p in leftovers:  # never leave a ring running, even when the demo failed
+            p.kill()
+    out = run.stdout
+    assert run.returncode == 0, out[-3000:] + run.stderr[-3000:]
+    assert leftovers == [] and not (state / local.RING_FILE).exists()
+    assert re.search(r"^\*\*\* kill -9 vm\d at step \d+", out, re.M), out
+    assert re.search(r"^morph \d+x\d+ -> \d+x\d+ \(stopped, re-planned in [\d.]+s\): ", out, re.M), out
+    summary = re.search(r"^demo: gpt done at step 240 in \d+s, (\d+) morph\(s\) .*loss ([\d.]+) -> ([\d.]+)$", out,
+                        re.M)
+    assert summary, out
+    morphs, first, last = int(summary[1]), float(summary[2]), float(summary[3])
+    assert morphs >= 1 and last < first
+    assert "stopped etcd" in out

@@ -1,0 +1,177 @@
+"""Prometheus metrics (varunad.metrics): the registry and its exposition, the asyncio endpoint, and
+a real daemon started with --metrics-port serving every documented name while it runs a job."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+
+from ring import Ring
+from trainer.launch import free_ports
+from varunad.config import ConfigError, load_config
+from varunad.metrics import METRIC_NAMES, DaemonMetrics, MetricsError, serve
+
+
+def _value(text: str, sample: str) -> float | None:
+    """The value of one sample line (``name{labels}`` exactly as exposed), or None."""
+    m = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.M)
+    return None if m is None else float(m.group(1))
+
+
+def _types(text: str) -> set[str]:
+    return set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+
+
+# -- the registry -----------------------------------------------------------------------------------
+
+async def test_exposition_holds_every_documented_name_and_the_values_set():
+    m = DaemonMetrics()
+    m.members.set(3)
+    m.leader.set(1)
+    m.plan_epoch.set(42)
+    m.workers.set(2)
+    m.morphs.inc()
+    m.begin_epoch({4: 1, 5: 1})
+    m.worker_progress(job="gpt", rank=4, step=7, loss=2.5, samples_per_s=96.0, busy_fraction=0.75, reports_job=True)
+    m.worker_progress(job="gpt", rank=5, step=7, loss=9.0, samples_per_s=1.0, busy_fraction=0.5, reports_job=False)
+    text = (await m.exposition()).decode()
+    assert set(METRIC_NAMES) <= _types(text)
+    for sample, value in (("varunad_members", 3), ("varunad_leader", 1), ("varunad_plan_epoch", 42),
+                          ("varunad_workers", 2), ("varunad_morphs_total", 1), ('varunad_job_step{job="gpt"}', 7),
+                          ('varunad_job_loss{job="gpt"}', 2.5), ('varunad_samples_per_second{job="gpt"}', 96.0),
+                          ('varunad_stage_busy_fraction{job="gpt",rank="4",stage="1"}', 0.75),
+                          ('varunad_stage_busy_fraction{job="gpt",rank="5",stage="1"}', 0.5)):
+        assert _value(text, sample) == value, sample
+    m.begin_epoch({0: 0})  # ranks move between stages: old busy fractions go, the job's last step stays
+    text = (await m.exposition()).decode()
+    assert "varunad_stage_busy_fraction{" not in text and _value(text, 'varunad_job_step{job="gpt"}') == 7
+    assert "varunad_members 0.0" in (await DaemonMetrics().exposition()).decode()  # registries are separate
+
+
+async def test_checkpoint_seconds_run_from_the_step_before_to_the_checkpoint_note():
+    m = DaemonMetrics()
+    m.begin_epoch({0: 0})
+    assert m.worker_checkpointed(job="j", rank=0, step=3) is None  # no progress heard: nothing observed
+    m.worker_progress(job="j", rank=0, step=2, loss=1.0, samples_per_s=1.0, busy_fraction=1.0, reports_job=True)
+    await asyncio.sleep(0.05)
+    seconds = m.worker_checkpointed(job="j", rank=0, step=3)
+    assert seconds is not None and 0.04 <= seconds < 5
+    assert m.worker_checkpointed(job="j", rank=1, step=3) is None
+    text = (await m.exposition()).decode()
+    assert _value(text, 'varunad_checkpoint_seconds_count{job="j"}') == 1
+    assert _value(text, 'varunad_checkpoint_seconds_bucket{job="j",le="0.05"}') == 0
+
+
+async def test_the_endpoint_answers_get_metrics_and_refreshes_first():
+    m = DaemonMetrics()
+    scrapes = []
+
+    async def refresh() -> None:
+        scrapes.append(1)
+        m.members.set(len(scrapes))
+
+    m.before_scrape = refresh
+    port = free_ports(1)[0]
+    server = await serve(m, "127.0.0.1", port)
+    try:
+        async def get(path: str, method: str = "GET") -> tuple[str, bytes]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            data = await reader.read()
+            writer.close()
+            head, _, body = data.partition(b"\r\n\r\n")
+            return head.decode().split("\r\n")[0], body
+
+        status, body = await get("/metrics")
+        assert status == "HTTP/1.1 200 OK" and b"varunad_members 1.0" in body
+        assert (await get("/metrics?x=1"))[1].count(b"varunad_members 2.0") == 1
+        assert (await get("/nope"))[0] == "HTTP/1.1 404 Not Found"
+        assert (await get("/metrics", "POST"))[0] == "HTTP/1.1 405 Method Not Allowed"
+        with pytest.raises(MetricsError, match="choose another --metrics-port"):
+            await serve(m, "127.0.0.1", port)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_metrics_port_option():
+    base = ["--etcd", "127.0.0.1:1", "--store", "/tmp/s", "--plaintext"]
+    assert load_config(base, environ={}).metrics_port == 0
+    assert load_config(base, environ={"VARUNAD_METRICS_PORT": "9464"}).metrics_port == 9464
+    assert load_config(base + ["--metrics-port", "9100"], environ={"VARUNAD_METRICS_PORT": "9464"}).metrics_port == 9100
+    for bad in ("-1", "70000"):
+        with pytest.raises(ConfigError, match="metrics-port"):
+            load_config(base + ["--metrics-port", bad], environ={})
+
+
+# -- a real daemon ------------------------------------------------------------------------------------
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        return r.read().decode()
+
+
+@pytest.mark.slow
+def test_a_daemon_serves_the_documented_metrics_while_it_runs_a_job(tmp_path, etcd, etcd_root):
+    port = free_ports(1)[0]
+    ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=10.0)
+    try:
+        d = ring.start("metered", "--calibrate", "uniform", "--metrics-port", str(port))
+        ring.wait_members(["metered"])
+        assert ring.poll(ring.leader, timeout=20, what="a leader") == "metered"
+
+        def scrape_when(check) -> str:
+            def attempt():
+                try:
+                    text = _scrape(port)
+                except (urllib.error.URLError, ConnectionError):
+                    return None
+                return check(text) and text
+            return ring.poll(attempt, timeout=60, what="a scrape that passes")
+
+        text = scrape_when(lambda t: _value(t, "varunad_leader") == 1)
+        assert set(METRIC_NAMES) <= _types(text), sorted(set(METRIC_NAMES) - _types(text))
+        assert _value(text, "varunad_members") == 1 and _value(text, "varunad_workers") == 0
+
+        ring.submit("metered-job", steps=6, every=2)
+        st = ring.wait_state("metered-job", ("done", "failed"), timeout=120)
+        assert st["state"] == "done", st
+        text = _scrape(port)
+        job = '{job="metered-job"}'
+        assert _value(text, f"varunad_job_step{job}") == 5
+        loss = _value(text, f"varunad_job_loss{job}")
+        assert loss is not None and abs(loss - st["loss_history"][-1][1]) < 1e-6
+        assert _value(text, f"varunad_samples_per_second{job}") > 0
+        assert re.search(r'^varunad_stage_busy_fraction\{job="metered-job",rank="0",stage="0"\} ', text, re.M)
+        assert _value(text, f"varunad_checkpoint_seconds_count{job}") >= 3  # after steps 2, 4 and 6
+        assert _value(text, "varunad_plan_epoch") > 0 and _value(text, "varunad_morphs_total") == 0
+        assert "serving Prometheus metrics on 127.0.0.1" in d.log_text()
+    finally:
+        ring.close()
+
+
+def test_a_taken_metrics_port_is_a_clear_startup_error(tmp_path, etcd, etcd_root):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=10.0)
+        try:
+            d = ring.start("clash", "--metrics-port", str(port))
+            try:
+                code = d.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pytest.fail("the daemon kept running with its metrics port taken\n" + ring.tails())
+            out = d.log_text()
+            assert code != 0, out
+            assert f"cannot serve metrics on 127.0.0.1:{port}" in out and "Traceback" not in out, out
+            assert not ring.member_present("clash")
+        finally:
+            ring.close()

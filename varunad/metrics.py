@@ -1,0 +1,183 @@
+"""Prometheus metrics of one daemon, and the small HTTP endpoint that serves them.
+
+``varunad --metrics-port PORT`` (or ``VARUNAD_METRICS_PORT``; 0, the default, turns it off)
+serves ``GET /metrics`` in Prometheus' text format on the host the daemon binds its control
+socket to (the advertised address when it is a loopback one, else every interface). Every
+daemon serves its own; scrape all of them. Names and meaning:
+
+==================================  =======  ==================  ===============================================
+name                                type     labels              meaning
+==================================  =======  ==================  ===============================================
+``varunad_members``                 gauge                        live members (registered under a lease) this
+                                                                 daemon sees in etcd, read at each scrape
+``varunad_leader``                  gauge                        1 while this daemon is the leader, else 0
+``varunad_plan_epoch``              gauge                        epoch of the newest plan this daemon applied
+``varunad_workers``                 gauge                        trainer workers of this daemon now running
+``varunad_job_step``                gauge    job                 last step a local worker of the job finished
+                                                                 (0-based, as in ``varunactl status``)
+``varunad_job_loss``                gauge    job                 loss of that step (the global mini-batch's)
+``varunad_samples_per_second``      gauge    job                 global batch / step time, as the worker timed it
+``varunad_stage_busy_fraction``     gauge    job, stage, rank    share of the last step a local worker spent
+                                                                 computing rather than waiting on peers, [0, 1]
+``varunad_morphs_total``            counter                      morphs (re-plans of a running job onto a new
+                                                                 P x D) this daemon made while it led
+``varunad_checkpoint_seconds``      histo-   job                 seconds a local worker took to write its share
+                                    gram                         of a checkpoint (``_bucket``, ``_sum``, ``_count``)
+==================================  =======  ==================  ===============================================
+
+Job series keep their last value after the job ends (a finished job's final loss stays visible);
+the busy fractions are cleared when a new epoch starts, because ranks move between stages.
+
+Checkpoint seconds are measured here, not sent by the worker: a worker reports a step
+(``WorkerProgress``), then, when the step is a checkpoint step, writes its share and reports
+``WorkerCheckpointed`` for the next step (``Varuna._after_step``), so the time between the two
+messages of one rank is the write (plus a local socket hop).
+
+The endpoint is served from the daemon's asyncio loop (``serve``), not from prometheus_client's
+threaded HTTP server: the control plane is one loop with no threads, and a scrape first refreshes
+the values that are cheapest to read on demand (members, leader, epoch) through an async hook.
+Each ``DaemonMetrics`` has its own registry (not the process-wide default), so tests can run
+several daemons' metrics side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+__all__ = ["CHECKPOINT_BUCKETS", "METRIC_NAMES", "DaemonMetrics", "MetricsError", "serve"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+METRIC_NAMES = (
+    "varunad_members", "varunad_leader", "varunad_plan_epoch", "varunad_workers", "varunad_job_step",
+    "varunad_job_loss", "varunad_samples_per_second", "varunad_stage_busy_fraction", "varunad_morphs_total",
+    "varunad_checkpoint_seconds",
+)
+"""Every documented name, as it appears in the exposition (for tests and docs)."""
+
+_REQUEST_TIMEOUT = 5.0
+_MAX_REQUEST_HEAD = 16 * 1024
+
+
+class MetricsError(OSError):
+    """The metrics endpoint cannot be served (its port is taken, the address is not local)."""
+
+
+class DaemonMetrics:
+    """One daemon's metrics in a registry of their own. The daemon, its supervisor and its leader
+    set them; ``before_scrape`` (optional) refreshes the on-demand ones before each scrape."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.members = Gauge("varunad_members", "Live members this daemon sees in etcd", registry=r)
+        self.leader = Gauge("varunad_leader", "1 while this daemon is the leader, else 0", registry=r)
+        self.plan_epoch = Gauge("varunad_plan_epoch", "Epoch of the newest plan this daemon applied", registry=r)
+        self.workers = Gauge("varunad_workers", "Trainer workers of this daemon now running", registry=r)
+        self.job_step = Gauge("varunad_job_step", "Last step a local worker of the job finished", ["job"], registry=r)
+        self.job_loss = Gauge("varunad_job_loss", "Loss of the job's last finished step", ["job"], registry=r)
+        self.samples_per_second = Gauge("varunad_samples_per_second", "Global batch divided by the last step's time",
+                                        ["job"], registry=r)
+        self.stage_busy_fraction = Gauge(
+            "varunad_stage_busy_fraction", "Share of the last step a local worker computed rather than waited",
+            ["job", "stage", "rank"], registry=r)
+        self.morphs = Counter("varunad_morphs", "Morphs of a running job this daemon made while it led", registry=r)
+        self.checkpoint_seconds = Histogram(
+            "varunad_checkpoint_seconds", "Seconds a local worker took to write its share of a checkpoint", ["job"],
+            buckets=CHECKPOINT_BUCKETS, registry=r)
+        self.before_scrape: Callable[[], Awaitable[None]] | None = None
+        self._stage_of: dict[int, int] = {}
+        self._progress_at: dict[tuple[str, int], tuple[int, float]] = {}  # (job, rank) -> (step, monotonic)
+
+    # -- what the supervisor hears from workers ------------------------------------------------------
+
+    def begin_epoch(self, stage_of: Mapping[int, int]) -> None:
+        """A new epoch: ``stage_of`` maps each local rank to its pipeline stage."""
+        self._stage_of = dict(stage_of)
+        self._progress_at.clear()
+        self.stage_busy_fraction.clear()
+
+    def worker_progress(self, *, job: str, rank: int, step: int, loss: float, samples_per_s: float,
+                        busy_fraction: float, reports_job: bool) -> None:
+        """One ``WorkerProgress``; ``reports_job``: this rank speaks for the job (step, loss, samples/s)."""
+        stage = self._stage_of.get(rank)
+        self.stage_busy_fraction.labels(job=job, stage="" if stage is None else str(stage),
+                                        rank=str(rank)).set(busy_fraction)
+        self._progress_at[(job, rank)] = (step, time.monotonic())
+        if reports_job:
+            self.job_step.labels(job=job).set(step)
+            self.job_loss.labels(job=job).set(loss)
+            self.samples_per_second.labels(job=job).set(samples_per_s)
+
+    def worker_checkpointed(self, *, job: str, rank: int, step: int) -> float | None:
+        """One ``WorkerCheckpointed``: observe the seconds since the progress of the step before it
+        (see the module docstring); None (nothing observed) if that progress was not heard."""
+        last = self._progress_at.get((job, rank))
+        if last is None or last[0] + 1 != step:
+            return None
+        seconds = max(0.0, time.monotonic() - last[1])
+        self.checkpoint_seconds.labels(job=job).observe(seconds)
+        return seconds
+
+    # -- exposition ---------------------------------------------------------------------------------
+
+    async def exposition(self) -> bytes:
+        """The text exposition, after ``before_scrape`` (whose failure only leaves older values)."""
+        if self.before_scrape is not None:
+            try:
+                await self.before_scrape()
+            except Exception as exc:  # a scrape must still answer while etcd is away
+                log.debug("metrics: refreshing before a scrape failed: %s", exc)
+        return generate_latest(self.registry)
+
+
+async def serve(metrics: DaemonMetrics, host: str | None, port: int) -> asyncio.Server:
+    """Serve ``GET /metrics`` on ``host:port`` (host None or ``*``: every interface) from this loop.
+    Raises MetricsError, with what to do, when the port cannot be bound."""
+    bind = None if host in (None, "*") else host
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await _answer(metrics, reader, writer)
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass  # a client that went away or never finished its request
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    try:
+        return await asyncio.start_server(handle, bind, port, limit=_MAX_REQUEST_HEAD)
+    except OSError as exc:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)  # asyncio's own text repeats the address
+        raise MetricsError(f"cannot serve metrics on {host or '*'}:{port}: {why}; choose another "
+                           f"--metrics-port (VARUNAD_METRICS_PORT), or 0 to turn the endpoint off") from None
+
+
+async def _answer(metrics: DaemonMetrics, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async with asyncio.timeout(_REQUEST_TIMEOUT):
+        head = await reader.readuntil(b"\r\n\r\n")
+    parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+    method = parts[0] if parts else ""
+    path = parts[1].split("?", 1)[0] if len(parts) > 1 else ""
+    content_type = "text/plain; charset=utf-8"
+    if method not in ("GET", "HEAD"):
+        status, body = "405 Method Not Allowed", b"only GET /metrics\n"
+    elif path not in ("/metrics", "/"):
+        status, body = "404 Not Found", b"metrics are at /metrics\n"
+    else:
+        status, body, content_type = "200 OK", await metrics.exposition(), CONTENT_TYPE_LATEST
+    writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+                 f"Connection: close\r\n\r\n".encode("latin-1"))
+    if method != "HEAD":
+        writer.write(body)
+    await writer.drain()

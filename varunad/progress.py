@@ -1,0 +1,169 @@
+"""Live progress of a job from successive ``varunactl status JOB --json`` documents.
+
+``advance(shown, doc)`` is pure: from what was already shown and the newest status document it
+returns the new ``Shown`` and the exact text to write. On a terminal that text redraws one bar
+line in place (carriage return + ANSI erase-line)::
+
+    gpt [######..............] 30/100 loss 2.412 84 samples/s 2x2 mb 4 epoch 117
+
+Elsewhere (a log file, CI) it is plain lines, one per change of state or plan, and one per
+``every_steps`` steps or ``every_s`` seconds of progress, so a log stays readable. Either way
+each morph is printed once, on its own line::
+
+    morph 2x2 -> 3x1 (stopped, re-planned in 4.8s): member vm3 left
+
+``watch`` polls etcd and feeds ``advance`` until the job ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable
+from typing import Any, TextIO
+
+__all__ = ["Shown", "start", "advance", "finish", "bar_line", "plain_line", "morph_line", "watch"]
+
+_CLEAR = "\r\x1b[K"
+_TERMINAL = ("done", "failed", "cancelled")
+
+
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """What has been written so far for one job (the renderer's whole state)."""
+
+    job: str
+    steps: int
+    tty: bool
+    every_steps: int
+    every_s: float
+    morphs: int = 0
+    bar: str = ""
+    line_key: tuple = ()  # state and plan of the last plain line
+    line_step: int = -1
+    line_at: float = float("-inf")
+
+
+def start(job: str, steps: int, *, tty: bool, every_steps: int | None = None, every_s: float = 30.0) -> Shown:
+    """Nothing shown yet; plain output prints about ten step lines per job unless told otherwise."""
+    return Shown(job=job, steps=max(steps, 1), tty=tty, every_steps=every_steps or max(1, steps // 10),
+                 every_s=every_s)
+
+
+def _shape(doc: dict[str, Any]) -> str:
+    plan = doc.get("plan") or {}
+    if not plan.get("P"):
+        return ""
+    return f"{plan['P']}x{plan['D']} mb {plan['micro_batch_size']} epoch {doc.get('epoch')}"
+
+
+def _numbers(doc: dict[str, Any]) -> str:
+    parts = []
+    if doc.get("loss") is not None:
+        parts.append(f"loss {doc['loss']:.3f}")
+    rate = doc.get("samples_per_s")
+    if rate and doc.get("state") == "running":
+        parts.append(f"{rate:.0f} samples/s" if rate >= 10 else f"{rate:.1f} samples/s")
+    return " ".join(parts)
+
+
+def _state_word(doc: dict[str, Any]) -> str:
+    """Nothing while running; otherwise the state and why (e.g. queued while the model is calibrated)."""
+    state = doc.get("state", "?")
+    if state == "running":
+        return ""
+    reason = _one_line(doc.get("reason") or "", 60)
+    return f"{state} ({reason})" if reason and state in ("queued", "morphing") else str(state)
+
+
+def _one_line(text: str, limit: int) -> str:
+    # a reason may quote a worker's last output: its first line says enough
+    first = (text.strip().splitlines() or [""])[0]
+    return first if len(first) <= limit else first[:limit - 1] + "…"
+
+
+def bar_line(doc: dict[str, Any], steps: int, width: int = 20) -> str:
+    """``job [####....] step/steps loss .. samples/s PxD mb M epoch E [state]``."""
+    step = min(int(doc.get("step") or 0), steps)
+    filled = width * step // max(steps, 1)
+    parts = [f"{doc['job']} [{'#' * filled}{'.' * (width - filled)}] {step}/{steps}",
+             _numbers(doc), _shape(doc), _state_word(doc)]
+    return " ".join(p for p in parts if p)
+
+
+def plain_line(doc: dict[str, Any], steps: int) -> str:
+    """``job step/steps state: loss .. samples/s PxD mb M epoch E``."""
+    step = min(int(doc.get("step") or 0), steps)
+    details = " ".join(p for p in (_numbers(doc), _shape(doc)) if p)
+    return f"{doc['job']} {step}/{steps} {_state_word(doc) or 'running'}" + (f": {details}" if details else "")
+
+
+def morph_line(morph: dict[str, Any]) -> str:
+    # The leader's figure covers noticing, stopping and re-planning; the new epoch's start-up and
+    # any steps redone from the checkpoint come after it (`varunactl report` counts those).
+    return (f"morph {morph['from']} -> {morph['to']} (stopped, re-planned in {morph['duration_s']:.1f}s): "
+            f"{_one_line(morph['reason'], 100)}")
+
+
+def advance(shown: Shown, doc: dict[str, Any], now: float) -> tuple[Shown, str]:
+    """The next ``Shown`` and the text to write for status ``doc`` seen at ``now`` (monotonic seconds)."""
+    morphs = doc.get("morphs") or []
+    new_morphs = [morph_line(m) + "\n" for m in morphs[shown.morphs:]]
+    shown = replace(shown, morphs=max(shown.morphs, len(morphs)))
+    if shown.tty:
+        bar = bar_line(doc, shown.steps)
+        if not new_morphs and bar == shown.bar:
+            return shown, ""
+        # a morph line takes the bar's place, and the bar is drawn again below it
+        return replace(shown, bar=bar), _CLEAR + "".join(new_morphs) + bar
+    step = int(doc.get("step") or 0)
+    key = (_state_word(doc), _shape(doc))
+    due = step != shown.line_step and (step - shown.line_step >= shown.every_steps
+                                       or now - shown.line_at >= shown.every_s)
+    if key != shown.line_key or due:  # the end is a new state, so it always gets its line
+        line = plain_line(doc, shown.steps) + "\n"
+        return replace(shown, line_key=key, line_step=step, line_at=now), "".join(new_morphs) + line
+    return shown, "".join(new_morphs)
+
+
+def finish(shown: Shown) -> str:
+    """What ends the output: the newline after a terminal's bar line."""
+    return "\n" if shown.tty and shown.bar else ""
+
+
+async def watch(store, keys, job: str, out: TextIO = sys.stdout, *, interval: float = 1.0,
+                tty: bool | None = None,
+                on_status: Callable[[dict[str, Any]], Awaitable[str | None]] | None = None) -> int:
+    """Show ``job``'s progress on ``out`` until it ends: 0 when done, 1 when failed or cancelled.
+
+    ``on_status(doc)``, awaited after each poll, may act on the job (the demo kills a daemon
+    halfway) and return a line to print; on a terminal it goes above the bar."""
+    from varunad import ctl
+    from varunad.jobs import JobSpec
+
+    kv = await store.get(keys.job(job))
+    if kv is None:
+        raise ctl.CtlError(f"no job named {job} (see `varunactl jobs`)")
+    shown = start(job, JobSpec.decode(kv.value).steps, tty=out.isatty() if tty is None else tty)
+    doc: dict[str, Any] = {}
+    try:
+        while doc.get("state") not in _TERMINAL:
+            if doc:
+                await asyncio.sleep(interval)
+            doc = await ctl.job_status(store, keys, job)
+            shown, text = advance(shown, doc, time.monotonic())
+            note = await on_status(doc) if on_status else None
+            if note:
+                text += f"{_CLEAR}{note}\n{shown.bar}" if shown.tty else note + "\n"
+            if text:
+                out.write(text)
+                out.flush()
+    finally:  # also on Ctrl-C: the shell's prompt must not land on the bar line
+        out.write(finish(shown))
+        out.flush()
+    if doc["state"] == "done":
+        return 0
+    print(f"{job} {doc['state']}: {doc['reason']}", file=out)
+    return 1
