@@ -7,9 +7,10 @@ starts a private etcd and N daemons on loopback (varunad.local.up), submits
 examples/train_gpt.py on this package's own Python source (shipped, nothing to download), shows
 the job's live progress (varunad.progress), kill -9s one daemon that is not the leader halfway
 (a spot VM vanishing: the fleet notices when its lease expires, re-plans and carries on from
-the newest checkpoint with the same global batch), waits until the job is done, writes the
-report when `varunactl report` exists, and stops everything (varunad.local.down), also on
-Ctrl-C or an error. Logs stay under DIR/logs.
+the newest checkpoint with the same global batch), waits until the job is done, saves what
+each daemon's metrics endpoint serves (DIR/metrics/), writes the report (`varunactl report`
+into DIR/report/), and stops everything (varunad.local.down), also on Ctrl-C or an error.
+Logs stay under DIR/logs.
 
 --quick is the small size CI runs: the tiny GPT, 3 daemons, 240 short steps, a 3 s lease.
 """
@@ -17,15 +18,13 @@ Ctrl-C or an error. Logs stay under DIR/logs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib.util
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-from varunad import ctl, local, progress
-from varunad.config import DaemonConfig
+from varunad import cli, ctl, local, progress
 from varunad.fleetkeys import FleetKeys
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,12 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
-
-
-def _metrics_base(n: int) -> int:
-    # Metrics stay on in the demo when this daemon has them (they arrived after the demo did).
-    has_flag = "metrics_port" in {f.name for f in dataclasses.fields(DaemonConfig)}
-    return local.free_port_range(n) if has_flag and importlib.util.find_spec("varunad.metrics") else 0
 
 
 class Preemption:
@@ -108,20 +101,31 @@ def summary(doc: dict[str, Any], seconds: float) -> str:
 
 
 def report(ring: local.Ring) -> None:
-    if importlib.util.find_spec("varunad.report") is None:
-        return
-    from varunad import cli
-
     out = Path(ring.dir) / "report"
     if cli.main(["--etcd", ring.etcd, "--root", ring.root, "report", JOB, "--out", str(out)]) == 0:
         print(f"report: {out}")
+
+
+def save_metrics(ring: local.Ring) -> None:
+    """What each live daemon's Prometheus endpoint serves now, into DIR/metrics/<name>.txt."""
+    out = Path(ring.dir) / "metrics"
+    out.mkdir(exist_ok=True)
+    for d in ring.daemons:
+        if not (d.metrics_port and local.alive(d)):
+            continue
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10) as r:
+                (out / f"{d.name}.txt").write_bytes(r.read())
+        except OSError as exc:
+            print(f"metrics: {d.name} did not answer: {exc}", flush=True)
+    print(f"metrics: {out} (what each daemon's --metrics-port endpoint served at the end)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
     try:
-        ring = local.up(args.daemons, args.dir, ttl=args.ttl, metrics_port=_metrics_base(args.daemons),
+        ring = local.up(args.daemons, args.dir, ttl=args.ttl, metrics_port=local.free_port_range(args.daemons),
                         daemon_args=["--progress-interval", "0.5"], timeout=120.0)
     except ctl.CtlError as exc:
         print(f"local_ring: {exc}", file=sys.stderr)
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = ctl.run(ring.etcd, 5.0, lambda store: train(store, ring, args))
         ctl.print_job(doc)
         print(summary(doc, time.monotonic() - started), flush=True)
+        save_metrics(ring)
         if doc["state"] == "done":
             report(ring)
         return 0 if doc["state"] == "done" else 1

@@ -17,10 +17,16 @@ from pathlib import Path
 import psutil
 import pytest
 
+from test_timeline import _decode_png
 from varunad import cli, local, progress
 from varunad.config import DaemonConfig
+from varunad.metrics import METRIC_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _metric_types(text: str) -> set[str]:
+    return set(re.findall(r"^# TYPE (\S+) ", text, re.M))
 
 
 def status_doc(step: int, *, state: str = "running", P: int = 2, D: int = 2, epoch: int = 117,
@@ -215,3 +221,21 @@ def test_quick_demo_morphs_and_finishes_with_lower_loss(tmp_path):
     morphs, first, last = int(summary[1]), float(summary[2]), float(summary[3])
     assert morphs >= 1 and last < first
     assert "stopped etcd" in out
+
+    report = state / "report"
+    assert _decode_png(report / "loss.png").shape == (420, 900, 3)
+    for name in ("timeline.png", "timeline_predicted.png"):
+        img = _decode_png(report / name)
+        assert img.shape[1] == 1400 and img.shape[0] > 100, name
+    doc = json.loads((report / "report.json").read_text())
+    P, D = doc["plan"]["P"], doc["plan"]["D"]
+    spans = [e for e in json.loads((report / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {(e["pid"], e["tid"]) for e in spans} == {(s, r) for s in range(P) for r in range(D)}
+    assert json.loads((report / "cost.json").read_text())["device_hours"] > 0
+    served = [(state / "metrics" / f"{name}.txt").read_text() for name in ("vm1", "vm2", "vm3")
+              if (state / "metrics" / f"{name}.txt").exists()]
+    assert len(served) == 2, out  # the survivors; the killed daemon serves nothing
+    for text in served:
+        assert set(METRIC_NAMES) <= _metric_types(text), sorted(set(METRIC_NAMES) - _metric_types(text))
+    assert sum(float(line.split()[-1]) for text in served for line in text.splitlines()
+               if line.startswith("varunad_leader ")) == 1
