@@ -88,6 +88,19 @@ def test_plain_output_is_lines_throttled_by_steps_with_morphs_once():
     assert progress.finish(shown) == ""
 
 
+def test_a_morph_is_closed_by_a_resumed_line_once_its_epoch_trained_a_step():
+    shown = progress.start("gpt", 100, tty=False, every_steps=1000, every_s=1e9)
+    morph = {**MORPH, "to_epoch": 130, "noticed_at": 1000.0}
+    waiting = {**status_doc(30, state="morphing", P=3, D=1, epoch=130, morphs=(morph,)), "epochs": {"117": [0, 30]}}
+    shown, text = progress.advance(shown, waiting, now=1.0, wall=1003.0)
+    assert "resumed" not in text and text.startswith("morph 2x2 -> 3x1")
+    trained = {**status_doc(21, P=3, D=1, epoch=130, morphs=(morph,)), "epochs": {"117": [0, 30], "130": [20, 21]}}
+    shown, text = progress.advance(shown, trained, now=2.0, wall=1012.34)
+    assert text.splitlines()[0] == "resumed at step 20 in epoch 130, 12.3s after the morph began"
+    shown, text = progress.advance(shown, {**trained, "step": 22}, now=3.0, wall=1013.0)
+    assert "resumed" not in text  # once
+
+
 def test_plain_output_also_prints_after_every_s_seconds():
     shown = progress.start("gpt", 1000, tty=False, every_steps=100, every_s=30.0)
     shown, _ = progress.advance(shown, status_doc(1), now=0.0)
@@ -215,6 +228,7 @@ def test_quick_demo_morphs_and_finishes_with_lower_loss(tmp_path):
     assert leftovers == [] and not (state / local.RING_FILE).exists()
     assert re.search(r"^\*\*\* kill -9 vm\d at step \d+", out, re.M), out
     assert re.search(r"^morph \d+x\d+ -> \d+x\d+ \(stopped, re-planned in [\d.]+s\): ", out, re.M), out
+    assert re.search(r"^resumed at step \d+ in epoch \d+, [\d.]+s after the morph began$", out, re.M), out
     summary = re.search(r"^demo: gpt done at step 240 in \d+s, (\d+) morph\(s\) .*loss ([\d.]+) -> ([\d.]+)$", out,
                         re.M)
     assert summary, out

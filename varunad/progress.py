@@ -11,6 +11,7 @@ Elsewhere (a log file, CI) it is plain lines, one per change of state or plan, a
 each morph is printed once, on its own line::
 
     morph 2x2 -> 3x1 (stopped, re-planned in 4.8s): member vm3 left
+    resumed at step 20 in epoch 305, 12.3s after the morph began
 
 ``watch`` polls etcd and feeds ``advance`` until the job ends.
 """
@@ -44,6 +45,8 @@ class Shown:
     line_key: tuple = ()  # state and plan of the last plain line
     line_step: int = -1
     line_at: float = float("-inf")
+    resume_epoch: int = 0  # the newest morph's epoch, until its first step is seen
+    resume_noticed: float = 0.0  # when the leader noticed that morph (wall clock)
 
 
 def start(job: str, steps: int, *, tty: bool, every_steps: int | None = None, every_s: float = 30.0) -> Shown:
@@ -107,11 +110,29 @@ def morph_line(morph: dict[str, Any]) -> str:
             f"{_one_line(morph['reason'], 100)}")
 
 
-def advance(shown: Shown, doc: dict[str, Any], now: float) -> tuple[Shown, str]:
-    """The next ``Shown`` and the text to write for status ``doc`` seen at ``now`` (monotonic seconds)."""
+def _resumed(shown: Shown, doc: dict[str, Any], wall: float) -> tuple[Shown, list[str]]:
+    """The line that closes a morph: the first step of its epoch is in the loss history, so the
+    pause (noticing, stopping, re-planning, starting the workers, loading the checkpoint) is over."""
+    steps = (doc.get("epochs") or {}).get(str(shown.resume_epoch)) if shown.resume_epoch else None
+    if not steps:
+        return shown, []
+    line = (f"resumed at step {steps[0]} in epoch {shown.resume_epoch}, "
+            f"{max(0.0, wall - shown.resume_noticed):.1f}s after the morph began\n")
+    return replace(shown, resume_epoch=0), [line]
+
+
+def advance(shown: Shown, doc: dict[str, Any], now: float, wall: float | None = None) -> tuple[Shown, str]:
+    """The next ``Shown`` and the text to write for status ``doc`` seen at ``now`` (monotonic seconds)
+    and ``wall`` (wall-clock seconds, default the time now: morph times are the leader's wall clock)."""
     morphs = doc.get("morphs") or []
     new_morphs = [morph_line(m) + "\n" for m in morphs[shown.morphs:]]
+    if new_morphs:
+        last = morphs[-1]
+        shown = replace(shown, resume_epoch=int(last.get("to_epoch") or 0),
+                        resume_noticed=float(last.get("noticed_at") or 0.0))
     shown = replace(shown, morphs=max(shown.morphs, len(morphs)))
+    shown, resumed = _resumed(shown, doc, time.time() if wall is None else wall)
+    new_morphs += resumed
     if shown.tty:
         bar = bar_line(doc, shown.steps)
         if not new_morphs and bar == shown.bar:
