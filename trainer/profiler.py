@@ -521,35 +521,8 @@ def _run_concurrently(job: _Job, slots: int, timeout_s: float = 1800.0):
                           hint="call torch.set_num_threads(1) before profiling, as each worker of such a host runs")
     ctx = mp.get_context("fork")
     barrier, done = ctx.Barrier(slots), ctx.Event()
-    pipes = [ctx.Pipe(duplex=False) for _ in range(slots)]
-    procs = [ctx.Process(target=_slot_main, args=(job, threads, barrier, done, w), daemon=True) for _, w in pipes]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for p in procs:
-            p.start()
-    for _, w in pipes:
-        w.close()
-    results = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        for (r, _), p in zip(pipes, procs):
-            if not r.poll(max(0.0, deadline - time.monotonic())):
-                raise ProfilerError(f"concurrent profiling did not finish within {timeout_s:.0f}s")
-            try:
-                got = r.recv()
-            except EOFError:
-                p.join(timeout=5.0)
-                raise ProfilerError(f"a profiling slot exited with code {p.exitcode}") from None
-            if isinstance(got, str):
-                raise ProfilerError(f"a profiling slot failed: {got}")
-            results.append(got)
-    finally:
-        done.set()
-        for p in procs:
-            p.join(timeout=30.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = _fork_and_collect(ctx, _slot_main, [(job, threads, barrier, done)] * slots, timeout_s=timeout_s,
+                                what="concurrent profiling", who="a profiling slot", on_exit=done.set, join_s=30.0)
     per_size = {}
     for b in results[0][0]:
         per_size[b] = {}
@@ -682,9 +655,17 @@ def _network_child(spec: dict, conn) -> None:
 def _run_helpers_forked(specs: list[dict], timeout_s: float) -> list[dict]:
     """Fork (no import of torch again, no re-run of the caller's main module, like DataLoader
     workers); each helper sends back its timings or its error."""
-    ctx = mp.get_context("fork")
-    pipes = [ctx.Pipe(duplex=False) for _ in specs]
-    procs = [ctx.Process(target=_network_child, args=(spec, w), daemon=True) for spec, (_, w) in zip(specs, pipes)]
+    return _fork_and_collect(mp.get_context("fork"), _network_child, [(spec,) for spec in specs],
+                             timeout_s=timeout_s, what="network measurement", who="network helper")
+
+
+def _fork_and_collect(ctx, target, args: list[tuple], *, timeout_s: float, what: str, who: str,
+                      on_exit=None, join_s: float = 5.0) -> list:
+    """Fork one process per entry of `args`, running target(*a, conn); each sends one result, or
+    its error as a string, which raises ProfilerError here. `on_exit` runs before the children
+    are joined (e.g. to release ones that keep working until all have reported)."""
+    pipes = [ctx.Pipe(duplex=False) for _ in args]
+    procs = [ctx.Process(target=target, args=(*a, w), daemon=True) for a, (_, w) in zip(args, pipes)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork of a threaded process
         for p in procs:
@@ -696,18 +677,20 @@ def _run_helpers_forked(specs: list[dict], timeout_s: float) -> list[dict]:
     try:
         for (r, _), p in zip(pipes, procs):
             if not r.poll(max(0.0, deadline - time.monotonic())):
-                raise ProfilerError(f"network measurement did not finish within {timeout_s:.0f}s")
+                raise ProfilerError(f"{what} did not finish within {timeout_s:.0f}s")
             try:
                 got = r.recv()
             except EOFError:
                 p.join(timeout=5.0)
-                raise ProfilerError(f"network helper exited with code {p.exitcode}") from None
+                raise ProfilerError(f"{who} exited with code {p.exitcode}") from None
             if isinstance(got, str):
-                raise ProfilerError(f"network helper failed: {got}")
+                raise ProfilerError(f"{who} failed: {got}")
             results.append(got)
     finally:
+        if on_exit is not None:
+            on_exit()
         for p in procs:
-            p.join(timeout=5.0)
+            p.join(timeout=join_s)
             if p.is_alive():
                 p.kill()
                 p.join()
