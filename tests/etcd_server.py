@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -32,6 +31,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
+
+from trainer.launch import free_ports
 
 __all__ = ["EtcdServer", "EtcdNotInstalled", "Pki", "make_pki", "poll_until", "find_etcd"]
 
@@ -60,12 +61,6 @@ def find_etcd() -> str:
     if found is None:
         raise EtcdNotInstalled(f"no `etcd` binary found; {INSTALL_HINT}")
     return found
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> list[str]:
@@ -170,7 +165,7 @@ class EtcdServer:
         first = self.client_port == 0
         for _attempt in range(3 if first else 1):
             if first:
-                self.client_port, self.peer_port = _free_port(), _free_port()
+                self.client_port, self.peer_port = free_ports(2)
             with open(self.log_path, "ab") as log:
                 self._proc = subprocess.Popen(
                     _die_with_parent() + self._command(), stdout=log, stderr=subprocess.STDOUT,

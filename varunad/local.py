@@ -34,6 +34,7 @@ from pathlib import Path
 
 import psutil
 
+from trainer.launch import free_ports
 from varunad.ctl import CtlError
 
 __all__ = ["LocalRingError", "RingProc", "Ring", "RING_FILE", "default_dir", "default_etcd", "find_etcd_binary",
@@ -216,16 +217,10 @@ def _log_tail(path: str, lines: int = 5) -> str:
 
 # --- etcd ---------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def free_port_range(n: int, *, attempts: int = 50) -> int:
     """The first of ``n`` consecutive loopback ports that are free now (for --metrics-port)."""
     for _ in range(attempts):
-        base = _free_port()
+        base = free_ports(1)[0]
         if base + n <= 65536 and all(_port_free(base + i) for i in range(1, n)):
             return base
     raise LocalRingError(f"found no {n} consecutive free ports on 127.0.0.1")
@@ -251,7 +246,7 @@ def _etcd_healthy(endpoint: str) -> bool:
 def _start_etcd(binary: str, state_dir: Path, timeout: float) -> tuple[str, RingProc]:
     log = state_dir / "logs" / "etcd.log"
     for _attempt in range(3):  # a free port can be taken between choosing and binding it
-        client, peer = _free_port(), _free_port()
+        client, peer = free_ports(2)
         endpoint = f"127.0.0.1:{client}"
         cmd = [binary, "--name", "ring", "--data-dir", str(state_dir / "etcd"),
                "--listen-client-urls", f"http://{endpoint}", "--advertise-client-urls", f"http://{endpoint}",
