@@ -178,11 +178,12 @@ class _Deposed(Exception):
 
 
 def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot) -> dict:
-    """What the end-of-job report needs beyond ``describe``: devices per kind (to price the run)
-    and the planner's per-stage choices (to replay its prediction in the simulator)."""
+    """What the end-of-job report needs beyond ``describe`` (which has the per-stage recompute
+    flags): devices per kind (to price the run) and the planner's other per-stage choices (to
+    replay its prediction in the simulator)."""
     kinds = Counter(snap.members[s.member][0].device_kind for s in doc.slots)
     return {"device_kinds": dict(kinds), "stage_kinds": [st.device_kind for st in planned.stages],
-            "recompute": list(planned.recompute), "link_kinds": list(planned.link_kinds),
+            "link_kinds": list(planned.link_kinds),
             "allreduce_kinds": list(planned.allreduce_kinds), "micro_batches": planned.micro_batches,
             # daemons sharing a host (a local ring) share its cores: the report says so beside its prediction
             "daemons_per_host": max(Counter(snap.members[m][0].host for m in doc.members).values(), default=0)}
