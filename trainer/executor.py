@@ -59,21 +59,21 @@ class StageExecutor:
         last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD), default=-1)
         dispatch = self._DISPATCH
         recorder = self.recorder if getattr(self.recorder, "enabled", self.recorder is not None) else None
+
+        def execute(kind: Kind, micro_batch: int | None) -> None:
+            if kind in handlers:
+                handlers[kind]()
+            else:
+                dispatch[kind](self, micro_batch)
+
         for i, action in enumerate(actions):
             if i == last_backward and before_last_backward is not None:
                 before_last_backward()
-            kind = action.kind
             if recorder is None:   # no span (and no action text) per action when not tracing
-                if kind in handlers:
-                    handlers[kind]()
-                else:
-                    dispatch[kind](self, action.micro_batch)
+                execute(action.kind, action.micro_batch)
                 continue
-            with recorder.span(str(action), _CATEGORY[kind], action.micro_batch):
-                if kind in handlers:
-                    handlers[kind]()
-                else:
-                    dispatch[kind](self, action.micro_batch)
+            with recorder.span(str(action), _CATEGORY[action.kind], action.micro_batch):
+                execute(action.kind, action.micro_batch)
         if self._stash or self._act or self._grad_out or self._outbox or self._rng:
             raise RuntimeError(f"stage {self.stage}: the schedule left work undone (stashed "
                                f"{sorted(self._stash)}, unsent {sorted(self._outbox)}, received {sorted(self._act)})")
