@@ -55,13 +55,14 @@ async def test_exposition_holds_every_documented_name_and_the_values_set():
 
 
 async def test_checkpoint_seconds_run_from_the_step_before_to_the_checkpoint_note():
-    m = DaemonMetrics()
+    now = [100.0]
+    m = DaemonMetrics(clock=lambda: now[0])
     m.begin_epoch({0: 0})
     assert m.worker_checkpointed(job="j", rank=0, step=3) is None  # no progress heard: nothing observed
     m.worker_progress(job="j", rank=0, step=2, loss=1.0, samples_per_s=1.0, busy_fraction=1.0, reports_job=True)
-    await asyncio.sleep(0.05)
+    now[0] += 0.07
     seconds = m.worker_checkpointed(job="j", rank=0, step=3)
-    assert seconds is not None and 0.04 <= seconds < 5
+    assert seconds == pytest.approx(0.07)
     assert m.worker_checkpointed(job="j", rank=1, step=3) is None
     text = (await m.exposition()).decode()
     assert _value(text, 'varunad_checkpoint_seconds_count{job="j"}') == 1

@@ -77,7 +77,8 @@ class DaemonMetrics:
     """One daemon's metrics in a registry of their own. The daemon, its supervisor and its leader
     set them; ``before_scrape`` (optional) refreshes the on-demand ones before each scrape."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock  # times checkpoints (a test passes its own)
         r = self.registry = CollectorRegistry()
         self.members = Gauge("varunad_members", "Live members this daemon sees in etcd", registry=r)
         self.leader = Gauge("varunad_leader", "1 while this daemon is the leader, else 0", registry=r)
@@ -112,7 +113,7 @@ class DaemonMetrics:
         stage = self._stage_of.get(rank)
         self.stage_busy_fraction.labels(job=job, stage="" if stage is None else str(stage),
                                         rank=str(rank)).set(busy_fraction)
-        self._progress_at[(job, rank)] = (step, time.monotonic())
+        self._progress_at[(job, rank)] = (step, self._clock())
         if reports_job:
             self.job_step.labels(job=job).set(step)
             self.job_loss.labels(job=job).set(loss)
@@ -124,7 +125,7 @@ class DaemonMetrics:
         last = self._progress_at.get((job, rank))
         if last is None or last[0] + 1 != step:
             return None
-        seconds = max(0.0, time.monotonic() - last[1])
+        seconds = max(0.0, self._clock() - last[1])
         self.checkpoint_seconds.labels(job=job).observe(seconds)
         return seconds
 
