@@ -209,3 +209,16 @@ def test_per_stage_recompute_flags_round_trip_through_the_environment():
         replace(a, recompute=[True, True, False])
     with pytest.raises(ConfigError, match="VARUNA_RECOMPUTE must be a JSON list"):
         Assignment.from_env({**env, "VARUNA_RECOMPUTE": "[1, 0]"})
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
+    # Outgoing connections take ports from the ephemeral range; a worker's endpoint there can be
+    # taken before the worker binds it ("Address already in use").
+    import socket
+    ports = launch_mod.free_ports(6)
+    assert len(set(ports)) == 6
+    low = launch_mod._ephemeral_low()
+    assert all(launch_mod._LOWEST_PORT <= p < low for p in ports), (ports, low)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

@@ -227,10 +227,12 @@ class Varuna:
 
     def close(self) -> None:
         """Release sockets and the process group; also run at interpreter exit."""
-        if self.channel is not None:
+        # getattr: a constructor that failed half-way registered this already
+        if getattr(self, "channel", None) is not None:
             self.channel.close()
             self.channel = None
-        self.control.close()
+        if getattr(self, "control", None) is not None:
+            self.control.close()
         # gloo's threads must be joined before the interpreter tears down, or C++ aborts
         # ("terminate called without an active exception") and the worker exits non-zero.
         if self._owns_process_group and dist.is_initialized():
