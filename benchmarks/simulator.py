@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer steps, repeats and rounds (under ~90 s)")
     p.add_argument("--steps", type=int, help="timed steps per configuration and round")
     p.add_argument("--warmup", type=int, help="untimed steps per run")
-    p.add_argument("--rounds", type=int, help="runs of every configuration, interleaved (default 3, quick 1)")
+    p.add_argument("--rounds", type=int, help="runs of every configuration, interleaved (default 5, quick 1)")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="first wait up to this long for other processes to leave the cores alone")
     p.add_argument("--max-others", type=float, default=0.15, metavar="CORES",
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     steps = ns.steps or (4 if ns.quick else 8)
     warmup = ns.warmup or (1 if ns.quick else 2)
-    rounds = ns.rounds or (1 if ns.quick else 3)
+    rounds = ns.rounds or (1 if ns.quick else 5)
     configs = CONFIGS[:8] if ns.quick else CONFIGS
     sizes = sorted({mb for _, _, mb, _ in configs})
     if ns.wait_quiet > 0:

@@ -227,3 +227,15 @@ def test_cpu_slots_need_one_thread_each(tmp_path):
                     allreduce={"intra": intra}, **FAST)
     with pytest.raises(ValueError, match="one torch thread per slot"):
         prof.profile_all([2])
+
+
+def test_network_measurement_over_real_zeromq_and_gloo():
+    # Two helper processes: a PeerChannel ping-pong and the engine's GradReducer over gloo.
+    from trainer.profiler import measure_network
+    link, allreduce = measure_network(sizes=(1 << 10, 1 << 20, 4 << 20), allreduce_sizes=(64 << 10, 4 << 20, 16 << 20),
+                                      repeats=3, warmup=1, io_threads_busy=True)
+    for cost in (link, allreduce):
+        # a slope was measured (a fit without one falls back to 1e12 B/s) and is plausible for loopback
+        assert 1e7 < cost.bandwidth_Bps < 1e12, cost
+        assert cost.latency_s >= 0
+    assert link.send_overhead_s > 0 and link.recv_overhead_s > 0

@@ -115,6 +115,7 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 _WORKER_MALLOC = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")   # set by trainer.launch
 _LINK_SIZES = (1 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 _ALLREDUCE_SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
+_AR_PARAM_NUMEL = 1 << 18   # 1 MiB of fp32 per parameter when the all-reduce is timed
 _ONE_FRAME = CHUNK_BYTES   # larger messages go in several parts
 
 
@@ -461,10 +462,14 @@ class _Job:
     factory: OptimizerFactory | None
     optimizer_factor: float
 
-    def run(self) -> tuple[dict[int, dict[int, SegmentMeasurement]], list[tuple[float, int]]]:
+    def run(self, between: Callable[[], object] | None = None
+            ) -> tuple[dict[int, dict[int, SegmentMeasurement]], list[tuple[float, int]]]:
+        """Segments, then (after `between()`: the slots meet there) optimizer steps."""
         per_size = {b: measure_segments(self.slices, batch, device=self.device, precision=self.precision,
                                         segments=self.segments, repeats=self.repeats, warmup=self.warmup)
                     for b, batch in self.batches.items()}
+        if between is not None:
+            between()
         groups = [list(self.slices[k].module.parameters()) for k in self.segments]
         steps = measure_steps(groups, self.factory, optimizer_factor=self.optimizer_factor,
                               repeats=self.repeats, warmup=self.warmup, device=self.device)
@@ -490,7 +495,10 @@ def _slot_main(job: _Job, threads: int, barrier, done, conn) -> None:
     try:
         torch.set_num_threads(threads)
         barrier.wait(timeout=60)
-        result = job.run()
+        # The workers of a host step their optimizers at the same moment (the step's all-reduce
+        # lines them up), and the step is bound by memory bandwidth: time it with every slot
+        # stepping too, not beside another slot's compute.
+        result = job.run(between=lambda: barrier.wait(timeout=1800))
         conn.send(result)
         while not done.is_set():
             job.filler()
@@ -623,20 +631,31 @@ def _network_measure(rank, ports, sizes, ar_sizes, repeats, warmup) -> dict[str,
         chan.send("act", mb, torch.zeros(1))
     chan.close()
 
+    # The engine's own reduction (GradReducer: flat buckets, concatenated, summed, written back),
+    # over gradients of layer-sized parameters, so that its copies and bucketing are timed too.
+    from trainer.data_parallel import GradReducer
+
     store = dist.TCPStore("127.0.0.1", ports[2], 2, rank == 0, timeout=timedelta(seconds=60))
-    pg = dist.ProcessGroupGloo(store, rank, 2)
-    ar: list[float] = []
-    for n in ar_sizes:
-        x = torch.ones(max(n // 4, 1), dtype=torch.float32)
-        times = []
-        for r in range(warmup + repeats):
-            pg.barrier().wait()
-            t0 = time.perf_counter()
-            pg.allreduce([x]).wait()
-            if r >= warmup:
-                times.append(time.perf_counter() - t0)
-        ar.append(_median(times))
-    pg.barrier().wait()
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        ar: list[float] = []
+        for n in ar_sizes:
+            numel = max(n // 4, 1)
+            params = [nn.Parameter(torch.zeros(min(_AR_PARAM_NUMEL, numel - i))) for i in range(0, numel, _AR_PARAM_NUMEL)]
+            reducer = GradReducer(params, None, 2)
+            times = []
+            for r in range(warmup + repeats):
+                for q in params:
+                    q.grad = torch.ones_like(q)
+                dist.barrier()
+                t0 = time.perf_counter()
+                reducer.reduce()
+                if r >= warmup:
+                    times.append(time.perf_counter() - t0)
+            ar.append(_median(times))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
     # rank 1's lists of the link are empty: only rank 0 times
     return {"link": link, "send_cpu": send_cpu, "recv_cpu": recv_cpu, "pair_cpu": pair_cpu, "allreduce": ar}
 
@@ -729,7 +748,8 @@ def measure_network(*, sizes: Sequence[int] = _LINK_SIZES, allreduce_sizes: Sequ
                     repeats: int = 7, warmup: int = 2, timeout_s: float = 120.0,
                     io_threads_busy: bool = False) -> tuple[LinkCost, LinkCost]:
     """(send cost, all-reduce cost) between two helper processes on loopback: a PeerChannel
-    ping-pong (one way = half the round trip) and gloo all_reduce at D = 2, each fitted.
+    ping-pong (one way = half the round trip) and the engine's gradient all-reduce (GradReducer
+    over gloo) at D = 2, each fitted.
     Needs no launcher and leaves the caller's process groups and sockets alone.
 
     The per-message overheads are the send call's time and a receive of an arrived message.
@@ -739,7 +759,12 @@ def measure_network(*, sizes: Sequence[int] = _LINK_SIZES, allreduce_sizes: Sequ
     ports = free_ports(3)
     specs = [{"rank": r, "ports": ports, "sizes": list(sizes), "ar_sizes": list(allreduce_sizes),
               "repeats": repeats, "warmup": warmup} for r in range(2)]
-    run = _run_helpers_forked if "fork" in mp.get_all_start_methods() else _run_helpers_spawned
+    # A forked helper would inherit this process's default process group, if it has one; it
+    # initialises its own.
+    import torch.distributed as dist
+
+    forkable = "fork" in mp.get_all_start_methods() and not (dist.is_available() and dist.is_initialized())
+    run = _run_helpers_forked if forkable else _run_helpers_spawned
     got = run(specs, timeout_s)[0]
     a, b = fit_affine(list(sizes), got["link"])
     # The stages' own CPU per message, from the sizes that fit one frame (larger ones add copies
