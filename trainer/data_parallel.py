@@ -97,6 +97,10 @@ class GradReducer:
         self.launch()
         self.wait()
 
+    def release(self) -> None:
+        """Drop the process group (after it was destroyed): the hooks keep this object alive."""
+        self.group, self.buckets, self._bucket_of = None, [], {}
+
 
 class TiedReducer:
     """Keeps weights that are one tensor in the math (tied embeddings) equal: every owner
@@ -104,6 +108,9 @@ class TiedReducer:
 
     def __init__(self, groups: Sequence[tuple[Sequence[nn.Parameter], object | None]]):
         self.groups = [(list(params), pg) for params, pg in groups if params]
+
+    def release(self) -> None:
+        self.groups = []
 
     def reduce(self) -> None:
         for params, pg in self.groups:

@@ -16,6 +16,7 @@ update as a single process would (DESIGN idea 3).
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import logging
 import math
@@ -237,6 +238,13 @@ class Varuna:
         # ("terminate called without an active exception") and the worker exits non-zero.
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+            # The groups' C++ objects (and their threads) live as long as a Python reference
+            # does; the reducers' hooks on the parameters hold some until interpreter teardown.
+            for holder in (getattr(self, "reducer", None), getattr(self, "tied", None)):
+                if holder is not None:
+                    holder.release()
+            self.stage_group = None
+            gc.collect()
 
     # -- internals -----------------------------------------------------------------------------
 
