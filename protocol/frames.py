@@ -7,8 +7,9 @@ Wire layout of one tensor: one ZeroMQ multipart message::
                 `nframes` parts of CHUNK_BYTES (1 MiB) each, the last one shorter;
                 no data part at all for an empty tensor
 
-`stage` in the header is the sender's stage, `direction` is "act" (forward, to stage+1) or "grad"
-(backward, to stage-1). `dtype` is the torch name without the `torch.` prefix (bfloat16 travels as its
+`stage` in the header is the sender's stage, `direction` is "act" (forward, to stage+1), "grad"
+(backward, to stage-1) or "stats" (a step's statistics on their way to agreement, to or from any
+worker of the job; `micro_batch` then holds the sender's rank). `dtype` is the torch name without the `torch.` prefix (bfloat16 travels as its
 raw bytes; numpy is never asked to understand it).
 
 Why split: a 64 MiB tensor sent as one part makes the receiving ZeroMQ I/O thread allocate 64 MiB at
@@ -71,7 +72,7 @@ __all__ = [
     "send_tensor",
 ]
 
-DIRECTIONS = ("act", "grad")   # activation forward to stage+1, gradient backward to stage-1
+DIRECTIONS = ("act", "grad", "stats")   # activation forward, gradient backward, step statistics
 CHUNK_BYTES = 1 << 20
 ZERO_COPY_MIN_BYTES = 64 << 10  # below this a memcpy is cheaper than pyzmq's zero-copy bookkeeping
 

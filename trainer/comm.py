@@ -1,7 +1,8 @@
 """Activations and gradients between neighbour stages, over ZeroMQ with protocol/ tensor frames.
 
 Each worker binds one PULL socket at its own endpoint and connects a PUSH socket to each
-neighbour. Sends return at once (ZeroMQ's I/O thread moves the bytes, so compute never
+neighbour, and to each worker it exchanges step statistics with (`stats_peers`; one socket per
+endpoint, shared with the neighbour's when it is the same worker). Sends return at once (ZeroMQ's I/O thread moves the bytes, so compute never
 waits for the network); receives block until the wanted micro-batch arrives, keeping frames
 that arrive early (a neighbour already in the next step) in per-key FIFOs. A frame of another
 job or epoch is dropped and logged: after a morph, stragglers of the old plan cannot leak in.
@@ -17,6 +18,7 @@ import math
 import os
 import time
 from collections import defaultdict, deque
+from collections.abc import Mapping
 
 import torch
 import zmq
@@ -35,8 +37,9 @@ _WAKE_MS = 1000   # longest single blocking recv: how often the peer timeout is 
 
 class PeerChannel:
     def __init__(self, *, bind: str, prev: str | None, nxt: str | None, job: str, epoch: int, stage: int,
-                 timeout_s: float = _DEFAULT_TIMEOUT_S, security=None) -> None:
-        self.job, self.epoch, self.stage = job, epoch, stage
+                 timeout_s: float = _DEFAULT_TIMEOUT_S, security=None, rank: int = 0,
+                 stats_peers: Mapping[int, str] | None = None) -> None:
+        self.job, self.epoch, self.stage, self.rank = job, epoch, stage, rank
         self.timeout_s = timeout_s
         self._ctx = zmq.Context.instance()
         self._security = security
@@ -48,19 +51,34 @@ class PeerChannel:
         if security is not None:
             security.apply_stream_server(self._pull)
         self._pull.bind(bind)
+        self._by_endpoint: dict[str, zmq.Socket] = {}
         self._push: dict[str, zmq.Socket] = {}
         for direction, endpoint in (("act", nxt), ("grad", prev)):
-            if endpoint is None:
-                continue
+            if endpoint is not None:
+                self._push[direction] = self._connect(endpoint)
+        self._stats_to = {r: self._connect(ep) for r, ep in (stats_peers or {}).items()}
+        self._early: dict[tuple[str, int], deque] = defaultdict(deque)
+        self.wait_s = 0.0   # time spent blocked in recv, for the busy fraction
+
+    def _connect(self, endpoint: str) -> zmq.Socket:
+        sock = self._by_endpoint.get(endpoint)
+        if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 2000)
-            if security is not None:
-                security.apply_stream_client(sock, endpoint)
+            if self._security is not None:
+                self._security.apply_stream_client(sock, endpoint)
             sock.connect(endpoint)
-            self._push[direction] = sock
-        self._early: dict[tuple[str, int], deque] = defaultdict(deque)
-        self.wait_s = 0.0   # time spent blocked in recv, for the busy fraction
+            self._by_endpoint[endpoint] = sock
+        return sock
+
+    def send_stats(self, to_rank: int, tensor: torch.Tensor) -> None:
+        """Step statistics to `to_rank` (one of `stats_peers`); frames carry the sender's rank."""
+        send_tensor(self._stats_to[to_rank], tensor, job=self.job, epoch=self.epoch, stage=self.stage,
+                    micro_batch=self.rank, direction="stats")
+
+    def recv_stats(self, from_rank: int) -> torch.Tensor:
+        return self.recv("stats", from_rank)
 
     def send(self, direction: str, micro_batch: int, tensor: torch.Tensor) -> None:
         send_tensor(self._push[direction], tensor, job=self.job, epoch=self.epoch,
@@ -95,10 +113,13 @@ class PeerChannel:
     def _wait_less(self, remaining: float, direction: str, micro_batch: int) -> None:
         """Raise WorkerError once the peer timeout has passed; shorten the next wait to it."""
         if remaining <= 0:
-            peer = self.stage - 1 if direction == "act" else self.stage + 1
+            if direction == "stats":
+                what = f"no step statistics from rank {micro_batch}"
+            else:
+                peer = self.stage - 1 if direction == "act" else self.stage + 1
+                what = f"no {direction} for micro-batch {micro_batch} from stage {peer}"
             raise WorkerError(
-                f"stage {self.stage} got no {direction} for micro-batch {micro_batch} from stage "
-                f"{peer} within {self.timeout_s:.0f}s: the peer probably died",
+                f"stage {self.stage} got {what} within {self.timeout_s:.0f}s: the peer probably died",
                 hint="the daemon re-plans when a member is lost; locally, check the other workers' output",
             )
         wanted = max(1, min(self._wake_ms, math.ceil(remaining * 1000)))
@@ -116,14 +137,15 @@ class PeerChannel:
             log.info("stage %d dropped a frame of job %s epoch %d (now %s epoch %d)",
                      self.stage, header.job, header.epoch, self.job, self.epoch)
             return None
-        expected_sender = self.stage - 1 if header.direction == "act" else self.stage + 1
+        # statistics come from any worker of the job, named by the rank in micro_batch
+        expected_sender = {"act": self.stage - 1, "grad": self.stage + 1}.get(header.direction, header.stage)
         if header.stage != expected_sender:
             log.warning("stage %d dropped a %s frame from stage %d", self.stage, header.direction, header.stage)
             return None
         return (header.direction, header.micro_batch), tensor
 
     def close(self) -> None:
-        for sock in (*self._push.values(), self._pull):
+        for sock in (*self._by_endpoint.values(), self._pull):
             sock.close(linger=2000 if sock is not self._pull else 0)
         if self._security is not None:
             self._security.close()
