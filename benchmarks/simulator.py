@@ -10,7 +10,9 @@ allocator settings, which change CPU timings by 10-20%). Then, per configuration
 * actual: `trainer.launch` runs benchmarks/_sim_worker.py as P x D workers with the cut points
   given explicitly (`cuts=`); every worker times each step after warm-up; a step's time is the
   slowest worker's, the row's the median over all timed steps of `--rounds` runs (the rounds
-  interleave the configurations, so a burst of other work on the machine hits one run, not a row);
+  interleave the configurations, so a burst of other work on the machine hits one run, not a row;
+  5 by default: on a shared VM a run's speed moves by up to a third from one run to the next
+  while staying steady within the run, and with 3 rounds two slow runs decided a row);
   every round also profiles the model again, and the estimates use the element-wise median of
   the rounds' calibrations, so both sides average over the same stretch of time;
 * estimated: `simulator.simulate` replays `schedule.build_table(schedule, P, m)` (the very list
