@@ -2,10 +2,11 @@
 
 Each worker binds one PULL socket at its own endpoint and connects a PUSH socket to each
 neighbour, and to each worker it exchanges step statistics with (`stats_peers`; one socket per
-endpoint, shared with the neighbour's when it is the same worker). Sends return at once (ZeroMQ's I/O thread moves the bytes, so compute never
-waits for the network); receives block until the wanted micro-batch arrives, keeping frames
-that arrive early (a neighbour already in the next step) in per-key FIFOs. A frame of another
-job or epoch is dropped and logged: after a morph, stragglers of the old plan cannot leak in.
+endpoint, shared with the neighbour's when it is the same worker). Sends return at once
+(ZeroMQ's I/O thread moves the bytes, so compute never waits for the network); receives block
+until the wanted micro-batch arrives, keeping frames that arrive early (a neighbour already in
+the next step) in per-key FIFOs. A frame of another job or epoch is dropped and logged: after
+a morph, stragglers of the old plan cannot leak in.
 
 A receive is a blocking ZeroMQ recv with a receive timeout (RCVTIMEO, at most a second, so the
 peer timeout is checked that often): no poller is built per message.
