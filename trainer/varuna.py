@@ -99,7 +99,8 @@ class Varuna:
         self.input_names = mine.input_names
 
         self._build_groups()
-        self.channel = self._open_channel() if self.pipeline_depth > 1 else None
+        # Pure data parallelism (P = 1) opens one too: the step's statistics travel on it.
+        self.channel = self._open_channel() if a.world_size > 1 else None
         self.recorder = recorder_for(a.trace_dir or None, rank=a.rank, stage=self.stage, replica=self.replica)
         self._traced_steps = 0  # counted per process: a resumed epoch starts past step _TRACE_STEPS
         self.executor = StageExecutor(self.module, stage=self.stage, stages=self.pipeline_depth,
@@ -339,9 +340,8 @@ class Varuna:
         a replica's stage 0 finishes a step last (its final backward waits for everyone else's),
         so the others' statistics are already waiting when it gets there, and the root needs no
         round trip at all; a gloo all-reduce of a few numbers costs ~0.4 ms and more at every step
-        even on one machine, and its ring grows with the world. Without a pipeline: gloo."""
+        even on one machine, and its ring grows with the world. A lone worker has nothing to agree."""
         if self.channel is None:
-            dist.all_reduce(stats)
             return stats
         total = stats
         for child in self._stats_children:   # a fixed order: every worker gets the same bits
