@@ -371,3 +371,28 @@ def test_peer_channel_drops_stale_epochs_and_times_out(ctx):
     finally:
         push.close(linger=0)
         chan.close()
+
+
+def test_peer_channels_exchange_step_statistics_with_any_worker():
+    # Stage 2 is no neighbour of stage 0; its statistics reach it anyway, named by its rank, and
+    # wait in the early queue while stage 0 waits for something else.
+    from trainer.comm import PeerChannel
+    from trainer.launch import free_ports
+
+    eps = [f"tcp://127.0.0.1:{p}" for p in free_ports(3)]
+    chans = [PeerChannel(bind=eps[r], prev=eps[r - 1] if r else None, nxt=eps[r + 1] if r < 2 else None,
+                         job="job-1", epoch=0, stage=r, rank=r, timeout_s=10,
+                         stats_peers={0: eps[0]} if r else {1: eps[1], 2: eps[2]}) for r in range(3)]
+    try:
+        chans[2].send_stats(0, torch.tensor([2.0], dtype=torch.float64))
+        chans[1].send("grad", 4, torch.ones(3))
+        chans[1].send_stats(0, torch.tensor([1.0], dtype=torch.float64))
+        assert torch.equal(chans[0].recv("grad", 4), torch.ones(3))
+        assert chans[0].recv_stats(1).item() == 1.0 and chans[0].recv_stats(2).item() == 2.0
+        for r in (1, 2):
+            chans[0].send_stats(r, torch.tensor([3.0], dtype=torch.float64))
+            assert chans[r].recv_stats(0).item() == 3.0
+        assert all(not q for c in chans for q in c._early.values())   # nothing stray was left behind
+    finally:
+        for c in chans:
+            c.close()
