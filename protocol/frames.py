@@ -9,8 +9,8 @@ Wire layout of one tensor: one ZeroMQ multipart message::
 
 `stage` in the header is the sender's stage, `direction` is "act" (forward, to stage+1), "grad"
 (backward, to stage-1) or "stats" (a step's statistics on their way to agreement, to or from any
-worker of the job; `micro_batch` then holds the sender's rank). `dtype` is the torch name without the `torch.` prefix (bfloat16 travels as its
-raw bytes; numpy is never asked to understand it).
+worker of the job; `micro_batch` then holds the sender's rank). `dtype` is the torch name without
+the `torch.` prefix (bfloat16 travels as its raw bytes; numpy is never asked to understand it).
 
 Why split: a 64 MiB tensor sent as one part makes the receiving ZeroMQ I/O thread allocate 64 MiB at
 once (a fresh mmap, page-faulted 4 KiB at a time); that reaches about a third of what the socket can do.

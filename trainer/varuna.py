@@ -99,6 +99,8 @@ class Varuna:
         self.input_names = mine.input_names
 
         self._build_groups()
+        # Where this worker sends its step statistics and whose it gathers (see `_agree`).
+        self._stats_parent, self._stats_children = _stats_tree(a.stage_to_rank, self.stage, self.replica)
         # Pure data parallelism (P = 1) opens one too: the step's statistics travel on it.
         self.channel = self._open_channel() if a.world_size > 1 else None
         self.recorder = recorder_for(a.trace_dir or None, rank=a.rank, stage=self.stage, replica=self.replica)
@@ -325,7 +327,6 @@ class Varuna:
         a = self.assignment
         prev = a.stage_to_rank[self.stage - 1][self.replica] if self.stage > 0 else None
         nxt = a.stage_to_rank[self.stage + 1][self.replica] if self.stage < self.pipeline_depth - 1 else None
-        self._stats_parent, self._stats_children = _stats_tree(a.stage_to_rank, self.stage, self.replica)
         peers = [r for r in (self._stats_parent, *self._stats_children) if r is not None]
         return PeerChannel(bind=a.endpoints[self.rank],
                            prev=None if prev is None else a.endpoints[prev],
@@ -336,8 +337,8 @@ class Varuna:
     def _agree(self, stats: torch.Tensor) -> torch.Tensor:
         """The sum of `stats` over all workers, the same on every one.
 
-        With a pipeline, over the ZeroMQ channel up and down a two-level tree (`_stats_tree`):
-        a replica's stage 0 finishes a step last (its final backward waits for everyone else's),
+        Over the ZeroMQ channel, up and down a two-level tree (`_stats_tree`): a replica's
+        stage 0 finishes a step last (its final backward waits for everyone else's),
         so the others' statistics are already waiting when it gets there, and the root needs no
         round trip at all; a gloo all-reduce of a few numbers costs ~0.4 ms and more at every step
         even on one machine, and its ring grows with the world. A lone worker has nothing to agree."""
