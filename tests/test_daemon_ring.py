@@ -96,6 +96,10 @@ def check_history(status, reference, *, every=EVERY, steps=STEPS):
     for (_, (first1, last1)), (_, (first2, _)) in zip(ranges, ranges[1:]):
         assert first2 <= last1 + 1, f"steps {last1 + 1}..{first2 - 1} were never run: {ranges}"
         assert last1 - first2 + 1 <= every, f"more than {every} steps redone: {ranges}"
+    # every epoch that ran has its wall-clock span, and each starts after the one before ended
+    spans = [status["epoch_spans"][str(e)] for e, _ in ranges]
+    assert all(t0 <= t1 for t0, t1 in spans), spans
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), spans
     return ranges
 
 

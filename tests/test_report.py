@@ -89,6 +89,31 @@ def test_morph_losses_count_downtime_and_redone_steps():
     assert morph_losses(state, {"10": [0, 9], "20": [6, 15], "30": [15, 30]}) == (40.0, 5)
 
 
+def test_morph_stall_runs_from_the_last_step_to_the_first_step_after():
+    # The VM vanished after epoch 10's last step at t=95; its lease expired and the leader noticed
+    # at 100, re-planned by 130; the new workers started and finished their first step at 160.
+    state = JobState(job="j", morphs=(_morph(20, "2x1", "1x1", 100.0, 130.0, 10),))
+    steps = {"10": [0, 9], "20": [6, 15]}
+    spans = {"10": [5.0, 95.0], "20": [160.0, 250.0]}   # 10 s a step in both epochs
+    # stall: 160 - 95 less the one step that would have run anyway; the leader's 30 s is inside it
+    assert morph_losses(state, steps, spans) == (55.0, 4)
+    assert morph_losses(state, steps, spans, step_s=5.0) == (60.0, 4)
+    # a daemon that records no spans: the leader's stop-and-re-plan time stands in
+    assert morph_losses(state, steps, {"10": [5.0, 95.0]}) == (30.0, 4)
+    # clocks that disagree never make a stall shorter than what the leader saw
+    assert morph_losses(state, steps, {"10": [5.0, 95.0], "20": [100.0, 190.0]}) == (30.0, 4)
+
+
+def test_a_morph_into_an_epoch_that_never_ran_is_measured_with_the_next():
+    state = JobState(job="j", morphs=(_morph(20, "2x1", "1x1", 100.0, 110.0, 10),
+                                      _morph(30, "1x1", "2x1", 120.0, 125.0, 20)))
+    steps, spans = {"10": [0, 9], "30": [10, 19]}, {"10": [0.0, 90.0], "30": [200.0, 290.0]}
+    assert morph_losses(state, steps, spans) == (100.0, 0)   # 200 - 90 - one 10 s step
+    assert morph_losses(state, steps) == (15.0, 0)
+    # a morph still under way when the report is made: the leader's time so far
+    assert morph_losses(JobState(job="j", morphs=state.morphs[:1]), {"10": [0, 9]}, spans) == (10.0, 0)
+
+
 def test_cost_arithmetic_matches_a_hand_computation():
     intervals = [Interval(1, "2x1", 2, 0.0, 3600.0), Interval(2, "1x1", 1, 3600.0, 5400.0)]
     prices = {"cpu": DevicePrice(0.18, 0.34, "test")}

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from varunad.facts import parse_member
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobSpecError, JobState, bundle_digest, pack_bundle
-from varunad.records import Progress, decode_history, epoch_ranges, merge_history
+from varunad.records import Progress, decode_history, epoch_ranges, merge_history, merge_spans
 from varunad.store import EtcdStore, Store, StoreError
 
 __all__ = ["CtlError", "run", "build_spec", "submit", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
@@ -103,12 +103,16 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
         raise CtlError(f"no job named {job} (see `varunactl jobs`)")
     state = await _state(store, keys, job) or JobState(job=job)
     per_epoch: dict[int, dict[int, float]] = {}
+    spans: dict[int, list[tuple[float, float]]] = {}
     for kv in await store.get_prefix(keys.history_of(job)):
         try:
             epoch, _member = keys.parse_history(job, kv.key)
-            per_epoch.setdefault(epoch, {}).update(decode_history(kv.value))
+            pairs, span = decode_history(kv.value)
         except ValueError:
             continue
+        per_epoch.setdefault(epoch, {}).update(pairs)
+        if span is not None:
+            spans.setdefault(epoch, []).append(span)
     history = merge_history({e: list(v.items()) for e, v in per_epoch.items()})
     progress = []
     for kv in await store.get_prefix(keys.progress_of(job)):
@@ -136,6 +140,7 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
         "restarts": state.restarts, "error": state.error,
         "epochs": {str(e): list(r) for e, r in sorted(epoch_ranges({e: list(v.items())
                                                                      for e, v in per_epoch.items()}).items())},
+        "epoch_spans": {str(e): list(merge_spans(v)) for e, v in sorted(spans.items())},
         "morphs": [{"reason": m.reason, "from": m.from_shape, "to": m.to_shape, "from_epoch": m.from_epoch,
                     "to_epoch": m.to_epoch, "noticed_at": m.noticed_at, "stopped_at": m.stopped_at,
                     "planned_at": m.planned_at, "duration_s": round(m.duration_s, 3), "checkpoint": m.checkpoint}

@@ -11,7 +11,7 @@ Elsewhere (a log file, CI) it is plain lines, one per change of state or plan, a
 each morph is printed once, on its own line::
 
     morph 2x2 -> 3x1 (stopped, re-planned in 4.8s): member vm3 left
-    resumed at step 20 in epoch 305, 12.3s after the morph began
+    resumed at step 20 in epoch 305, 12.3s after the morph began (21.0s since the step before it)
 
 ``watch`` polls etcd and feeds ``advance`` until the job ends.
 """
@@ -117,8 +117,18 @@ def _resumed(shown: Shown, doc: dict[str, Any], wall: float) -> tuple[Shown, lis
     if not steps:
         return shown, []
     line = (f"resumed at step {steps[0]} in epoch {shown.resume_epoch}, "
-            f"{max(0.0, wall - shown.resume_noticed):.1f}s after the morph began\n")
+            f"{max(0.0, wall - shown.resume_noticed):.1f}s after the morph began{_stall(doc, shown.resume_epoch)}\n")
     return replace(shown, resume_epoch=0), [line]
+
+
+def _stall(doc: dict[str, Any], epoch: int) -> str:
+    """How long training stood still: from the last step of the epoch before to this epoch's first
+    (a lost VM's lease runs out before the leader notices, so this is the longer figure)."""
+    spans = {int(e): v for e, v in (doc.get("epoch_spans") or {}).items()}
+    before = [e for e in spans if e < epoch]
+    if epoch not in spans or not before:
+        return ""
+    return f" ({max(0.0, spans[epoch][0] - spans[max(before)][1]):.1f}s since the step before it)"
 
 
 def advance(shown: Shown, doc: dict[str, Any], now: float, wall: float | None = None) -> tuple[Shown, str]:

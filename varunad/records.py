@@ -6,6 +6,9 @@
 * ``history/<job>/<epoch>/<member>``: the (step, loss) pairs of the daemon's lowest rank in that
   epoch. The loss is agreed by every worker in the step's all-reduce, so any daemon of the
   epoch holds the whole history; ``merge_history`` keeps, per step, the newest epoch's value.
+  With them, the wall-clock span from its first step's report to its newest: the gap between
+  one epoch's last step and the next one's first is what a morph really cost, the wait for a
+  lost VM's lease and the new workers' start-up included.
 
 Outcomes of a worker: ``running``; ``done`` (exit 0); ``stopped`` (exit 75, asked to stop);
 ``killed`` (SIGKILLed by its daemon after a stop's grace period: not the script's fault);
@@ -19,7 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["OUTCOMES", "WorkerRecord", "WorkerReport", "Progress", "merge_history", "epoch_ranges"]
+__all__ = ["OUTCOMES", "WorkerRecord", "WorkerReport", "Progress", "encode_history", "decode_history",
+           "merge_history", "epoch_ranges", "merge_spans"]
 
 OUTCOMES = ("starting", "running", "done", "stopped", "killed", "failed")
 
@@ -114,13 +118,33 @@ class Progress:
             raise ValueError(f"progress is malformed: {exc}") from None
 
 
-def encode_history(pairs: Iterable[tuple[int, float]]) -> bytes:
-    return json.dumps({"steps": [[int(s), float(v)] for s, v in sorted(pairs)]}).encode()
+Span = tuple[float, float]   # wall-clock seconds of an epoch's first and newest reported step
 
 
-def decode_history(data: bytes) -> list[tuple[int, float]]:
+def encode_history(pairs: Iterable[tuple[int, float]], span: Span | None = None) -> bytes:
+    doc: dict[str, Any] = {"steps": [[int(s), float(v)] for s, v in sorted(pairs)]}
+    if span is not None:
+        doc["span"] = [float(span[0]), float(span[1])]
+    return json.dumps(doc).encode()
+
+
+def decode_history(data: bytes) -> tuple[list[tuple[int, float]], Span | None]:
+    """(the (step, loss) pairs, the span or None: entries written before spans existed have none)."""
     doc = _loads(data, "history")
-    return [(int(s), float(v)) for s, v in doc.get("steps", [])]
+    pairs = [(int(s), float(v)) for s, v in doc.get("steps", [])]
+    span = doc.get("span")
+    if span is None:
+        return pairs, None
+    if not (isinstance(span, list) and len(span) == 2 and all(isinstance(t, (int, float)) for t in span)
+            and span[0] <= span[1]):
+        raise ValueError(f"history span is malformed: {span!r}")
+    return pairs, (float(span[0]), float(span[1]))
+
+
+def merge_spans(spans: Iterable[Span]) -> Span | None:
+    """One epoch's span from its daemons' (each saw the same steps, a little earlier or later)."""
+    spans = list(spans)
+    return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
 
 
 def merge_history(per_epoch: Mapping[int, Iterable[tuple[int, float]]]) -> list[tuple[int, float]]:

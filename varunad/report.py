@@ -22,11 +22,14 @@ no price for a device kind) becomes a note in the report, never an error.
 Device time. The job holds P x D devices of its plan from the moment that plan is written until
 the next plan (a morph) or the end: the stop and re-plan of a morph are counted with the shape
 being left, which also holds the VMs meanwhile. Devices are priced by the plan's mix of device
-kinds (the newest plan's, for every epoch). Time lost to morphs is the stop-and-re-plan time
-plus the steps redone after resuming from the last checkpoint, at the measured step time (the
-mean step time when no step was traced). Not counted, because nothing records them per morph:
-the wait for a lost VM's lease to expire and the new workers' start-up. "On demand without
-morphs" prices the same work on dedicated VMs, which are not preempted.
+kinds (the newest plan's, for every epoch). Time lost to a morph is the stall plus the steps
+redone after resuming from the last checkpoint, at the measured step time (the mean step time
+when no step was traced). The stall is measured from the old epoch's last reported step to the
+new epoch's first, less one step: so it holds the wait for a lost VM's lease to expire, the stop,
+the re-plan, the new workers' start-up and the checkpoint load. Where an epoch's daemons did not
+record those times (older daemons), the leader's stop-and-re-plan time stands in, which misses
+the lease wait and the start-up. "On demand without morphs" prices the same work on dedicated
+VMs, which are not preempted.
 """
 
 from __future__ import annotations
@@ -126,16 +129,41 @@ def run_intervals(state: JobState, now: float) -> list[Interval]:
     return [Interval(e, shape, _devices(shape), t0, t1) for (e, shape, t0), t1 in zip(starts, ends)]
 
 
-def morph_losses(state: JobState, epoch_steps: Mapping[str, Sequence[int]]) -> tuple[float, int]:
-    """(seconds the job stood still stopping and re-planning, steps redone after a resume).
-    `epoch_steps` is job_status's epoch -> [first step, last step]."""
-    downtime = sum(max(0.0, m.planned_at - m.noticed_at) for m in state.morphs)
+def morph_losses(state: JobState, epoch_steps: Mapping[str, Sequence[int]],
+                 epoch_spans: Mapping[str, Sequence[float]] | None = None,
+                 step_s: float | None = None) -> tuple[float, int]:
+    """(seconds the job stood still across its morphs, steps redone after a resume).
+
+    `epoch_steps` is job_status's epoch -> [first step, last step], `epoch_spans` its epoch ->
+    [wall time of the first step, of the last]. Morphs into an epoch that never ran a step (a
+    morph during a morph's start-up) are measured together with the next one that did."""
     ranges = sorted((int(e), int(r[0]), int(r[1])) for e, r in epoch_steps.items())
     redone, reached = 0, -1
     for _, first, last in ranges:
         redone += max(0, min(reached, last) - first + 1)
         reached = max(reached, last)
-    return downtime, redone
+    spans = {int(e): (float(v[0]), float(v[1])) for e, v in (epoch_spans or {}).items()}
+    step_s = step_s if step_s is not None else _steady_step_s(ranges, spans)
+    ran = [e for e, _, _ in ranges]
+    downtime, pending = 0.0, 0.0
+    for m in sorted(state.morphs, key=lambda m: m.to_epoch):
+        pending += max(0.0, m.planned_at - m.noticed_at)
+        if m.to_epoch not in ran:
+            continue
+        before = [e for e in ran if e < m.to_epoch]
+        if before and before[-1] in spans and m.to_epoch in spans:
+            gap = spans[m.to_epoch][0] - spans[before[-1]][1] - (step_s or 0.0)
+            pending = max(pending, gap)
+        downtime, pending = downtime + pending, 0.0
+    return downtime + pending, redone
+
+
+def _steady_step_s(ranges: Sequence[tuple[int, int, int]], spans: Mapping[int, tuple[float, float]]
+                   ) -> float | None:
+    """Seconds per step in the longest epoch with a recorded span (its checkpoints included)."""
+    best = max(((last - first, spans[e]) for e, first, last in ranges if e in spans and last > first),
+               default=None, key=lambda x: x[0])
+    return None if best is None else (best[1][1] - best[1][0]) / best[0]
 
 
 def cost_report(intervals: Sequence[Interval], device_kinds: Mapping[str, int], prices: Mapping[str, DevicePrice],
@@ -358,11 +386,11 @@ def build_report(inputs: ReportInputs, out_dir: str | os.PathLike[str], prices: 
     loss = _attempt(notes, "loss chart", _loss_section, inputs, out)
     measured = _attempt(notes, "measured timeline", _measured_section, inputs, intervals, out)
     predicted_s = _attempt(notes, "predicted timeline", _predicted_section, inputs, out)
-    downtime, redone = morph_losses(state, status.get("epochs", {}))
+    step_s = measured.duration_s if measured is not None and measured.warm else None
+    downtime, redone = morph_losses(state, status.get("epochs", {}), status.get("epoch_spans"), step_s)
     cost = cost_report(intervals, state.plan.get("device_kinds") or _kinds_from(inputs.calibrations), prices,
                        steps=int(status.get("step") or 0), batch_size=inputs.spec.batch_size,
-                       downtime_s=downtime, redone_steps=redone,
-                       step_s=measured.duration_s if measured is not None and measured.warm else None)
+                       downtime_s=downtime, redone_steps=redone, step_s=step_s)
     cost["intervals"] = [{"epoch": iv.epoch, "shape": iv.shape, "devices": iv.devices, "start": iv.start,
                           "end": iv.end, "device_hours": iv.device_hours} for iv in intervals]
     if cost["missing_prices"]:
@@ -430,7 +458,7 @@ def _cost_lines(cost: dict[str, Any]) -> list[str]:
         f"samples  {cost['samples']:,}: {_count(cost['samples_per_usd_spot'])} per $ at spot, "
         f"{_count(cost['samples_per_usd_on_demand'])} per $ on demand",
         f"morphs   {m['count']}: {m['lost_s']:.1f} s lost ({100 * m['lost_fraction']:.1f}% of the run: "
-        f"{m['downtime_s']:.1f} s stopping and re-planning + {_plural(m['redone_steps'], 'redone step')})",
+        f"{m['downtime_s']:.1f} s stalled + {_plural(m['redone_steps'], 'redone step')})",
     ]
     if cost["spot_saving_factor"]:
         lines.append(f"saving   the same work on dedicated on-demand VMs (no morphs) would cost "

@@ -177,6 +177,7 @@ class Supervisor:
         self._progress: dict[int, Progress] = {}
         self._progress_written: dict[int, Progress] = {}
         self._history: dict[tuple[str, int], dict[int, float]] = {}
+        self._history_span: dict[tuple[str, int], tuple[float, float]] = {}
         self._history_dirty: set[tuple[str, int]] = set()
         self._report_dirty = True
         self._report_lease: int | None = None
@@ -473,7 +474,9 @@ class Supervisor:
             hist = self._history.setdefault(key, {})
             if len(hist) < _HISTORY_CAP:
                 hist[msg.step] = msg.loss
-                self._history_dirty.add(key)
+            now = time.time()
+            self._history_span[key] = (self._history_span.get(key, (now, now))[0], now)
+            self._history_dirty.add(key)
 
     # -- reporting to etcd ---------------------------------------------------------------------------
 
@@ -514,7 +517,8 @@ class Supervisor:
                 self._history_dirty.discard(key)
                 try:
                     await self.store.put(self.keys.history_entry(job, epoch, self.name),
-                                         encode_history(self._history[key].items()), timeout=t)
+                                         encode_history(self._history[key].items(), self._history_span.get(key)),
+                                         timeout=t)
                 except BaseException:
                     self._history_dirty.add(key)
                     raise
