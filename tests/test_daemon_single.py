@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_one_daemon_runs_a_job_with_the_synthetic_calibration_and_leaves_on_sigterm(tmp_path, etcd, etcd_root):
     ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=10.0)
     try:
-        d = ring.start("solo", "--calibrate", "uniform")
+        d = ring.start("solo", "--calibrate", "uniform", "--keep-jobs", "1")
         ring.wait_members(["solo"])
         assert ring.poll(ring.leader, timeout=20, what="a leader") == "solo"
         ring.submit("solo-job", steps=6, every=2)
@@ -30,6 +30,13 @@ def test_one_daemon_runs_a_job_with_the_synthetic_calibration_and_leaves_on_sigt
         for step, loss in st["loss_history"]:
             assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step])
         assert "no calibration of solo-job" in d.log_text()
+        # --keep-jobs 1: the next job to start here deletes this one's bundle and worker logs
+        state = tmp_path / "solo"
+        assert sorted(p.name for p in (state / "logs").iterdir()) == ["solo-job"]
+        ring.submit("next-job", steps=2, every=2)
+        assert ring.wait_state("next-job", ("done", "failed"), timeout=120)["state"] == "done"
+        for kind in ("bundles", "logs"):
+            assert sorted(p.name for p in (state / kind).iterdir()) == ["next-job"], kind
         r = ring.varunactl("status")
         assert r.returncode == 0 and "leader    solo" in r.stdout and "solo-job: done" in r.stdout, r.stdout
         sent = time.monotonic()

@@ -21,7 +21,9 @@ from varunad.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_d
                           unpack_bundle)
 from varunad.leader import LeaderMemory, decide
 from varunad.plans import PlanDoc, make_plan, uniform_calibration
-from varunad.records import WorkerRecord, WorkerReport, epoch_ranges, merge_history
+from varunad.housekeeping import prune_jobs
+from varunad.records import (WorkerRecord, WorkerReport, decode_history, encode_history, epoch_ranges,
+                             merge_history, merge_spans)
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["--etcd", "127.0.0.1:2379", "--store", "/tmp/store", "--plaintext"]
@@ -61,10 +63,36 @@ def test_config_precedence_flags_over_env_file_over_environment(tmp_path):
     (BASE + ["--ttl", "1"], "minimum lease"),
     (BASE + ["--name", "a/b"], "--name"),
     (BASE + ["--abort-grace", "70"], "shorter than --stop-grace"),
+    (BASE + ["--keep-jobs", "0"], "--keep-jobs 0 must be at least 1"),
 ])
 def test_config_refuses_unusable_settings(argv, message):
     with pytest.raises(ConfigError, match=message):
         load_config(argv, environ={})
+
+
+def _job_files(state, job: str, used: float, *, logs: bool = True) -> None:
+    (state / "bundles" / job).mkdir(parents=True)
+    (state / "bundles" / job / "train.py").write_text("pass\n")
+    paths = [state / "bundles" / job / "train.py", state / "bundles" / job]
+    if logs:
+        (state / "logs" / job).mkdir(parents=True)
+        (state / "logs" / job / "e1-r0.log").write_text("step 1\n")
+        paths += [state / "logs" / job / "e1-r0.log", state / "logs" / job]
+    for p in paths:
+        os.utime(p, (used, used))
+
+
+def test_housekeeping_keeps_the_most_recently_used_jobs(tmp_path):
+    for job, used in (("a", 100.0), ("b", 300.0), ("c", 200.0), ("d", 50.0)):
+        _job_files(tmp_path, job, used, logs=job != "c")
+    os.utime(tmp_path / "logs" / "a" / "e1-r0.log", (400.0, 400.0))   # a's workers still wrote lately
+    assert prune_jobs(tmp_path, 2, protect={"d"}) == ["c"]   # d is running: never touched
+    assert sorted(p.name for p in (tmp_path / "bundles").iterdir()) == ["a", "b", "d"]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["a", "b", "d"]
+    assert prune_jobs(tmp_path, 2) == ["d"] and prune_jobs(tmp_path, 2) == []
+    assert prune_jobs(tmp_path / "missing", 1) == []
+    with pytest.raises(ValueError, match="at least 1"):
+        prune_jobs(tmp_path, 0)
 
 
 def test_varunad_help_and_errors():
@@ -316,3 +344,13 @@ def test_history_merge_keeps_the_newest_epoch_per_step():
     per_epoch = {10: [(0, 1.0), (1, 2.0), (2, 3.0)], 20: [(2, 3.5), (3, 4.0)]}
     assert merge_history(per_epoch) == [(0, 1.0), (1, 2.0), (2, 3.5), (3, 4.0)]
     assert epoch_ranges(per_epoch) == {10: (0, 2), 20: (2, 3)}
+
+
+def test_history_entries_carry_their_span_and_refuse_a_bad_one():
+    pairs = [(3, 1.5), (1, 2.0)]
+    assert decode_history(encode_history(pairs, (10.0, 12.5))) == ([(1, 2.0), (3, 1.5)], (10.0, 12.5))
+    assert decode_history(encode_history(pairs)) == ([(1, 2.0), (3, 1.5)], None)   # an older daemon's entry
+    for bad in (b'{"steps": [], "span": [2.0, 1.0]}', b'{"steps": [], "span": "soon"}', b'{"steps": [], "span": [1]}'):
+        with pytest.raises(ValueError, match="span is malformed"):
+            decode_history(bad)
+    assert merge_spans([(10.0, 20.0), (9.5, 19.0)]) == (9.5, 20.0) and merge_spans([]) is None

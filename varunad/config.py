@@ -109,6 +109,8 @@ class DaemonConfig:
     """Seconds the workers of a new epoch may take to report their first step."""
     progress_interval: float = 1.0
     """Seconds between progress (and log) writes to etcd."""
+    keep_jobs: int = 10
+    """Jobs whose bundle and worker logs stay in the state dir (the most recently used)."""
     calibrate: Literal["uniform", "profile"] = "profile"
     """What to do when no calibration exists for a job's model: plan data-parallel only from a
     synthetic one ("uniform"), or run the script once with VARUNA_PROFILE on one slot ("profile")."""
@@ -131,6 +133,8 @@ class DaemonConfig:
         for name in ("slots", "port", "worker_port_base", "memory", "threads", "max_restarts", "metrics_port"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
+        if self.keep_jobs < 1:
+            raise ConfigError(f"--keep-jobs {self.keep_jobs} must be at least 1 (the running job's files stay)")
         for name in ("stop_grace", "abort_grace", "debounce", "start_timeout", "progress_interval"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
@@ -286,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--debounce", type=float, help="seconds to collect changes before re-planning (default 0.5)")
     a("--start-timeout", type=float, help="seconds a new epoch may take to its first step (default 120)")
     a("--progress-interval", type=float, help="seconds between progress writes to etcd (default 1)")
+    a("--keep-jobs", type=int, metavar="N",
+      help="keep the bundles and worker logs of the N most recently used jobs in the state dir; "
+           "older ones are deleted when a job starts here (default 10)")
     a("--calibrate", choices=["uniform", "profile"],
       help="missing calibration: profile the job's script once on one slot (profile, default) or plan "
            "from a synthetic one (uniform: data-parallel only, for quick experiments)")
