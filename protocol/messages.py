@@ -481,7 +481,9 @@ class WorkerProgress(Message):
 @_register
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerCheckpointed(Message):
-    """A worker wrote its share of the checkpoint of `step` at `path`."""
+    """A worker's share of the checkpoint of `step` is in place at `path`. `stalled_s` is how long
+    its training stood still for it: the whole write, or for a checkpoint staged in a local
+    directory and copied in the background, the local write alone."""
 
     TYPE: ClassVar[str] = "worker_checkpointed"
     job: str = _f(_ID)
@@ -489,6 +491,7 @@ class WorkerCheckpointed(Message):
     rank: int = _f(_RANK)
     step: int = _f(_STEP)
     path: str = _f(_PATH)
+    stalled_s: float = _f(_Float(0.0))
 
 
 @_register

@@ -467,3 +467,46 @@ def test_a_half_pruned_checkpoint_reads_as_incomplete(monkeypatch):
     with pytest.raises(CheckpointError, match="incomplete: no manifest"):
         verify(checkpoint_dir(store, 1))
     assert latest_complete(store) == 2
+
+
+# --- staged checkpoints: the writers' records and the background commit ------------------------------
+
+def _staged(tmp_path, rank: int, it: int = 7) -> tuple[str, list]:
+    stage = cs.checkpoint_dir(str(tmp_path / "staging" / f"rank{rank}"), it)
+    return stage, [cs.write_tensors(stage, f"layer_{rank:03d}.pt", {"w": torch.full((4,), float(rank))})]
+
+
+def test_staged_upload_commits_once_every_writer_has_its_files_in(tmp_path):
+    from trainer.checkpointing import Upload
+    store = str(tmp_path / "store")
+    final = cs.checkpoint_dir(store, 7)
+    stage0, files0 = _staged(tmp_path, 0)
+    stage1, files1 = _staged(tmp_path, 1)
+    cs.write_writer_record(final, "ab" * 8, 1, [])   # an earlier run's record: not counted
+    meta = {"P": 2, "D": 1}
+    up0 = Upload(stage0, final, files0, iteration=7, token="cd" * 8, rank=0, world=2, meta=meta, timeout_s=60)
+    assert not up0.wait(0.5)   # rank 0 copied its file, and waits for rank 1's
+    assert not os.path.exists(posixpath.join(final, cs.MANIFEST)) and cs.latest_complete(store) is None
+    up1 = Upload(stage1, final, files1, iteration=7, token="cd" * 8, rank=1, world=2, meta=None)
+    assert up1.wait(30) and up0.wait(30) and up0.error is None and up1.error is None
+    assert cs.latest_complete(store) == 7
+    assert [f["name"] for f in cs.verify(final)["files"]] == ["layer_000.pt", "layer_001.pt"]
+    assert not os.path.exists(stage0) and not os.path.exists(stage1)   # local copies removed
+
+
+def test_staged_upload_without_all_writers_stays_incomplete(tmp_path):
+    from trainer.checkpointing import Upload
+    store = str(tmp_path / "store")
+    stage0, files0 = _staged(tmp_path, 0)
+    up = Upload(stage0, cs.checkpoint_dir(store, 7), files0, iteration=7, token="ef" * 8, rank=0, world=2,
+                meta={}, timeout_s=0.3)
+    assert up.wait(30)
+    assert isinstance(up.error, CheckpointError) and "ranks [1] did not finish" in str(up.error)
+    assert cs.latest_complete(store) is None
+    with pytest.raises(CheckpointError, match="no manifest"):
+        cs.verify(cs.checkpoint_dir(store, 7))
+
+
+def test_writer_records_refuse_a_token_that_could_escape(tmp_path):
+    with pytest.raises(ValueError, match="hex"):
+        cs.write_writer_record(str(tmp_path / "c"), "../x", 0, [])

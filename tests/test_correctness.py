@@ -140,6 +140,28 @@ def test_checkpoint_from_4x1_resumes_in_2x2(tmp_path, reference):
         torch.testing.assert_close(params[name], ref, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_staged_checkpoint_holds_its_step_while_training_goes_on(tmp_path, reference):
+    """Varuna's tmpdir: each worker writes locally and a background thread copies into the store
+    while steps 4 and 5 change the parameters; rank 0 commits once every worker's files are in."""
+    ref_losses, ref_params = reference
+    store, staging = tmp_path / "store", tmp_path / "staging"
+    first = run_workers(tmp_path, 2, 2, "--store", str(store), "--checkpoint-at", "3", "--tmpdir", str(staging),
+                        name="first")
+    assert [r["loss"] for r in read_losses(first)["record"]] == pytest.approx(ref_losses, rel=1e-5)
+    ckpt = store / "varuna_ckpt_3"
+    assert (ckpt / "manifest.json").exists()
+    assert len(list((ckpt / "writers").glob("*-rank*.json"))) == 4   # every worker said its files were in
+    assert [p for p in staging.rglob("*") if p.is_file()] == []   # the local copies are gone
+    second = run_workers(tmp_path, 4, 1, "--store", str(store), "--resume", "3", name="second")
+    resumed = read_losses(second)["record"]
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx(ref_losses[3:], rel=1e-5)
+    params = merged_params(second)
+    for name, ref in ref_params.items():
+        if name != "eval":
+            torch.testing.assert_close(params[name], ref, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_stage_parameter_memory_is_a_share(tmp_path):
     # cut between every block (the balancer's choice is tested in test_partition)
     out = run_workers(tmp_path, 4, 1, name="mem", cuts=[1, 2, 3])

@@ -67,7 +67,8 @@ MESSAGES = {
     WorkerProgress: st.builds(WorkerProgress, job=ids, epoch=epochs, rank=ranks, step=epochs, loss=finite,
                               samples_per_s=st.floats(0, 1e12), busy_fraction=st.floats(0, 1)),
     WorkerCheckpointed: st.builds(WorkerCheckpointed, job=ids, epoch=epochs, rank=ranks, step=epochs,
-                                  path=st.text(min_size=1, max_size=100).filter(lambda s: "\x00" not in s)),
+                                  path=st.text(min_size=1, max_size=100).filter(lambda s: "\x00" not in s),
+                                  stalled_s=st.floats(0, 1e6)),
     WorkerFailed: st.builds(WorkerFailed, job=ids, epoch=epochs, rank=ranks, error=texts,
                             exit_code=st.none() | st.integers(-255, 255)),
 }
@@ -84,7 +85,7 @@ def _examples() -> list[Message]:
         StopWorkers(job="gpt-1", epoch=12, reason="member vm3 left", checkpoint=True),
         CheckpointNow(job="gpt-1", epoch=12, reason="spot eviction notice"),
         WorkerProgress(job="gpt-1", epoch=12, rank=3, step=101, loss=2.5, samples_per_s=812.5, busy_fraction=0.93),
-        WorkerCheckpointed(job="gpt-1", epoch=12, rank=3, step=100, path="/ckpt/gpt-1/100/rank3"),
+        WorkerCheckpointed(job="gpt-1", epoch=12, rank=3, step=100, path="/ckpt/gpt-1/100/rank3", stalled_s=1.25),
         WorkerFailed(job="gpt-1", epoch=12, rank=1, error="CUDA out of memory", exit_code=-9),
     ]
 
@@ -198,7 +199,8 @@ def test_assignment_refuses_inconsistent_plans(kw, words):
     lambda: StopWorkers(job="j", epoch=0, reason="x", checkpoint=1),
     lambda: WorkerFailed(job="j", epoch=0, rank=-1, error="", exit_code=None),
     lambda: WorkerFailed(job="j", epoch=0, rank=0, error="x" * 20000, exit_code=None),
-    lambda: WorkerCheckpointed(job="j", epoch=0, rank=0, step=0, path=""),
+    lambda: WorkerCheckpointed(job="j", epoch=0, rank=0, step=0, path="", stalled_s=0.0),
+    lambda: WorkerCheckpointed(job="j", epoch=0, rank=0, step=0, path="/c", stalled_s=-1.0),
     lambda: Ping(sender="a b", nonce=1),
     lambda: Ping(sender="a", nonce=2**64),
     lambda: SlotAssignment(rank=0, stage=0, replica=0, member="m", slot=0, endpoint=""),

@@ -118,3 +118,31 @@ def test_sigterm_to_one_worker_checkpoints_all_and_stops(tmp_path):
     assert result.returncode == STOPPED_EXIT_CODE, result.errors
     step = latest_complete(str(store))
     assert step is not None and 1 <= step < STEPS
+
+
+def test_periodic_checkpoints_staged_locally_reach_the_store_and_are_reported(tmp_path):
+    """VARUNA_CHECKPOINT_TMPDIR: every 4th step is written locally and copied into the store in the
+    background; each worker reports its share once it is in place, with the time training stood
+    still for it, and the last one (step 12, copied while the script ends) is complete too."""
+    store, staging = tmp_path / "store", tmp_path / "staging"
+    daemon = FakeDaemon()
+    notes = []
+    try:
+        thread, box, _ = start_launch(tmp_path, store, {
+            "VARUNA_CONTROL": daemon.endpoint, "VARUNA_CHECKPOINT_EVERY": "4",
+            "VARUNA_CHECKPOINT_TMPDIR": str(staging)}, "staged")
+        while len(notes) < 6:
+            _, msg = daemon.next_message()
+            if isinstance(msg, WorkerCheckpointed):
+                notes.append(msg)
+        thread.join(120)
+        result = box["result"]
+    finally:
+        daemon.close()
+    assert result.ok, result.errors
+    assert sorted((m.step, m.rank) for m in notes) == [(s, r) for s in (4, 8, 12) for r in (0, 1)]
+    assert all(m.path == str(store / f"varuna_ckpt_{m.step}") and m.stalled_s > 0 for m in notes)
+    for step in (4, 8, 12):
+        verify(str(store / f"varuna_ckpt_{step}"))
+    assert latest_complete(str(store)) == 12
+    assert [p for p in staging.rglob("*") if p.is_file()] == []

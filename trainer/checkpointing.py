@@ -5,15 +5,25 @@ segment) that first uses it, together with its optimizer state. The manifest's `
 each name to its file, so a worker of any later plan reads only the files of its own layers.
 Per-worker facts that do not depend on the plan (iteration, loss scale, learning-rate schedule,
 optimizer hyperparameters, RNG) go into `meta.pt`, written by rank 0.
+
+Staged checkpoints (a `tmpdir`, as in Varuna's API): each worker writes its files to a local
+directory, which takes the state as it is now, and a background thread copies them into the
+store while training goes on. No collective can run in that thread (it would interleave with
+the training's own), so completion travels through the store: each worker, once its files are
+in place, writes a record naming them (`ckpt_store.write_writer_record`); rank 0's thread
+waits for all of them and only then writes the manifest. Until then the checkpoint is
+incomplete and never loaded. One staged checkpoint is in flight at a time; the next one, an
+on-demand one and `close` wait for it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import posixpath
 import shutil
+import threading
 import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -22,7 +32,7 @@ from torch import nn
 from trainer import ckpt_store
 from trainer.errors import CheckpointError
 
-__all__ = ["save", "load", "agree"]
+__all__ = ["save", "load", "agree", "Upload"]
 
 log = logging.getLogger("varuna.checkpoint")
 
@@ -69,37 +79,106 @@ def _meta(v, iteration: int) -> dict:
 
 
 def save(v, store: str, iteration: int, *, tmpdir: str | None = None, shard: bool = False) -> str:
+    """Write checkpoint `iteration`; collective. With `tmpdir`, stage it there and leave the copy
+    into the store to a background `Upload` (held in `v._upload`); else write it in place."""
     start = time.perf_counter()
     v._shard_checkpoint = shard
     final_dir = ckpt_store.checkpoint_dir(store, iteration)
-    write_dir = ckpt_store.checkpoint_dir(tmpdir, iteration) if tmpdir else final_dir
-    entries = [ckpt_store.write_tensors(write_dir, fname, content)
-               for fname, content in sorted(_my_files(v).items())]
-    if v.rank == 0:
-        entries.append(ckpt_store.write_tensors(write_dir, META, _meta(v, iteration)))
     if tmpdir:
-        for e in entries:
-            _copy_file(write_dir, final_dir, e.name)
-        shutil.rmtree(write_dir, ignore_errors=True)
+        # The same name from every rank; a record of an earlier, dead run is never counted.
+        token = agree(v, lambda: uuid.uuid4().hex)
+        # per rank: the workers of a VM share the tmpdir, and each removes its own when copied
+        stage_dir = ckpt_store.checkpoint_dir(os.path.join(tmpdir, f"rank{v.rank}"), iteration)
+        entries = _write_mine(v, stage_dir, iteration)
+        stalled = time.perf_counter() - start
+        v._upload = Upload(stage_dir, final_dir, entries, iteration=iteration, token=token, rank=v.rank,
+                           world=v.assignment.world_size, meta=_manifest_meta(v) if v.rank == 0 else None,
+                           stalled_s=stalled)
+        log.info("rank %d: checkpoint %d staged in %s in %.2fs; copying it to %s in the background", v.rank,
+                 iteration, stage_dir, stalled, final_dir)
+        return final_dir
+    entries = _write_mine(v, final_dir, iteration)
     gathered: list[list | None] = [None] * v.assignment.world_size
     dist.all_gather_object(gathered, entries)
     if v.rank == 0:
-        meta = {"P": v.pipeline_depth, "D": v.data_depth, "cuts": list(v.cuts),
-                "index": dict(sorted(v.layout.files.items()))}
-        ckpt_store.write_manifest(final_dir, [e for es in gathered for e in es], meta, iteration=iteration)
+        ckpt_store.write_manifest(final_dir, [e for es in gathered for e in es], _manifest_meta(v),
+                                  iteration=iteration)
     dist.barrier()
     log.info("rank %d: checkpoint %d written to %s in %.2fs", v.rank, iteration, final_dir,
              time.perf_counter() - start)
     return final_dir
 
 
-def _copy_file(src_dir: str, dst_dir: str, name: str) -> None:
-    os.makedirs(dst_dir, exist_ok=True)
-    tmp = posixpath.join(dst_dir, f".{name}.copying.{os.getpid()}")
-    shutil.copyfile(posixpath.join(src_dir, name), tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, posixpath.join(dst_dir, name))
+def _write_mine(v, directory: str, iteration: int) -> list[ckpt_store.FileEntry]:
+    entries = [ckpt_store.write_tensors(directory, fname, content) for fname, content in sorted(_my_files(v).items())]
+    if v.rank == 0:
+        entries.append(ckpt_store.write_tensors(directory, META, _meta(v, iteration)))
+    return entries
+
+
+def _manifest_meta(v) -> dict:
+    return {"P": v.pipeline_depth, "D": v.data_depth, "cuts": list(v.cuts), "index": dict(sorted(v.layout.files.items()))}
+
+
+# Rank 0 gives the other workers this long to put their files in place before it leaves the
+# checkpoint incomplete (they copy as fast as the store takes it; a dead one never will).
+COMMIT_TIMEOUT_S = float(os.environ.get("VARUNA_CHECKPOINT_COMMIT_TIMEOUT", "1800"))
+
+
+class Upload:
+    """One staged checkpoint on its way into the store, in a daemon thread (see the module doc)."""
+
+    def __init__(self, stage_dir: str, final_dir: str, entries: list[ckpt_store.FileEntry], *, iteration: int,
+                 token: str, rank: int, world: int, meta: dict | None, timeout_s: float = COMMIT_TIMEOUT_S,
+                 stalled_s: float = 0.0) -> None:
+        self.iteration, self.final_dir = iteration, final_dir
+        self.stalled_s = stalled_s   # what staging cost the training thread
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(stage_dir, entries, token, rank, world, meta, timeout_s),
+            name=f"varuna-upload-{iteration}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the upload has ended (its error, if any, is in `error`)."""
+        self._thread.join(timeout)
+        return self.done()
+
+    def _run(self, stage_dir, entries, token, rank, world, meta, timeout_s) -> None:
+        start = time.perf_counter()
+        try:
+            for e in entries:
+                ckpt_store.copy_file(stage_dir, self.final_dir, e)
+            ckpt_store.write_writer_record(self.final_dir, token, rank, entries)
+            if meta is not None:
+                self._commit(token, world, meta, timeout_s)
+            log.info("rank %d: checkpoint %d copied to %s in %.2fs", rank, self.iteration, self.final_dir,
+                     time.perf_counter() - start)
+        except BaseException as exc:   # kept for the training thread, which raises or logs it
+            self.error = exc
+            log.error("rank %d: staged checkpoint %d did not reach %s: %s", rank, self.iteration,
+                      self.final_dir, exc)
+        finally:
+            shutil.rmtree(stage_dir, ignore_errors=True)
+
+    def _commit(self, token: str, world: int, meta: dict, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            records = ckpt_store.read_writer_records(self.final_dir, token)
+            if set(range(world)) <= set(records):
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(records))
+                raise CheckpointError(f"checkpoint {self.iteration}: ranks {missing} did not finish copying "
+                                      f"their files into {self.final_dir}; it stays incomplete",
+                                      hint="a worker died or the store is too slow; the previous checkpoint "
+                                           "is the one a resume loads")
+            time.sleep(0.1)
+        ckpt_store.write_manifest(self.final_dir, [e for r in sorted(records) for e in records[r]], meta,
+                                  iteration=self.iteration)
 
 
 def agree(v, fn):

@@ -58,6 +58,9 @@ __all__ = [
     "latest_complete",
     "prune",
     "copy_to_store",
+    "copy_file",
+    "write_writer_record",
+    "read_writer_records",
 ]
 
 CKPT_PREFIX = "varuna_ckpt_"
@@ -670,25 +673,79 @@ def copy_to_store(local_dir: str, store: str, iteration: int) -> str:
             hint=f"delete {dest} first if it is stale, or save under another iteration",
         )
     try:
-        dst.makedirs(dest)
         for f in doc["files"]:
-            src_path = posixpath.join(local_dir, f["name"])
-            dst_path = posixpath.join(dest, f["name"])
-            with src.open_read(src_path) as r, dst.open_atomic(dst_path) as w:
-                hw = _HashingWriter(w)
-                while chunk := r.read(_CHUNK):
-                    hw.write(chunk)
-                if hw.size != f["size"] or hw.sha.hexdigest() != f["sha256"]:
-                    # Raising inside the atomic write keeps the bad copy out of the store.
-                    raise _broken(local_dir, f"corrupt: {f['name']} does not match its manifest")
+            copy_file(local_dir, dest, FileEntry(f["name"], f["size"], f["sha256"]))
     except FileNotFoundError as exc:
         raise CheckpointError(
             f"could not copy checkpoint {iteration} from {local_dir}: {exc.filename} is missing",
             hint="write the checkpoint again locally before copying it",
         ) from None
-    except OSError as exc:
-        raise _write_error(dest, exc) from exc
     _write_manifest_doc(dst, dest, {**doc, "iteration": iteration})
     log.info("copied checkpoint %d from %s to %s (%d files)",
              iteration, local_dir, dest, len(doc["files"]))
     return dest
+
+
+def copy_file(src_dir: str, dst_dir: str, entry: FileEntry) -> None:
+    """Copy one checkpoint file, checked against `entry` while it streams (no second read); it
+    appears at the destination whole or not at all. Raises FileNotFoundError for a missing
+    source, CheckpointError for a corrupt one or a failed write."""
+    src, dst = _storage_for(src_dir), _storage_for(dst_dir)
+    dst_path = posixpath.join(dst_dir, entry.name)
+    try:
+        dst.makedirs(dst_dir)
+        with src.open_read(posixpath.join(src_dir, entry.name)) as r, dst.open_atomic(dst_path) as w:
+            hw = _HashingWriter(w)
+            while chunk := r.read(_CHUNK):
+                hw.write(chunk)
+            if hw.size != entry.size or hw.sha.hexdigest() != entry.sha256:
+                # Raising inside the atomic write keeps the bad copy out of the store.
+                raise _broken(src_dir, f"corrupt: {entry.name} does not match what was written")
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _write_error(dst_path, exc) from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Writers' records: how rank 0 learns, without a collective, that a staged checkpoint's files
+# are all in place (see checkpointing.save with a tmpdir)
+
+WRITERS = "writers"
+
+
+def _writer_record_path(ckpt_dir: str, token: str, rank: int) -> str:
+    return posixpath.join(ckpt_dir, WRITERS, f"{token}-rank{rank}.json")
+
+
+def write_writer_record(ckpt_dir: str, token: str, rank: int, entries: list[FileEntry]) -> None:
+    """Say that worker `rank` of the writing run `token` has put all its files in place."""
+    if not re.fullmatch(r"[0-9a-f]{8,64}", token):
+        raise ValueError(f"writer token must be hex, got {token!r}")
+    storage = _storage_for(ckpt_dir)
+    path = _writer_record_path(ckpt_dir, token, rank)
+    try:
+        storage.makedirs(posixpath.dirname(path))
+        with storage.open_atomic(path) as f:
+            f.write(json.dumps({"rank": rank, "files": [_entry_json(e) for e in entries]}).encode())
+    except OSError as exc:
+        raise _write_error(path, exc) from exc
+
+
+def read_writer_records(ckpt_dir: str, token: str) -> dict[int, list[FileEntry]]:
+    """The records of run `token` found so far (a record of another run is never counted)."""
+    storage = _storage_for(ckpt_dir)
+    base = posixpath.join(ckpt_dir, WRITERS)
+    try:
+        names = storage.listdir(base)
+    except FileNotFoundError:
+        return {}
+    found: dict[int, list[FileEntry]] = {}
+    for name in names:
+        m = re.fullmatch(rf"{re.escape(token)}-rank(\d+)\.json", name)
+        if not m:
+            continue
+        with storage.open_read(posixpath.join(base, name)) as f:
+            doc = json.loads(f.read())
+        found[int(m.group(1))] = [FileEntry(e["name"], int(e["size"]), e["sha256"]) for e in doc["files"]]
+    return found

@@ -89,8 +89,9 @@ class ControlClient:
                                   samples_per_s=max(0.0, samples_per_s),
                                   busy_fraction=min(1.0, max(0.0, busy_fraction))))
 
-    def checkpointed(self, step: int, path: str) -> None:
-        self._send(WorkerCheckpointed(job=self.job, epoch=self.epoch, rank=self.rank, step=step, path=path))
+    def checkpointed(self, step: int, path: str, stalled_s: float) -> None:
+        self._send(WorkerCheckpointed(job=self.job, epoch=self.epoch, rank=self.rank, step=step, path=path,
+                                      stalled_s=max(0.0, stalled_s)))
 
     def _send(self, msg) -> None:
         if self._sock is None:

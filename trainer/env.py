@@ -28,6 +28,8 @@ Variables (all strings):
                            checkpoint/stop requests (trainer.control)
     VARUNA_CHECKPOINT_EVERY  optional: checkpoint to VARUNA_STORE every K steps
     VARUNA_KEEP_CHECKPOINTS  optional: complete checkpoints to keep (default 3)
+    VARUNA_CHECKPOINT_TMPDIR  optional: stage the periodic checkpoints in this local directory
+                           and copy them into VARUNA_STORE in the background
     VARUNA_RESUME          optional: "latest" loads the newest complete checkpoint of
                            VARUNA_STORE in set_optimizer, so scripts need no resume code
     VARUNA_BATCH_SIZE      optional: the job's global batch; the script's must agree
@@ -109,6 +111,7 @@ class Assignment:
     control: str | None = None
     checkpoint_every: int | None = None
     keep_checkpoints: int = 3
+    checkpoint_tmpdir: str | None = None
     resume: str | None = None
     batch_size: int | None = None
     micro_batch_size: int | None = None
@@ -180,6 +183,7 @@ class Assignment:
             "VARUNA_CONTROL": self.control,
             "VARUNA_CHECKPOINT_EVERY": None if self.checkpoint_every is None else str(self.checkpoint_every),
             "VARUNA_KEEP_CHECKPOINTS": str(self.keep_checkpoints),
+            "VARUNA_CHECKPOINT_TMPDIR": self.checkpoint_tmpdir,
             "VARUNA_RESUME": self.resume,
             "VARUNA_BATCH_SIZE": _opt_str(self.batch_size),
             "VARUNA_MICRO_BATCH": _opt_str(self.micro_batch_size),
@@ -220,6 +224,7 @@ class Assignment:
                 control=environ.get("VARUNA_CONTROL"),
                 checkpoint_every=_opt_int(environ.get("VARUNA_CHECKPOINT_EVERY")),
                 keep_checkpoints=int(environ.get("VARUNA_KEEP_CHECKPOINTS", "3")),
+                checkpoint_tmpdir=environ.get("VARUNA_CHECKPOINT_TMPDIR") or None,
                 resume=environ.get("VARUNA_RESUME"),
                 batch_size=_opt_int(environ.get("VARUNA_BATCH_SIZE")),
                 micro_batch_size=_opt_int(environ.get("VARUNA_MICRO_BATCH")),

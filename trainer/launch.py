@@ -150,6 +150,7 @@ def plan_assignments(
     store: str | None = None,
     device: str | None = None,
     checkpoint_every: int | None = None,
+    checkpoint_tmpdir: str | None = None,
 ) -> list[Assignment]:
     """One Assignment per rank (rank = replica * stages + stage), with fresh loopback ports.
     With a store, the workers resume from its newest complete checkpoint by themselves."""
@@ -177,6 +178,7 @@ def plan_assignments(
             store=store,
             device=device,
             checkpoint_every=checkpoint_every,
+            checkpoint_tmpdir=checkpoint_tmpdir,
             resume="latest" if store else None,
         )
         for rank in range(world)
@@ -335,6 +337,7 @@ def launch(
     store: str | os.PathLike[str] | None = None,
     device: str | None = None,
     checkpoint_every: int | None = None,
+    checkpoint_tmpdir: str | os.PathLike[str] | None = None,
     grace: float = 5.0,
     echo: bool = False,
     capture: bool = True,
@@ -355,6 +358,7 @@ def launch(
         trace_dir=None if trace_dir is None else os.fspath(trace_dir),
         store=None if store is None else os.fspath(store), device=device,
         checkpoint_every=checkpoint_every,
+        checkpoint_tmpdir=None if checkpoint_tmpdir is None else os.fspath(checkpoint_tmpdir),
     )
     launcher = _Launcher(echo=echo, capture=capture, grace=grace)
     handlers = {}
@@ -417,6 +421,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", metavar="DIR", help="checkpoint store of the job; workers resume from its "
                    "newest complete checkpoint")
     p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint to --store every K steps")
+    p.add_argument("--checkpoint-tmpdir", metavar="DIR",
+                   help="write each periodic checkpoint to this local directory first and copy it to --store "
+                        "in the background, while training goes on (it counts once rank 0 commits it)")
     p.add_argument("--job", default="local", help="job id (default: local)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: cores // (P*D))")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop all workers after this long")
@@ -435,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ns.script, ns.script_args, stages=ns.stages, replicas=ns.replicas, timeout=ns.timeout,
             job=ns.job, schedule=ns.schedule, cuts=ns.cuts, threads=ns.threads,
             trace_dir=ns.trace_dir, store=ns.store, grace=ns.grace, echo=True, capture=False,
-            checkpoint_every=ns.checkpoint_every,
+            checkpoint_every=ns.checkpoint_every, checkpoint_tmpdir=ns.checkpoint_tmpdir,
         )
     except ConfigError as exc:
         parser.error(str(exc))

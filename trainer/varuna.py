@@ -36,7 +36,7 @@ from trainer.comm import PeerChannel
 from trainer.control import ControlClient, StopRequested
 from trainer.data_parallel import GradReducer, TiedReducer
 from trainer.env import Assignment
-from trainer.errors import ConfigError
+from trainer.errors import CheckpointError, ConfigError
 from trainer.executor import StageExecutor
 from trainer.layout import Layout, build_layout
 from trainer.partition import balance, dry_run, slice_stages, trace_model
@@ -114,6 +114,7 @@ class Varuna:
         self.scaler = LossScaler()
         self.grad_norm = 0.0
         self._shard_checkpoint = False
+        self._upload: checkpointing.Upload | None = None   # a staged checkpoint on its way to the store
         self.control = ControlClient(a.control, job=a.job, epoch=a.epoch, rank=a.rank)
         self._agreed = {"checkpoint": False, "stop": False}
         log.info("rank %d: stage %d/%d replica %d/%d, %d parameters (%.1f MB), cuts %s",
@@ -189,9 +190,13 @@ class Varuna:
         decision was agreed in the step's all-reduce, so every worker takes the same branch."""
         a = self.assignment
         periodic = a.checkpoint_every is not None and self.iteration % a.checkpoint_every == 0
+        if self._upload is not None and self._upload.done():
+            self._settle_upload()
         if a.store and (periodic or self._agreed["checkpoint"]):
-            path = self.checkpoint(a.store)
-            self.control.checkpointed(self.iteration, path)
+            start = time.perf_counter()
+            path = self.checkpoint(a.store, tmpdir=a.checkpoint_tmpdir, on_demand=self._agreed["checkpoint"])
+            if self._upload is None:   # written in place: complete now
+                self.control.checkpointed(self.iteration, path, time.perf_counter() - start)
             self.control.clear()
             if self.rank == 0:
                 ckpt_store.prune(a.store, a.keep_checkpoints)
@@ -220,9 +225,37 @@ class Varuna:
 
     def checkpoint(self, global_store: str, step: int | None = None, tmpdir: str | None = None,
                    shard: bool = False, on_demand: bool = False) -> str:
-        """Write this job's state as `global_store/varuna_ckpt_<step>`; collective (every worker calls it)."""
+        """Write this job's state as `global_store/varuna_ckpt_<step>`; collective (every worker calls it).
+
+        With `tmpdir` (a local directory), the state is written there and copied into the store in
+        the background while training goes on; the checkpoint is complete (loadable) once rank 0
+        has written its manifest, which `wait_checkpoint` waits for. `on_demand` (a preemption
+        notice) writes straight into the store and returns when it is complete. Either way the
+        staged checkpoint still in flight, if any, is waited for first (a failed one is logged)."""
+        self._settle_upload()
         return checkpointing.save(self, global_store, self.iteration if step is None else step,
-                                  tmpdir=tmpdir, shard=shard)
+                                  tmpdir=None if on_demand else tmpdir, shard=shard)
+
+    def wait_checkpoint(self) -> str | None:
+        """Wait for the staged checkpoint in flight to reach the store; returns its directory (None
+        when there is none). Raises CheckpointError if it failed: it stays incomplete and the
+        previous checkpoint is the newest a resume would load."""
+        upload = self._settle_upload()
+        if upload is None:
+            return None
+        if upload.error is not None:
+            raise CheckpointError(f"checkpoint {upload.iteration} did not reach the store: {upload.error}",
+                                  hint="check the store's mount and free space")
+        return upload.final_dir
+
+    def _settle_upload(self) -> checkpointing.Upload | None:
+        """Wait for the staged checkpoint in flight, tell the daemon if it made it, forget it."""
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            upload.wait()
+            if upload.error is None:
+                self.control.checkpointed(upload.iteration, upload.final_dir, upload.stalled_s)
+        return upload
 
     def load_checkpoint(self, global_store: str, iteration: int | None = None, check_complete: bool = True) -> int:
         """Load `varuna_ckpt_<iteration>` (default: the newest complete one); collective.
@@ -232,6 +265,8 @@ class Varuna:
     def close(self) -> None:
         """Release sockets and the process group; also run at interpreter exit."""
         # getattr: a constructor that failed half-way registered this already
+        if getattr(self, "_upload", None) is not None:
+            self._settle_upload()   # a staged checkpoint must not die with the process
         if getattr(self, "channel", None) is not None:
             self.channel.close()
             self.channel = None

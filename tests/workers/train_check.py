@@ -23,6 +23,7 @@ p.add_argument("--precision", default="fp32")
 p.add_argument("--init-loss-scale", type=float, default=2.0**20)
 p.add_argument("--store", default=None, help="checkpoint store")
 p.add_argument("--checkpoint-at", type=int, default=None, help="checkpoint after this many steps")
+p.add_argument("--tmpdir", default=None, help="stage the checkpoint here and copy it in the background")
 p.add_argument("--resume", type=int, default=None, help="load this checkpoint before training")
 p.add_argument("--grads", action="store_true", help="do one forward/backward and dump gradients, no step")
 p.add_argument("--clip", type=float, default=None, help="global gradient-norm clipping")
@@ -57,7 +58,7 @@ while varuna.iteration < args.steps:
     record.append({"step": varuna.iteration - 1, "loss": loss, "overflow": overflow,
                    "scale": varuna.scaler.scale})
     if args.checkpoint_at is not None and varuna.iteration == args.checkpoint_at:
-        varuna.checkpoint(args.store)
+        varuna.checkpoint(args.store, tmpdir=args.tmpdir)
 eval_idx = GlobalBatches(len(data), args.batch_size, seed=99).shard(0, varuna.replica, varuna.data_depth)
 eval_loss = varuna.evaluate(data.batch(eval_idx))
 with open(f"{args.out}/losses_rank{varuna.rank}.json", "w") as f:
