@@ -54,19 +54,14 @@ async def test_exposition_holds_every_documented_name_and_the_values_set():
     assert "varunad_members 0.0" in (await DaemonMetrics().exposition()).decode()  # registries are separate
 
 
-async def test_checkpoint_seconds_run_from_the_step_before_to_the_checkpoint_note():
-    now = [100.0]
-    m = DaemonMetrics(clock=lambda: now[0])
-    m.begin_epoch({0: 0})
-    assert m.worker_checkpointed(job="j", rank=0, step=3) is None  # no progress heard: nothing observed
-    m.worker_progress(job="j", rank=0, step=2, loss=1.0, samples_per_s=1.0, busy_fraction=1.0, reports_job=True)
-    now[0] += 0.07
-    seconds = m.worker_checkpointed(job="j", rank=0, step=3)
-    assert seconds == pytest.approx(0.07)
-    assert m.worker_checkpointed(job="j", rank=1, step=3) is None
+async def test_checkpoint_seconds_are_the_stall_the_worker_reports():
+    m = DaemonMetrics()
+    m.worker_checkpointed(job="j", stalled_s=0.07)
+    m.worker_checkpointed(job="j", stalled_s=0.01)
     text = (await m.exposition()).decode()
-    assert _value(text, 'varunad_checkpoint_seconds_count{job="j"}') == 1
-    assert _value(text, 'varunad_checkpoint_seconds_bucket{job="j",le="0.05"}') == 0
+    assert _value(text, 'varunad_checkpoint_seconds_count{job="j"}') == 2
+    assert _value(text, 'varunad_checkpoint_seconds_bucket{job="j",le="0.05"}') == 1
+    assert _value(text, 'varunad_checkpoint_seconds_sum{job="j"}') == pytest.approx(0.08)
 
 
 async def test_the_endpoint_answers_get_metrics_and_refreshes_first():

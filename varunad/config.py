@@ -111,6 +111,8 @@ class DaemonConfig:
     """Seconds between progress (and log) writes to etcd."""
     keep_jobs: int = 10
     """Jobs whose bundle and worker logs stay in the state dir (the most recently used)."""
+    stage_checkpoints: bool = True
+    """Workers write periodic checkpoints to the state dir and copy them to the store in the background."""
     calibrate: Literal["uniform", "profile"] = "profile"
     """What to do when no calibration exists for a job's model: plan data-parallel only from a
     synthetic one ("uniform"), or run the script once with VARUNA_PROFILE on one slot ("profile")."""
@@ -293,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--keep-jobs", type=int, metavar="N",
       help="keep the bundles and worker logs of the N most recently used jobs in the state dir; "
            "older ones are deleted when a job starts here (default 10)")
+    a("--stage-checkpoints", action=argparse.BooleanOptionalAction, default=None,
+      help="workers write each periodic checkpoint to the state dir and copy it into the store in the "
+           "background while training goes on (default on; on-demand checkpoints go straight to the store)")
     a("--calibrate", choices=["uniform", "profile"],
       help="missing calibration: profile the job's script once on one slot (profile, default) or plan "
            "from a synthetic one (uniform: data-parallel only, for quick experiments)")

@@ -1,7 +1,8 @@
 """Bounds the daemon's local state: the bundles and worker logs of old jobs are deleted.
 
-Every job a VM runs leaves ``STATE_DIR/bundles/<job>`` (its script directory) and
-``STATE_DIR/logs/<job>`` (each worker's whole output, a file per epoch). A VM image that lives
+Every job a VM runs leaves ``STATE_DIR/bundles/<job>`` (its script directory),
+``STATE_DIR/logs/<job>`` (each worker's whole output, a file per epoch) and
+``STATE_DIR/staging/<job>`` (checkpoints on their way to the store). A VM image that lives
 across many jobs would fill its disk with them, so when a job's files arrive on a VM, only the
 ``keep`` most recently used jobs stay; the running one is never touched.
 """
@@ -18,7 +19,7 @@ __all__ = ["prune_jobs"]
 
 log = logging.getLogger(__name__)
 
-_KINDS = ("bundles", "logs")
+_KINDS = ("bundles", "logs", "staging")
 
 
 def _last_used(dirs: list[Path]) -> float:

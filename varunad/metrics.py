@@ -21,17 +21,17 @@ name                                type     labels              meaning
                                                                  computing rather than waiting on peers, [0, 1]
 ``varunad_morphs_total``            counter                      morphs (re-plans of a running job onto a new
                                                                  P x D) this daemon made while it led
-``varunad_checkpoint_seconds``      histo-   job                 seconds a local worker took to write its share
-                                    gram                         of a checkpoint (``_bucket``, ``_sum``, ``_count``)
+``varunad_checkpoint_seconds``      histo-   job                 seconds a local worker's training stood still for
+                                    gram                         its share of a checkpoint (``_bucket``, ``_sum``,
+                                                                 ``_count``)
 ==================================  =======  ==================  ===============================================
 
 Job series keep their last value after the job ends (a finished job's final loss stays visible);
 the busy fractions are cleared when a new epoch starts, because ranks move between stages.
 
-Checkpoint seconds are measured here, not sent by the worker: a worker reports a step
-(``WorkerProgress``), then, when the step is a checkpoint step, writes its share and reports
-``WorkerCheckpointed`` for the next step (``Varuna._after_step``), so the time between the two
-messages of one rank is the write (plus a local socket hop).
+Checkpoint seconds are what the worker reports in ``WorkerCheckpointed.stalled_s``: how long its
+training stood still for its share (for a checkpoint staged locally and copied in the
+background, the local write alone).
 
 The endpoint is served from the daemon's asyncio loop (``serve``), not from prometheus_client's
 threaded HTTP server: the control plane is one loop with no threads, and a scrape first refreshes
@@ -46,7 +46,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -77,8 +76,7 @@ class DaemonMetrics:
     """One daemon's metrics in a registry of their own. The daemon, its supervisor and its leader
     set them; ``before_scrape`` (optional) refreshes the on-demand ones before each scrape."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock  # times checkpoints (a test passes its own)
+    def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.members = Gauge("varunad_members", "Live members this daemon sees in etcd", registry=r)
         self.leader = Gauge("varunad_leader", "1 while this daemon is the leader, else 0", registry=r)
@@ -93,18 +91,16 @@ class DaemonMetrics:
             ["job", "stage", "rank"], registry=r)
         self.morphs = Counter("varunad_morphs", "Morphs of a running job this daemon made while it led", registry=r)
         self.checkpoint_seconds = Histogram(
-            "varunad_checkpoint_seconds", "Seconds a local worker took to write its share of a checkpoint", ["job"],
+            "varunad_checkpoint_seconds", "Seconds a local worker's training stood still for its share of a checkpoint", ["job"],
             buckets=CHECKPOINT_BUCKETS, registry=r)
         self.before_scrape: Callable[[], Awaitable[None]] | None = None
         self._stage_of: dict[int, int] = {}
-        self._progress_at: dict[tuple[str, int], tuple[int, float]] = {}  # (job, rank) -> (step, monotonic)
 
     # -- what the supervisor hears from workers ------------------------------------------------------
 
     def begin_epoch(self, stage_of: Mapping[int, int]) -> None:
         """A new epoch: ``stage_of`` maps each local rank to its pipeline stage."""
         self._stage_of = dict(stage_of)
-        self._progress_at.clear()
         self.stage_busy_fraction.clear()
 
     def worker_progress(self, *, job: str, rank: int, step: int, loss: float, samples_per_s: float,
@@ -113,21 +109,14 @@ class DaemonMetrics:
         stage = self._stage_of.get(rank)
         self.stage_busy_fraction.labels(job=job, stage="" if stage is None else str(stage),
                                         rank=str(rank)).set(busy_fraction)
-        self._progress_at[(job, rank)] = (step, self._clock())
         if reports_job:
             self.job_step.labels(job=job).set(step)
             self.job_loss.labels(job=job).set(loss)
             self.samples_per_second.labels(job=job).set(samples_per_s)
 
-    def worker_checkpointed(self, *, job: str, rank: int, step: int) -> float | None:
-        """One ``WorkerCheckpointed``: observe the seconds since the progress of the step before it
-        (see the module docstring); None (nothing observed) if that progress was not heard."""
-        last = self._progress_at.get((job, rank))
-        if last is None or last[0] + 1 != step:
-            return None
-        seconds = max(0.0, self._clock() - last[1])
-        self.checkpoint_seconds.labels(job=job).observe(seconds)
-        return seconds
+    def worker_checkpointed(self, *, job: str, stalled_s: float) -> None:
+        """One ``WorkerCheckpointed``: observe how long the worker's training stood still for it."""
+        self.checkpoint_seconds.labels(job=job).observe(stalled_s)
 
     # -- exposition ---------------------------------------------------------------------------------
 

@@ -232,6 +232,7 @@ class Supervisor:
                 checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume="latest",
                 batch_size=batch_size, micro_batch_size=doc.micro_batch_size, steps=steps,
                 trace_dir=job_trace_dir(store_dir, epoch),
+                checkpoint_tmpdir=str(self._staging_dir(doc.job or "")) if self.config.stage_checkpoints else None,
             )
             ports = [member.worker_ports[s.slot]] + ([member.rendezvous_port] if s.rank == 0 else [])
             await self._spawn(_Worker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot,
@@ -273,6 +274,9 @@ class Supervisor:
 
     def _device(self, member: DaemonMember, slot: int) -> str:
         return "cpu" if member.device_kind == "cpu" else str(slot)
+
+    def _staging_dir(self, job: str) -> Path:
+        return Path(self.config.state_dir) / "staging" / job
 
     def _log_path(self, job: str, epoch: int, rank: int) -> Path:
         return Path(self.config.state_dir) / "logs" / job / f"e{epoch}-r{rank}.log"
@@ -447,9 +451,9 @@ class Supervisor:
             if isinstance(msg, WorkerProgress):
                 self._on_progress(w, msg)
             else:
-                seconds = self.metrics.worker_checkpointed(job=msg.job, rank=msg.rank, step=msg.step)
-                log.info("%s: rank %d checkpointed step %d of %s%s", self.name, msg.rank, msg.step, msg.job,
-                         "" if seconds is None else f" in {seconds:.2f}s")
+                self.metrics.worker_checkpointed(job=msg.job, stalled_s=msg.stalled_s)
+                log.info("%s: rank %d checkpointed step %d of %s (training stood still %.2fs for it)", self.name,
+                         msg.rank, msg.step, msg.job, msg.stalled_s)
                 self._wake.set()  # flush the history now: the next epoch resumes from here
 
     def _drop(self, why: str) -> None:
