@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
+from varunad.records import stall_before
+
 __all__ = ["Shown", "start", "advance", "finish", "bar_line", "plain_line", "morph_line", "watch"]
 
 _CLEAR = "\r\x1b[K"
@@ -125,10 +127,8 @@ def _stall(doc: dict[str, Any], epoch: int) -> str:
     """How long training stood still: from the last step of the epoch before to this epoch's first
     (a lost VM's lease runs out before the leader notices, so this is the longer figure)."""
     spans = {int(e): v for e, v in (doc.get("epoch_spans") or {}).items()}
-    before = [e for e in spans if e < epoch]
-    if epoch not in spans or not before:
-        return ""
-    return f" ({max(0.0, spans[epoch][0] - spans[max(before)][1]):.1f}s since the step before it)"
+    gap = stall_before(epoch, (int(e) for e in doc.get("epochs") or {}), spans)
+    return "" if gap is None else f" ({max(0.0, gap):.1f}s since the step before it)"
 
 
 def advance(shown: Shown, doc: dict[str, Any], now: float, wall: float | None = None) -> tuple[Shown, str]:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 __all__ = ["OUTCOMES", "WorkerRecord", "WorkerReport", "Progress", "encode_history", "decode_history",
-           "merge_history", "epoch_ranges", "merge_spans"]
+           "merge_history", "epoch_ranges", "merge_spans", "stall_before"]
 
 OUTCOMES = ("starting", "running", "done", "stopped", "killed", "failed")
 
@@ -145,6 +145,16 @@ def merge_spans(spans: Iterable[Span]) -> Span | None:
     """One epoch's span from its daemons' (each saw the same steps, a little earlier or later)."""
     spans = list(spans)
     return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
+
+
+def stall_before(epoch: int, ran: Iterable[int], spans: Mapping[int, Span]) -> float | None:
+    """Wall seconds from the last step of the newest epoch before `epoch` that ran a step to
+    `epoch`'s first step: how long training stood still across the morph(s) between them, a
+    lost VM's lease wait and the new workers' start-up included. None when either has no span."""
+    before = max((e for e in ran if e < epoch), default=None)
+    if before is None or before not in spans or epoch not in spans:
+        return None
+    return spans[epoch][0] - spans[before][1]
 
 
 def merge_history(per_epoch: Mapping[int, Iterable[tuple[int, float]]]) -> list[tuple[int, float]]:

@@ -55,6 +55,7 @@ from varunad.ctl import job_status
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobState, model_fingerprint
 from varunad.prices import DevicePrice, load_prices
+from varunad.records import stall_before
 from varunad.store import Store
 
 __all__ = ["FILES", "ReportInputs", "Interval", "MeasuredStep", "collect", "run_intervals", "morph_losses",
@@ -150,10 +151,9 @@ def morph_losses(state: JobState, epoch_steps: Mapping[str, Sequence[int]],
         pending += max(0.0, m.planned_at - m.noticed_at)
         if m.to_epoch not in ran:
             continue
-        before = [e for e in ran if e < m.to_epoch]
-        if before and before[-1] in spans and m.to_epoch in spans:
-            gap = spans[m.to_epoch][0] - spans[before[-1]][1] - (step_s or 0.0)
-            pending = max(pending, gap)
+        gap = stall_before(m.to_epoch, ran, spans)
+        if gap is not None:   # less the one step that would have run anyway
+            pending = max(pending, gap - (step_s or 0.0))
         downtime, pending = downtime + pending, 0.0
     return downtime + pending, redone
 
