@@ -21,7 +21,7 @@ from varunad.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_d
                           unpack_bundle)
 from varunad.leader import LeaderMemory, decide
 from varunad.plans import PlanDoc, make_plan, uniform_calibration
-from varunad.housekeeping import prune_jobs
+from varunad.housekeeping import LOGS, job_dir, prune_jobs
 from varunad.records import (WorkerRecord, WorkerReport, decode_history, encode_history, epoch_ranges,
                              merge_history, merge_spans)
 
@@ -93,6 +93,9 @@ def test_housekeeping_keeps_the_most_recently_used_jobs(tmp_path):
     assert prune_jobs(tmp_path / "missing", 1) == []
     with pytest.raises(ValueError, match="at least 1"):
         prune_jobs(tmp_path, 0)
+    assert job_dir(tmp_path, LOGS, "a") == tmp_path / "logs" / "a"
+    with pytest.raises(ValueError, match="unknown kind"):
+        job_dir(tmp_path, "cache", "a")   # a kind pruning would never see
 
 
 def test_varunad_help_and_errors():

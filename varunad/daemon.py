@@ -44,7 +44,7 @@ from varunad.config import ConfigError, DaemonConfig, build_parser, load_config
 from varunad.election import Election, ElectionState
 from varunad.facts import DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, version
 from varunad.fleetkeys import FleetKeys
-from varunad.housekeeping import prune_jobs
+from varunad.housekeeping import BUNDLES, job_dir, prune_jobs
 from varunad.jobs import BundleError, JobSpec, JobSpecError, job_store, model_fingerprint, unpack_bundle
 from varunad.leader import Leader
 from varunad.membership import Membership, NameInUse, read_members
@@ -346,7 +346,7 @@ class Daemon:
         bundle = await self.store.get(self.keys.bundle(job), timeout=t)
         if bundle is None:
             raise BundleError(f"job {job} has no bundle in etcd")
-        directory = unpack_bundle(bundle.value, spec.bundle_digest, Path(self.config.state_dir) / "bundles" / job)
+        directory = unpack_bundle(bundle.value, spec.bundle_digest, job_dir(self.config.state_dir, BUNDLES, job))
         running = {w.job for w in self.supervisor.alive()}
         for old in prune_jobs(self.config.state_dir, self.config.keep_jobs, protect={job, *running}):
             self._jobs.pop(old, None)

@@ -15,11 +15,21 @@ import shutil
 from collections.abc import Collection
 from pathlib import Path
 
-__all__ = ["prune_jobs"]
+__all__ = ["BUNDLES", "LOGS", "STAGING", "job_dir", "prune_jobs"]
 
 log = logging.getLogger(__name__)
 
-_KINDS = ("bundles", "logs", "staging")
+# What the state dir holds per job: every writer names its directory through `job_dir`, so
+# pruning sees whatever a job left there.
+BUNDLES, LOGS, STAGING = "bundles", "logs", "staging"
+_KINDS = (BUNDLES, LOGS, STAGING)
+
+
+def job_dir(state_dir: str | os.PathLike[str], kind: str, job: str) -> Path:
+    """``STATE_DIR/<kind>/<job>``, for one of BUNDLES, LOGS, STAGING."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown kind of job files {kind!r}; one of {_KINDS}")
+    return Path(state_dir) / kind / job
 
 
 def _last_used(dirs: list[Path]) -> float:
@@ -40,7 +50,7 @@ def prune_jobs(state_dir: str | os.PathLike[str], keep: int, protect: Collection
     root = Path(state_dir)
     dirs: dict[str, list[Path]] = {}
     for kind in _KINDS:
-        base = root / kind
+        base = root / kind   # the parent of every job_dir of this kind
         if base.is_dir():
             for d in base.iterdir():
                 if d.is_dir():

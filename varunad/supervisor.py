@@ -45,6 +45,7 @@ from trainer.launch import worker_environment as launch_environment
 from varunad.config import DaemonConfig
 from varunad.facts import DaemonMember, PortReservation
 from varunad.fleetkeys import FleetKeys
+from varunad.housekeeping import LOGS, STAGING, job_dir
 from varunad.jobs import job_trace_dir
 from varunad.membership import Membership
 from varunad.metrics import DaemonMetrics
@@ -276,10 +277,10 @@ class Supervisor:
         return "cpu" if member.device_kind == "cpu" else str(slot)
 
     def _staging_dir(self, job: str) -> Path:
-        return Path(self.config.state_dir) / "staging" / job
+        return job_dir(self.config.state_dir, STAGING, job)
 
     def _log_path(self, job: str, epoch: int, rank: int) -> Path:
-        return Path(self.config.state_dir) / "logs" / job / f"e{epoch}-r{rank}.log"
+        return job_dir(self.config.state_dir, LOGS, job) / f"e{epoch}-r{rank}.log"
 
     def _begin(self, job: str, epoch: int) -> None:
         self.workers = {}
@@ -463,22 +464,23 @@ class Supervisor:
                         self.name, self.dropped, why)
 
     def _on_progress(self, w: _Worker, msg: WorkerProgress) -> None:
+        now = time.time()
+        reports_job = w.rank == min(self.workers)   # the lowest local rank speaks for the job
         if w.step < 0 and not self.first_step_at:
-            self.first_step_at = time.time()
+            self.first_step_at = now
             self._mark_report()
         w.step = max(w.step, msg.step)
         self._progress[w.rank] = Progress(job=msg.job, epoch=msg.epoch, rank=msg.rank, step=msg.step, loss=msg.loss,
                                           samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
-                                          member=self.name, at=time.time())
+                                          member=self.name, at=now)
         self.metrics.worker_progress(job=msg.job, rank=msg.rank, step=msg.step, loss=msg.loss,
                                      samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
-                                     reports_job=w.rank == min(self.workers))
-        if w.rank == min(self.workers):
+                                     reports_job=reports_job)
+        if reports_job:
             key = (msg.job, msg.epoch)
             hist = self._history.setdefault(key, {})
             if len(hist) < _HISTORY_CAP:
                 hist[msg.step] = msg.loss
-            now = time.time()
             self._history_span[key] = (self._history_span.get(key, (now, now))[0], now)
             self._history_dirty.add(key)
 
