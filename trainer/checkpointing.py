@@ -117,7 +117,8 @@ def _write_mine(v, directory: str, iteration: int) -> list[ckpt_store.FileEntry]
 
 
 def _manifest_meta(v) -> dict:
-    return {"P": v.pipeline_depth, "D": v.data_depth, "cuts": list(v.cuts), "index": dict(sorted(v.layout.files.items()))}
+    return {"P": v.pipeline_depth, "D": v.data_depth, "cuts": list(v.cuts),
+            "index": dict(sorted(v.layout.files.items()))}
 
 
 # Rank 0 gives the other workers this long to put their files in place before it leaves the

@@ -641,7 +641,8 @@ def _network_measure(rank, ports, sizes, ar_sizes, repeats, warmup) -> dict[str,
         ar: list[float] = []
         for n in ar_sizes:
             numel = max(n // 4, 1)
-            params = [nn.Parameter(torch.zeros(min(_AR_PARAM_NUMEL, numel - i))) for i in range(0, numel, _AR_PARAM_NUMEL)]
+            params = [nn.Parameter(torch.zeros(min(_AR_PARAM_NUMEL, numel - i)))
+                      for i in range(0, numel, _AR_PARAM_NUMEL)]
             reducer = GradReducer(params, None, 2)
             times = []
             for r in range(warmup + repeats):

@@ -91,7 +91,8 @@ class DaemonMetrics:
             ["job", "stage", "rank"], registry=r)
         self.morphs = Counter("varunad_morphs", "Morphs of a running job this daemon made while it led", registry=r)
         self.checkpoint_seconds = Histogram(
-            "varunad_checkpoint_seconds", "Seconds a local worker's training stood still for its share of a checkpoint", ["job"],
+            "varunad_checkpoint_seconds", "Seconds a local worker's training stood still for its share of a checkpoint",
+            ["job"],
             buckets=CHECKPOINT_BUCKETS, registry=r)
         self.before_scrape: Callable[[], Awaitable[None]] | None = None
         self._stage_of: dict[int, int] = {}

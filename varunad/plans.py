@@ -204,7 +204,8 @@ def make_plan(
     doc = PlanDoc(
         kind="run", reason=reason, job=spec.job, pipeline_depth=P, data_depth=D,
         micro_batch_size=result.micro_batch_size, schedule=result.schedule, cuts=tuple(result.cuts),
-        recompute=tuple(result.recompute), slots=tuple(plan_slots), dist_url=host0.rendezvous_url(), estimated_s=float(result.estimated_s),
+        recompute=tuple(result.recompute), slots=tuple(plan_slots), dist_url=host0.rendezvous_url(),
+        estimated_s=float(result.estimated_s),
         calibrated=calibrated, incarnations={m: lease for m, lease in incarnations.items() if m in used},
     )
     return doc, result

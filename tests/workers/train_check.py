@@ -34,7 +34,8 @@ cfg = GPTConfig.preset("tiny", dropout=args.dropout)
 model = GPT(cfg, seed=0)
 data = TextDataset(cfg.seq_len, num_examples=256, seed=0)
 varuna = Varuna(model, None, data.sample_batch, args.batch_size, args.chunk_size,
-                precision=args.precision, schedule=args.schedule, recompute=None if args.recompute < 0 else bool(args.recompute))
+                precision=args.precision, schedule=args.schedule,
+                recompute=None if args.recompute < 0 else bool(args.recompute))
 # SGD with momentum: stateful (checkpoints carry its buffers) but, unlike Adam, it does not
 # blow float summation-order noise on near-zero gradients up to full-size updates.
 opt = torch.optim.SGD(varuna.parameters(), lr=0.1, momentum=0.9)
