@@ -3,6 +3,7 @@ profiling the real script first (the default), and leaves the fleet at once on S
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -51,11 +52,15 @@ def test_one_daemon_runs_a_job_with_the_synthetic_calibration_and_leaves_on_sigt
 
 def test_the_default_profiles_the_real_script_before_planning(tmp_path, etcd, etcd_root):
     """No calibration in etcd: the daemon runs the job's script once with VARUNA_PROFILE (the
-    Varuna object profiles the model and exits), stores the calibration, then plans from it."""
+    Varuna object profiles the model and exits), stores the calibration, then plans from it. The
+    host has two CPU slots (one thread each), so the profile measures both busy at once, as its
+    training workers will run, and the calibration is stored for that kind of slot."""
     ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=10.0)
     try:
-        d = ring.start("solo")
+        d = ring.start("solo", "--slots", "2")
         ring.wait_members(["solo"])
+        member = json.loads(ring.call(ring.store.get(ring.keys.member("solo"))).value)
+        assert member["device_kind"] == "cpu-2slots"
         script = Path(__file__).parent.parent / "examples" / "train_gpt.py"
         r = ring.varunactl("submit", "--name", "prof", "--batch-size", "8", "--steps", "3", "--checkpoint-every",
                            "3", str(script), "--", "--preset", "tiny")
@@ -63,7 +68,10 @@ def test_the_default_profiles_the_real_script_before_planning(tmp_path, etcd, et
         st = ring.wait_state("prof", ("done", "failed"), timeout=240)
         assert st["state"] == "done", st
         assert st["plan"]["calibrated"] is True
-        assert "stored the calibration of prof" in d.log_text()
+        assert "stored the calibration of prof for cpu-2slots" in d.log_text()
+        # The profiler itself names what it measured: one slot of a host with two busy at once.
+        written = list((tmp_path / "solo" / "calibration").glob("*.json"))
+        assert written and {json.loads(f.read_text())["device_kind"] for f in written} == {"cpu-2slots"}
         assert [s for s, _ in st["loss_history"]] == [0, 1, 2]
     finally:
         ring.close()

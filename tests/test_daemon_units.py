@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from varunad.config import ConfigError, load_config, parse_env_file
-from varunad.facts import DaemonMember
+from varunad.facts import DaemonMember, detect_device_kind, gpu_models
 from varunad.fleet import FleetSnapshot, JobEntry
 from varunad.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_digest, model_fingerprint, pack_bundle,
                           unpack_bundle)
@@ -202,6 +202,25 @@ def member(name: str, *, lease_ports: int = 0, draining: bool = False, slots: in
                         device_kind="cpu", memory_bytes=2**30, version="0.1.0", started_at=0.0,
                         worker_ports=tuple(range(base + 1, base + 1 + slots)), rendezvous_port=base + 9,
                         draining=draining)
+
+
+def test_device_kinds_tell_apart_gpu_models_and_shared_cpu_hosts(tmp_path, caplog):
+    # The NVIDIA driver's per-GPU file, as /proc/driver/nvidia/gpus/<bus id>/information has it.
+    for bus, model in (("0000:07:00.0", "NVIDIA A100-SXM4-80GB"), ("0000:0f:00.0", "NVIDIA A100-SXM4-80GB")):
+        (tmp_path / bus).mkdir()
+        (tmp_path / bus / "information").write_text(f"Model: \t\t {model}\nIRQ:   \t\t 42\nGPU UUID: \t GPU-1\n")
+    (tmp_path / "0000:10:00.0").mkdir()   # a GPU whose file cannot be read is skipped
+    assert gpu_models(str(tmp_path)) == ["NVIDIA A100-SXM4-80GB"] * 2
+    assert gpu_models(str(tmp_path / "absent")) == []
+    assert detect_device_kind(2, gpus=2, models=gpu_models(str(tmp_path))) == "NVIDIA A100-SXM4-80GB"
+    assert detect_device_kind(1, gpus=1, models=["Odd/Name GPU"]) == "Odd-Name GPU"   # a key component
+    assert detect_device_kind(1, gpus=1, models=[]) == "cuda"                            # no driver file
+    with caplog.at_level(logging.WARNING, logger="varunad.facts"):
+        assert detect_device_kind(2, gpus=2, models=["Tesla T4", "NVIDIA A100"]) == "cuda"
+    assert "mixes GPU models" in caplog.text
+    # CPU slots of one host share its cores: a slot of a busy 4-slot host is a kind of its own.
+    assert detect_device_kind(1, gpus=0) == "cpu"
+    assert detect_device_kind(4, gpus=0) == "cpu-4slots"
 
 
 def test_member_facts_round_trip_and_old_readers_ignore_them():

@@ -17,7 +17,7 @@ from trainer.simulator import simulate, stage_costs
 from trainer.trace import CATEGORIES, TraceRecorder, trace_path
 from varunad.cli import main as varunactl
 from varunad.jobs import JobSpec, JobState, MorphEvent
-from varunad.prices import DEFAULT_PRICES, DevicePrice, PriceError, load_prices
+from varunad.prices import DEFAULT_PRICES, DevicePrice, PriceError, load_prices, price_of
 from varunad.report import (
     FILES,
     Interval,
@@ -161,6 +161,24 @@ def test_a_price_file_overrides_the_kinds_it_names(tmp_path):
     assert table["tpu"].source == "my contract"
     assert table["v100"] == DEFAULT_PRICES["v100"]  # untouched kinds keep the defaults
     assert all(p.source and p.spot < p.on_demand for p in DEFAULT_PRICES.values())
+
+
+def test_a_gpu_model_is_priced_by_its_family_and_a_shared_cpu_slot_by_its_share():
+    table = load_prices()
+    assert price_of(table, "NVIDIA A100-SXM4-80GB") == table["a100"]
+    assert price_of(table, "NVIDIA H100 80GB HBM3") == table["h100"]
+    assert price_of(table, "Tesla V100-SXM2-16GB") == table["v100"]
+    assert price_of(table, "NVIDIA H200") is None and price_of(table, "NVIDIA A1000") is None   # whole words only
+    half = price_of(table, "cpu-2slots")
+    assert (half.spot, half.on_demand) == pytest.approx((table["cpu"].spot / 2, table["cpu"].on_demand / 2))
+    assert price_of(table, "tpu-2slots") is None
+    # a kind of its own in the table wins over its family
+    own = DevicePrice(9.0, 10.0, "mine")
+    assert price_of({**table, "NVIDIA A100-SXM4-80GB": own}, "NVIDIA A100-SXM4-80GB") is own
+    intervals = [Interval(1, "1x2", 2, 0.0, 3600.0)]
+    c = cost_report(intervals, {"NVIDIA A100-SXM4-80GB": 2}, table, steps=1, batch_size=1, downtime_s=0.0,
+                    redone_steps=0)
+    assert c["missing_prices"] == [] and c["on_demand_usd"] == pytest.approx(2 * table["a100"].on_demand)
 
 
 @pytest.mark.parametrize("content, message", [

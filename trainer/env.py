@@ -36,6 +36,8 @@ Variables (all strings):
     VARUNA_MICRO_BATCH     optional: the planner's micro-batch size (overrides chunk_size)
     VARUNA_STEPS           optional: the job's total steps (`Assignment.steps`, for scripts)
     VARUNA_PROFILE         optional: profile the model into this calibration file and exit
+    VARUNA_PROFILE_SLOTS   optional, CPU only: profile as this many slots busy at once (the
+                           host's workers share its cores), one torch thread each
     VARUNA_SECURITY, VARUNA_SECRET_KEY_FILE, VARUNA_ALLOWED_KEYS_DIR, VARUNA_TRUSTED_NETWORK
                            how the tensor streams are secured (protocol.security.SecurityConfig)
     VARUNA_PEER_KEYS       JSON {endpoint: z85 public key} of the neighbours' stream sockets
@@ -117,6 +119,7 @@ class Assignment:
     micro_batch_size: int | None = None
     steps: int | None = None
     profile: str | None = None
+    profile_slots: int | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -189,6 +192,7 @@ class Assignment:
             "VARUNA_MICRO_BATCH": _opt_str(self.micro_batch_size),
             "VARUNA_STEPS": _opt_str(self.steps),
             "VARUNA_PROFILE": self.profile,
+            "VARUNA_PROFILE_SLOTS": _opt_str(self.profile_slots),
         }
         env.update({k: v for k, v in optional.items() if v is not None})
         env.update(self.extra)
@@ -230,6 +234,7 @@ class Assignment:
                 micro_batch_size=_opt_int(environ.get("VARUNA_MICRO_BATCH")),
                 steps=_opt_int(environ.get("VARUNA_STEPS")),
                 profile=environ.get("VARUNA_PROFILE"),
+                profile_slots=_opt_int(environ.get("VARUNA_PROFILE_SLOTS")),
             )
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"malformed worker assignment in the environment: {exc}") from exc

@@ -62,7 +62,8 @@ class Varuna:
         self.assignment = assignment or _assignment(stage_to_rank_map)
         a = self.assignment
         if a.profile:
-            _profile_and_exit(model, get_batch_fn, a, batch_size, chunk_size, fp16, precision)
+            _profile_and_exit(model, get_batch_fn, a, batch_size, chunk_size, fp16, precision,
+                              _device(a, local_rank, device))
         self.rank = a.rank
         self.stage, self.replica = a.position()
         self.pipeline_depth, self.data_depth = a.pipeline_depth, a.data_depth
@@ -539,16 +540,16 @@ def _squared_norms(grads: list[torch.Tensor]) -> list[float]:
 
 
 def _profile_and_exit(model, get_batch_fn, a: Assignment, batch_size: int, chunk_size: int,
-                      fp16: bool, precision: Precision | None) -> None:
-    """The daemon's calibration run (VARUNA_PROFILE=path): measure this model once on this
-    device kind, write the calibration, and end the script before any training."""
+                      fp16: bool, precision: Precision | None, device: torch.device) -> None:
+    """The daemon's calibration run (VARUNA_PROFILE=path): measure this model once on the device
+    its workers will train on, write the calibration, and end the script before any training."""
     from trainer.profiler import Profiler   # only calibration runs pay for the profiler
     if a.threads:
         torch.set_num_threads(a.threads)
     limit = max(1, min(batch_size, int(os.environ.get("VARUNA_PROFILE_MAX_MICRO_BATCH", "64"))))
     sizes = sorted({1 << k for k in range(limit.bit_length()) if 1 << k <= limit} | {min(chunk_size, limit)})
-    profiler = Profiler(model, get_batch_fn, out_folder=os.path.dirname(os.path.abspath(a.profile)),
-                        precision=precision or ("fp16" if fp16 else "fp32"))
+    profiler = Profiler(model, get_batch_fn, device=device, out_folder=os.path.dirname(os.path.abspath(a.profile)),
+                        gpus_per_node=a.profile_slots, precision=precision or ("fp16" if fp16 else "fp32"))
     calibration = profiler.profile_all(sizes)
     calibration.save(a.profile)
     log.warning("calibration of %s written to %s; exiting (VARUNA_PROFILE run)", profiler.fingerprint, a.profile)

@@ -88,7 +88,7 @@ class DaemonConfig:
     worker_port_base: int = 0
     """First of slots + 1 consecutive worker ports (0 = free ones chosen at start)."""
     device_kind: str = ""
-    """Device kind for calibration ("" = detect: "cuda" with GPUs, else "cpu")."""
+    """Device kind for calibration ("" = detect: the GPU model, else "cpu" or "cpu-<n>slots")."""
     memory: int = 0
     """Memory per slot in bytes (0 = detect: host memory / slots on a CPU host)."""
     threads: int = 0
@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--metrics-port", type=int, metavar="PORT",
       help="serve Prometheus metrics at http://HOST:PORT/metrics on the control socket's host (default 0: off)")
     a("--worker-port-base", type=int, help="first of SLOTS+1 worker ports (default: free ones)")
-    a("--device-kind", help="device kind for calibration (default: detect)")
+    a("--device-kind", help="device kind for calibration and prices (default: the GPU model, e.g. "
+      "'NVIDIA A100-SXM4-80GB'; 'cpu' on a CPU host, 'cpu-<n>slots' with --slots n)")
     a("--memory", type=int, metavar="BYTES", help="memory per slot (default: detect)")
     a("--threads", type=int, help="torch threads per worker (default: cores / slots)")
     a("--stop-grace", type=float, help="seconds workers get to checkpoint and stop before SIGKILL (default 60)")

@@ -106,7 +106,7 @@ class Daemon:
         ports = self.ports.ports
         return DaemonMember(
             name=self.name, host=c.advertise, endpoint=f"tcp://{c.advertise}:{self.server.port}", slots=slots,
-            device_kind=c.device_kind or detect_device_kind(), memory_bytes=c.memory or detect_memory(slots),
+            device_kind=c.device_kind or detect_device_kind(slots), memory_bytes=c.memory or detect_memory(slots),
             version=version(), started_at=time.time(), worker_ports=tuple(ports[:slots]),
             rendezvous_port=ports[slots], lease_ttl=c.ttl,
         )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from varunad.membership import Member
 
 __all__ = ["DaemonMember", "PortReservation", "detect_slots", "detect_device_kind", "detect_memory",
-           "parse_member", "version"]
+           "gpu_count", "gpu_models", "parse_member", "version"]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,11 @@ def parse_member(data: bytes) -> DaemonMember:
 
 # --- detection ---------------------------------------------------------------------------------------
 
-def _gpu_count() -> int:
+_NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs on this host (their /dev nodes)."""
     try:
         return sum(1 for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n))
     except OSError:
@@ -86,11 +90,40 @@ def _gpu_count() -> int:
 
 def detect_slots() -> int:
     """One slot per GPU, else 1 on a CPU-only host."""
-    return _gpu_count() or 1
+    return gpu_count() or 1
 
 
-def detect_device_kind() -> str:
-    return "cuda" if _gpu_count() else "cpu"
+def gpu_models(root: str = _NVIDIA_GPUS) -> list[str]:
+    """The model name of each GPU the NVIDIA driver lists ("NVIDIA A100-SXM4-80GB"), by bus id;
+    read from /proc so the daemon need not import torch or run nvidia-smi."""
+    models = []
+    with contextlib.suppress(OSError):
+        for bus in sorted(os.listdir(root)):
+            with contextlib.suppress(OSError), open(os.path.join(root, bus, "information"), encoding="utf-8") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key.strip() == "Model" and value.strip():
+                        models.append(value.strip())
+                        break
+    return models
+
+
+def detect_device_kind(slots: int = 1, *, gpus: int | None = None, models: list[str] | None = None) -> str:
+    """The calibration kind of this host's slots. Calibrations, plans and prices are per kind, so
+    kinds must tell apart hosts whose slots run at different speeds: a GPU host is its GPU model
+    (an A100 and a T4 fleet are planned apart), a CPU host is "cpu" or, when n workers share
+    its cores, "cpu-<n>slots" (each is slower than a lone one; the profiler's name for it)."""
+    gpus = gpu_count() if gpus is None else gpus
+    if not gpus:
+        return "cpu" if slots <= 1 else f"cpu-{slots}slots"
+    names = sorted(set(gpu_models() if models is None else models))
+    if len(names) != 1:
+        if names:
+            log.warning("this host mixes GPU models %s; its slots are calibrated as one kind, 'cuda' "
+                        "(pass --device-kind to name it, or run one daemon per model)", names)
+        return "cuda"
+    # a key component cannot hold '/', and the kind names an etcd key
+    return names[0].replace("/", "-")
 
 
 def detect_memory(slots: int) -> int:

@@ -16,7 +16,9 @@ Sources (one VM type per kind, its price divided by its devices):
     h100   p5.48xlarge (8 H100): on-demand $98.32/h (2023 list; AWS cut P5 prices in 2024)
            = $12.29 per GPU; spot = on-demand / 4.5, as above.
 
-Override or extend with ``varunactl report JOB --prices FILE``, a JSON object of
+Daemons name a GPU host's kind by its model ("NVIDIA A100-SXM4-80GB"): ``price_of`` prices it
+by the family it names (a100), and a CPU slot of a host running n workers ("cpu-<n>slots") at
+the host's price divided by n. Override or extend with ``varunactl report JOB --prices FILE``, a JSON object of
 ``{"<device kind>": {"spot": <$/h>, "on_demand": <$/h>, "source": "<optional note>"}}``; kinds
 the file names replace the defaults, the others stay.
 """
@@ -26,11 +28,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PriceError", "DevicePrice", "DEFAULT_PRICES", "load_prices", "parse_prices"]
+__all__ = ["PriceError", "DevicePrice", "DEFAULT_PRICES", "load_prices", "parse_prices", "price_of"]
 
 
 class PriceError(ValueError):
@@ -100,3 +103,21 @@ def load_prices(path: str | os.PathLike[str] | None = None) -> dict[str, DeviceP
         raise PriceError(f"the price file {path} is not JSON: {exc}") from None
     table.update(parse_prices(doc, where=f"price file {path}"))
     return table
+
+
+_CPU_SLOTS = re.compile(r"(?P<host>.+)-(?P<n>[1-9][0-9]*)slots")
+
+
+def price_of(prices: Mapping[str, DevicePrice], kind: str) -> DevicePrice | None:
+    """The price of one slot of `kind`: its own entry, else the family its name contains (as a
+    word: 'a100' prices 'NVIDIA A100-SXM4-80GB', the longest such name winning), else for
+    '<kind>-<n>slots' the host's price shared by its n slots; None when nothing matches."""
+    if kind in prices:
+        return prices[kind]
+    shared = _CPU_SLOTS.fullmatch(kind)
+    if shared:
+        host, n = price_of(prices, shared["host"]), int(shared["n"])
+        return host and DevicePrice(host.spot / n, host.on_demand / n, f"{host.source}; shared by {n} slots")
+    words = set(re.findall(r"[a-z0-9]+", kind.lower()))
+    families = [k for k in prices if k.lower() in words]
+    return prices[max(families, key=len)] if families else None

@@ -54,7 +54,7 @@ from trainer.timeline import render_timeline
 from varunad.ctl import job_status
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobState, model_fingerprint
-from varunad.prices import DevicePrice, load_prices
+from varunad.prices import DevicePrice, load_prices, price_of
 from varunad.records import stall_before
 from varunad.store import Store
 
@@ -179,7 +179,7 @@ def cost_report(intervals: Sequence[Interval], device_kinds: Mapping[str, int], 
     rows, missing = [], []
     for kind, n in sorted(kinds.items()):
         dh = device_hours * n / total
-        price = prices.get(kind)
+        price = price_of(prices, kind)
         if price is None:
             missing.append(kind)
         rows.append({"kind": kind, "plan_devices": n, "device_hours": dh,

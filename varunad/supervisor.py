@@ -43,7 +43,7 @@ from trainer.env import Assignment as WorkerAssignment
 from trainer.launch import worker_environment as launch_environment
 
 from varunad.config import DaemonConfig
-from varunad.facts import DaemonMember, PortReservation
+from varunad.facts import DaemonMember, PortReservation, gpu_count
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import LOGS, STAGING, job_dir
 from varunad.jobs import job_trace_dir
@@ -162,6 +162,7 @@ class Supervisor:
         self.peer_keys = peer_keys
         self.metrics = metrics if metrics is not None else DaemonMetrics()
         self.name = config.name
+        self._gpus = gpu_count()   # CUDA workers or CPU ones: what the host has, not what its kind is called
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -220,7 +221,7 @@ class Supervisor:
         mine = doc.slots_on(self.name)
         self._begin(doc.job or "", epoch)
         self.metrics.begin_epoch({s.rank: s.stage for s in mine})
-        threads = self.config.threads or max(1, (os.cpu_count() or 1) // max(1, member.slots))
+        threads = self._threads(member)
         extra = {**self.security_env, "VARUNA_TRACE_STEPS": str(_TRACE_STEPS)}
         if self.security_env.get("VARUNA_SECURITY") == "curve" and self.security_env.get("VARUNA_TRUSTED_NETWORK") != "1":
             extra["VARUNA_PEER_KEYS"] = json.dumps(self.peer_keys(doc))
@@ -244,15 +245,24 @@ class Supervisor:
 
     async def start_profile(self, doc: PlanDoc, epoch: int, *, member: DaemonMember, script: Path, args: list[str],
                             batch_size: int, steps: int, out_path: str) -> None:
-        """Run the script once on slot 0 with VARUNA_PROFILE: it writes the calibration and exits 0."""
+        """Run the script once on slot 0 with VARUNA_PROFILE: it writes the calibration and exits 0.
+
+        It measures what a training worker of this host will see: as many torch threads, and on a
+        CPU host whose slots share the cores, all of them busy at once (the profiler forks one
+        process per slot; that needs one thread each, else the lone slot is measured)."""
         await self.kill_all("a newer plan replaces them")
         self._begin(doc.job or "", epoch)
         self.metrics.begin_epoch({0: 0})
+        threads = self._threads(member)
+        busy_slots = member.slots if not self._gpus and member.slots > 1 and threads == 1 else None
+        if not self._gpus and member.slots > 1 and busy_slots is None:
+            log.warning("%s: calibrating one of %d CPU slots alone (%d threads each; profiling them at once needs "
+                        "one): the plan's step-time estimate will be optimistic", self.name, member.slots, threads)
         assignment = WorkerAssignment(
             rank=0, stage_to_rank={0: [0]}, endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
-            job=doc.job or "", epoch=epoch, threads=self.config.threads or max(1, os.cpu_count() or 1),
+            job=doc.job or "", epoch=epoch, threads=threads,
             device=self._device(member, 0), control=self.control_endpoint, batch_size=batch_size, steps=steps,
-            profile=out_path,
+            profile=out_path, profile_slots=busy_slots,
         )
         with contextlib.suppress(FileNotFoundError):
             os.unlink(out_path)
@@ -274,7 +284,11 @@ class Supervisor:
         self._on_exit.append(callback)
 
     def _device(self, member: DaemonMember, slot: int) -> str:
-        return "cpu" if member.device_kind == "cpu" else str(slot)
+        return str(slot) if self._gpus else "cpu"
+
+    def _threads(self, member: DaemonMember) -> int:
+        """torch threads per worker: the host's cores shared out among its slots."""
+        return self.config.threads or max(1, (os.cpu_count() or 1) // max(1, member.slots))
 
     def _staging_dir(self, job: str) -> Path:
         return job_dir(self.config.state_dir, STAGING, job)
