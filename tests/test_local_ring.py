@@ -6,7 +6,6 @@ and real daemons, and check with psutil that `down` leaves no process of theirs 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -19,7 +18,6 @@ import pytest
 
 from test_timeline import _decode_png
 from varunad import cli, local, progress
-from varunad.config import DaemonConfig
 from varunad.metrics import METRIC_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -178,17 +176,25 @@ def _varunactl(*args: str, env: dict) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_up_finds_down_stops_everything(tmp_path):
     state = tmp_path / "ring"
-    has_metrics = "metrics_port" in {f.name for f in dataclasses.fields(DaemonConfig)}
-    base = local.free_port_range(3) if has_metrics else 0
-    ring = None
+    base = local.free_port_range(3)
+    env = {k: v for k, v in os.environ.items() if k not in ("VARUNAD_ETCD", "VARUNAD_LOCAL_DIR")}
     try:
-        ring = local.up(2, state, ttl=3.0, metrics_port=base, daemon_args=["--calibrate", "uniform"])
+        # varunactl's options after N are its own; what follows -- goes to every daemon
+        up = _varunactl("up", "2", "--dir", str(state), "--ttl", "3", "--metrics-port", str(base),
+                        "--", "--calibrate", "uniform", env=env)
+        assert up.returncode == 0, up.stderr
+        ring = local.read_ring(state)
+        # not the default directory: the hint says how other commands find this ring
+        assert f"export VARUNAD_LOCAL_DIR={state}" in up.stdout
         recorded = json.loads((state / local.RING_FILE).read_text())
         assert recorded["etcd"] == ring.etcd and [d["name"] for d in recorded["daemons"]] == ["vm1", "vm2"]
-        assert [d.metrics_port for d in ring.daemons] == ([base, base + 1] if base else [None, None])
+        assert [d.metrics_port for d in ring.daemons] == [base, base + 1]
         assert all(Path(d.log).is_file() for d in ring.daemons)
+        for d in ring.daemons:
+            cmdline = psutil.Process(d.pid).cmdline()
+            assert cmdline[-2:] == ["--calibrate", "uniform"] and "--dir" not in cmdline
         # no --etcd and no $VARUNAD_ETCD: varunactl finds the ring from its state directory
-        env = {k: v for k, v in os.environ.items() if k != "VARUNAD_ETCD"} | {"VARUNAD_LOCAL_DIR": str(state)}
+        env |= {"VARUNAD_LOCAL_DIR": str(state)}
         nodes = _varunactl("nodes", "--json", env=env)
         assert nodes.returncode == 0, nodes.stderr
         assert sorted(m["name"] for m in json.loads(nodes.stdout)) == ["vm1", "vm2"]
@@ -215,8 +221,7 @@ def test_up_finds_down_stops_everything(tmp_path):
         assert not (state / local.RING_FILE).exists()
         assert local.down(state) == []  # idempotent
     finally:
-        if ring is not None:
-            local.down(state, timeout=5)
+        local.down(state, timeout=5)   # a no-op once the test's own down has run
 
 
 @pytest.mark.slow

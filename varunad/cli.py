@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from protocol.errors import ProtocolError
 from protocol.security import generate_key_pair, load_public_key
@@ -197,18 +199,20 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
 def _cmd_up(args: argparse.Namespace) -> int:
     from varunad import local
 
-    daemon_args = list(args.daemon_args)
-    if daemon_args and daemon_args[0] == "--":
-        daemon_args = daemon_args[1:]
     ring = local.up(args.n, args.dir, ttl=args.ttl, root=args.root, metrics_port=args.metrics_port,
-                    daemon_args=daemon_args, timeout=args.wait)
+                    daemon_args=args.daemon_args, timeout=args.wait)
     print(f"etcd      {ring.etcd}  (log {ring.etcd_proc.log})")
     for d in ring.daemons:
         metrics = f", metrics on 127.0.0.1:{d.metrics_port}" if d.metrics_port else ""
         print(f"daemon    {d.name}  pid {d.pid}{metrics}  (log {d.log})")
     print(f"store     {ring.store}")
-    print(f"ring      {ring.dir}/{local.RING_FILE}: varunactl finds this etcd by itself; "
-          f"`varunactl down` stops everything")
+    if Path(ring.dir).resolve() == local.default_dir().resolve():
+        print(f"ring      {ring.dir}/{local.RING_FILE}: varunactl finds this etcd by itself; "
+              f"`varunactl down` stops everything")
+    else:   # other commands look in the default directory only
+        print(f"ring      {ring.dir}/{local.RING_FILE}: export VARUNAD_LOCAL_DIR={shlex.quote(str(ring.dir))} so "
+              f"varunactl finds this etcd (or pass --etcd {ring.etcd}); `varunactl down --dir "
+              f"{shlex.quote(str(ring.dir))}` stops everything")
     return 0
 
 
@@ -241,8 +245,10 @@ def _add_ring(sub: argparse._SubParsersAction) -> None:
                    help="give daemon i --metrics-port BASE+i (default 0: no metrics endpoint)")
     p.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
                    help="longest wait for etcd and for the daemons to join (default 60)")
-    p.add_argument("daemon_args", nargs=argparse.REMAINDER, metavar="-- FLAGS",
-                   help="more varunad flags for every daemon, e.g. -- --calibrate uniform")
+    # Not a positional: argparse would take every option after N as one. main() gives `up` what
+    # follows "--" (see _split_daemon_args); this entry only documents it in --help.
+    p.add_argument("daemon_args", nargs="?", metavar="-- FLAGS...", default=None,
+                   help="more varunad flags for every daemon, after --, e.g. -- --calibrate uniform")
     p.set_defaults(handler=_cmd_up)
 
     p = sub.add_parser("down", help="stop the local ring",
@@ -324,11 +330,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split_daemon_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """For `up`, the varunad flags after "--" apart from varunactl's own; other commands keep their
+    "--" (submit passes what follows it to the script)."""
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = next((a for a in argv if a in commands), None)
+    if command != "up" or "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run varunactl with `argv` (default: the process arguments); returns the exit status."""
     parser = _parser()
+    argv, daemon_args = _split_daemon_args(parser, list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
+        if args.command == "up":
+            if args.daemon_args is not None:
+                parser.error(f"up: unexpected argument {args.daemon_args!r}; varunad flags go after --")
+            args.daemon_args = daemon_args
         if args.etcd is None:
             from varunad.local import default_etcd
             args.etcd = default_etcd()
