@@ -296,6 +296,9 @@ def test_a_worker_that_keeps_failing_fails_the_job_after_bounded_restarts(health
     st = ring.wait_state("crash", ("done", "failed"), timeout=240)
     assert st["state"] == "failed", st
     assert st["restarts"] == 1 and "gave up after 1 restarts" in st["reason"], st
+    # the reason quotes what the script printed last, not only that it exited
+    assert "rank 0 on d" in st["reason"] and "exited with code 3: failing on purpose" in st["reason"], st
+    assert st["morphs"] and all(m["restart"] for m in st["morphs"]), st["morphs"]   # restarts, not morphs
     assert "failing on purpose" in (st["error"] or "") or "exited with code 3" in (st["error"] or ""), st["error"]
     r = ring.varunactl("logs", "crash")
     assert r.returncode == 0 and "failing on purpose" in r.stdout, r.stdout[-2000:]

@@ -19,7 +19,7 @@ from varunad.facts import DaemonMember, detect_device_kind, gpu_models
 from varunad.fleet import FleetSnapshot, JobEntry
 from varunad.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_digest, model_fingerprint, pack_bundle,
                           unpack_bundle)
-from varunad.leader import LeaderMemory, decide
+from varunad.leader import LeaderMemory, decide, error_summary
 from varunad.plans import PlanDoc, make_plan, uniform_calibration
 from varunad.housekeeping import LOGS, job_dir, prune_jobs
 from varunad.records import (WorkerRecord, WorkerReport, decode_history, encode_history, epoch_ranges,
@@ -202,6 +202,25 @@ def member(name: str, *, lease_ports: int = 0, draining: bool = False, slots: in
                         device_kind="cpu", memory_bytes=2**30, version="0.1.0", started_at=0.0,
                         worker_ports=tuple(range(base + 1, base + 1 + slots)), rendezvous_port=base + 9,
                         draining=draining)
+
+
+def test_a_failed_workers_error_is_summed_up_by_the_exception_that_ended_it():
+    tail = ("rank 0 on vm1 exited with code 1; last output:\n"
+            "step 3 loss 4.1\n"
+            "Traceback (most recent call last):\n"
+            '  File "train.py", line 9, in <module>\n'
+            '    raise ValueError("boom from user script")\n'
+            "ValueError: boom from user script\n"
+            "WARNING:varuna:rank 0: closing\n")   # what atexit handlers print after the traceback
+    assert error_summary(tail) == "rank 0 on vm1 exited with code 1: ValueError: boom from user script"
+    assert error_summary("rank 0 on vm1 exited with code 1; last output:\ntrainer.errors.ConfigError: bad (hint)") \
+        == "rank 0 on vm1 exited with code 1: trainer.errors.ConfigError: bad (hint)"
+    # no traceback: the last line printed; nothing printed: the first line as it is
+    assert error_summary("rank 1 on vm2 exited with code 3; last output:\nfailing on purpose\n") == \
+        "rank 1 on vm2 exited with code 3: failing on purpose"
+    assert error_summary("rank 1 on vm2 killed by SIGKILL; last output:\n") == "rank 1 on vm2 killed by SIGKILL; last output:"
+    assert error_summary("vm1 could not get the job's files: gone") == "vm1 could not get the job's files: gone"
+    assert error_summary("") == "" and len(error_summary("x" * 1000)) == 300
 
 
 def test_device_kinds_tell_apart_gpu_models_and_shared_cpu_hosts(tmp_path, caplog):

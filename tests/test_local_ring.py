@@ -116,6 +116,13 @@ def test_plain_output_also_prints_after_every_s_seconds():
     assert text.startswith("gpt 3/1000 running")
 
 
+def test_a_restart_after_a_failure_is_not_called_a_morph():
+    restart = MORPH | {"from": "1x2", "to": "1x2", "restart": True, "reason": "rank 0 on vm1 exited with code 1: E"}
+    assert progress.morph_line(restart) == \
+        "restart 1x2 after a worker failed (stopped, re-planned in 4.8s): rank 0 on vm1 exited with code 1: E"
+    assert progress.morph_line(MORPH | {"restart": False}).startswith("morph 2x2 -> 3x1 ")
+
+
 def test_morph_line_is_one_line_even_when_the_reason_quotes_output():
     morph = MORPH | {"reason": "rank 0 on vm1 failed: exited with code 1; last output:\nTraceback (most recent..."}
     assert progress.morph_line(morph) == \

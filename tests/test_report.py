@@ -139,6 +139,31 @@ def test_cost_arithmetic_matches_a_hand_computation():
     assert measured["morphs"]["lost_s"] == pytest.approx(60 + 5 * 2.0)
 
 
+def test_restarts_are_told_apart_from_morphs_and_a_run_that_trained_nothing_claims_no_saving():
+    from varunad.report import _cost_lines
+
+    intervals = [Interval(e, "1x2", 2, 60.0 * i, 60.0 * (i + 1)) for i, e in enumerate((1, 2, 3))]
+    prices = {"NVIDIA A100-SXM4-80GB": DevicePrice(1.0, 4.0, "test")}
+    c = cost_report(intervals, {"NVIDIA A100-SXM4-80GB": 2}, prices, steps=0, batch_size=8, downtime_s=20.0,
+                    redone_steps=0, restarts=2)
+    assert c["morphs"]["count"] == 2 and c["morphs"]["restarts"] == 2 and c["spot_saving_factor"]
+    lines = _cost_lines(c)
+    assert lines[1].startswith("NVIDIA A100-SXM4-80GB ")   # the kind column fits the model's name
+    assert any(ln.startswith("morphs   2 (2 of them restarts after a worker failed): ") for ln in lines), lines
+    assert not any(ln.startswith("saving") for ln in lines), lines
+    trained = _cost_lines(cost_report(intervals, {"NVIDIA A100-SXM4-80GB": 2}, prices, steps=10, batch_size=8,
+                                      downtime_s=20.0, redone_steps=0))
+    assert any(ln.startswith("morphs   2: ") for ln in trained) and any(ln.startswith("saving") for ln in trained)
+
+
+def test_a_job_state_written_by_a_newer_release_still_loads():
+    event = dict(reason="r", from_shape="1x1", to_shape="2x1", from_epoch=1, to_epoch=2, noticed_at=0.0,
+                 stopped_at=1.0, planned_at=2.0, checkpoint=True)
+    state = JobState(job="j", morphs=[event | {"restart": True, "added_later": 7}])
+    assert state.morphs[0].restart is True and state.morphs[0].duration_s == 2.0
+    assert JobState(job="j", morphs=[event]).morphs[0].restart is False   # written before restarts were marked
+
+
 def test_cost_of_a_mixed_fleet_splits_by_devices_and_an_unpriced_kind_gives_no_total():
     intervals = [Interval(1, "2x2", 4, 0.0, 1800.0)]  # 2 device-hours
     prices = {"a": DevicePrice(1.0, 2.0), "b": DevicePrice(3.0, 4.0)}

@@ -143,7 +143,8 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
         "epoch_spans": {str(e): list(merge_spans(v)) for e, v in sorted(spans.items())},
         "morphs": [{"reason": m.reason, "from": m.from_shape, "to": m.to_shape, "from_epoch": m.from_epoch,
                     "to_epoch": m.to_epoch, "noticed_at": m.noticed_at, "stopped_at": m.stopped_at,
-                    "planned_at": m.planned_at, "duration_s": round(m.duration_s, 3), "checkpoint": m.checkpoint}
+                    "planned_at": m.planned_at, "duration_s": round(m.duration_s, 3), "checkpoint": m.checkpoint,
+                    "restart": m.restart}
                    for m in state.morphs],
         "last_morph": None if last is None else f"{last.from_shape} -> {last.to_shape} because {last.reason}",
         "loss_history": [[s, v] for s, v in history],

@@ -187,10 +187,14 @@ class MorphEvent:
     stopped_at: float  # when every old worker was gone
     planned_at: float  # when the new plan was written
     checkpoint: bool  # whether the old workers were asked to checkpoint
+    restart: bool = False  # a worker failed and no VM was lost: the same work started again
 
     @property
     def duration_s(self) -> float:
         return self.planned_at - self.noticed_at
+
+
+_MORPH_FIELDS = frozenset(f.name for f in fields(MorphEvent))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,7 +220,9 @@ class JobState:
         if self.state not in STATES:
             raise JobSpecError(f"job state {self.state!r} is not one of {STATES}")
         object.__setattr__(self, "epochs", tuple(self.epochs))
-        morphs = tuple(m if isinstance(m, MorphEvent) else MorphEvent(**m) for m in self.morphs)
+        # fields a newer release added are left out, so a fleet can be upgraded one VM at a time
+        morphs = tuple(m if isinstance(m, MorphEvent) else MorphEvent(**{k: v for k, v in m.items() if k in _MORPH_FIELDS})
+                       for m in self.morphs)
         object.__setattr__(self, "morphs", morphs)
 
     @property

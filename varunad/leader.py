@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -71,11 +72,27 @@ class LeaderMemory:
     considered: tuple[int, frozenset[str]] | None = None
     waiting: dict[str, str] = field(default_factory=dict)  # job -> reason last recorded for waiting
     profile_failed: set[str] = field(default_factory=set)
-    morph: dict[str, tuple] = field(default_factory=dict)  # job -> (reason, from shape, from epoch, noticed, stopped, checkpoint)
+    # job -> (reason, from shape, from epoch, noticed, stopped, checkpoint, restart)
+    morph: dict[str, tuple] = field(default_factory=dict)
 
 
-def _first_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[0][:300]
+_LAST_OUTPUT = "; last output:"
+# The last line of a Python traceback: "ValueError: ...", "trainer.errors.ConfigError: ...".
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?")
+
+
+def error_summary(text: str) -> str:
+    """One line for a failed worker's error: the supervisor's first line ("rank 0 on vm1 exited
+    with code 1; last output:") and, from the output after it, the exception that ended the
+    script (the last line of its traceback), else the last line it printed."""
+    lines = text.strip().splitlines()
+    if not lines:
+        return ""
+    head, output = lines[0], [ln.strip() for ln in lines[1:] if ln.strip()]
+    if not head.endswith(_LAST_OUTPUT) or not output:
+        return head[:300]
+    cause = next((ln for ln in reversed(output) if _EXCEPTION_LINE.fullmatch(ln)), output[-1])
+    return f"{head[:-len(_LAST_OUTPUT)]}: {cause}"[:300]
 
 
 def _current(snap: FleetSnapshot) -> JobEntry | None:
@@ -139,7 +156,10 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     failed = [(m, r) for m, r in records.values() if r is not None and r.outcome == "failed"]
     if failed:
         m, r = failed[0]
-        return Decision("abort", f"rank {r.rank} on {m} failed: {_first_line(r.error)}", job, failure=True)
+        why = error_summary(r.error)
+        if not why.startswith(f"rank {r.rank} on {m} "):   # the supervisor's own errors name the worker
+            why = f"rank {r.rank} on {m} failed: {why}"
+        return Decision("abort", why, job, failure=True)
     gone = [m for m in plan.members
             if m not in snap.members or snap.members[m][1] != plan.incarnations.get(m, snap.members[m][1])]
     if gone:
@@ -406,6 +426,7 @@ class Leader:
         if not await self._wait_stopped(epoch, d.checkpoint):
             log.warning("leader: not every worker of epoch %d reported stopping; planning without them", epoch)
         stopped = time.time()
+        restart = False
         if d.failure:
             answered = await self.clients.ping(
                 [(m, snap.members[m][0].endpoint) for m in plan.members if m in snap.members],
@@ -423,7 +444,8 @@ class Leader:
                                        error=d.reason)
                     return True
                 await self._put_state(state.but(restarts=restarts, error=d.reason))
-        self.memory.morph[job] = (reason, plan.shape, epoch, noticed, stopped, d.checkpoint)
+                restart = True
+        self.memory.morph[job] = (reason, plan.shape, epoch, noticed, stopped, d.checkpoint, restart)
         return await self._start(job, reason)
 
     def _ping_timeout(self) -> float:
@@ -466,7 +488,7 @@ class Leader:
             rec = report.of(job, snap.plan_epoch).get(0) if report else None
             if rec is not None and rec.outcome in ("failed", "killed"):
                 log.warning("leader: calibrating %s failed (%s); planning without a measured calibration",
-                            job, _first_line(rec.error) or rec.outcome)
+                            job, error_summary(rec.error) or rec.outcome)
                 self.memory.profile_failed.add(model_fingerprint(spec))
         members = await self._candidates(snap)
         kinds = sorted({m.device_kind for m, _ in members})
@@ -495,11 +517,11 @@ class Leader:
         morphs = state.morphs
         info = self.memory.morph.pop(job, None)
         if info is not None or state.epochs:
-            r, from_shape, from_epoch, noticed, stopped, checkpoint = info or (
-                reason, "-", state.epoch, planned_at, planned_at, False)
+            r, from_shape, from_epoch, noticed, stopped, checkpoint, restart = info or (
+                reason, "-", state.epoch, planned_at, planned_at, False, False)
             morphs = morphs + (MorphEvent(reason=r, from_shape=from_shape, to_shape=doc.shape, from_epoch=from_epoch,
                                           to_epoch=epoch, noticed_at=noticed, stopped_at=stopped,
-                                          planned_at=planned_at, checkpoint=checkpoint),)
+                                          planned_at=planned_at, checkpoint=checkpoint, restart=restart),)
             self.metrics.morphs.inc()
         await self._put_state(state.but(state="running", reason=reason, epoch=epoch, epochs=state.epochs + (epoch,),
                                         plan={**describe(doc, epoch), **_report_facts(doc, planned, snap)},

@@ -108,8 +108,9 @@ def plain_line(doc: dict[str, Any], steps: int) -> str:
 def morph_line(morph: dict[str, Any]) -> str:
     # The leader's figure covers noticing, stopping and re-planning; the new epoch's start-up and
     # any steps redone from the checkpoint come after it (`varunactl report` counts those).
-    return (f"morph {morph['from']} -> {morph['to']} (stopped, re-planned in {morph['duration_s']:.1f}s): "
-            f"{_one_line(morph['reason'], 100)}")
+    what = (f"restart {morph['to']} after a worker failed" if morph.get("restart")
+            else f"morph {morph['from']} -> {morph['to']}")
+    return f"{what} (stopped, re-planned in {morph['duration_s']:.1f}s): {_one_line(morph['reason'], 100)}"
 
 
 def _resumed(shown: Shown, doc: dict[str, Any], wall: float) -> tuple[Shown, list[str]]:

@@ -168,7 +168,7 @@ def _steady_step_s(ranges: Sequence[tuple[int, int, int]], spans: Mapping[int, t
 
 def cost_report(intervals: Sequence[Interval], device_kinds: Mapping[str, int], prices: Mapping[str, DevicePrice],
                 *, steps: int, batch_size: int, downtime_s: float, redone_steps: int,
-                step_s: float | None = None) -> dict[str, Any]:
+                step_s: float | None = None, restarts: int = 0) -> dict[str, Any]:
     """Device-hours and dollars of the run; see the module docstring for what is counted.
     `step_s` (a measured step) prices the redone steps; without it, the mean step does, which
     also holds the workers' start-up and checkpoints and so overstates the loss."""
@@ -201,7 +201,8 @@ def cost_report(intervals: Sequence[Interval], device_kinds: Mapping[str, int], 
         "samples_per_usd_spot": samples / spot if spot else None,
         "samples_per_usd_on_demand": samples / on_demand if on_demand else None,
         "mean_step_s": mean_step_s, "redone_step_s": step_s or mean_step_s,
-        "morphs": {"count": max(0, len(intervals) - 1), "downtime_s": downtime_s, "redone_steps": redone_steps,
+        "morphs": {"count": max(0, len(intervals) - 1), "restarts": restarts,
+                   "downtime_s": downtime_s, "redone_steps": redone_steps,
                    "lost_s": lost_s, "lost_fraction": lost_s / wall if wall > 0 else 0.0,
                    "lost_device_hours": lost_dh},
         "on_demand_without_morphs_usd": dedicated,
@@ -390,7 +391,8 @@ def build_report(inputs: ReportInputs, out_dir: str | os.PathLike[str], prices: 
     downtime, redone = morph_losses(state, status.get("epochs", {}), status.get("epoch_spans"), step_s)
     cost = cost_report(intervals, state.plan.get("device_kinds") or _kinds_from(inputs.calibrations), prices,
                        steps=int(status.get("step") or 0), batch_size=inputs.spec.batch_size,
-                       downtime_s=downtime, redone_steps=redone, step_s=step_s)
+                       downtime_s=downtime, redone_steps=redone, step_s=step_s,
+                       restarts=sum(m.restart for m in state.morphs))
     cost["intervals"] = [{"epoch": iv.epoch, "shape": iv.shape, "devices": iv.devices, "start": iv.start,
                           "end": iv.end, "device_hours": iv.device_hours} for iv in intervals]
     if cost["missing_prices"]:
@@ -440,15 +442,20 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+def _restarts(n: int) -> str:
+    return f" ({n} of them {'a restart' if n == 1 else 'restarts'} after a worker failed)" if n else ""
+
+
 def _count(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
 def _cost_lines(cost: dict[str, Any]) -> list[str]:
-    lines = [f"{'KIND':<8} {'DEVICE_H':>9} {'SPOT_$/H':>9} {'ONDEM_$/H':>9} {'SPOT':>10} {'ON_DEMAND':>10}  SOURCE"]
+    w = max([8] + [len(r["kind"]) for r in cost["by_kind"]])   # GPU model names are long
+    lines = [f"{'KIND':<{w}} {'DEVICE_H':>9} {'SPOT_$/H':>9} {'ONDEM_$/H':>9} {'SPOT':>10} {'ON_DEMAND':>10}  SOURCE"]
     for r in cost["by_kind"]:
         sp, od = r["spot_per_hour"], r["on_demand_per_hour"]
-        lines.append(f"{r['kind']:<8} {r['device_hours']:>9.4f} "
+        lines.append(f"{r['kind']:<{w}} {r['device_hours']:>9.4f} "
                      f"{'-' if sp is None else f'{sp:.3f}':>9} {'-' if od is None else f'{od:.3f}':>9} "
                      f"{_usd(r['spot_usd']):>10} {_usd(r['on_demand_usd']):>10}  {r['source'] or 'no price'}")
     m = cost["morphs"]
@@ -457,10 +464,10 @@ def _cost_lines(cost: dict[str, Any]) -> list[str]:
         f"at spot, {_usd(cost['on_demand_usd'])} on demand",
         f"samples  {cost['samples']:,}: {_count(cost['samples_per_usd_spot'])} per $ at spot, "
         f"{_count(cost['samples_per_usd_on_demand'])} per $ on demand",
-        f"morphs   {m['count']}: {m['lost_s']:.1f} s lost ({100 * m['lost_fraction']:.1f}% of the run: "
+        f"morphs   {m['count']}{_restarts(m.get('restarts', 0))}: {m['lost_s']:.1f} s lost ({100 * m['lost_fraction']:.1f}% of the run: "
         f"{m['downtime_s']:.1f} s stalled + {_plural(m['redone_steps'], 'redone step')})",
     ]
-    if cost["spot_saving_factor"]:
+    if cost["spot_saving_factor"] and cost["samples"]:   # nothing trained: nothing to compare
         lines.append(f"saving   the same work on dedicated on-demand VMs (no morphs) would cost "
                      f"{_usd(cost['on_demand_without_morphs_usd'])}: spot is {cost['spot_saving_factor']:.1f}x cheaper")
     return lines
