@@ -33,7 +33,8 @@ JOB = "gpt"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Full size takes about 5 minutes on 2 cores; --quick about 1.5.")
+                                epilog="Full size takes 3 to 4 minutes on 2 cores (the calibration included); "
+                                       "--quick about 45 s.")
     p.add_argument("--quick", action="store_true", help="CI size: tiny GPT, 3 daemons, 240 steps, 3 s lease")
     p.add_argument("--daemons", type=int, help="daemons (one slot each) in the ring (default 4; 3 with --quick)")
     p.add_argument("--steps", type=int, help="optimizer steps (default 60; 240 with --quick)")

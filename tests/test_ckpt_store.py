@@ -195,6 +195,16 @@ def test_truncated_file_is_named(tmp_path):
         verify(d, checksums=False)
 
 
+def test_no_complete_checkpoint_says_what_is_wrong_with_the_newest(tmp_path):
+    from trainer.checkpointing import _why_none
+
+    assert _why_none(str(tmp_path), True) == ""   # an empty store: nothing to explain
+    d = _save(tmp_path, 5)
+    os.truncate(os.path.join(d, "layer_001.pt"), 3)
+    why = _why_none(str(tmp_path), True)
+    assert why.startswith(" (1 there, none complete; the newest, 5: ") and "layer_001.pt is 3 bytes" in why
+
+
 def test_flipped_byte_fails_the_checksum(tmp_path):
     d = _save(tmp_path, 5)
     path = os.path.join(d, "layer_000.pt")

@@ -118,6 +118,9 @@ def test_submit_refuses_bad_specs_with_a_reason(ring, tmp_path):
     r = ring.varunactl("submit", "--name", "bad", "--batch-size", "12", "--steps", "5", "--checkpoint-every", "1",
                        str(tmp_path / "missing.py"))
     assert r.returncode != 0 and "no such script" in r.stderr
+    r = ring.varunactl("submit", "--name", "bad", "--batch-size", "12", "--steps", "5", "--checkpoint-every", "1",
+                       str(tmp_path))
+    assert r.returncode != 0 and "is a directory; give the training script in it" in r.stderr, r.stderr
     big = tmp_path / "big"
     big.mkdir()
     (big / "job.py").write_text("print('hi')\n")
@@ -131,9 +134,11 @@ def test_submit_refuses_bad_specs_with_a_reason(ring, tmp_path):
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     start = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "varunad.cli", "--etcd", dead, "--timeout", "2", "submit", "--name",
-                        "bad", "--batch-size", "12", "--steps", "5", "--checkpoint-every", "1", str(JOB_SCRIPT)],
+                        "bad", "--batch-size", "12", "--steps", "5", "--checkpoint-every", "50", str(JOB_SCRIPT)],
                        capture_output=True, text=True, cwd=str(REPO), timeout=60)
     assert r.returncode != 0 and "cannot reach etcd" in r.stderr
+    # a spec that is valid but never checkpoints is let through, with a note saying so
+    assert "note: --checkpoint-every 50 is more than --steps 5: no checkpoint before the end" in r.stderr
     assert time.monotonic() - start < 20
     assert ring.call(ring.store.get(ring.keys.job("bad"))) is None
 

@@ -95,6 +95,24 @@ def test_plan_numbers_ranks_replica_major_with_distinct_endpoints():
         plan_assignments(2, 1, schedule="zigzag")
     with pytest.raises(ConfigError, match="at least one stage"):
         plan_assignments(0, 2)
+    # flags that every worker would refuse are refused once, in the flags' words
+    with pytest.raises(ConfigError, match=r"--cuts names 2 cut point\(s\); 2 stages need 1"):
+        plan_assignments(2, 1, cuts=[1, 2])
+    with pytest.raises(ConfigError, match="increasing order"):
+        plan_assignments(3, 1, cuts=[2, 1])
+    with pytest.raises(ConfigError, match="need --store DIR"):
+        plan_assignments(2, 1, checkpoint_every=5)
+    with pytest.raises(ConfigError, match="need --store DIR"):
+        plan_assignments(2, 1, checkpoint_tmpdir="/tmp/x")
+    assert plan_assignments(3, 1, cuts=[1, 2], store="/tmp/s", checkpoint_every=5)[0].cuts == [1, 2]
+
+
+def test_the_launcher_refuses_a_directory_in_one_line(tmp_path, capsys):
+    from trainer.launch import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["-P", "1", str(tmp_path)])
+    assert stop.value.code == 2 and "is a directory, not a script" in capsys.readouterr().err
 
 
 def test_every_worker_sees_its_own_assignment(tmp_path):

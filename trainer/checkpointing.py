@@ -201,7 +201,7 @@ def load(v, store: str, iteration: int | None, *, check_complete: bool = True) -
     if iteration is None:
         iteration = agree(v, lambda: ckpt_store.latest_complete(store, verify_checksums=check_complete))
         if iteration is None:
-            raise CheckpointError(f"no complete checkpoint in {store}",
+            raise CheckpointError(f"no complete checkpoint in {store}{_why_none(store, check_complete)}",
                                   hint="train from scratch, or point global_store at the job's store")
     ckpt_dir = ckpt_store.checkpoint_dir(store, iteration)
     manifest = agree(v, lambda: ckpt_store.verify(ckpt_dir, checksums=check_complete))
@@ -228,6 +228,18 @@ def load(v, store: str, iteration: int | None, *, check_complete: bool = True) -
     log.info("rank %d: loaded checkpoint %d (written by %sx%s) in %.2fs", v.rank, iteration,
              manifest["meta"].get("P"), manifest["meta"].get("D"), time.perf_counter() - start)
     return iteration
+
+
+def _why_none(store: str, checksums: bool) -> str:
+    """What is wrong with the newest of the checkpoints there, if there are any."""
+    found = ckpt_store.list_checkpoints(store)
+    if not found:
+        return ""
+    try:
+        ckpt_store.verify(ckpt_store.checkpoint_dir(store, found[-1]), checksums=checksums)
+    except CheckpointError as exc:
+        return f" ({len(found)} there, none complete; the newest, {found[-1]}: {exc})"
+    return ""
 
 
 def _copy_into(t: torch.Tensor, saved: torch.Tensor, name: str, iteration: int) -> None:

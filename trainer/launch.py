@@ -158,6 +158,15 @@ def plan_assignments(
         raise ConfigError(f"need at least one stage and one replica, got --stages {stages} --replicas {replicas}")
     if schedule is not None and schedule not in SCHEDULES:
         raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {', '.join(SCHEDULES)}")
+    # Refused here, in the flags' own words, rather than by every worker in the variables' words.
+    if cuts is not None and len(cuts) != stages - 1:
+        raise ConfigError(f"--cuts names {len(cuts)} cut point(s); {stages} stages need {stages - 1}")
+    if cuts is not None and (sorted(set(cuts)) != list(cuts) or any(c < 0 for c in cuts)):
+        raise ConfigError(f"--cuts must be distinct cut-point indices >= 0 in increasing order, got {list(cuts)}")
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ConfigError(f"--checkpoint-every must be >= 1, got {checkpoint_every}")
+    if (checkpoint_every is not None or checkpoint_tmpdir is not None) and store is None:
+        raise ConfigError("--checkpoint-every and --checkpoint-tmpdir need --store DIR, where checkpoints go")
     world = stages * replicas
     if threads is None:
         threads = max(1, _available_cores() // world)
@@ -352,7 +361,8 @@ def launch(
     """
     script = os.fspath(script)
     if not os.path.isfile(script):
-        raise ConfigError(f"no such script: {script}")
+        raise ConfigError(f"{script} is a directory, not a script" if os.path.isdir(script)
+                          else f"no such script: {script}")
     assignments = plan_assignments(
         stages, replicas, job=job, schedule=schedule, cuts=cuts, threads=threads,
         trace_dir=None if trace_dir is None else os.fspath(trace_dir),
@@ -420,13 +430,15 @@ def _parser() -> argparse.ArgumentParser:
                    "(render with `python -m trainer.timeline DIR`)")
     p.add_argument("--store", metavar="DIR", help="checkpoint store of the job; workers resume from its "
                    "newest complete checkpoint")
-    p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint to --store every K steps")
+    p.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="checkpoint to --store every K steps (default: only when the script calls checkpoint)")
     p.add_argument("--checkpoint-tmpdir", metavar="DIR",
                    help="write each periodic checkpoint to this local directory first and copy it to --store "
                         "in the background, while training goes on (it counts once rank 0 commits it)")
     p.add_argument("--job", default="local", help="job id (default: local)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: cores // (P*D))")
-    p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop all workers after this long")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="stop all workers after this long and exit 124 (default: no limit)")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
                    help="time a stopping worker gets before SIGKILL (default 5)")
     p.add_argument("script", help="the training script; every worker runs `python script [args]`")

@@ -77,6 +77,9 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         name=args.name, script=args.script, args=script_args, batch_size=args.batch_size,
         chunk_size=args.chunk_size, steps=args.steps, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, store=args.store, schedule=args.schedule)
+    if spec.checkpoint_every > spec.steps:
+        print(f"varunactl submit: note: --checkpoint-every {spec.checkpoint_every} is more than --steps {spec.steps}: "
+              "no checkpoint before the end, so a lost VM restarts the job from step 0", file=sys.stderr)
     return _run(args, lambda store: ctl.submit(store, _keys(args), spec, bundle))
 
 
@@ -160,7 +163,8 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, required=True, metavar="K", help="checkpoint every K steps")
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="complete checkpoints kept (3)")
     p.add_argument("--store", metavar="DIR", help="checkpoint store of the job (default: the daemons' --store/NAME)")
-    p.add_argument("--schedule", default="varuna", choices=["varuna", "gpipe", "1f1b"], help="pipeline schedule")
+    p.add_argument("--schedule", default="varuna", choices=["varuna", "gpipe", "1f1b"],
+                   help="pipeline schedule (default varuna)")
     p.add_argument("script", metavar="SCRIPT", help="a Varuna training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="arguments for the script")
     p.set_defaults(handler=_cmd_submit)

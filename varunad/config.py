@@ -258,13 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--etcd", metavar="HOST:PORT[,...]", help="etcd endpoints (required)")
     a("--name", help="member name, unique in the fleet (default: short hostname)")
     a("--advertise", metavar="HOST", help="address peers reach this VM at (default 127.0.0.1)")
-    a("--slots", type=int, help="device slots; 0 = detect (GPUs, else 1)")
+    a("--slots", type=int, metavar="N", help="device slots; 0 = detect (GPUs, else 1)")
     a("--store", metavar="DIR", help="global checkpoint store, a mount every VM shares (required)")
     a("--state-dir", metavar="DIR", help="local state: job bundles and worker logs (default /var/lib/varunad)")
     a("--root", metavar="PREFIX", help="etcd key root (default /varunad/)")
-    a("--ttl", type=float, help="member lease TTL in seconds (default 10)")
-    a("--loop-wait", type=float, help="longest pause of the leader/election loops (default ttl/5)")
-    a("--retry-timeout", type=float, help="bound of one etcd request (default min(3, ttl/4))")
+    a("--ttl", type=float, metavar="SECONDS", help="member lease TTL in seconds (default 10)")
+    a("--loop-wait", type=float, metavar="SECONDS", help="longest pause of the leader/election loops (default ttl/5)")
+    a("--retry-timeout", type=float, metavar="SECONDS", help="bound of one etcd request (default min(3, ttl/4))")
     sec = p.add_mutually_exclusive_group()
     sec.add_argument("--curve-keys", metavar="DIR",
                      help="CURVE keys: DIR/NAME.key_secret and the fleet's public *.key files")
@@ -275,24 +275,28 @@ def build_parser() -> argparse.ArgumentParser:
     a("--etcd-ca", metavar="FILE", help="CA certificate to verify etcd's TLS certificate")
     a("--etcd-cert", metavar="FILE", help="client certificate for etcd (with --etcd-key)")
     a("--etcd-key", metavar="FILE", help="client key for etcd")
-    a("--etcd-user", help="etcd user (password in VARUNAD_ETCD_PASSWORD)")
-    a("--port", type=int, help="TCP port of the daemon's control socket (default: a free one)")
+    a("--etcd-user", metavar="USER", help="etcd user (password in VARUNAD_ETCD_PASSWORD)")
+    a("--port", type=int, metavar="PORT", help="TCP port of the daemon's control socket (default: a free one)")
     a("--metrics-port", type=int, metavar="PORT",
       help="serve Prometheus metrics at http://HOST:PORT/metrics on the control socket's host (default 0: off)")
-    a("--worker-port-base", type=int, help="first of SLOTS+1 worker ports (default: free ones)")
-    a("--device-kind", help="device kind for calibration and prices (default: the GPU model, e.g. "
+    a("--worker-port-base", type=int, metavar="PORT", help="first of SLOTS+1 worker ports (default: free ones)")
+    a("--device-kind", metavar="KIND", help="device kind for calibration and prices (default: the GPU model, e.g. "
       "'NVIDIA A100-SXM4-80GB'; 'cpu' on a CPU host, 'cpu-<n>slots' with --slots n)")
     a("--memory", type=int, metavar="BYTES", help="memory per slot (default: detect)")
-    a("--threads", type=int, help="torch threads per worker (default: cores / slots)")
-    a("--stop-grace", type=float, help="seconds workers get to checkpoint and stop before SIGKILL (default 60)")
-    a("--abort-grace", type=float, help="seconds before SIGKILL for workers stopped without checkpoint (default 3)")
-    a("--notice-timeout", type=float, help="on SIGTERM, longest wait for the checkpoint (default stop-grace + 5)")
+    a("--threads", type=int, metavar="N", help="torch threads per worker (default: cores / slots)")
+    a("--stop-grace", type=float, metavar="SECONDS",
+      help="seconds workers get to checkpoint and stop before SIGKILL (default 60)")
+    a("--abort-grace", type=float, metavar="SECONDS",
+      help="seconds before SIGKILL for workers stopped without checkpoint (default 3)")
+    a("--notice-timeout", type=float, metavar="SECONDS",
+      help="on SIGTERM, longest wait for the checkpoint (default stop-grace + 5)")
     a("--scale-up-threshold", type=float, metavar="FRACTION",
       help="re-plan a running job onto new VMs only if it gets this much faster (default 0.1)")
-    a("--max-restarts", type=int, help="failed epochs before a job fails (default 3)")
-    a("--debounce", type=float, help="seconds to collect changes before re-planning (default 0.5)")
-    a("--start-timeout", type=float, help="seconds a new epoch may take to its first step (default 120)")
-    a("--progress-interval", type=float, help="seconds between progress writes to etcd (default 1)")
+    a("--max-restarts", type=int, metavar="N", help="failed epochs before a job fails (default 3)")
+    a("--debounce", type=float, metavar="SECONDS", help="seconds to collect changes before re-planning (default 0.5)")
+    a("--start-timeout", type=float, metavar="SECONDS",
+      help="seconds a new epoch may take to its first step (default 120)")
+    a("--progress-interval", type=float, metavar="SECONDS", help="seconds between progress writes to etcd (default 1)")
     a("--keep-jobs", type=int, metavar="N",
       help="keep the bundles and worker logs of the N most recently used jobs in the state dir; "
            "older ones are deleted when a job starts here (default 10)")

@@ -34,7 +34,7 @@ async def _open(etcd: str, timeout: float) -> Store:
         await store.connect()
         return store
     except StoreError as exc:
-        raise CtlError(f"cannot reach etcd at {etcd} within {timeout:g}s: {exc}") from None
+        raise CtlError(f"cannot reach etcd at {etcd}: {exc}") from None
 
 
 def run(etcd: str, timeout: float, fn: Callable[[Store], Awaitable[int]]) -> int:

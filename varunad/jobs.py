@@ -221,8 +221,8 @@ class JobState:
             raise JobSpecError(f"job state {self.state!r} is not one of {STATES}")
         object.__setattr__(self, "epochs", tuple(self.epochs))
         # fields a newer release added are left out, so a fleet can be upgraded one VM at a time
-        morphs = tuple(m if isinstance(m, MorphEvent) else MorphEvent(**{k: v for k, v in m.items() if k in _MORPH_FIELDS})
-                       for m in self.morphs)
+        morphs = tuple(m if isinstance(m, MorphEvent)
+                       else MorphEvent(**{k: v for k, v in m.items() if k in _MORPH_FIELDS}) for m in self.morphs)
         object.__setattr__(self, "morphs", morphs)
 
     @property
@@ -267,7 +267,8 @@ def pack_bundle(script: str | os.PathLike[str], *, limit: int = MAX_BUNDLE_BYTES
     the script's path inside). BundleError with the biggest files when it exceeds ``limit``."""
     script = Path(script)
     if not script.is_file():
-        raise BundleError(f"no such script: {script}")
+        raise BundleError(f"{script} is a directory; give the training script in it" if script.is_dir()
+                          else f"no such script: {script}")
     directory = script.resolve().parent
     files = _bundle_files(directory)
     if len(files) > MAX_BUNDLE_FILES:

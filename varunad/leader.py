@@ -132,7 +132,7 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
             return Decision("nothing", "no job is queued")
         if plan is not None and plan.kind == "profile" and plan.job == nxt.job:
             return _profile_progress(snap, nxt, plan, epoch)
-        return Decision("start", f"{nxt.job} is next in the queue", nxt.job)
+        return Decision("start", f"started: {nxt.job} was next in the queue", nxt.job)
 
     job = cur.job
     state = snap.states[job]

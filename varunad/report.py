@@ -464,7 +464,8 @@ def _cost_lines(cost: dict[str, Any]) -> list[str]:
         f"at spot, {_usd(cost['on_demand_usd'])} on demand",
         f"samples  {cost['samples']:,}: {_count(cost['samples_per_usd_spot'])} per $ at spot, "
         f"{_count(cost['samples_per_usd_on_demand'])} per $ on demand",
-        f"morphs   {m['count']}{_restarts(m.get('restarts', 0))}: {m['lost_s']:.1f} s lost ({100 * m['lost_fraction']:.1f}% of the run: "
+        f"morphs   {m['count']}{_restarts(m.get('restarts', 0))}: "
+        f"{m['lost_s']:.1f} s lost ({100 * m['lost_fraction']:.1f}% of the run: "
         f"{m['downtime_s']:.1f} s stalled + {_plural(m['redone_steps'], 'redone step')})",
     ]
     if cost["spot_saving_factor"] and cost["samples"]:   # nothing trained: nothing to compare

@@ -102,7 +102,7 @@ class StoreError(Exception):
     """etcd refused or failed a request, or this module was configured wrongly."""
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
-        self.hint = hint
+        self.reason, self.hint = message, hint
         super().__init__(f"{message} ({hint})" if hint else message)
 
 
@@ -687,7 +687,7 @@ class EtcdStore(Store):
                     err = _translate(exc, "a first read", "%s:%d" % self._endpoints[index])
                     if not isinstance(err, StoreUnavailable):
                         raise err from exc  # wrong credentials will not improve elsewhere
-                    failures.append(str(err))
+                    failures.append(err.reason)   # the hint once, after all of them
                     continue
                 self._index, self._client = index, client
                 return client
