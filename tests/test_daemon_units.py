@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from varunad.config import ConfigError, load_config, parse_env_file
-from varunad.facts import DaemonMember, detect_device_kind, gpu_models
+from varunad.facts import DaemonMember, detect_device_kind, detect_memory, gpu_count, gpu_models
 from varunad.fleet import FleetSnapshot, JobEntry
 from varunad.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_digest, model_fingerprint, pack_bundle,
                           unpack_bundle)
@@ -240,6 +240,28 @@ def test_device_kinds_tell_apart_gpu_models_and_shared_cpu_hosts(tmp_path, caplo
     # CPU slots of one host share its cores: a slot of a busy 4-slot host is a kind of its own.
     assert detect_device_kind(1, gpus=0) == "cpu"
     assert detect_device_kind(4, gpus=0) == "cpu-4slots"
+
+
+def test_gpu_slots_follow_cuda_visible_devices(tmp_path):
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    dev = str(tmp_path)
+    assert gpu_count({}, dev=dev) == 4
+    assert gpu_count({"CUDA_VISIBLE_DEVICES": "2,3"}, dev=dev) == 2
+    assert gpu_count({"CUDA_VISIBLE_DEVICES": "GPU-8f1c,MIG-1"}, dev=dev) == 2
+    assert gpu_count({"CUDA_VISIBLE_DEVICES": "1,-1,2"}, dev=dev) == 1   # CUDA stops at the first non-device
+    assert gpu_count({"CUDA_VISIBLE_DEVICES": ""}, dev=dev) == 0
+    assert gpu_count({"CUDA_VISIBLE_DEVICES": "0,1"}, dev=str(tmp_path / "none")) == 0
+
+
+def test_a_gpu_slot_gets_the_smallest_gpus_memory(tmp_path, monkeypatch):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '81920\\n40960\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert detect_memory(2, gpus=2) == 40960 * 2**20
+    smi.write_text("#!/bin/sh\nexit 9\n")   # the driver cannot answer: host memory shared out, as on CPU
+    assert detect_memory(2, gpus=2) == detect_memory(2)
 
 
 def test_member_facts_round_trip_and_old_readers_ignore_them():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 import trainer.launch as launch_mod
 from trainer.env import Assignment
@@ -98,13 +99,21 @@ def test_plan_numbers_ranks_replica_major_with_distinct_endpoints():
     # flags that every worker would refuse are refused once, in the flags' words
     with pytest.raises(ConfigError, match=r"--cuts names 2 cut point\(s\); 2 stages need 1"):
         plan_assignments(2, 1, cuts=[1, 2])
-    with pytest.raises(ConfigError, match="increasing order"):
-        plan_assignments(3, 1, cuts=[2, 1])
+    with pytest.raises(ConfigError, match="distinct cut-point indices"):
+        plan_assignments(3, 1, cuts=[1, 1])
     with pytest.raises(ConfigError, match="need --store DIR"):
         plan_assignments(2, 1, checkpoint_every=5)
     with pytest.raises(ConfigError, match="need --store DIR"):
         plan_assignments(2, 1, checkpoint_tmpdir="/tmp/x")
     assert plan_assignments(3, 1, cuts=[1, 2], store="/tmp/s", checkpoint_every=5)[0].cuts == [1, 2]
+    # one GPU per worker, or a refusal that says how many there are
+    if torch.cuda.device_count() >= 2:
+        assert [a.device for a in plan_assignments(2, 1, device="cuda")] == ["0", "1"]
+    else:
+        with pytest.raises(ConfigError, match=f"each of the 2 workers on a GPU of its own; this host shows "
+                                              f"{torch.cuda.device_count()}"):
+            plan_assignments(2, 1, device="cuda")
+    assert [a.device for a in plan_assignments(2, 1, device="cpu")] == ["cpu", "cpu"]
 
 
 def test_the_launcher_refuses_a_directory_in_one_line(tmp_path, capsys):

@@ -75,6 +75,8 @@ def _meta(v, iteration: int) -> dict:
         "param_groups": groups,
         "lr_scheduler": v.lr_scheduler.state_dict() if v.lr_scheduler is not None else None,
         "rng": torch.get_rng_state(),
+        # dropout on a GPU draws from the device's generator, not the CPU's
+        "cuda_rng": torch.cuda.get_rng_state(v.device) if v.device.type == "cuda" else None,
     }
 
 
@@ -220,14 +222,30 @@ def load(v, store: str, iteration: int | None, *, check_complete: bool = True) -
             for name, state in content.get("optim", {}).items():
                 if name in v._named:
                     p = v._named[name]
-                    v.optimizer.state[p] = {k: (s.to(p.device) if torch.is_tensor(s) else s)
-                                            for k, s in state.items()}
+                    v.optimizer.state[p] = _optimizer_state_on(v.optimizer, p, state)
     meta = ckpt_store.read_tensors(ckpt_dir, META)
     _restore_meta(v, meta, iteration)
     dist.barrier()
     log.info("rank %d: loaded checkpoint %d (written by %sx%s) in %.2fs", v.rank, iteration,
              manifest["meta"].get("P"), manifest["meta"].get("D"), time.perf_counter() - start)
     return iteration
+
+
+def _optimizer_state_on(optimizer, p: torch.Tensor, state: dict) -> dict:
+    """`state` placed as the optimizer keeps it: tensors on the parameter's device, except a
+    scalar 'step', which torch's optimizers keep on the CPU unless fused or capturable (on a
+    GPU it would cost a device sync per parameter per step)."""
+    group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), {})
+    step_on_device = bool(group.get("fused") or group.get("capturable"))
+
+    def place(k, s):
+        if not torch.is_tensor(s):
+            return s
+        if k == "step" and s.dim() == 0 and not step_on_device:
+            return s.to("cpu")
+        return s.to(p.device)
+
+    return {k: place(k, s) for k, s in state.items()}
 
 
 def _why_none(store: str, checksums: bool) -> str:
@@ -261,4 +279,6 @@ def _restore_meta(v, meta: dict, iteration: int) -> None:
         v.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     v.scaler.load_state_dict(meta["scaler"])
     torch.set_rng_state(meta["rng"])
+    if v.device.type == "cuda" and meta.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(meta["cuda_rng"], v.device)
     v.iteration = int(meta["iteration"])

@@ -153,7 +153,9 @@ def plan_assignments(
     checkpoint_tmpdir: str | None = None,
 ) -> list[Assignment]:
     """One Assignment per rank (rank = replica * stages + stage), with fresh loopback ports.
-    With a store, the workers resume from its newest complete checkpoint by themselves."""
+    With a store, the workers resume from its newest complete checkpoint by themselves.
+    `device` "cuda" gives rank r the r-th visible GPU (NCCL wants one GPU per rank); any other
+    value (a torch device, "cpu") goes to every rank as it is; None leaves it to the script."""
     if stages < 1 or replicas < 1:
         raise ConfigError(f"need at least one stage and one replica, got --stages {stages} --replicas {replicas}")
     if schedule is not None and schedule not in SCHEDULES:
@@ -161,13 +163,22 @@ def plan_assignments(
     # Refused here, in the flags' own words, rather than by every worker in the variables' words.
     if cuts is not None and len(cuts) != stages - 1:
         raise ConfigError(f"--cuts names {len(cuts)} cut point(s); {stages} stages need {stages - 1}")
-    if cuts is not None and (sorted(set(cuts)) != list(cuts) or any(c < 0 for c in cuts)):
-        raise ConfigError(f"--cuts must be distinct cut-point indices >= 0 in increasing order, got {list(cuts)}")
+    if cuts is not None and (len(set(cuts)) != len(cuts) or any(c < 0 for c in cuts)):
+        raise ConfigError(f"--cuts must be distinct cut-point indices >= 0, got {list(cuts)}")
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ConfigError(f"--checkpoint-every must be >= 1, got {checkpoint_every}")
     if (checkpoint_every is not None or checkpoint_tmpdir is not None) and store is None:
         raise ConfigError("--checkpoint-every and --checkpoint-tmpdir need --store DIR, where checkpoints go")
     world = stages * replicas
+    devices = [device] * world
+    if device == "cuda":
+        import torch   # only here: the daemon imports this module too
+
+        gpus = torch.cuda.device_count()
+        if gpus < world:
+            raise ConfigError(f"--device cuda puts each of the {world} workers on a GPU of its own; "
+                              f"this host shows {gpus}", hint="use fewer stages x replicas, or --device cpu")
+        devices = [str(rank) for rank in range(world)]
     if threads is None:
         threads = max(1, _available_cores() // world)
     ports = free_ports(world + 1)
@@ -185,7 +196,7 @@ def plan_assignments(
             threads=threads,
             trace_dir=trace_dir,
             store=store,
-            device=device,
+            device=devices[rank],
             checkpoint_every=checkpoint_every,
             checkpoint_tmpdir=checkpoint_tmpdir,
             resume="latest" if store else None,
@@ -437,6 +448,9 @@ def _parser() -> argparse.ArgumentParser:
                         "in the background, while training goes on (it counts once rank 0 commits it)")
     p.add_argument("--job", default="local", help="job id (default: local)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: cores // (P*D))")
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   help="cuda: one GPU per worker (rank r on the r-th visible GPU); cpu: every worker on "
+                        "the CPU (default: what the script passes to Varuna as device/local_rank)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="stop all workers after this long and exit 124 (default: no limit)")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
@@ -453,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = launch(
             ns.script, ns.script_args, stages=ns.stages, replicas=ns.replicas, timeout=ns.timeout,
             job=ns.job, schedule=ns.schedule, cuts=ns.cuts, threads=ns.threads,
-            trace_dir=ns.trace_dir, store=ns.store, grace=ns.grace, echo=True, capture=False,
+            trace_dir=ns.trace_dir, store=ns.store, device=ns.device, grace=ns.grace, echo=True, capture=False,
             checkpoint_every=ns.checkpoint_every, checkpoint_tmpdir=ns.checkpoint_tmpdir,
         )
     except ConfigError as exc:

@@ -906,6 +906,8 @@ class Profiler:
         was_training = self.model.training
         saved_grads = {id(p): p.grad for p in self.model.parameters()}
         self.model.to(self.device)
+        for s in slices:   # they hold the buffers model.to replaced, not the moved ones
+            s.module.to(self.device)
         self.model.train()
         batches, input_bytes = {}, []
         for b in sizes:

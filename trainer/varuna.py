@@ -96,7 +96,8 @@ class Varuna:
         self._named = _named_tensors(model, traced.canonical, mine)
         _free_other_stages(model, traced.canonical, set(mine.owned) | set(mine.owned_buffers))
         del traced, slices
-        self.module.to(self.device)
+        _move_in_place(self._named.values(), self.device)
+        self.module.to(self.device)   # what else the slice holds (graph constants)
         self.input_names = mine.input_names
 
         self._build_groups()
@@ -296,6 +297,10 @@ class Varuna:
                                   f"{dist.get_world_size()}, the assignment says {a.rank}/{a.world_size}")
             return
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            # NCCL and every torch.cuda call without an index use the current device: this one,
+            # not GPU 0 in every worker of the host
+            torch.cuda.set_device(self.device)
         timeout = timedelta(seconds=float(os.environ.get("VARUNA_DIST_TIMEOUT", "600")))
         if a.world_size == 1:
             store = dist.HashStore()
@@ -521,6 +526,16 @@ def _aliases(model: nn.Module, canonical: Mapping[int, str]) -> dict[str, str]:
 def _named_tensors(model, canonical, mine) -> dict[str, torch.Tensor]:
     by_name = {canonical[id(t)]: t for t in (*model.parameters(), *model.buffers()) if id(t) in canonical}
     return {n: by_name[n] for n in (*mine.owned, *mine.owned_buffers)}
+
+
+def _move_in_place(tensors, device: torch.device) -> None:
+    """Move tensors to `device` keeping each the same Python object. Module.to replaces buffers
+    with new tensors, which would leave `_named` (what checkpoints save and load) holding the
+    stale host copies while the stage computes with the device ones."""
+    with torch.no_grad():
+        for t in tensors:
+            if t.device != device:
+                t.data = t.data.to(device)
 
 
 def _free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:

@@ -90,7 +90,7 @@ class DaemonConfig:
     device_kind: str = ""
     """Device kind for calibration ("" = detect: the GPU model, else "cpu" or "cpu-<n>slots")."""
     memory: int = 0
-    """Memory per slot in bytes (0 = detect: host memory / slots on a CPU host)."""
+    """Memory per slot in bytes (0 = detect: a GPU's memory (nvidia-smi), host memory / slots on a CPU host)."""
     threads: int = 0
     """torch threads per worker (0 = cores / slots)."""
     stop_grace: float = 60.0
@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--worker-port-base", type=int, metavar="PORT", help="first of SLOTS+1 worker ports (default: free ones)")
     a("--device-kind", metavar="KIND", help="device kind for calibration and prices (default: the GPU model, e.g. "
       "'NVIDIA A100-SXM4-80GB'; 'cpu' on a CPU host, 'cpu-<n>slots' with --slots n)")
-    a("--memory", type=int, metavar="BYTES", help="memory per slot (default: detect)")
+    a("--memory", type=int, metavar="BYTES",
+      help="memory per slot (default: the GPU's, from nvidia-smi; on a CPU host its memory / slots)")
     a("--threads", type=int, metavar="N", help="torch threads per worker (default: cores / slots)")
     a("--stop-grace", type=float, metavar="SECONDS",
       help="seconds workers get to checkpoint and stop before SIGKILL (default 60)")

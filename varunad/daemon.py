@@ -42,7 +42,8 @@ from trainer.calibration import Calibration
 
 from varunad.config import ConfigError, DaemonConfig, build_parser, load_config
 from varunad.election import Election, ElectionState
-from varunad.facts import DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, version
+from varunad.facts import (DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, gpu_count,
+                           version)
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import BUNDLES, job_dir, prune_jobs
 from varunad.jobs import BundleError, JobSpec, JobSpecError, job_store, model_fingerprint, unpack_bundle
@@ -106,7 +107,8 @@ class Daemon:
         ports = self.ports.ports
         return DaemonMember(
             name=self.name, host=c.advertise, endpoint=f"tcp://{c.advertise}:{self.server.port}", slots=slots,
-            device_kind=c.device_kind or detect_device_kind(slots), memory_bytes=c.memory or detect_memory(slots),
+            device_kind=c.device_kind or detect_device_kind(slots),
+            memory_bytes=c.memory or detect_memory(slots, gpu_count()),
             version=version(), started_at=time.time(), worker_ports=tuple(ports[:slots]),
             rendezvous_port=ports[slots], lease_ttl=c.ttl,
         )

@@ -16,6 +16,8 @@ import logging
 import os
 import re
 import socket
+import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from varunad.membership import Member
@@ -80,12 +82,23 @@ def parse_member(data: bytes) -> DaemonMember:
 _NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
 
 
-def gpu_count() -> int:
-    """NVIDIA GPUs on this host (their /dev nodes)."""
+def gpu_count(environ: Mapping[str, str] | None = None, *, dev: str = "/dev") -> int:
+    """NVIDIA GPUs this daemon's workers may use: the host's (their /dev nodes), or as many as
+    CUDA_VISIBLE_DEVICES shows them (workers inherit it, so slot k is its k-th device)."""
     try:
-        return sum(1 for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n))
+        present = sum(1 for n in os.listdir(dev) if re.fullmatch(r"nvidia\d+", n))
     except OSError:
-        return 0
+        present = 0
+    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not present:
+        return present
+    shown = 0
+    for entry in visible.split(","):   # CUDA stops at the first entry that is no device
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        shown += 1
+    return min(shown, present)
 
 
 def detect_slots() -> int:
@@ -126,8 +139,25 @@ def detect_device_kind(slots: int = 1, *, gpus: int | None = None, models: list[
     return names[0].replace("/", "-")
 
 
-def detect_memory(slots: int) -> int:
-    """Bytes per slot: the host's memory shared out (a GPU host should pass --memory)."""
+def gpu_memory() -> int | None:
+    """Bytes of the smallest GPU of the host, from nvidia-smi; None when it cannot tell."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        sizes = [int(float(line)) for line in out.split() if line.strip()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(sizes) * 2**20 if sizes else None
+
+
+def detect_memory(slots: int, gpus: int = 0) -> int:
+    """Bytes per slot: a GPU's memory on a GPU host, else the host's memory shared out."""
+    if gpus:
+        size = gpu_memory()
+        if size:
+            return size
+        log.warning("cannot read the GPUs' memory (nvidia-smi); planning with host memory / slots: "
+                    "pass --memory BYTES")
     try:
         import psutil
 
