@@ -74,6 +74,8 @@ class StageExecutor:
                 continue
             with recorder.span(str(action), _CATEGORY[action.kind], action.micro_batch):
                 execute(action.kind, action.micro_batch)
+                if self.device.type == "cuda":   # a span is the kernels' time, not their launch's
+                    torch.cuda.synchronize(self.device)
         if self._stash or self._act or self._grad_out or self._outbox or self._rng:
             raise RuntimeError(f"stage {self.stage}: the schedule left work undone (stashed "
                                f"{sorted(self._stash)}, unsent {sorted(self._outbox)}, received {sorted(self._act)})")
