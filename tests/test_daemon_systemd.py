@@ -43,6 +43,8 @@ def test_unit_has_the_settings_a_preemptible_vm_needs():
     assert service["KillMode"] == "mixed"  # SIGTERM to the daemon only; it stops its workers itself
     assert service["EnvironmentFile"].endswith("varunad.env")
     assert service["ExecStart"].split()[0].endswith("/varunad")
+    # workers run whatever script is submitted to the fleet: not as root
+    assert service.get("User") not in (None, "", "root", "0") and service["NoNewPrivileges"] == "yes"
     # the stop timeout covers the workers' checkpoint grace with room to leave the fleet
     grace = float(parse_env_file(ENV)["VARUNAD_STOP_GRACE"])
     assert _seconds(service["TimeoutStopSec"]) >= grace + 30
@@ -55,6 +57,8 @@ def test_env_file_is_a_valid_configuration():
     assert config.etcd and config.store and config.curve_keys and not config.plaintext
     assert config.loop_wait + 2 * config.retry_timeout <= config.ttl
     assert config.stop_grace == float(env["VARUNAD_STOP_GRACE"])
+    # a file baked into every VM's image must not pin one VM's address
+    assert "VARUNAD_ADVERTISE" not in env and config.advertise
 
 
 def test_systemd_analyze_verify(tmp_path):

@@ -39,6 +39,25 @@ def test_config_defaults_follow_the_ttl():
     assert c.loop_wait + 2 * c.retry_timeout <= 4
 
 
+def test_advertise_defaults_to_the_route_to_etcd_and_check_prints_the_settings(tmp_path):
+    from varunad.config import route_address
+
+    assert load_config(BASE, environ={}).advertise == "127.0.0.1"   # etcd on loopback: the loopback route
+    assert route_address("http://127.0.0.1:2379,10.9.9.9:2379") == "127.0.0.1"   # the first endpoint's
+    assert route_address("etcd.invalid:2379") == "127.0.0.1"   # unresolvable: a safe default
+    assert load_config([*BASE, "--advertise", "10.0.0.7"], environ={}).advertise == "10.0.0.7"
+    daemon = [sys.executable, "-m", "varunad.daemon"]
+    r = subprocess.run([*daemon, *BASE, "--advertise", "10.0.0.7", "--check"], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert r.returncode == 0 and "advertise=10.0.0.7" in r.stdout.splitlines(), r.stdout + r.stderr
+    assert "--advertise 10.0.0.7 is no address of this host" in r.stderr
+    bad = tmp_path / "bad.env"
+    bad.write_text("garbage\n")
+    r = subprocess.run([*daemon, "--env-file", str(bad), "--check"], capture_output=True, text=True, timeout=60,
+                       cwd=REPO)
+    assert r.returncode == 2 and "bad.env:1: expected KEY=VALUE" in r.stderr
+
+
 def test_config_lowers_a_retry_timeout_that_breaks_the_rule(caplog):
     with caplog.at_level(logging.WARNING):
         c = load_config(BASE + ["--ttl", "6", "--loop-wait", "2", "--retry-timeout", "5"], environ={})

@@ -42,6 +42,24 @@ class ConfigError(ValueError):
     """A setting cannot be used; the message says which and what to change."""
 
 
+def route_address(etcd: str) -> str:
+    """The local address this host's packets to the first etcd endpoint leave from (a UDP
+    connect picks the route and sends nothing); 127.0.0.1 when there is no route."""
+    first = etcd.split(",")[0].strip().split("://", 1)[-1].rstrip("/")
+    if first.startswith("["):   # [v6 address]:port
+        host, _, port = first[1:].partition("]")
+        port = port.lstrip(":")
+    else:
+        host, _, port = first.partition(":")
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, int(port or 2379), type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except (OSError, ValueError):
+        return "127.0.0.1"
+
+
 def _default_name() -> str:
     return socket.gethostname().split(".")[0] or "varunad"
 
@@ -54,8 +72,9 @@ class DaemonConfig:
     """etcd endpoints, ``host:port[,host:port...]``."""
     name: str = field(default_factory=_default_name)
     """Member name, unique in the fleet (default: the short hostname)."""
-    advertise: str = "127.0.0.1"
-    """Host or IP the other daemons and workers reach this VM at."""
+    advertise: str = ""
+    """Host or IP the other daemons and workers reach this VM at ("" = the address this host
+    uses to reach etcd: the interface a fleet's traffic takes)."""
     slots: int = 0
     """Device slots (one worker each); 0 = detect (GPUs, else 1)."""
     store: str = ""
@@ -165,7 +184,8 @@ class DaemonConfig:
                         "%.2fs", loop_wait, retry, self.ttl, lowered)
             retry = lowered
         notice = self.notice_timeout or self.stop_grace + 5.0
-        return replace(self, loop_wait=loop_wait, retry_timeout=retry, notice_timeout=notice)
+        return replace(self, loop_wait=loop_wait, retry_timeout=retry, notice_timeout=notice,
+                       advertise=self.advertise or route_address(self.etcd))
 
     @property
     def security_mode(self) -> str:
@@ -257,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--env-file", metavar="FILE", help="read VARUNAD_* settings from this file first")
     a("--etcd", metavar="HOST:PORT[,...]", help="etcd endpoints (required)")
     a("--name", help="member name, unique in the fleet (default: short hostname)")
-    a("--advertise", metavar="HOST", help="address peers reach this VM at (default 127.0.0.1)")
+    a("--advertise", metavar="HOST",
+      help="address peers reach this VM at (default: the local address of the route to etcd)")
     a("--slots", type=int, metavar="N", help="device slots; 0 = detect (GPUs, else 1)")
     a("--store", metavar="DIR", help="global checkpoint store, a mount every VM shares (required)")
     a("--state-dir", metavar="DIR", help="local state: job bundles and worker logs (default /var/lib/varunad)")
@@ -309,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
            "from a synthetic one (uniform: data-parallel only, for quick experiments)")
     a("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     a("--version", action="store_true", help="print the version and exit")
+    a("--check", action="store_true",
+      help="check the settings (flags, --env-file, environment), print them as resolved, and exit")
     return p
 
 

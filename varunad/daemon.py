@@ -43,7 +43,7 @@ from trainer.calibration import Calibration
 from varunad.config import ConfigError, DaemonConfig, build_parser, load_config
 from varunad.election import Election, ElectionState
 from varunad.facts import (DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, gpu_count,
-                           version)
+                           is_local_address, version)
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import BUNDLES, job_dir, prune_jobs
 from varunad.jobs import BundleError, JobSpec, JobSpecError, job_store, model_fingerprint, unpack_bundle
@@ -467,6 +467,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=config.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not is_local_address(config.advertise):
+        log.warning("--advertise %s is no address of this host: peers reach it only if it is forwarded here "
+                    "(a VM image must not carry one VM's address; leave it unset to use the route to etcd)",
+                    config.advertise)
+    if "--check" in args:
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            print(f"{f.name}={'(set)' if f.name == 'etcd_password' and value else value}")
+        return 0
     log.info("varunad %s starting as %s (etcd %s, ttl %.1fs, loop_wait %.2fs, retry_timeout %.2fs)", version(),
              config.name, config.etcd, config.ttl, config.loop_wait, config.retry_timeout)
     try:

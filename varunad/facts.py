@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from varunad.membership import Member
 
 __all__ = ["DaemonMember", "PortReservation", "detect_slots", "detect_device_kind", "detect_memory",
-           "gpu_count", "gpu_models", "parse_member", "version"]
+           "gpu_count", "gpu_models", "is_local_address", "parse_member", "version"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,18 @@ def detect_device_kind(slots: int = 1, *, gpus: int | None = None, models: list[
         return "cuda"
     # a key component cannot hold '/', and the kind names an etcd key
     return names[0].replace("/", "-")
+
+
+def is_local_address(host: str) -> bool:
+    """Whether `host` (a name or an address) is one of this host's interface addresses."""
+    import psutil
+
+    try:
+        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    except (OSError, UnicodeError):
+        return False
+    return bool(wanted & mine)
 
 
 def gpu_memory() -> int | None:
