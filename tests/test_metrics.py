@@ -51,6 +51,15 @@ async def test_exposition_holds_every_documented_name_and_the_values_set():
     m.begin_epoch({0: 0})  # ranks move between stages: old busy fractions go, the job's last step stays
     text = (await m.exposition()).decode()
     assert "varunad_stage_busy_fraction{" not in text and _value(text, 'varunad_job_step{job="gpt"}') == 7
+    m.begin_epoch({0: 0}, "gpt")  # the same job's next epoch: its figures stay until new ones arrive
+    assert _value((await m.exposition()).decode(), 'varunad_job_step{job="gpt"}') == 7
+    m.begin_epoch({0: 0}, "bert")  # another job here: the old one's figures are no longer served
+    text = (await m.exposition()).decode()
+    assert 'job="gpt"' not in text.replace('varunad_checkpoint_seconds', '')
+    m.worker_progress(job="bert", rank=0, step=1, loss=1.0, samples_per_s=5.0, busy_fraction=1.0, reports_job=True)
+    m.forget_job("bert")
+    m.forget_job("bert")  # twice is harmless
+    assert 'varunad_job_step{' not in (await m.exposition()).decode()
     assert "varunad_members 0.0" in (await DaemonMetrics().exposition()).decode()  # registries are separate
 
 

@@ -305,6 +305,18 @@ def test_the_measured_step_is_the_newest_epochs_last_complete_one_after_warm_up(
     assert (only_warm_up.epoch, only_warm_up.step, only_warm_up.warm) == (7, 0, False)
 
 
+def test_the_measured_step_is_not_one_that_ran_beside_a_checkpoint_copy(tmp_path):
+    d = tmp_path / "traces" / "epoch3"
+    for stage in range(2):
+        rec = _trace_step(d, stage, 0, stage, 4, 0.0)   # warm-up
+        for step in (5, 6):   # 6 follows the checkpoint at step 6 (every 3): its copy runs beside it
+            rec.events += _trace_step(d, stage, 0, stage, step, 10_000.0 * step).events
+        rec.save()
+    assert pick_measured_step(str(tmp_path), {3: 2}, checkpoint_every=3).step == 5
+    assert pick_measured_step(str(tmp_path), {3: 2}).step == 6
+    assert pick_measured_step(str(tmp_path), {3: 2}, checkpoint_every=5).step == 6
+
+
 def test_a_report_from_state_alone_notes_what_it_could_not_draw(tmp_path):
     spec = JobSpec(job="j", script="t.py", batch_size=8, steps=4, checkpoint_every=2, bundle_digest="0" * 64,
                    bundle_bytes=1)

@@ -365,6 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.handler(args)
+    except BrokenPipeError:   # `varunactl status | head`: the reader has what it wanted
+        # (Python's documented way: point stdout at devnull so the exit flush cannot fail again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ProtocolError, OSError, CtlError, JobSpecError, ValueError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"varunactl {args.command}: {message}", file=sys.stderr)

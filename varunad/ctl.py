@@ -121,7 +121,10 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
         except ValueError:
             continue
     current = [p for p in progress if p.epoch == state.epoch]
-    step = max([s + 1 for s, _ in history] + [p.step + 1 for p in current] + [0])
+    now = [s + 1 for s in per_epoch.get(state.epoch, {})] + [p.step + 1 for p in current]
+    # where the running epoch is, once it has reported: after a resume from an older checkpoint
+    # it redoes steps an earlier epoch had reached, and says so rather than the highest step
+    step = max(now or [s + 1 for s, _ in history] or [0])
     if state.state == "done":
         try:
             step = max(step, JobSpec.decode(spec_kv.value).steps)
@@ -134,7 +137,7 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
         "plan": {"P": plan.get("P"), "D": plan.get("D"), "micro_batch_size": plan.get("micro_batch_size"),
                  "schedule": plan.get("schedule"), "members": plan.get("members", []),
                  "estimated_s": plan.get("estimated_s"), "calibrated": plan.get("calibrated")},
-        "loss": history[-1][1] if history else None,
+        "loss": dict(history).get(step - 1, history[-1][1]) if history else None,
         "samples_per_s": sum(p.samples_per_s for p in current) / len(current) if current else None,
         "busy_fraction": min((p.busy_fraction for p in current), default=None),
         "restarts": state.restarts, "error": state.error,

@@ -96,13 +96,26 @@ class DaemonMetrics:
             buckets=CHECKPOINT_BUCKETS, registry=r)
         self.before_scrape: Callable[[], Awaitable[None]] | None = None
         self._stage_of: dict[int, int] = {}
+        self._jobs: set[str] = set()   # jobs whose step, loss and rate are served
 
     # -- what the supervisor hears from workers ------------------------------------------------------
 
-    def begin_epoch(self, stage_of: Mapping[int, int]) -> None:
-        """A new epoch: ``stage_of`` maps each local rank to its pipeline stage."""
+    def begin_epoch(self, stage_of: Mapping[int, int], job: str | None = None) -> None:
+        """A new epoch (of ``job``): ``stage_of`` maps each local rank to its pipeline stage.
+        A job's last step, loss and rate stay served after it ends here, until another job's
+        epoch starts here: then they go (else every job this VM ever ran would stay listed)."""
         self._stage_of = dict(stage_of)
         self.stage_busy_fraction.clear()
+        if job is not None:
+            for other in self._jobs - {job}:
+                self.forget_job(other)
+
+    def forget_job(self, job: str) -> None:
+        """Stop serving the job's step, loss and rate."""
+        if job in self._jobs:
+            self._jobs.discard(job)
+            for gauge in (self.job_step, self.job_loss, self.samples_per_second):
+                gauge.remove(job)
 
     def worker_progress(self, *, job: str, rank: int, step: int, loss: float, samples_per_s: float,
                         busy_fraction: float, reports_job: bool) -> None:
@@ -111,6 +124,7 @@ class DaemonMetrics:
         self.stage_busy_fraction.labels(job=job, stage="" if stage is None else str(stage),
                                         rank=str(rank)).set(busy_fraction)
         if reports_job:
+            self._jobs.add(job)
             self.job_step.labels(job=job).set(step)
             self.job_loss.labels(job=job).set(loss)
             self.samples_per_second.labels(job=job).set(samples_per_s)

@@ -253,9 +253,12 @@ def _read_trace_dir(directory: Path) -> tuple[list[dict], list[dict]]:
     return spans, meta
 
 
-def pick_measured_step(store_dir: str, expected_workers: Mapping[int, int]) -> MeasuredStep:
+def pick_measured_step(store_dir: str, expected_workers: Mapping[int, int],
+                       checkpoint_every: int | None = None) -> MeasuredStep:
     """The newest epoch's newest step that every worker traced, preferring one after the
-    epoch's first (warm-up) step. `expected_workers`: epoch -> P x D (else: every worker seen)."""
+    epoch's first (warm-up) step, and one that is not the first after a checkpoint (a staged
+    checkpoint is copied into the store while it runs). `expected_workers`: epoch -> P x D
+    (else: every worker seen)."""
     epochs = _trace_epochs(store_dir)
     if not epochs:
         raise _Missing(f"no traces under {Path(store_dir) / 'traces'} (the daemons write them there)")
@@ -271,7 +274,8 @@ def pick_measured_step(store_dir: str, expected_workers: Mapping[int, int]) -> M
         if not complete:
             continue
         warm = [s for s in complete if s != min(by_step)]
-        step = (warm or complete)[-1]
+        quiet = [s for s in warm if not checkpoint_every or s % checkpoint_every]
+        step = (quiet or warm or complete)[-1]
         events = [e for e in spans if e.get("args", {}).get("step") == step]
         return MeasuredStep(epoch, step, bool(warm), events, meta, want)
     raise _Missing(f"no step in {len(epochs)} traced epoch(s) was traced by every worker")
@@ -346,7 +350,7 @@ def _measured_section(inputs: ReportInputs, intervals: Sequence[Interval], out: 
     if not inputs.store_dir:
         raise _Missing("the job's store is unknown: pass --store")
     expected = {iv.epoch: iv.devices for iv in intervals}
-    measured = pick_measured_step(inputs.store_dir, expected)
+    measured = pick_measured_step(inputs.store_dir, expected, inputs.spec.checkpoint_every)
     _write_json(out / "trace.json", _chrome_trace(measured.events, measured.meta, job=inputs.spec.job,
                                                   epoch=measured.epoch, step=measured.step, source="measured"))
     render_timeline([out / "trace.json"], out / "timeline.png", measured.step, title="measured")

@@ -220,7 +220,7 @@ class Supervisor:
         await self.kill_all("a newer plan replaces them")
         mine = doc.slots_on(self.name)
         self._begin(doc.job or "", epoch)
-        self.metrics.begin_epoch({s.rank: s.stage for s in mine})
+        self.metrics.begin_epoch({s.rank: s.stage for s in mine}, doc.job or "")
         threads = self._threads(member)
         extra = {**self.security_env, "VARUNA_TRACE_STEPS": str(_TRACE_STEPS)}
         if self.security_env.get("VARUNA_SECURITY") == "curve" and self.security_env.get("VARUNA_TRUSTED_NETWORK") != "1":
@@ -252,7 +252,7 @@ class Supervisor:
         process per slot; that needs one thread each, else the lone slot is measured)."""
         await self.kill_all("a newer plan replaces them")
         self._begin(doc.job or "", epoch)
-        self.metrics.begin_epoch({0: 0})
+        self.metrics.begin_epoch({0: 0}, doc.job or "")
         threads = self._threads(member)
         busy_slots = member.slots if not self._gpus and member.slots > 1 and threads == 1 else None
         if not self._gpus and member.slots > 1 and busy_slots is None:

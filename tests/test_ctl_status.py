@@ -1,0 +1,48 @@
+"""`varunactl status` of one job, read from a real etcd holding what the leader and daemons write."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from varunad import ctl
+from varunad.fleetkeys import FleetKeys
+from varunad.jobs import JobSpec, JobState
+from varunad.records import encode_history
+from varunad.store import EtcdStore
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+async def test_a_resumed_epoch_shows_the_step_it_is_at_not_the_highest_reached(etcd, etcd_root):
+    keys = FleetKeys(etcd_root)
+    spec = JobSpec(job="j", script="t.py", batch_size=8, steps=100, checkpoint_every=10, bundle_digest="0" * 64,
+                   bundle_bytes=1)
+    async with EtcdStore(etcd.endpoint) as store:
+        await store.put(keys.job("j"), spec.encode())
+        # epoch 5 reached step 76; its VM died, and epoch 9 resumed from the checkpoint at 60
+        await store.put(keys.history_entry("j", 5, "vm1"), encode_history([(s, 3.0) for s in range(77)]))
+        await store.put(keys.state("j"), JobState(job="j", state="morphing", epoch=9, epochs=(5, 9)).encode())
+        before = await ctl.job_status(store, keys, "j")
+        assert before["step"] == 77   # the new epoch has not reported yet: the newest known step
+        await store.put(keys.history_entry("j", 9, "vm2"), encode_history([(60, 2.9), (61, 2.8)]))
+        await store.put(keys.state("j"), JobState(job="j", state="running", epoch=9, epochs=(5, 9)).encode())
+        now = await ctl.job_status(store, keys, "j")
+        assert now["step"] == 62 and now["loss"] == 2.8
+
+
+def test_output_cut_short_by_a_pipe_is_not_an_error():
+    """`varunactl status | head`: the reader closing the pipe early ends varunactl quietly."""
+    code = ("import sys\n"
+            "from varunad import cli\n"
+            "def flood(args):\n"
+            "    for i in range(200000):\n"
+            "        print('line', i)\n"
+            "    return 0\n"
+            "cli._cmd_status = flood\n"
+            "sys.exit(cli.main(['--etcd', '127.0.0.1:9', 'status']))\n")
+    r = subprocess.run(f"{shlex.quote(sys.executable)} -c {shlex.quote(code)} | head -2", shell=True,
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.stdout == "line 0\nline 1\n" and r.stderr == "", r.stderr
