@@ -46,3 +46,19 @@ def test_output_cut_short_by_a_pipe_is_not_an_error():
     r = subprocess.run(f"{shlex.quote(sys.executable)} -c {shlex.quote(code)} | head -2", shell=True,
                        capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.stdout == "line 0\nline 1\n" and r.stderr == "", r.stderr
+
+
+async def test_a_queued_job_says_what_it_waits_for(etcd, etcd_root):
+    keys = FleetKeys(etcd_root)
+    async with EtcdStore(etcd.endpoint) as store:
+        for job in ("first", "second", "third"):
+            spec = JobSpec(job=job, script="t.py", batch_size=8, steps=10, checkpoint_every=5,
+                           bundle_digest="0" * 64, bundle_bytes=1)
+            await store.put(keys.job(job), spec.encode())
+        assert (await ctl.job_status(store, keys, "second"))["reason"] == "submitted"   # nothing runs yet
+        await store.put(keys.state("first"), JobState(job="first", state="running", epoch=3).encode())
+        assert (await ctl.job_status(store, keys, "second"))["reason"] == "waiting for first"
+        assert (await ctl.job_status(store, keys, "third"))["reason"] == \
+            "waiting for first and 1 job(s) queued before it"
+        listed = {j["job"]: j["reason"] for j in (await ctl.fleet_status(store, keys))["jobs"]}
+        assert listed["second"] == "waiting for first"

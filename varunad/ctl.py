@@ -132,8 +132,11 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
             pass
     plan = state.plan or {}
     last = state.morphs[-1] if state.morphs else None
+    reason = state.reason
+    if state.state == "queued" and reason == "submitted":
+        reason = next((j["reason"] for j in await _jobs(store, keys) if j["job"] == job), reason)
     return {
-        "job": job, "state": state.state, "reason": state.reason, "step": step, "epoch": state.epoch,
+        "job": job, "state": state.state, "reason": reason, "step": step, "epoch": state.epoch,
         "plan": {"P": plan.get("P"), "D": plan.get("D"), "micro_batch_size": plan.get("micro_batch_size"),
                  "schedule": plan.get("schedule"), "members": plan.get("members", []),
                  "estimated_s": plan.get("estimated_s"), "calibrated": plan.get("calibrated")},
@@ -208,6 +211,15 @@ async def _jobs(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
             what = f"invalid spec: {exc}"
         out.append({"job": job, "state": st.state if st else "queued", "epoch": st.epoch if st else 0,
                     "reason": st.reason if st else "submitted", "spec": what})
+    # the fleet runs one job at a time: say what a job that was only submitted waits for
+    running = [j["job"] for j in out if j["state"] in ("running", "morphing")]
+    ahead = 0
+    for j in out:
+        if j["state"] == "queued" and running:
+            if j["reason"] == "submitted":
+                j["reason"] = f"waiting for {running[0]}" + (f" and {ahead} job(s) queued before it"
+                                                              if ahead else "")
+            ahead += 1
     return out
 
 
