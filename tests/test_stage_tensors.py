@@ -71,7 +71,7 @@ def test_trained_buffers_reach_the_checkpoint_and_loaded_ones_the_stage(tmp_path
 def test_loaded_optimizer_state_goes_where_the_optimizer_keeps_it():
     p = nn.Parameter(torch.empty(3, device="meta"))   # stands for an accelerator's tensor
     saved = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(3), "note": 1}
-    plain = _optimizer_state_on(torch.optim.Adam([p]), p, saved)
+    plain = _optimizer_state_on(torch.optim.Adam([p]).param_groups[0], p, saved)
     assert plain["step"].device.type == "cpu" and plain["exp_avg"].device.type == "meta" and plain["note"] == 1
-    capturable = _optimizer_state_on(torch.optim.Adam([p], capturable=True), p, saved)
+    capturable = _optimizer_state_on(torch.optim.Adam([p], capturable=True).param_groups[0], p, saved)
     assert capturable["step"].device.type == "meta"

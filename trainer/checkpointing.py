@@ -208,6 +208,7 @@ def load(v, store: str, iteration: int | None, *, check_complete: bool = True) -
     ckpt_dir = ckpt_store.checkpoint_dir(store, iteration)
     manifest = agree(v, lambda: ckpt_store.verify(ckpt_dir, checksums=check_complete))
     index = manifest["meta"]["index"]
+    group_of = {id(q): g for g in v.optimizer.param_groups for q in g["params"]} if v.optimizer is not None else {}
     missing = sorted(n for n in v._named if n not in index)
     if missing:
         raise CheckpointError(f"checkpoint {iteration} has no {missing[:5]}",
@@ -222,7 +223,7 @@ def load(v, store: str, iteration: int | None, *, check_complete: bool = True) -
             for name, state in content.get("optim", {}).items():
                 if name in v._named:
                     p = v._named[name]
-                    v.optimizer.state[p] = _optimizer_state_on(v.optimizer, p, state)
+                    v.optimizer.state[p] = _optimizer_state_on(group_of.get(id(p), {}), p, state)
     meta = ckpt_store.read_tensors(ckpt_dir, META)
     _restore_meta(v, meta, iteration)
     dist.barrier()
@@ -231,11 +232,10 @@ def load(v, store: str, iteration: int | None, *, check_complete: bool = True) -
     return iteration
 
 
-def _optimizer_state_on(optimizer, p: torch.Tensor, state: dict) -> dict:
-    """`state` placed as the optimizer keeps it: tensors on the parameter's device, except a
-    scalar 'step', which torch's optimizers keep on the CPU unless fused or capturable (on a
-    GPU it would cost a device sync per parameter per step)."""
-    group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), {})
+def _optimizer_state_on(group: dict, p: torch.Tensor, state: dict) -> dict:
+    """`state` placed as the optimizer (whose parameter group of `p` is `group`) keeps it: tensors
+    on the parameter's device, except a scalar 'step', which torch's optimizers keep on the CPU
+    unless fused or capturable (on a GPU it would cost a device sync per parameter per step)."""
     step_on_device = bool(group.get("fused") or group.get("capturable"))
 
     def place(k, s):

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from varunad.store import StoreConfigError, parse_endpoints
+
 __all__ = ["ConfigError", "DaemonConfig", "load_config", "parse_env_file", "build_parser", "ENV_PREFIX"]
 
 log = logging.getLogger(__name__)
@@ -45,18 +47,13 @@ class ConfigError(ValueError):
 def route_address(etcd: str) -> str:
     """The local address this host's packets to the first etcd endpoint leave from (a UDP
     connect picks the route and sends nothing); 127.0.0.1 when there is no route."""
-    first = etcd.split(",")[0].strip().split("://", 1)[-1].rstrip("/")
-    if first.startswith("["):   # [v6 address]:port
-        host, _, port = first[1:].partition("]")
-        port = port.lstrip(":")
-    else:
-        host, _, port = first.partition(":")
     try:
-        family, _, _, _, addr = socket.getaddrinfo(host, int(port or 2379), type=socket.SOCK_DGRAM)[0]
+        host, port = parse_endpoints(etcd)[0]
+        family, _, _, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect(addr)
             return s.getsockname()[0]
-    except (OSError, ValueError):
+    except (OSError, StoreConfigError):   # no route, or endpoints the store will refuse itself
         return "127.0.0.1"
 
 

@@ -101,14 +101,15 @@ class Daemon:
 
     def _facts(self) -> DaemonMember:
         c = self.config
-        slots = c.slots or detect_slots()
+        gpus = gpu_count()
+        slots = c.slots or detect_slots(gpus)
         self.ports = PortReservation(c.advertise, ports=list(range(c.worker_port_base, c.worker_port_base + slots + 1))
                                      if c.worker_port_base else None, count=0 if c.worker_port_base else slots + 1)
         ports = self.ports.ports
         return DaemonMember(
             name=self.name, host=c.advertise, endpoint=f"tcp://{c.advertise}:{self.server.port}", slots=slots,
-            device_kind=c.device_kind or detect_device_kind(slots),
-            memory_bytes=c.memory or detect_memory(slots, gpu_count()),
+            device_kind=c.device_kind or detect_device_kind(slots, gpus=gpus),
+            memory_bytes=c.memory or detect_memory(slots, gpus),
             version=version(), started_at=time.time(), worker_ports=tuple(ports[:slots]),
             rendezvous_port=ports[slots], lease_ttl=c.ttl,
         )

@@ -101,9 +101,9 @@ def gpu_count(environ: Mapping[str, str] | None = None, *, dev: str = "/dev") ->
     return min(shown, present)
 
 
-def detect_slots() -> int:
-    """One slot per GPU, else 1 on a CPU-only host."""
-    return gpu_count() or 1
+def detect_slots(gpus: int | None = None) -> int:
+    """One slot per GPU (`gpus`, default counted), else 1 on a CPU-only host."""
+    return (gpu_count() if gpus is None else gpus) or 1
 
 
 def gpu_models(root: str = _NVIDIA_GPUS) -> list[str]:

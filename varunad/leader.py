@@ -72,8 +72,8 @@ class LeaderMemory:
     considered: tuple[int, frozenset[str]] | None = None
     waiting: dict[str, str] = field(default_factory=dict)  # job -> reason last recorded for waiting
     profile_failed: set[str] = field(default_factory=set)
-    # job -> (reason, from shape, from epoch, noticed, stopped, checkpoint, restart)
-    morph: dict[str, tuple] = field(default_factory=dict)
+    # job -> the MorphEvent fields known when it stopped (the new plan adds to_shape, to_epoch, planned_at)
+    morph: dict[str, dict] = field(default_factory=dict)
 
 
 _LAST_OUTPUT = "; last output:"
@@ -445,7 +445,8 @@ class Leader:
                     return True
                 await self._put_state(state.but(restarts=restarts, error=d.reason))
                 restart = True
-        self.memory.morph[job] = (reason, plan.shape, epoch, noticed, stopped, d.checkpoint, restart)
+        self.memory.morph[job] = dict(reason=reason, from_shape=plan.shape, from_epoch=epoch, noticed_at=noticed,
+                                      stopped_at=stopped, checkpoint=d.checkpoint, restart=restart)
         return await self._start(job, reason)
 
     def _ping_timeout(self) -> float:
@@ -517,11 +518,9 @@ class Leader:
         morphs = state.morphs
         info = self.memory.morph.pop(job, None)
         if info is not None or state.epochs:
-            r, from_shape, from_epoch, noticed, stopped, checkpoint, restart = info or (
-                reason, "-", state.epoch, planned_at, planned_at, False, False)
-            morphs = morphs + (MorphEvent(reason=r, from_shape=from_shape, to_shape=doc.shape, from_epoch=from_epoch,
-                                          to_epoch=epoch, noticed_at=noticed, stopped_at=stopped,
-                                          planned_at=planned_at, checkpoint=checkpoint, restart=restart),)
+            stopped = info or dict(reason=reason, from_shape="-", from_epoch=state.epoch, noticed_at=planned_at,
+                                   stopped_at=planned_at, checkpoint=False)
+            morphs = morphs + (MorphEvent(**stopped, to_shape=doc.shape, to_epoch=epoch, planned_at=planned_at),)
             self.metrics.morphs.inc()
         await self._put_state(state.but(state="running", reason=reason, epoch=epoch, epochs=state.epochs + (epoch,),
                                         plan={**describe(doc, epoch), **_report_facts(doc, planned, snap)},

@@ -254,8 +254,9 @@ class Supervisor:
         self._begin(doc.job or "", epoch)
         self.metrics.begin_epoch({0: 0}, doc.job or "")
         threads = self._threads(member)
-        busy_slots = member.slots if not self._gpus and member.slots > 1 and threads == 1 else None
-        if not self._gpus and member.slots > 1 and busy_slots is None:
+        shared_cores = not self._gpus and member.slots > 1
+        busy_slots = member.slots if shared_cores and threads == 1 else None
+        if shared_cores and busy_slots is None:
             log.warning("%s: calibrating one of %d CPU slots alone (%d threads each; profiling them at once needs "
                         "one): the plan's step-time estimate will be optimistic", self.name, member.slots, threads)
         assignment = WorkerAssignment(
