@@ -237,9 +237,14 @@ def test_a_failed_workers_error_is_summed_up_by_the_exception_that_ended_it():
     # no traceback: the last line printed; nothing printed: the first line as it is
     assert error_summary("rank 1 on vm2 exited with code 3; last output:\nfailing on purpose\n") == \
         "rank 1 on vm2 exited with code 3: failing on purpose"
-    assert error_summary("rank 1 on vm2 killed by SIGKILL; last output:\n") == "rank 1 on vm2 killed by SIGKILL; last output:"
+    assert error_summary("rank 1 on vm2 killed by SIGKILL; last output:\n") == \
+        "rank 1 on vm2 killed by SIGKILL; last output:"
     assert error_summary("vm1 could not get the job's files: gone") == "vm1 could not get the job's files: gone"
     assert error_summary("") == "" and len(error_summary("x" * 1000)) == 300
+    # torch.distributed prefixes a worker's traceback lines with its rank
+    assert error_summary("rank 2 on vm3 exited with code 1; last output:\n[rank2]: RuntimeError: closed by peer\n"
+                         "[rank2]:[W1122] ProcessGroupGloo destroyed\n") == \
+        "rank 2 on vm3 exited with code 1: [rank2]: RuntimeError: closed by peer"
 
 
 def test_device_kinds_tell_apart_gpu_models_and_shared_cpu_hosts(tmp_path, caplog):

@@ -77,8 +77,9 @@ class LeaderMemory:
 
 
 _LAST_OUTPUT = "; last output:"
-# The last line of a Python traceback: "ValueError: ...", "trainer.errors.ConfigError: ...".
-_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?")
+# The last line of a Python traceback: "ValueError: ...", "trainer.errors.ConfigError: ...",
+# with the "[rank2]: " torch.distributed puts before each line of a worker's traceback.
+_EXCEPTION_LINE = re.compile(r"(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?")
 
 
 def error_summary(text: str) -> str:
