@@ -1,7 +1,17 @@
-"""Gradient reduction across replicas (and across the stages that share a tied weight).
+"""Gradient reduction across replicas and across the stages that share a tied weight.
 
 The loss is normalised by the global batch size, so gradients are summed, never averaged:
 any P x D then computes the same update (DESIGN idea 3).
+
+Every parameter has exactly one way through the reduction, decided once when the reducer is
+built. Untied parameters go through flat buckets whose all-reduce starts while the last
+backward is still running. A tied set (tensors that are one tensor in the math: one Parameter
+used by several stages, or the Parameters named in `shared_weights`) never enters a bucket:
+after the backward its local copies are summed into one gradient, the sum is all-reduced once
+over every replica of every stage holding a copy, and each copy gets it. A bucket copies
+`.grad` when it starts and writes its result over `.grad` when it ends; were a tied copy in
+one, a sum of the copies made in between would be lost, and whether it is depends on when the
+autograd hooks fire. Keeping the two sets apart makes that impossible for any hook order.
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradReducer", "TiedReducer"]
+__all__ = ["GradReducer"]
 
 _BUCKET_BYTES = 8 * 2**20
 
@@ -35,19 +45,43 @@ def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Paramet
     return out
 
 
+def _unique(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+
+
 class GradReducer:
-    """Sum-all-reduce of one stage's gradients over its D replicas, in flat buckets.
+    """Sum-all-reduce of one stage's gradients: over its D replicas, and for each tied set
+    over every rank holding a copy of it.
+
+    `params` are the stage's parameters; `tied` lists, per tied set this stage holds a copy
+    of, its local copies and the process group of every rank holding one (None when this rank
+    is the only one: the copies are only summed). Tied copies are taken out of `params`.
 
     `arm()` before the step's last backward: each bucket's all-reduce starts (asynchronously:
     gloo and NCCL run it on their own threads) as soon as the last of its gradients has been
     accumulated, overlapping the rest of that backward. `launch()` starts the buckets that
-    have not started; `wait()` finishes them all and writes the sums back into `.grad`.
+    have not started and the tied sums; `wait()` finishes them all and writes the sums back
+    into `.grad`.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group, world: int, bucket_bytes: int = _BUCKET_BYTES):
+    def __init__(self, params: Sequence[nn.Parameter], group, world: int, bucket_bytes: int = _BUCKET_BYTES,
+                 *, tied: Sequence[tuple[Sequence[nn.Parameter], object | None]] = ()):
         self.group, self.world = group, world
-        self.buckets = _buckets(params, bucket_bytes) if world > 1 else []
+        self.tied: list[tuple[list[nn.Parameter], object | None]] = []
+        tied_ids: set[int] = set()
+        for copies, pg in tied:
+            copies = _unique(copies)
+            if not copies:
+                continue
+            if any(id(p) in tied_ids for p in copies):
+                raise ValueError("a parameter is in two tied sets; tied sets that share a tensor are one set")
+            tied_ids.update(id(p) for p in copies)
+            self.tied.append((copies, pg))
+        untied = [p for p in _unique(params) if id(p) not in tied_ids]
+        self.buckets = _buckets(untied, bucket_bytes) if world > 1 else []
         self._pending: list[tuple[list[nn.Parameter], torch.Tensor, object]] = []
+        self._pending_tied: list[tuple[list[nn.Parameter], torch.Tensor, object | None]] = []
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._armed = False
         self._ready = [0] * len(self.buckets)
@@ -82,6 +116,15 @@ class GradReducer:
         self._armed = False
         self._ready = [0] * len(self.buckets)
         self._started = [False] * len(self.buckets)
+        # The backward is over: every copy's gradient is final, so the sum is the whole one.
+        # A fresh tensor, so the copies' own `.grad`s are never aliased by the all-reduce.
+        for copies, pg in self.tied:
+            total = torch.zeros_like(copies[0])
+            for p in copies:
+                if p.grad is not None:
+                    total.add_(p.grad)
+            work = dist.all_reduce(total, group=pg, async_op=True) if pg is not None else None
+            self._pending_tied.append((copies, total, work))
 
     def wait(self) -> None:
         for bucket, flat, work in self._pending:
@@ -92,30 +135,19 @@ class GradReducer:
                 p.grad = flat[offset:offset + n].view_as(p)
                 offset += n
         self._pending.clear()
+        for copies, total, work in self._pending_tied:
+            if work is not None:
+                work.wait()
+            # a tensor of its own per copy: in-place scaling (unscale, clipping) of one copy's
+            # `.grad` must not scale another's a second time
+            for i, p in enumerate(copies):
+                p.grad = total if i == 0 else total.clone()
+        self._pending_tied.clear()
 
     def reduce(self) -> None:
         self.launch()
         self.wait()
 
     def release(self) -> None:
-        """Drop the process group (after it was destroyed): the hooks keep this object alive."""
-        self.group, self.buckets, self._bucket_of = None, [], {}
-
-
-class TiedReducer:
-    """Keeps weights that are one tensor in the math (tied embeddings) equal: every owner
-    contributes the gradient of its copies, the sum goes back to all of them."""
-
-    def __init__(self, groups: Sequence[tuple[Sequence[nn.Parameter], object | None]]):
-        self.groups = [(list(params), pg) for params, pg in groups if params]
-
-    def release(self) -> None:
-        self.groups = []
-
-    def reduce(self) -> None:
-        for params, pg in self.groups:
-            total = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in params)
-            if pg is not None:
-                dist.all_reduce(total, group=pg)
-            for p in params:
-                p.grad = total.clone() if len(params) > 1 else total
+        """Drop the process groups (after they were destroyed): the hooks keep this object alive."""
+        self.group, self.buckets, self._bucket_of, self.tied = None, [], {}, []

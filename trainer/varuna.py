@@ -34,7 +34,7 @@ from protocol.security import Security, SecurityConfig
 from trainer import checkpointing, ckpt_store
 from trainer.comm import PeerChannel
 from trainer.control import ControlClient, StopRequested
-from trainer.data_parallel import GradReducer, TiedReducer
+from trainer.data_parallel import GradReducer
 from trainer.env import Assignment
 from trainer.errors import CheckpointError, ConfigError
 from trainer.executor import StageExecutor
@@ -280,9 +280,8 @@ class Varuna:
             dist.destroy_process_group()
             # The groups' C++ objects (and their threads) live as long as a Python reference
             # does; the reducers' hooks on the parameters hold some until interpreter teardown.
-            for holder in (getattr(self, "reducer", None), getattr(self, "tied", None)):
-                if holder is not None:
-                    holder.release()
+            if getattr(self, "reducer", None) is not None:
+                self.reducer.release()
             self.stage_group = None
             gc.collect()
 
@@ -337,22 +336,18 @@ class Varuna:
         a, layout = self.assignment, self.layout
         stage_groups = [dist.new_group(sorted(a.stage_to_rank[s])) for s in range(self.pipeline_depth)]
         self.stage_group = stage_groups[self.stage]
-        tied_reduce = []
-        tied_names: set[str] = set()
+        tied = []
         for names in layout.tied:
             stages = sorted({s for n in names for s in layout.owners[n]})
-            group = None
-            if len(stages) > 1:
-                ranks = sorted(r for s in stages for r in a.stage_to_rank[s])
-                group = dist.new_group(ranks)
-            local = [self._named[n] for n in names if n in self._named]
+            # Every replica of every stage holding a copy sums it; on one stage, its replicas.
+            group = stage_groups[stages[0]] if len(stages) == 1 else dist.new_group(
+                sorted(r for s in stages for r in a.stage_to_rank[s]))
             if self.stage in stages:
-                tied_reduce.append((local, group))
-                if group is not None:
-                    tied_names.update(names)
-        self.tied = TiedReducer(tied_reduce)
-        dp_params = [p for n, p in self.named_parameters() if n not in tied_names]
-        self.reducer = GradReducer(dp_params, self.stage_group, self.data_depth)
+                tied.append(([self._named[n] for n in names if n in self._named],
+                             group if self.data_depth * len(stages) > 1 else None))
+        # One reducer owns every gradient: tied copies, on one stage or several, are summed and
+        # all-reduced after the backward, never in the buckets that overlap it (data_parallel).
+        self.reducer = GradReducer(self.parameters(), self.stage_group, self.data_depth, tied=tied)
         # A tied set is counted once in the gradient norm: on its lowest stage, first name.
         self._norm_params = [p for n, p in self.named_parameters() if self._counts_in_norm(n)]
 
@@ -422,7 +417,6 @@ class Varuna:
         return micro, weights
 
     def _allreduce(self) -> None:
-        self.tied.reduce()
         self.reducer.reduce()
 
     def _optimizer_step(self, clip: float | None) -> dict[str, object]:
