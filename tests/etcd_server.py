@@ -112,7 +112,9 @@ class EtcdServer:
         pki: Pki | None = None,
         extra_args: tuple[str, ...] = (),
         binary: str | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
+        self.host = host  # the client address (tests/netns: the bridge's); peers stay on loopback
         self.binary = binary or find_etcd()
         self.extra_args = tuple(extra_args)
         self.name = name or f"varunad-test-{uuid.uuid4().hex[:8]}"
@@ -127,8 +129,8 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        """``127.0.0.1:<port>``, what EtcdStore takes."""
-        return f"127.0.0.1:{self.client_port}"
+        """``<host>:<port>`` (127.0.0.1 unless told), what EtcdStore takes."""
+        return f"{self.host}:{self.client_port}"
 
     @property
     def running(self) -> bool:
@@ -136,7 +138,7 @@ class EtcdServer:
 
     def _command(self) -> list[str]:
         scheme = "https" if self.pki else "http"
-        client = f"{scheme}://127.0.0.1:{self.client_port}"
+        client = f"{scheme}://{self.host}:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
             self.binary,

@@ -12,6 +12,9 @@ Variables (all strings):
     VARUNA_ENDPOINTS       JSON list, by rank, of the ZeroMQ endpoint each worker binds
                            for activations/gradients ("tcp://host:port")
     VARUNA_DIST_URL        torch.distributed rendezvous ("tcp://host:port") for gloo/NCCL
+    VARUNA_BIND_ADDRESS    optional: the IP address this worker's collectives bind (gloo's
+                           device, NCCL's interface; trainer.netaddr): the one its daemon
+                           advertises. Absent: torch's default (the host name's address)
     VARUNA_JOB             job id (tags every tensor frame)
     VARUNA_EPOCH           plan epoch (frames from another epoch are dropped)
     VARUNA_CUTS            optional JSON list of the active cut-point indices, decided by
@@ -120,6 +123,7 @@ class Assignment:
     steps: int | None = None
     profile: str | None = None
     profile_slots: int | None = None
+    bind_address: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -193,6 +197,7 @@ class Assignment:
             "VARUNA_STEPS": _opt_str(self.steps),
             "VARUNA_PROFILE": self.profile,
             "VARUNA_PROFILE_SLOTS": _opt_str(self.profile_slots),
+            "VARUNA_BIND_ADDRESS": self.bind_address,
         }
         env.update({k: v for k, v in optional.items() if v is not None})
         env.update(self.extra)
@@ -235,6 +240,7 @@ class Assignment:
                 steps=_opt_int(environ.get("VARUNA_STEPS")),
                 profile=environ.get("VARUNA_PROFILE"),
                 profile_slots=_opt_int(environ.get("VARUNA_PROFILE_SLOTS")),
+                bind_address=environ.get("VARUNA_BIND_ADDRESS") or None,
             )
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"malformed worker assignment in the environment: {exc}") from exc

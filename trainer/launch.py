@@ -190,6 +190,7 @@ def plan_assignments(
             stage_to_rank=stage_to_rank,
             endpoints=endpoints,
             dist_url=f"tcp://127.0.0.1:{ports[world]}",
+            bind_address="127.0.0.1",
             job=job,
             cuts=None if cuts is None else list(cuts),
             schedule=schedule,

@@ -577,6 +577,7 @@ def _network_measure(rank, ports, sizes, ar_sizes, repeats, warmup) -> dict[str,
     import torch.distributed as dist
 
     from trainer.comm import PeerChannel
+    from trainer.netaddr import bound_gloo_backend
 
     ep = [f"tcp://127.0.0.1:{p}" for p in ports[:2]]
     chan = PeerChannel(bind=ep[rank], prev=ep[0] if rank else None, nxt=None if rank else ep[1],
@@ -636,7 +637,8 @@ def _network_measure(rank, ports, sizes, ar_sizes, repeats, warmup) -> dict[str,
     from trainer.data_parallel import GradReducer
 
     store = dist.TCPStore("127.0.0.1", ports[2], 2, rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    # bound to loopback: the host name's address may need a DNS lookup (trainer.netaddr)
+    dist.init_process_group(bound_gloo_backend("127.0.0.1"), store=store, rank=rank, world_size=2)
     try:
         ar: list[float] = []
         for n in ar_sizes:

@@ -39,6 +39,8 @@ from trainer.env import Assignment
 from trainer.errors import CheckpointError, ConfigError
 from trainer.executor import StageExecutor
 from trainer.layout import Layout, build_layout
+from trainer.netaddr import bound_gloo_backend, nccl_environment
+from trainer.rendezvous import RendezvousStore, parse_url
 from trainer.partition import balance, dry_run, slice_stages, trace_model
 from trainer.precision import LossScaler, Precision
 from trainer.schedule import SCHEDULES, Action, Kind, build_table
@@ -284,6 +286,9 @@ class Varuna:
                 self.reducer.release()
             self.stage_group = None
             gc.collect()
+        if getattr(self, "_rendezvous", None) is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -295,7 +300,12 @@ class Varuna:
                 raise ConfigError(f"torch.distributed is initialised as rank {dist.get_rank()}/"
                                   f"{dist.get_world_size()}, the assignment says {a.rank}/{a.world_size}")
             return
-        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        gloo = "gloo"
+        if a.bind_address:   # the daemon's advertised address: not the host name's (trainer.netaddr)
+            gloo = bound_gloo_backend(a.bind_address)
+            if self.device.type == "cuda":
+                os.environ.update(nccl_environment(a.bind_address))
+        backend = f"cpu:{gloo},cuda:nccl" if self.device.type == "cuda" else gloo
         if self.device.type == "cuda":
             # NCCL and every torch.cuda call without an index use the current device: this one,
             # not GPU 0 in every worker of the host
@@ -304,6 +314,11 @@ class Varuna:
         if a.world_size == 1:
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        elif a.bind_address:   # our rendezvous: bound to that address, no reverse DNS (trainer.rendezvous)
+            host, port = parse_url(a.dist_url)
+            self._rendezvous = RendezvousStore(host, port, is_server=a.rank == 0, timeout=timeout)
+            dist.init_process_group(backend, store=self._rendezvous, rank=a.rank, world_size=a.world_size,
+                                    timeout=timeout)
         else:
             dist.init_process_group(backend, init_method=a.dist_url, rank=a.rank,
                                     world_size=a.world_size, timeout=timeout)

@@ -131,6 +131,7 @@ class Daemon:
                                  port=self.config.port)
         member = self._facts()
         self.membership = Membership(self.store, self.keys, member, ttl=self.config.ttl)
+        self.membership.on_expire(self._fence)
 
         async def connect_and_join() -> None:
             await self._connect()
@@ -194,6 +195,13 @@ class Daemon:
         finally:
             if asyncio.current_task() is self.leader_task:
                 self.leader_task = None
+
+    def _fence(self) -> None:
+        """The lease ran out unrenewed: stop every worker (the membership registers anew, as a new
+        incarnation, as soon as etcd answers; the leader then plans with it again)."""
+        sup = getattr(self, "supervisor", None)
+        if sup is not None:
+            sup.fence(f"{self.name} lost etcd for longer than its lease ({self.config.ttl:g}s)")
 
     async def _refresh_metrics(self) -> None:
         """Before a scrape: the values read on demand (members from etcd, bounded by retry_timeout)."""

@@ -256,6 +256,9 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None: ...
 
+    async def reconnect(self) -> None:
+        """Open a fresh connection for the next call (after calls timed out); default: nothing."""
+
     # Plain reads and writes.
     @abc.abstractmethod
     async def get(self, key: Key, *, timeout: float | None = None) -> KeyValue | None: ...
@@ -484,6 +487,13 @@ _CHANNEL_OPTIONS = {
     "grpc.initial_reconnect_backoff_ms": 200,
     "grpc.min_reconnect_backoff_ms": 200,
     "grpc.max_reconnect_backoff_ms": 1000,
+    # A connection whose packets vanish (a partition, no reset) is found dead by a ping, not by
+    # TCP's retransmission back-off (minutes). 10 s: etcd's --grpc-keepalive-min-time is 5 s and
+    # a client pinging more often is sent away. Faster detection is EtcdStore.reconnect's job.
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 3_000,
+    "grpc.keepalive_permit_without_calls": 1,
+    "grpc.http2.max_pings_without_data": 0,
     "grpc.max_receive_message_length": 256 * 2**20,
 }
 
@@ -612,6 +622,7 @@ class EtcdStore(Store):
         self._rotate = False
         self._closed = False
         self._lock = asyncio.Lock()
+        self._closing: dict[asyncio.Task[None], _Client] = {}   # old channels closed after a reconnect
 
     @property
     def endpoint(self) -> str:
@@ -702,8 +713,27 @@ class EtcdStore(Store):
         except (Exception, asyncio.TimeoutError) as exc:  # a dying channel cannot be helped
             log.debug("closing etcd client: %r", exc)
 
+    async def reconnect(self) -> None:
+        """Drop the channel: the next call opens a fresh connection. After a call timed out on a
+        link that went away and came back, the old TCP connection sits in retransmission
+        back-off (seconds to minutes between tries); a new one is answered at once."""
+        async with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            # calls in flight on the old channel keep it until their own deadlines
+            task = asyncio.get_running_loop().create_task(self._close_later(client, self._timeout))
+            self._closing[task] = client
+            task.add_done_callback(lambda t: self._closing.pop(t, None))
+
+    async def _close_later(self, client: _Client, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await self._close_client(client)
+
     async def close(self) -> None:
         self._closed = True
+        for task, old in list(self._closing.items()):
+            task.cancel()
+            await self._close_client(old)
         client, self._client = self._client, None
         if client is not None:
             await self._close_client(client)

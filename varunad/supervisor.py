@@ -41,8 +41,10 @@ from protocol.messages import CheckpointNow, StopWorkers, WorkerCheckpointed, Wo
 from trainer.control import STOPPED_EXIT_CODE
 from trainer.env import Assignment as WorkerAssignment
 from trainer.launch import worker_environment as launch_environment
+from trainer.netaddr import numeric_address
 
 from varunad.config import DaemonConfig
+from varunad.fencing import put_for_epoch
 from varunad.facts import DaemonMember, PortReservation, gpu_count
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import LOGS, STAGING, job_dir
@@ -162,6 +164,8 @@ class Supervisor:
         self.peer_keys = peer_keys
         self.metrics = metrics if metrics is not None else DaemonMetrics()
         self.name = config.name
+        # the address every worker's collectives bind: the advertised one (trainer.netaddr)
+        self.bind_address = numeric_address(config.advertise)
         self._gpus = gpu_count()   # CUDA workers or CPU ones: what the host has, not what its kind is called
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -235,6 +239,7 @@ class Supervisor:
                 batch_size=batch_size, micro_batch_size=doc.micro_batch_size, steps=steps,
                 trace_dir=job_trace_dir(store_dir, epoch),
                 checkpoint_tmpdir=str(self._staging_dir(doc.job or "")) if self.config.stage_checkpoints else None,
+                bind_address=self.bind_address,
             )
             ports = [member.worker_ports[s.slot]] + ([member.rendezvous_port] if s.rank == 0 else [])
             await self._spawn(_Worker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot,
@@ -263,7 +268,7 @@ class Supervisor:
             rank=0, stage_to_rank={0: [0]}, endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
             job=doc.job or "", epoch=epoch, threads=threads,
             device=self._device(member, 0), control=self.control_endpoint, batch_size=batch_size, steps=steps,
-            profile=out_path, profile_slots=busy_slots,
+            profile=out_path, profile_slots=busy_slots, bind_address=self.bind_address,
         )
         with contextlib.suppress(FileNotFoundError):
             os.unlink(out_path)
@@ -408,6 +413,17 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(w.proc.pid, signal.SIGKILL)
 
+    def fence(self, reason: str) -> list[_Worker]:
+        """This daemon lost etcd for longer than its lease: its workers can be in no valid epoch
+        any more (the fleet may have planned without them). Kill them now, and drop the progress
+        not yet written: it belongs to an epoch that may be over."""
+        killed = self.kill_now()
+        self._progress.clear()
+        self._progress_written.clear()
+        if killed:
+            log.warning("%s: killed %d worker(s): %s", self.name, len(killed), reason)
+        return killed
+
     def kill_now(self) -> list[_Worker]:
         """SIGKILL every live worker's process group; returns them."""
         alive = self.alive()
@@ -546,7 +562,8 @@ class Supervisor:
             if periodic:
                 for rank, p in list(self._progress.items()):
                     if self._progress_written.get(rank) != p:
-                        await self.store.put(self.keys.progress_entry(p.job, rank), p.encode(), timeout=t)
+                        await put_for_epoch(self.store, self.keys.progress_entry(p.job, rank), p.encode(),
+                                            epoch=p.epoch, timeout=t)
                         self._progress_written[rank] = p
                 await self._ship_logs(t)
         except StoreError as exc:

@@ -1,0 +1,120 @@
+"""The fleet off loopback: daemons in network namespaces on a bridge, as separate VMs.
+
+Every daemon runs with default addressing (no --advertise, no --name), its host name resolving
+to 127.0.0.1 and no reachable DNS server (tests/netns/fabric.py). Jobs must bind gloo and the
+ZeroMQ streams to the advertised address, and finish with the reference losses.
+Skipped, with the reason, only where `ip netns` cannot be used (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fabric import Fabric, unavailable_reason
+from reference import reference_run
+from ring import JOB_SCRIPT, REPO, Ring
+
+pytestmark = pytest.mark.slow
+
+_WHY = unavailable_reason()
+if _WHY is not None:
+    pytest.skip(f"network-namespace tests skipped: {_WHY}", allow_module_level=True)
+
+TTL = 4.0
+STEPS, BATCH, EVERY = 12, 12, 3
+N = 3
+DAEMON_FLAGS = ("--slots", "1", "--threads", "1", "--ttl", str(TTL), "--calibrate", "profile", "--memory",
+                str(2**30), "--stop-grace", "30", "--abort-grace", "2", "--max-restarts", "1",
+                "--progress-interval", "0.5", "--debounce", "0.3")
+
+
+class NetRing(Ring):
+    """tests/ring.py's helpers (status, polls, submit) over a Fabric's etcd and daemons."""
+
+    def __init__(self, fabric: Fabric, root: str, daemon_args: tuple[str, ...]) -> None:
+        assert fabric.etcd is not None
+        super().__init__(fabric.base / root.strip("/"), fabric.etcd.endpoint, root=root, ttl=TTL)
+        self.fabric = fabric
+        self.daemon_args = daemon_args
+        self.daemons = fabric.daemons
+
+    def start_vm(self, i: int):
+        return self.fabric.start_daemon(i, "--root", self.root, "--store", str(self.store_dir), *self.daemon_args)
+
+    def tails(self, lines: int = 25) -> str:
+        return self.fabric.tails(lines)
+
+    def close(self) -> None:
+        self.fabric.stop_daemons()
+        self.call(self.store.close())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run(STEPS, BATCH)[0]
+
+
+@pytest.fixture(scope="module")
+def fabric(tmp_path_factory):
+    f = Fabric(N, tmp_path_factory.mktemp("netns"))
+    f.up()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+@pytest.fixture(scope="module")
+def curve_keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    for name in [f"vm{i}" for i in range(1, N + 1)]:
+        r = subprocess.run([sys.executable, "-m", "varunad.cli", "keys", "generate", "--dir", str(d), "--name", name],
+                           capture_output=True, text=True, cwd=str(REPO))
+        assert r.returncode == 0, r.stderr
+    return d
+
+
+def run_job(ring: NetRing, job: str, reference: list[float]) -> dict:
+    names = [f"vm{i}" for i in range(1, N + 1)]
+    for i in range(1, N + 1):
+        ring.start_vm(i)
+    ring.wait_members(names, timeout=60)
+    members = ring.call(ring.store.get_prefix(ring.keys.members))
+    hosts = sorted(__import__("json").loads(kv.value)["host"] for kv in members)
+    assert hosts == sorted(ring.fabric.address(i) for i in range(1, N + 1)), \
+        "each daemon must advertise its namespace's address (the route to etcd), not loopback"
+    started = time.monotonic()
+    ring.submit(job, steps=STEPS, batch=BATCH, every=EVERY)
+    st = ring.wait_state(job, ("done", "failed"), timeout=240)
+    took = time.monotonic() - started
+    assert st["state"] == "done", f"{st.get('reason')}\n{ring.tails()}"
+    assert st["restarts"] == 0, st
+    print(f"\n{job}: {st['plan']['P']}x{st['plan']['D']} on {st['plan']['members']} in {took:.1f}s")
+    assert st["plan"]["P"] >= 2, "the calibration should make the planner pipeline the model across VMs"
+    assert len(set(st["plan"]["members"])) >= 2
+    history = st["loss_history"]
+    assert [s for s, _ in history] == list(range(STEPS))
+    for step, loss in history:
+        assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (step, loss, reference[step])
+    return st
+
+
+def test_a_pipeline_across_namespaces_finishes_with_the_reference_losses_plaintext(fabric, reference):
+    ring = NetRing(fabric, "/plain/", (*DAEMON_FLAGS, "--plaintext"))
+    try:
+        run_job(ring, "plain", reference)
+    finally:
+        ring.close()
+
+
+def test_a_pipeline_across_namespaces_finishes_with_the_reference_losses_curve(fabric, reference, curve_keys):
+    ring = NetRing(fabric, "/curve/", (*DAEMON_FLAGS, "--curve-keys", str(curve_keys)))
+    try:
+        run_job(ring, "curve", reference)
+    finally:
+        ring.close()
