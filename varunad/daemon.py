@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
@@ -48,6 +49,7 @@ from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import BUNDLES, job_dir, prune_jobs
 from varunad.jobs import BundleError, JobSpec, JobSpecError, job_store, model_fingerprint, unpack_bundle
 from varunad.leader import Leader
+from varunad.links import LinkProber
 from varunad.membership import Membership, NameInUse, read_members
 from varunad.metrics import DaemonMetrics, serve as serve_metrics
 from varunad.peers import PeerClients, PeerServer
@@ -155,10 +157,14 @@ class Daemon:
                                      ports=self.ports, ctx=self.ctx, security_env=self._worker_security_env(),
                                      peer_keys=self._peer_keys, metrics=self.metrics)
         self.supervisor.on_exit(self._after_worker)
+        prober = LinkProber(store=self.store, keys=self.keys, name=self.name, host=self.config.advertise,
+                            ports=self.ports, is_busy=lambda: bool(self.supervisor.alive()),
+                            timeout=self.config.retry_timeout,
+                            env={k: v for k, v in os.environ.items() if not k.startswith(("VARUNA_", "VARUNAD_"))})
         self._tasks = [loop.create_task(coro, name=name) for name, coro in (
             ("election", self.election.run()), ("control-server", self._serve()),
             ("plan-follower", self._follow_plan()), ("worker-socket", self.supervisor.serve()),
-            ("reports", self.supervisor.report_loop()),
+            ("reports", self.supervisor.report_loop()), ("link-prober", prober.run()),
         )]
         notice = loop.create_task(self._notice.wait())
         done, _ = await asyncio.wait({notice, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)

@@ -34,6 +34,7 @@ from varunad.election import Election, NotLeader
 from varunad.fleet import FleetSnapshot, JobEntry, read_fleet
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobState, MorphEvent, job_store, model_fingerprint
+from varunad.links import LinkSurvey, apply_links
 from varunad.metrics import DaemonMetrics
 from varunad.peers import PeerClients
 from varunad.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
@@ -227,6 +228,7 @@ class Leader:
         self._changed = asyncio.Event()
         self._last_sentence = ""
         self._reports: set[asyncio.Task[None]] = set()  # end-of-job reports being written
+        self.links = LinkSurvey(store, keys, timeout=config.retry_timeout, clock=clock)
 
     @property
     def t(self) -> float:
@@ -238,7 +240,7 @@ class Leader:
         watchers = [asyncio.get_running_loop().create_task(self._watch(prefix, is_prefix))
                     for prefix, is_prefix in ((self.keys.members, True), (self.keys.jobs, True),
                                               (self.keys.cancels, True), (self.keys.workers, True),
-                                              (self.keys.plan, False))]
+                                              (self.keys.plan, False), (self.keys.root + "links/pair/", True))]
         try:
             while True:
                 try:
@@ -285,6 +287,7 @@ class Leader:
         except StoreError as exc:
             log.warning("leader: cannot read the fleet from etcd (%s); deciding nothing until it answers", exc)
             return False
+        await self._survey_links(snap)
         now = self.clock()
         if snap.plan is not None and snap.plan.kind == "run":
             self.memory.epoch_seen.setdefault(snap.plan_epoch, now)
@@ -301,6 +304,19 @@ class Leader:
             log.warning("leader: etcd failed while acting (%s); will decide again", exc)
             await asyncio.sleep(min(1.0, self.config.loop_wait))
             return False
+
+    async def _survey_links(self, snap: FleetSnapshot) -> None:
+        """Measure the links between idle members that have none for their addresses (varunad.links)."""
+        plan = snap.plan
+        busy: set[str] = set()
+        if plan is not None and plan.kind == "run":
+            busy = set(plan.members)
+        elif plan is not None and plan.kind == "profile" and plan.profile_member:
+            busy = {plan.profile_member}
+        try:
+            await self.links.survey({m.name: m for m, _ in snap.usable()}, busy)
+        except StoreError as exc:
+            log.warning("leader: link survey: %s", exc)
 
     async def _execute(self, d: Decision, snap: FleetSnapshot) -> bool:
         if d.action in ("nothing", "wait"):
@@ -497,9 +513,18 @@ class Leader:
         cals: dict[str, Calibration] = {}
         measured = False
         if members:
+            names = [m.name for m, _ in members]
+            waiting = self.links.waiting(names)
+            if waiting:   # first the links, then a calibration run: neither may disturb the other
+                why = "waiting for the link measurement " + ", ".join(f"{a} <-> {b}" for a, b in waiting)
+                if self.memory.waiting.get(job) != why:
+                    self.memory.waiting[job] = why
+                    log.info("leader: %s is %s", job, why)
+                return False
             cals, measured, missing = await self._calibrations(spec, kinds)
             if missing:
                 return await self._profile(snap, spec, members, state, missing)
+            cals = apply_links(cals, self.links.measured(names))
         try:
             if not members:
                 raise PlanError("no member offers a usable slot that answers")
@@ -555,6 +580,7 @@ class Leader:
         cals, measured, missing = await self._calibrations(entry.spec, sorted({m.device_kind for m, _ in members}))
         if missing:
             return False
+        cals = apply_links(cals, self.links.measured([m.name for m, _ in members]))
         try:
             doc, _ = make_plan(entry.spec, members, cals, calibrated=measured, reason=d.reason)
         except PlanError as exc:

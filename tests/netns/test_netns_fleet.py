@@ -118,3 +118,79 @@ def test_a_pipeline_across_namespaces_finishes_with_the_reference_losses_curve(f
         run_job(ring, "curve", reference)
     finally:
         ring.close()
+
+
+# -- partitions: a VM's link goes down mid-step (no reset), later comes back --------------------------
+
+def _children(d) -> list:
+    import psutil
+
+    try:
+        return [p for p in psutil.Process(d.proc.pid).children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _partition(ring: NetRing, reference: list[float], job: str, *, cut_leader: bool) -> None:
+    names = [f"vm{i}" for i in range(1, N + 1)]
+    for i in range(1, N + 1):
+        ring.start_vm(i)
+    ring.wait_members(names, timeout=60)
+    ring.submit(job, steps=24, batch=BATCH, every=EVERY, script_args=("--step-sleep", "0.3"))
+    st = ring.wait_step(job, 3, timeout=180)
+    assert st["plan"]["P"] >= 2 and len(st["plan"]["members"]) == N, st["plan"]
+    ring.wait_checkpoint(job, 3)
+    leader = ring.leader()
+    victim = leader if cut_leader else next(m for m in st["plan"]["members"] if m != leader)
+    d = ring.fabric.daemons[victim]
+    old_epoch = ring.status(job)["epoch"]
+    assert _children(d), f"{victim} runs no worker of {job}"
+    cut = time.monotonic()
+    ring.fabric.cut(d.index)
+    # the cut-off VM fences itself: its workers are gone within the TTL of the cut
+    ring.poll(lambda: not _children(d), timeout=TTL + 2, what=f"{victim}'s workers gone", interval=0.05)
+    gone = time.monotonic() - cut
+    print(f"\n{victim}{' (leader)' if cut_leader else ''}: workers gone {gone:.2f}s after the cut (TTL {TTL:g}s)")
+    assert gone <= TTL + 0.5, f"{victim}'s workers outlived its lease: {gone:.1f}s after the cut"
+    # the others carry on without it
+    st = ring.poll(lambda: (s := ring.status(job))["epoch"] != old_epoch and s["state"] in ("running", "done")
+                   and victim not in s["plan"]["members"] and s, timeout=90, what=f"{job} re-planned without {victim}")
+    ring.wait_step(job, st["step"] + 1, timeout=120)
+    old_lease = ring.call(ring.store.get(ring.keys.member(victim)))
+    healed = time.monotonic()
+    ring.fabric.heal(d.index)
+    back = ring.poll(lambda: (kv := ring.call(ring.store.get(ring.keys.member(victim)))) is not None
+                     and (old_lease is None or kv.lease != old_lease.lease) and time.monotonic(),
+                     timeout=15, what=f"{victim} registered again", interval=0.05)
+    print(f"{victim} rejoined {back - healed:.2f}s after the heal")
+    assert back - healed <= 3.0, f"{victim} took {back - healed:.1f}s to rejoin after the heal"
+    st = ring.wait_state(job, ("done", "failed"), timeout=240)
+    assert st["state"] == "done", f"{st.get('reason')}\n{ring.tails()}"
+    history = st["loss_history"]
+    assert [s for s, _ in history] == list(range(24))
+    for step, loss in history:
+        assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (step, loss, reference[step])
+    # no key holds an old epoch's record written after a newer epoch began
+    final = st["epoch"]
+    for kv in ring.call(ring.store.get_prefix(ring.keys.progress_of(job))):
+        rec = __import__("json").loads(kv.value)
+        assert not (rec["epoch"] < final and kv.mod_revision > final), \
+            f"{kv.key} holds epoch {rec['epoch']}'s record, written at revision {kv.mod_revision} after epoch {final}"
+    assert "fencing" in d.log_text()
+
+
+@pytest.fixture(scope="module")
+def reference24():
+    return reference_run(24, BATCH)[0]
+
+
+@pytest.mark.parametrize("cut_leader", [False, True], ids=["member", "leader"])
+def test_a_vm_cut_off_mid_step_is_fenced_the_job_finishes_and_it_rejoins(fabric, reference24, cut_leader):
+    root = f"/cut-{'leader' if cut_leader else 'member'}/"
+    ring = NetRing(fabric, root, (*DAEMON_FLAGS, "--plaintext"))
+    try:
+        _partition(ring, reference24, "cut", cut_leader=cut_leader)
+    finally:
+        for i in range(1, N + 1):
+            fabric.heal(i)
+        ring.close()

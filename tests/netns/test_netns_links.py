@@ -1,0 +1,41 @@
+"""The links between VMs are measured, and the plan follows them.
+
+Two namespaces, one one-thread slot each (two workers on two cores: the network's share is not
+blurred by oversubscription), the wide job (activations large for its compute). Under 1 Gbit/s
+and 10 Mbit/s caps: the measured links differ by the caps' ratio (+-30%), the plan or its
+estimate changes, and the estimate is within 25% of the step the job then took.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fabric import Fabric, unavailable_reason
+from linkrun import FabricRing, run_once, table
+
+pytestmark = pytest.mark.slow
+
+_WHY = unavailable_reason()
+if _WHY is not None:
+    pytest.skip(f"network-namespace tests skipped: {_WHY}", allow_module_level=True)
+
+
+def test_measured_links_follow_the_caps_and_the_estimate_tracks_the_step(tmp_path):
+    fabric = Fabric(2, tmp_path / "netns")
+    fabric.up()
+    ring = None
+    try:
+        ring = FabricRing(fabric, "/links/")
+        fast = run_once(fabric, ring, "1gbit")
+        slow = run_once(fabric, ring, "10mbit")
+        table([fast, slow])
+        ratio = fast.bandwidth_Bps / slow.bandwidth_Bps
+        assert 100 / 1.3 <= ratio <= 100 * 1.3, f"1 Gbit / 10 Mbit measured as {ratio:.1f}x, not 100x +-30%"
+        assert (fast.shape, fast.micro_batch) != (slow.shape, slow.micro_batch) or \
+            slow.estimated_s > 1.5 * fast.estimated_s, "the plan ignored a 100x slower link"
+        for run in (fast, slow):
+            assert run.error <= 0.25, f"{run.rate}: estimated {run.estimated_s:.4f}s, measured {run.measured_s:.4f}s"
+    finally:
+        if ring is not None:
+            ring.close()
+        fabric.close()
