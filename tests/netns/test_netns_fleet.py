@@ -8,15 +8,13 @@ Skipped, with the reason, only where `ip netns` cannot be used (not root, no ipr
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
 
 from fabric import Fabric, unavailable_reason
 from reference import reference_run
-from ring import JOB_SCRIPT, REPO, Ring
+from ring import Ring
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +41,10 @@ class NetRing(Ring):
         self.daemons = fabric.daemons
 
     def start_vm(self, i: int):
+        """VM i's daemon, started unless it runs already (the module's tests share one ring)."""
+        d = self.fabric.daemons.get(f"vm{i}")
+        if d is not None and d.alive:
+            return d
         return self.fabric.start_daemon(i, "--root", self.root, "--store", str(self.store_dir), *self.daemon_args)
 
     def tails(self, lines: int = 25) -> str:
@@ -67,16 +69,6 @@ def fabric(tmp_path_factory):
         yield f
     finally:
         f.close()
-
-
-@pytest.fixture(scope="module")
-def curve_keys(tmp_path_factory):
-    d = tmp_path_factory.mktemp("keys")
-    for name in [f"vm{i}" for i in range(1, N + 1)]:
-        r = subprocess.run([sys.executable, "-m", "varunad.cli", "keys", "generate", "--dir", str(d), "--name", name],
-                           capture_output=True, text=True, cwd=str(REPO))
-        assert r.returncode == 0, r.stderr
-    return d
 
 
 def run_job(ring: NetRing, job: str, reference: list[float]) -> dict:
@@ -104,20 +96,16 @@ def run_job(ring: NetRing, job: str, reference: list[float]) -> dict:
     return st
 
 
-def test_a_pipeline_across_namespaces_finishes_with_the_reference_losses_plaintext(fabric, reference):
+@pytest.fixture(scope="module")
+def plain_ring(fabric):
+    """One plaintext ring for the module's scenarios (each leaves vm1..vm3 up, no job running)."""
     ring = NetRing(fabric, "/plain/", (*DAEMON_FLAGS, "--plaintext"))
-    try:
-        run_job(ring, "plain", reference)
-    finally:
-        ring.close()
+    yield ring
+    ring.close()
 
 
-def test_a_pipeline_across_namespaces_finishes_with_the_reference_losses_curve(fabric, reference, curve_keys):
-    ring = NetRing(fabric, "/curve/", (*DAEMON_FLAGS, "--curve-keys", str(curve_keys)))
-    try:
-        run_job(ring, "curve", reference)
-    finally:
-        ring.close()
+def test_a_pipeline_across_namespaces_finishes_with_the_reference_losses_plaintext(plain_ring, reference):
+    run_job(plain_ring, "plain", reference)
 
 
 # -- partitions: a VM's link goes down mid-step (no reset), later comes back --------------------------
@@ -185,12 +173,9 @@ def reference24():
 
 
 @pytest.mark.parametrize("cut_leader", [False, True], ids=["member", "leader"])
-def test_a_vm_cut_off_mid_step_is_fenced_the_job_finishes_and_it_rejoins(fabric, reference24, cut_leader):
-    root = f"/cut-{'leader' if cut_leader else 'member'}/"
-    ring = NetRing(fabric, root, (*DAEMON_FLAGS, "--plaintext"))
+def test_a_vm_cut_off_mid_step_is_fenced_the_job_finishes_and_it_rejoins(plain_ring, fabric, reference24, cut_leader):
     try:
-        _partition(ring, reference24, "cut", cut_leader=cut_leader)
+        _partition(plain_ring, reference24, f"cut-{'leader' if cut_leader else 'member'}", cut_leader=cut_leader)
     finally:
         for i in range(1, N + 1):
             fabric.heal(i)
-        ring.close()
