@@ -18,6 +18,7 @@ a failure; ``Fabric.available()`` says why the tests must skip (no root, no ``ip
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -109,6 +110,7 @@ class Fabric:
         return f"{self.tag}h{i}"
 
     def up(self) -> None:
+        self._made_etc = not Path("/etc/netns").exists()
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.host_addr}/24", "dev", self.bridge)
@@ -224,6 +226,9 @@ class Fabric:
             for i in range(1, self.n + 1):
                 _ip("link", "del", self.veth(i), check=False)
             _ip("link", "del", self.bridge, check=False)
+            if getattr(self, "_made_etc", False):
+                with contextlib.suppress(OSError):   # only if empty: another fabric may be using it
+                    Path("/etc/netns").rmdir()
 
 
 def _rate_bits(rate: str) -> int:
