@@ -49,10 +49,11 @@ def main() -> None:
 
     batches = GlobalBatches(len(ds), args.batch_size, args.seed)
     while varuna.iteration < args.steps:
-        idx = batches.shard(varuna.iteration, varuna.replica, varuna.data_depth)
+        step = varuna.iteration   # the step's index: what status, plots and the loss history call it
+        idx = batches.shard(step, varuna.replica, varuna.data_depth)
         loss, overflow = varuna.step(ds.batch(idx))
         if varuna.rank == 0:
-            print(f"step {varuna.iteration} loss {loss:.4f}", flush=True)
+            print(f"step {step} loss {loss:.4f}", flush=True)
     varuna.close()
 
 

@@ -103,8 +103,8 @@ def test_a_morph_is_closed_by_a_resumed_line_once_its_epoch_trained_a_step():
     shown, _ = progress.advance(shown, waiting, now=1.0, wall=1003.0)
     spans = {"117": [900.0, 991.5], "130": [1012.0, 1012.0]}
     shown, text = progress.advance(shown, {**trained, "epoch_spans": spans}, now=2.0, wall=1012.34)
-    assert text.splitlines()[0] == ("resumed at step 20 in epoch 130, 12.3s after the morph began "
-                                    "(20.5s since the step before it)")
+    assert text.splitlines()[0] == ("resumed at step 20 in epoch 130 after training stood still 20.5s "
+                                    "(the report counts the same)")
 
 
 def test_plain_output_also_prints_after_every_s_seconds():

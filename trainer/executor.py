@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from trainer.comm import PeerChannel
+from trainer.errors import ConfigError
 from trainer.partition import ACTIVATION
 from trainer.precision import Precision, autocast
 from trainer.schedule import Action, Kind
@@ -105,6 +106,12 @@ class StageExecutor:
             self._rng[m] = self._rng_state()
         x, out = self._call(m, keep_graph)
         if self.last:
+            if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                what = (f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                        else f"a {type(out).__name__}")
+                raise ConfigError(f"the model's forward returned {what}; it must return the scalar loss",
+                                  hint="compute the loss inside forward (e.g. F.cross_entropy(logits, labels)) "
+                                       "and return it alone")
             self._losses.append(out.detach().float() * self._weights[m])
         if keep_graph:
             self._stash[m] = (x, out)

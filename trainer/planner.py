@@ -102,6 +102,12 @@ class Plan:
     unused: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     candidates: tuple[Candidate, ...] = ()
+    ruled_out: tuple[str, ...] = ()  # why the obvious plans (1 x every slot, 1 x 1) were not chosen
+
+    def alternatives(self, n: int = 3) -> list[Candidate]:
+        """The next ``n`` runners-up (other shapes or micro-batch sizes than the chosen plan's)."""
+        mine = (self.P, self.D, self.micro_batch_size)
+        return [c for c in self.candidates if (c.P, c.D, c.micro_batch_size) != mine][:n]
 
     def __post_init__(self) -> None:
         if self.P < 1 or self.D < 1 or self.micro_batch_size < 1 or self.micro_batches < 1:
@@ -149,6 +155,7 @@ class Plan:
                 f"  {st.compute_s:9.4f}  {link:<8}  {self.allreduce_kinds[s]}"
             )
         lines += [f"note: {n}" for n in self.notes]
+        lines += [f"not: {n}" for n in self.ruled_out]
         if self.candidates:
             lines.append("  P x  D  mbs     m  recompute  estimate_s  simulated_s  kinds")
             for c in self.candidates:
@@ -481,14 +488,27 @@ def plan(
     kind_by_name = {k.name: k for k in kinds}
     host_size = {k.name: k.host_size for k in kinds}
     verified = []
-    for est, (mbs, D, m, P, names, bounds, flags) in scored[:verify]:
+
+    def replay(est, config):
+        mbs, D, m, P, names, bounds, flags = config
         seq = [kind_by_name[n] for n in names]
         assignment, links, ar = _place(names, D, [s for s in slots if s.device_kind in set(names)], host_size)
         costs = stage_costs([k.cal for k in seq], bounds, mbs, D, links, ar)
         sim = _simulate(schedule, P, m, flags, costs)
-        verified.append((sim, est, (mbs, D, m, P, names, bounds, flags), assignment, links, ar))
+        verified.append((sim, est, config, assignment, links, ar))
+
+    for est, config in scored[:verify]:
+        replay(est, config)
     # on a tie (to a microsecond) prefer the shallower pipeline: fewer peers to lose
-    verified.sort(key=lambda v: (round(v[0], 6), v[2][3], v[2][1]))
+    order = lambda v: (round(v[0], 6), v[2][3], v[2][1])  # noqa: E731
+    verified.sort(key=order)
+    top = verified[0][2]
+    if top[3] > 1 and top[2] == 1:
+        # One micro-batch per step on a pipeline is no pipelining at all: before settling for it,
+        # replay the best plans with a smaller micro-batch too, and let the faster replay win.
+        for est, config in [x for x in scored[verify:] if x[1][0] < top[0]][:verify]:
+            replay(est, config)
+        verified.sort(key=order)
     sim, est, (mbs, D, m, P, names, bounds, flags), assignment, links, ar = verified[0]
     sims = {(c[0], c[1], c[3], c[4]): t for t, _, c, *_ in verified}
 
@@ -518,6 +538,8 @@ def plan(
         else:
             why = "no feasible plan uses it (memory or slot count)"
         notes.append(f"left out {k.name} ({k.slots} slots): {why}")
+    ruled_out = tuple(_ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lower_by_kind,
+                                 (P, D)))
     unused = tuple(sorted(s.slot_id for s in slots if s.slot_id not in assignment))
     if unused:
         notes.append(f"{len(unused)} slots idle: P x D = {P} x {D} uses {P * D} of {len(slots)}")
@@ -535,5 +557,36 @@ def plan(
         P=P, D=D, micro_batch_size=mbs, micro_batches=m, global_batch=global_batch, schedule=schedule,
         cuts=tuple(b - 1 for b in bounds[1:-1]), stages=tuple(stages), assignment=assignment,
         link_kinds=tuple(links), allreduce_kinds=tuple(ar), estimated_s=sim, unused=unused,
-        notes=tuple(notes), candidates=tuple(shown),
+        notes=tuple(notes), candidates=tuple(shown), ruled_out=ruled_out,
     )
+
+
+def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lower_by_kind, chosen) -> list[str]:
+    """Why the plans a user would try first, every slot data-parallel (1 x N) and one slot alone
+    (1 x 1), were not chosen: memory, the micro-batch count, or a slower estimate."""
+    if len(kinds) != 1:
+        return []
+    k = kinds[0]
+    gib = 2**30
+    out = []
+    for D in sorted({k.slots, 1}, reverse=True):
+        if (1, D) == chosen:
+            continue
+        shape = f"1x{D}" + (" (every slot data-parallel)" if D > 1 else " (one slot)")
+        fits = [b for b in sizes if global_batch % (D * b) == 0]
+        if not fits:
+            out.append(f"{shape}: the global batch {global_batch} does not split into whole micro-batches of a "
+                       f"calibrated size ({', '.join(map(str, sizes))}) over {D} replicas")
+            continue
+        whole = [b for b in fits
+                 if _partition([k], k.cal.size_index(b), schedule, global_batch // (D * b), allow_recompute)]
+        if not whole:
+            out.append(f"{shape}: memory: one {k.name} slot cannot hold the whole model (weights and optimizer "
+                       f"state alone {k.static[k.cal.n_segments] / gib:.2f} GiB, {k.capacity / gib:.2f} GiB usable)")
+            continue
+        times = [e for e, c in scored if c[3] == 1 and c[1] == D]
+        if times:
+            out.append(f"{shape}: estimated {min(times):.3f} s per step (closed form), slower")
+        else:
+            out.append(f"{shape}: estimated at least {lower_by_kind.get(k.name, 0.0):.3f} s per step, slower")
+    return out

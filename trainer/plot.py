@@ -26,10 +26,11 @@ from trainer.timeline import (  # the timeline's private drawing kit, shared wit
     write_png,
 )
 
-__all__ = ["LINE_COLOR", "MARKER_COLOR", "Chart", "render_line_chart"]
+__all__ = ["LINE_COLOR", "MARKER_COLOR", "SPAN_COLOR", "Chart", "render_line_chart"]
 
 LINE_COLOR = (66, 133, 244)
 MARKER_COLOR = (234, 67, 53)
+SPAN_COLOR = (252, 228, 214)  # pale marker colour: steps redone after a morph
 _GRID = (224, 224, 224)
 _LEFT, _RIGHT, _TOP, _BOTTOM = 80, 24, 40, 44
 _LABEL_ROWS = 3  # marker labels are staggered over this many rows so close markers stay legible
@@ -125,6 +126,7 @@ def render_line_chart(
     points: Sequence[tuple[float, float]],
     *,
     markers: Sequence[tuple[float, str]] = (),
+    spans: Sequence[tuple[float, float]] = (),
     title: str = "",
     x_label: str = "step",
     y_label: str = "loss",
@@ -132,7 +134,8 @@ def render_line_chart(
     height: int = 420,
 ) -> Chart:
     """Draw `points` (x, y) as a line and each marker (x, label) as a dashed vertical line with
-    its label at the top; write the PNG to `out_png`. ValueError if there is nothing to draw."""
+    its label at the top, and each span (x0, x1) as a shaded band (steps redone after a morph);
+    write the PNG to `out_png`. ValueError if there is nothing to draw."""
     points = sorted((float(x), float(y)) for x, y in points if math.isfinite(x) and math.isfinite(y))
     if not points:
         raise ValueError("no finite points to draw")
@@ -147,6 +150,9 @@ def render_line_chart(
     img[:] = _BACKGROUND
     _text(img, _LEFT, 12, title)
     _draw_axes(img, c, x_label, y_label)
+    for x0, x1 in spans:
+        a, b = sorted((c.x_of(x0), c.x_of(x1)))
+        img[c.plot_y0:c.plot_y1, a:b + 1] = SPAN_COLOR
     for i, (x, (_, label)) in enumerate(zip(c.marker_xs, markers)):
         _dashed_vline(img, x, c.plot_y0, c.plot_y1, MARKER_COLOR)
         label_y = _TOP + (i % _LABEL_ROWS) * (_CHAR_H + 4)

@@ -163,6 +163,10 @@ class Varuna:
         """One optimizer step on the global mini-batch; `inputs` is this replica's shard."""
         if self.optimizer is None:
             raise ConfigError("step() before set_optimizer()")
+        if not isinstance(inputs, Mapping):
+            raise ConfigError(f"step() takes a dict of batch-first tensors keyed by forward's argument names "
+                              f"({', '.join(self.input_names)}), got a {type(inputs).__name__}",
+                              hint="pass {name: tensor}, e.g. dict(zip(%r, batch))" % (tuple(self.input_names),))
         self.recorder.set_step(self.iteration)
         start = time.perf_counter()
         waited = self.channel.wait_s if self.channel is not None else 0.0
@@ -194,11 +198,15 @@ class Varuna:
         decision was agreed in the step's all-reduce, so every worker takes the same branch."""
         a = self.assignment
         periodic = a.checkpoint_every is not None and self.iteration % a.checkpoint_every == 0
+        # The job's last step always ends in a checkpoint: the daemon counts a job done only when
+        # the checkpoint of its last step is complete (a script that stops early is not done).
+        final = a.steps is not None and self.iteration == a.steps
         if self._upload is not None and self._upload.done():
             self._settle_upload()
-        if a.store and (periodic or self._agreed["checkpoint"]):
+        if a.store and (periodic or final or self._agreed["checkpoint"]):
             start = time.perf_counter()
-            path = self.checkpoint(a.store, tmpdir=a.checkpoint_tmpdir, on_demand=self._agreed["checkpoint"])
+            path = self.checkpoint(a.store, tmpdir=a.checkpoint_tmpdir,
+                                   on_demand=self._agreed["checkpoint"] or final)
             if self._upload is None:   # written in place: complete now
                 self.control.checkpointed(self.iteration, path, time.perf_counter() - start)
             self.control.clear()

@@ -76,7 +76,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     spec, bundle = ctl.build_spec(
         name=args.name, script=args.script, args=script_args, batch_size=args.batch_size,
         chunk_size=args.chunk_size, steps=args.steps, checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints, store=args.store, schedule=args.schedule)
+        keep_checkpoints=args.keep_checkpoints, store=args.store, schedule=args.schedule,
+        import_check=not args.no_import_check)
     if spec.checkpoint_every > spec.steps:
         print(f"varunactl submit: note: --checkpoint-every {spec.checkpoint_every} is more than --steps {spec.steps}: "
               "no checkpoint before the end, so a lost VM restarts the job from step 0", file=sys.stderr)
@@ -165,6 +166,8 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", metavar="DIR", help="checkpoint store of the job (default: the daemons' --store/NAME)")
     p.add_argument("--schedule", default="varuna", choices=["varuna", "gpipe", "1f1b"],
                    help="pipeline schedule (default varuna)")
+    p.add_argument("--no-import-check", action="store_true",
+                   help="do not refuse a script whose imports are not installed on this machine (they are on the VMs)")
     p.add_argument("script", metavar="SCRIPT", help="a Varuna training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="arguments for the script")
     p.set_defaults(handler=_cmd_submit)
@@ -204,7 +207,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from varunad import local
 
     ring = local.up(args.n, args.dir, ttl=args.ttl, root=args.root, metrics_port=args.metrics_port,
-                    daemon_args=args.daemon_args, timeout=args.wait)
+                    daemon_args=args.daemon_args, timeout=args.wait, say=lambda line: print(f"note      {line}"))
     print(f"etcd      {ring.etcd}  (log {ring.etcd_proc.log})")
     for d in ring.daemons:
         metrics = f", metrics on 127.0.0.1:{d.metrics_port}" if d.metrics_port else ""
@@ -241,8 +244,9 @@ def _add_ring(sub: argparse._SubParsersAction) -> None:
                     "in the background, with logs under DIR/logs, and wait until all have joined. Other "
                     "varunactl commands then use this etcd without --etcd, until `varunactl down`.")
     p.add_argument("n", type=int, metavar="N", help="number of daemons")
-    p.add_argument("--dir", metavar="DIR", help="state: etcd data, store, logs, ring.json; an earlier ring's are "
-                   "removed first (default $VARUNAD_LOCAL_DIR or ~/.local/state/varunad/ring)")
+    p.add_argument("--dir", metavar="DIR", help="state: etcd data, store, logs, ring.json; an earlier ring's store, "
+                   "logs and report are moved into DIR/earlier/<time>/ (default $VARUNAD_LOCAL_DIR or "
+                   "~/.local/state/varunad/ring)")
     p.add_argument("--ttl", type=float, default=5.0, metavar="SECONDS",
                    help="member lease TTL: how soon a killed daemon is noticed (default 5)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="BASE",

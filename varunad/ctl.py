@@ -7,16 +7,20 @@ stderr, exit status 1); ``varunad.cli`` declares the arguments and dispatches he
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import importlib.util
+import io
 import json
 import sys
 import time
+import zipfile
 from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 from varunad.facts import parse_member
 from varunad.fleetkeys import FleetKeys
-from varunad.jobs import JobSpec, JobSpecError, JobState, bundle_digest, pack_bundle
+from varunad.jobs import BundleError, JobSpec, JobSpecError, JobState, bundle_digest, pack_bundle
 from varunad.records import Progress, decode_history, epoch_ranges, merge_history, merge_spans
 from varunad.store import EtcdStore, Store, StoreError
 
@@ -28,13 +32,23 @@ class CtlError(Exception):
     """A refusal with its reason (printed as one line)."""
 
 
+def _unreachable(etcd: str, exc: Exception, timeout: float) -> CtlError:
+    """One line for "nothing answers there": what to do, not the gRPC client's paragraph."""
+    text = str(exc)
+    why = ("connection refused" if "refused" in text.lower() else
+           f"no answer within {timeout:g}s" if "deadline" in text.lower() or "timed out" in text.lower() else
+           text.splitlines()[0][:80] if text else type(exc).__name__)
+    return CtlError(f"cannot reach etcd at {etcd} ({why}): no ring is up here? start one with `varunactl up N`, "
+                    f"or point --etcd HOST:PORT (or $VARUNAD_ETCD) at your fleet's etcd")
+
+
 async def _open(etcd: str, timeout: float) -> Store:
     try:
         store = EtcdStore(etcd, timeout=timeout)
         await store.connect()
         return store
     except StoreError as exc:
-        raise CtlError(f"cannot reach etcd at {etcd}: {exc}") from None
+        raise _unreachable(etcd, exc, timeout) from None
 
 
 def run(etcd: str, timeout: float, fn: Callable[[Store], Awaitable[int]]) -> int:
@@ -44,7 +58,7 @@ def run(etcd: str, timeout: float, fn: Callable[[Store], Awaitable[int]]) -> int
         try:
             return await fn(store)
         except StoreError as exc:
-            raise CtlError(f"etcd at {etcd} failed: {exc}") from None
+            raise _unreachable(etcd, exc, timeout) from None
         finally:
             await store.close()
 
@@ -53,8 +67,43 @@ def run(etcd: str, timeout: float, fn: Callable[[Store], Awaitable[int]]) -> int
 
 # --- submit --------------------------------------------------------------------------------------------
 
+def check_bundle(data: bytes, script: str, *, imports: bool = True) -> None:
+    """Refuse a bundle whose Python files do not compile, or whose script imports a top-level
+    module that is neither in the bundle nor installed here (found without importing it): both
+    would fail on every VM, every time. BundleError names the file, line and what to do."""
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        names = zf.namelist()
+        trees = {}
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            source = zf.read(name)
+            try:
+                trees[name] = ast.parse(source, filename=name)
+                compile(trees[name], name, "exec", dont_inherit=True)
+            except SyntaxError as exc:
+                raise BundleError(f"{name} line {exc.lineno}: {type(exc).__name__}: {exc.msg}; fix it and submit "
+                                  "again (the job would fail on every VM)") from None
+            except ValueError as exc:   # null bytes
+                raise BundleError(f"{name} cannot be compiled: {exc}") from None
+    if not imports or script not in trees:
+        return
+    local = {n.split("/", 1)[0].removesuffix(".py") for n in names}
+    wanted = set()
+    for node in trees[script].body:   # top-level imports only: a guarded or lazy one may be optional
+        if isinstance(node, ast.Import):
+            wanted |= {a.name.split(".", 1)[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            wanted.add(node.module.split(".", 1)[0])
+    missing = sorted(m for m in wanted - local if importlib.util.find_spec(m) is None)
+    if missing:
+        raise BundleError(f"{script} imports {', '.join(missing)}, which is neither next to it nor installed here; "
+                          "install it (every VM needs it too) or pass --no-import-check if only the VMs have it")
+
+
 def build_spec(*, name: str, script: str, args: list[str], batch_size: int, chunk_size: str, steps: int,
-               checkpoint_every: int, keep_checkpoints: int, store: str | None, schedule: str) -> tuple[JobSpec, bytes]:
+               checkpoint_every: int, keep_checkpoints: int, store: str | None, schedule: str,
+               import_check: bool = True) -> tuple[JobSpec, bytes]:
     """The spec and bundle for ``submit``; JobSpecError/BundleError say why not."""
     if chunk_size == "auto":
         chunk = None
@@ -69,6 +118,7 @@ def build_spec(*, name: str, script: str, args: list[str], batch_size: int, chun
                  schedule=schedule, bundle_digest="0" * 64, bundle_bytes=0)
     JobSpec(**probe)
     data, rel = pack_bundle(script)
+    check_bundle(data, rel, imports=import_check)
     spec = JobSpec(**{**probe, "script": rel, "bundle_digest": bundle_digest(data), "bundle_bytes": len(data),
                       "submitted_at": time.time()})
     return spec, data
@@ -131,7 +181,16 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
         except JobSpecError:
             pass
     plan = state.plan or {}
-    last = state.morphs[-1] if state.morphs else None
+    moves = [m for m in state.morphs if not m.restart]   # a restart of the same plan is not a morph
+    last = moves[-1] if moves else None
+    ranges = epoch_ranges({e: list(v.items()) for e, v in per_epoch.items()})
+    redoing = None
+    if state.epoch in ranges and state.morphs:
+        first, newest = ranges[state.epoch]
+        reached = max((b for e, (_, b) in ranges.items() if e < state.epoch), default=-1)
+        if newest < reached:   # this epoch resumed from an older checkpoint and is not past it yet
+            m = state.morphs[-1]
+            redoing = {"first": first, "last": reached, "cause": m.cause or m.reason.split(":", 1)[0]}
     reason = state.reason
     if state.state == "queued" and reason == "submitted":
         reason = next((j["reason"] for j in await _jobs(store, keys) if j["job"] == job), reason)
@@ -139,18 +198,20 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
         "job": job, "state": state.state, "reason": reason, "step": step, "epoch": state.epoch,
         "plan": {"P": plan.get("P"), "D": plan.get("D"), "micro_batch_size": plan.get("micro_batch_size"),
                  "schedule": plan.get("schedule"), "members": plan.get("members", []),
-                 "estimated_s": plan.get("estimated_s"), "calibrated": plan.get("calibrated")},
+                 "estimated_s": plan.get("estimated_s"), "calibrated": plan.get("calibrated"),
+                 "micro_batches": plan.get("micro_batches"), "alternatives": plan.get("alternatives", []),
+                 "ruled_out": plan.get("ruled_out", [])},
+        "redoing": redoing,
         "loss": dict(history).get(step - 1, history[-1][1]) if history else None,
         "samples_per_s": sum(p.samples_per_s for p in current) / len(current) if current else None,
         "busy_fraction": min((p.busy_fraction for p in current), default=None),
         "restarts": state.restarts, "error": state.error,
-        "epochs": {str(e): list(r) for e, r in sorted(epoch_ranges({e: list(v.items())
-                                                                     for e, v in per_epoch.items()}).items())},
+        "epochs": {str(e): list(r) for e, r in sorted(ranges.items())},
         "epoch_spans": {str(e): list(merge_spans(v)) for e, v in sorted(spans.items())},
         "morphs": [{"reason": m.reason, "from": m.from_shape, "to": m.to_shape, "from_epoch": m.from_epoch,
                     "to_epoch": m.to_epoch, "noticed_at": m.noticed_at, "stopped_at": m.stopped_at,
                     "planned_at": m.planned_at, "duration_s": round(m.duration_s, 3), "checkpoint": m.checkpoint,
-                    "restart": m.restart}
+                    "restart": m.restart, "cause": m.cause}
                    for m in state.morphs],
         "last_morph": None if last is None else f"{last.from_shape} -> {last.to_shape} because {last.reason}",
         "loss_history": [[s, v] for s, v in history],
@@ -223,17 +284,40 @@ async def _jobs(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
     return out
 
 
+def plan_lines(plan: dict[str, Any]) -> list[str]:
+    """Why this P x D: its estimate, the next alternatives with theirs, what ruled out the obvious."""
+    if not plan.get("P"):
+        return []
+    m = plan.get("micro_batches")
+    est = plan.get("estimated_s")
+    lines = [f"why       {plan['P']}x{plan['D']}, micro-batch {plan['micro_batch_size']}"
+             + (f" x {m} per replica" if m else "")
+             + (f": estimated {est:.3f} s per step" if est is not None else "")
+             + ("" if plan.get("calibrated", True) else " (no measured calibration: data-parallel only)")]
+    for alt in plan.get("alternatives") or []:
+        lines.append(f"  instead {alt['P']}x{alt['D']}, micro-batch {alt['micro_batch_size']} x {alt['micro_batches']}: "
+                     f"estimated {alt['estimated_s']:.3f} s")
+    lines += [f"  not     {why}" for why in plan.get("ruled_out") or []]
+    return lines
+
+
 def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
     plan = doc["plan"]
     shape = f"{plan['P']}x{plan['D']}, micro-batch {plan['micro_batch_size']}" if plan["P"] else "-"
+    redo = doc.get("redoing")
+    moves = [m for m in doc["morphs"] if not m.get("restart")]
     lines = [
         f"job       {doc['job']}: {doc['state']} ({doc['reason']})",
         f"plan      epoch {doc['epoch']}: {shape} on {', '.join(plan['members']) or '-'}",
+        *plan_lines(plan),
         f"step      {doc['step']}" + (f", loss {doc['loss']:.4f}" if doc["loss"] is not None else "")
         + (f", {doc['samples_per_s']:.1f} samples/s" if doc["samples_per_s"] else "")
-        + (f", busy {100 * doc['busy_fraction']:.0f}%" if doc["busy_fraction"] is not None else ""),
-        f"restarts  {doc['restarts']}" + (f" (last error: {doc['error'].splitlines()[0]})" if doc["error"] else ""),
-        f"morph     {doc['last_morph'] or 'none'}",
+        + (f", busy {100 * doc['busy_fraction']:.0f}%" if doc["busy_fraction"] is not None else "")
+        + (f", redoing steps {redo['first']}-{redo['last']} after {redo['cause']}" if redo else ""),
+        f"restarts  {doc['restarts']}" + (f" (last error: {doc['error'].splitlines()[0][:200]})"
+                                          if doc["error"] and doc["restarts"] else ""),
+        f"morphs    {len(moves) or 'none'}" + "".join(f"\n  {m['from']} -> {m['to']}: {m['reason'].splitlines()[0]}"
+                                                       for m in moves[-5:]),
     ]
     print("\n".join(lines), file=out)
 

@@ -392,8 +392,9 @@ class Daemon:
     def _on_notice(self, sig: int) -> None:
         self._signals += 1
         if self._signals == 1:
-            log.warning("%s: %s: preemption notice: checkpointing and leaving the fleet", self.name,
-                        signal.Signals(sig).name)
+            # systemd's stop, `varunactl down` and a spot VM's preemption notice all arrive as SIGTERM
+            log.warning("%s: %s: shutting down: the workers checkpoint, then this daemon leaves the fleet",
+                        self.name, signal.Signals(sig).name)
             self._notice.set()
         else:
             log.warning("%s: second %s: killing the workers now", self.name, signal.Signals(sig).name)
@@ -426,7 +427,7 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.election.resign(), t)
         if sup is not None and sup.alive():
-            sup.stop(None, None, checkpoint=True, reason=f"preemption notice on {self.name}")
+            sup.stop(None, None, checkpoint=True, reason=f"{self.name} is shutting down")
             if not await sup.wait_all_exited(self.config.notice_timeout):
                 await sup.kill_all("they did not stop within the notice timeout")
             with contextlib.suppress(Exception):

@@ -188,6 +188,7 @@ class MorphEvent:
     planned_at: float  # when the new plan was written
     checkpoint: bool  # whether the old workers were asked to checkpoint
     restart: bool = False  # a worker failed and no VM was lost: the same work started again
+    cause: str = ""  # what happened, in a few words ("vm4 was lost"), for progress lines and plots
 
     @property
     def duration_s(self) -> float:

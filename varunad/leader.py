@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import time
 from collections import Counter
@@ -31,6 +32,7 @@ from trainer.planner import Plan, PlanError
 
 from varunad.config import DaemonConfig
 from varunad.election import Election, NotLeader
+from varunad.failures import cause as failure_cause, classify
 from varunad.fleet import FleetSnapshot, JobEntry, read_fleet
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobState, MorphEvent, job_store, model_fingerprint
@@ -165,10 +167,12 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     gone = [m for m in plan.members
             if m not in snap.members or snap.members[m][1] != plan.incarnations.get(m, snap.members[m][1])]
     if gone:
-        return Decision("abort", f"{', '.join(gone)} left the fleet (its lease ended)", job)
+        return Decision("abort", f"{_was_lost(gone)} (its lease ended): re-planning on the VMs left, from the "
+                                 "newest checkpoint", job)
     leaving = [m for m in plan.members if snap.members[m][0].draining]
     if leaving:
-        return Decision("abort", f"{', '.join(leaving)} got a preemption notice", job, checkpoint=True)
+        return Decision("abort", f"{', '.join(leaving)} is leaving (a stop or a preemption notice): checkpointing, "
+                                 "then re-planning on the VMs left", job, checkpoint=True)
     if records and all(r is not None and not r.alive for _, r in records.values()):
         return Decision("start", f"every worker of epoch {epoch} has stopped", job)
     seen = memory.epoch_seen.get(epoch, now)
@@ -181,6 +185,35 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     if newcomers and memory.considered != (epoch, usable):
         return Decision("consider", f"{', '.join(newcomers)} could join {job}", job)
     return Decision("nothing", f"{job} runs epoch {epoch} as {plan.shape}", job)
+
+
+def _was_lost(names: list[str]) -> str:
+    return f"{', '.join(names)} {'was' if len(names) == 1 else 'were'} lost"
+
+
+def _who_and_cause(summary: str) -> tuple[str, str]:
+    """("rank 0 on vm1 exited with code 3", "failing on purpose") from error_summary's line."""
+    m = re.match(r"(rank \d+ on \S+ [^:]*?)(?:: | failed: )(.*)", summary)
+    if m is None:
+        return "a worker", summary
+    return m.group(1), failure_cause(summary)
+
+
+def _cause_of(reason: str) -> str:
+    """The few words of a morph's reason that say what happened ("vm4 was lost")."""
+    for sep in (" (", ": "):
+        if sep in reason:
+            return reason.split(sep, 1)[0]
+    return reason
+
+
+def _final_checkpoint(store: str, steps: int) -> bool | None:
+    """Whether the checkpoint of the job's last step is complete (its manifest is written last);
+    None when the store is not a path the leader can look at (an object store URL). Plain file
+    tests: the daemon does not import torch (trainer.ckpt_store does)."""
+    if "://" in store:
+        return None
+    return os.path.isfile(os.path.join(store, f"varuna_ckpt_{steps}", "manifest.json"))
 
 
 def _profile_progress(snap: FleetSnapshot, entry: JobEntry, plan: PlanDoc, epoch: int) -> Decision:
@@ -207,6 +240,13 @@ def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot) -> dict:
     return {"device_kinds": dict(kinds), "stage_kinds": [st.device_kind for st in planned.stages],
             "link_kinds": list(planned.link_kinds),
             "allreduce_kinds": list(planned.allreduce_kinds), "micro_batches": planned.micro_batches,
+            # why this plan (varunactl status JOB and the report say it): the runners-up and their
+            # estimates, and what ruled out the plans a user would try first
+            "alternatives": [{"P": c.P, "D": c.D, "micro_batch_size": c.micro_batch_size,
+                              "micro_batches": c.micro_batches,
+                              "estimated_s": c.simulated_s if c.simulated_s is not None else c.estimate_s}
+                             for c in planned.alternatives(3)],
+            "ruled_out": list(planned.ruled_out),
             # daemons sharing a host (a local ring) share its cores: the report says so beside its prediction
             "daemons_per_host": max(Counter(snap.members[m][0].host for m in doc.members).values(), default=0)}
 
@@ -333,8 +373,7 @@ class Leader:
             await self._finish(snap, d.job, "cancelled", d.reason)
             return True
         if d.action == "done":
-            await self._finish(snap, d.job, "done", d.reason)
-            return True
+            return await self._done(snap, d)
         if d.action == "adopt":
             state = snap.states[d.job]
             plan = snap.plan
@@ -433,37 +472,82 @@ class Leader:
             await asyncio.sleep(0.1)
         return False
 
+    async def _done(self, snap: FleetSnapshot, d: Decision) -> bool:
+        """Every worker exited 0: the job is done only if they trained its last step and its
+        checkpoint is complete; a script that ended early fails the job, saying where."""
+        assert d.job is not None
+        entry = snap.entry(d.job)
+        state = snap.states[d.job]
+        if entry is None or entry.spec is None:
+            await self._finish(snap, d.job, "done", d.reason)
+            return True
+        steps = entry.spec.steps
+        reports = [snap.reports.get(s.member) for s in snap.plan.slots] if snap.plan is not None else []
+        reached = max((r.step + 1 for rep in reports if rep is not None
+                       for r in rep.of(d.job, snap.plan_epoch).values()), default=0)
+        final = _final_checkpoint(state.store or job_store(entry.spec, self.config.store), steps)
+        if final or (final is None and reached >= steps):
+            await self._finish(snap, d.job, "done", f"trained all {steps} steps (every worker of epoch "
+                                                    f"{snap.plan_epoch} finished, the last checkpoint is complete)")
+            return True
+        if reached >= steps:
+            why = (f"the workers trained all {steps} steps but the checkpoint of step {steps} is not complete "
+                   f"in the store (see `varunactl logs {d.job}`)")
+        else:
+            why = (f"the script ended at step {reached} of {steps}: its workers exited with code 0 before the "
+                   f"job's last step (loop `while model.iteration < job_setting('steps', ...)`)")
+        await self._finish(snap, d.job, "failed", why, error=why)
+        return True
+
     async def _abort(self, snap: FleetSnapshot, d: Decision) -> bool:
         assert d.job is not None and snap.plan is not None
         job, plan, epoch, reason = d.job, snap.plan, snap.plan_epoch, d.reason
         noticed = time.time()
         state = snap.states[job]
-        await self._put_state(state.but(state="morphing", reason=d.reason))
+        who, what = _who_and_cause(d.reason) if d.failure else ("", "")
+        await self._put_state(state.but(state="morphing", reason=(
+            f"a worker failed ({who}): stopping the epoch, then checking which VMs answer" if d.failure else d.reason)))
         await self._write_stop(snap, job, epoch, checkpoint=d.checkpoint, reason=d.reason)
         if not await self._wait_stopped(epoch, d.checkpoint):
             log.warning("leader: not every worker of epoch %d reported stopping; planning without them", epoch)
         stopped = time.time()
         restart = False
+        cause = _cause_of(reason)
         if d.failure:
             answered = await self.clients.ping(
                 [(m, snap.members[m][0].endpoint) for m in plan.members if m in snap.members],
                 self._ping_timeout())
             lost = sorted(set(plan.members) - answered)
             state = await self._state(job)
+            # the worker's own words (often gloo's, from a peer that vanished) stay in this log and in
+            # `varunactl logs`; the job's reason says what happened in ours
+            log.info("leader: %s: %s", job, d.reason)
             if lost:
                 log.info("leader: %s did not answer a ping: not counting the failure as a restart", ", ".join(lost))
                 # A vanished VM breaks its neighbours' workers before its lease expires: name the cause.
-                reason = f"{', '.join(lost)} stopped answering (VM gone?), which broke the epoch: {d.reason}"
+                cause = _was_lost(lost)
+                reason = (f"{cause} (it stopped answering; {who} failed with it): re-planning on the VMs left, "
+                          "from the newest checkpoint")
             else:
+                verdict = classify(d.reason, state.error if state.restarts else None)
                 restarts = state.restarts + 1
+                if verdict == "fail":
+                    again = " again on a fresh start" if state.restarts else ""
+                    await self._finish(snap, job, "failed",
+                                       f"{what} ({who}{again}): not retried, starting again would fail the same "
+                                       f"way; fix the script or the job and submit it again", error=d.reason)
+                    return True
                 if restarts > self.config.max_restarts:
-                    await self._finish(snap, job, "failed", f"gave up after {state.restarts} restarts: {d.reason}",
+                    await self._finish(snap, job, "failed", f"gave up after {state.restarts} restarts: {what} ({who})",
                                        error=d.reason)
                     return True
                 await self._put_state(state.but(restarts=restarts, error=d.reason))
                 restart = True
+                cause = "a worker failed"
+                reason = (f"{what} ({who}): starting the same plan again from the newest checkpoint "
+                          f"(restart {restarts} of at most {self.config.max_restarts})")
         self.memory.morph[job] = dict(reason=reason, from_shape=plan.shape, from_epoch=epoch, noticed_at=noticed,
-                                      stopped_at=stopped, checkpoint=d.checkpoint, restart=restart)
+                                      stopped_at=stopped, checkpoint=d.checkpoint, restart=restart, cause=cause)
         return await self._start(job, reason)
 
     def _ping_timeout(self) -> float:
@@ -547,7 +631,8 @@ class Leader:
             stopped = info or dict(reason=reason, from_shape="-", from_epoch=state.epoch, noticed_at=planned_at,
                                    stopped_at=planned_at, checkpoint=False)
             morphs = morphs + (MorphEvent(**stopped, to_shape=doc.shape, to_epoch=epoch, planned_at=planned_at),)
-            self.metrics.morphs.inc()
+            if not stopped.get("restart"):
+                self.metrics.morphs.inc()
         await self._put_state(state.but(state="running", reason=reason, epoch=epoch, epochs=state.epochs + (epoch,),
                                         plan={**describe(doc, epoch), **_report_facts(doc, planned, snap)},
                                         morphs=morphs[-50:], started_at=state.started_at or planned_at,
@@ -593,6 +678,7 @@ class Leader:
             log.info("leader: keeping %s as %s: re-planning onto %s would gain %.1f%% (threshold %.1f%%)",
                      d.job, plan.shape, ", ".join(doc.members), 100 * gain, 100 * self.config.scale_up_threshold)
             return False
-        reason = (f"{d.reason}: {doc.shape} on {len(doc.members)} members is estimated {100 * gain:.0f}% faster "
-                  f"than {plan.shape}")
+        joined = sorted(set(doc.members) - set(plan.members))
+        reason = (f"{', '.join(joined) or 'new VMs'} joined: {doc.shape} on {len(doc.members)} members is estimated "
+                  f"{100 * gain:.0f}% faster than {plan.shape}; checkpointing, then re-planning")
         return await self._abort(snap, Decision("abort", reason, d.job, checkpoint=True))

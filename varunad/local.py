@@ -313,10 +313,13 @@ def _wait_members(ring: Ring, names: Sequence[str], timeout: float) -> None:
 # --- up, down, add, kill ---------------------------------------------------------------------------------------
 
 def up(n: int, state_dir: Path | str | None = None, *, ttl: float = 5.0, root: str = "/varunad/",
-       metrics_port: int = 0, daemon_args: Sequence[str] = (), timeout: float = 60.0) -> Ring:
+       metrics_port: int = 0, daemon_args: Sequence[str] = (), timeout: float = 60.0,
+       say: Callable[[str], None] = lambda line: None) -> Ring:
     """Start etcd and ``n`` daemons (vm1..vmN) and wait until all are members; returns the ring.
 
-    The ring starts empty: etcd data, store and logs of an earlier ring in ``state_dir`` are removed.
+    The ring starts empty: an earlier ring's etcd data is removed (its etcd is gone), and what the
+    user may want of it (store with checkpoints and reports, logs, report, daemons' state) is moved
+    into ``state_dir/earlier/<time>/``; ``say`` gets a line saying where.
 
     ``metrics_port`` > 0 gives daemon i (from 0) ``--metrics-port metrics_port + i``. Anything
     started is stopped again when a later part fails.
@@ -328,7 +331,9 @@ def up(n: int, state_dir: Path | str | None = None, *, ttl: float = 5.0, root: s
     binary = find_etcd_binary()
     state = Path(state_dir or default_dir()).expanduser().resolve()
     _refuse_running(state)
-    _clear(state)
+    kept = _clear(state)
+    if kept is not None:
+        say(f"kept the earlier ring's store, logs and report in {kept}")
     state.mkdir(parents=True, exist_ok=True)
     endpoint, etcd_proc = _start_etcd(binary, state, timeout)
     ring = Ring(dir=str(state), etcd=endpoint, root=root, store=str(state / "store"), ttl=ttl, etcd_proc=etcd_proc,
@@ -355,13 +360,28 @@ def _refuse_running(state: Path) -> None:
     (state / RING_FILE).unlink(missing_ok=True)  # left by a reboot or a kill -9: nothing of it runs
 
 
-def _clear(state: Path) -> None:
-    """Remove what an earlier ring left in ``state``: its etcd is gone, so its checkpoints would only
-    be picked up by a new job of the same name. Only our own entries, in case DIR holds more."""
-    for entry in ("etcd", "logs", "store", "report"):
-        shutil.rmtree(state / entry, ignore_errors=True)
-    for entry in state.glob("vm[0-9]*"):
-        shutil.rmtree(entry, ignore_errors=True)
+_EARLIER = "earlier"
+
+
+def _clear(state: Path) -> Path | None:
+    """Make room for a new ring in ``state``. The earlier ring's etcd is gone, so its etcd data goes;
+    its checkpoints must not be picked up by a new job of the same name, but they, its reports and
+    logs are the user's: moved into ``earlier/<time>/`` (returned; None when there was nothing).
+    Only our own entries, in case DIR holds more."""
+    shutil.rmtree(state / "etcd", ignore_errors=True)
+    entries = [state / e for e in ("logs", "store", "report", "metrics") if (state / e).exists()]
+    entries += sorted(state.glob("vm[0-9]*"))
+    if not entries:
+        return None
+    kept = state / _EARLIER / time.strftime("%Y%m%d-%H%M%S")
+    n = 1
+    while kept.exists():   # two rings within a second
+        n += 1
+        kept = kept.with_name(f"{kept.name.split('.')[0]}.{n}")
+    kept.mkdir(parents=True)
+    for entry in entries:
+        entry.rename(kept / entry.name)
+    return kept
 
 
 def add_daemon(state_dir: Path | str | None = None, *, timeout: float = 60.0) -> RingProc:

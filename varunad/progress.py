@@ -11,7 +11,11 @@ Elsewhere (a log file, CI) it is plain lines, one per change of state or plan, a
 each morph is printed once, on its own line::
 
     morph 2x2 -> 3x1 (stopped, re-planned in 4.8s): member vm3 left
-    resumed at step 20 in epoch 305, 12.3s after the morph began (21.0s since the step before it)
+    resumed at step 20 in epoch 305 after training stood still 21.0s (the report counts the same)
+
+and while an epoch redoes steps an earlier one had trained, the line says so::
+
+    gpt [####................] 23/60 ... 2x1 mb 4 epoch 305 redoing steps 20-29 after vm4 was lost
 
 ``watch`` polls etcd and feeds ``advance`` until the job ends.
 """
@@ -74,6 +78,13 @@ def _numbers(doc: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def _redoing(doc: dict[str, Any]) -> str:
+    redo = doc.get("redoing")
+    if not redo or doc.get("state") != "running":
+        return ""
+    return f"redoing steps {redo['first']}-{redo['last']}" + (f" after {redo['cause']}" if redo.get("cause") else "")
+
+
 def _state_word(doc: dict[str, Any]) -> str:
     """Nothing while running; otherwise the state and why (e.g. queued while the model is calibrated)."""
     state = doc.get("state", "?")
@@ -94,14 +105,14 @@ def bar_line(doc: dict[str, Any], steps: int, width: int = 20) -> str:
     step = min(int(doc.get("step") or 0), steps)
     filled = width * step // max(steps, 1)
     parts = [f"{doc['job']} [{'#' * filled}{'.' * (width - filled)}] {step}/{steps}",
-             _numbers(doc), _shape(doc), _state_word(doc)]
+             _numbers(doc), _shape(doc), _state_word(doc), _redoing(doc)]
     return " ".join(p for p in parts if p)
 
 
 def plain_line(doc: dict[str, Any], steps: int) -> str:
     """``job step/steps state: loss .. samples/s PxD mb M epoch E``."""
     step = min(int(doc.get("step") or 0), steps)
-    details = " ".join(p for p in (_numbers(doc), _shape(doc)) if p)
+    details = " ".join(p for p in (_numbers(doc), _shape(doc), _redoing(doc)) if p)
     return f"{doc['job']} {step}/{steps} {_state_word(doc) or 'running'}" + (f": {details}" if details else "")
 
 
@@ -119,17 +130,19 @@ def _resumed(shown: Shown, doc: dict[str, Any], wall: float) -> tuple[Shown, lis
     steps = (doc.get("epochs") or {}).get(str(shown.resume_epoch)) if shown.resume_epoch else None
     if not steps:
         return shown, []
-    line = (f"resumed at step {steps[0]} in epoch {shown.resume_epoch}, "
-            f"{max(0.0, wall - shown.resume_noticed):.1f}s after the morph began{_stall(doc, shown.resume_epoch)}\n")
+    line = f"resumed at step {steps[0]} in epoch {shown.resume_epoch}{_stall(doc, shown.resume_epoch, wall - shown.resume_noticed)}\n"
     return replace(shown, resume_epoch=0), [line]
 
 
-def _stall(doc: dict[str, Any], epoch: int) -> str:
-    """How long training stood still: from the last step of the epoch before to this epoch's first
-    (a lost VM's lease runs out before the leader notices, so this is the longer figure)."""
+def _stall(doc: dict[str, Any], epoch: int, since_noticed: float) -> str:
+    """How long training stood still: from the last step of the epoch before to this epoch's first,
+    the figure `varunactl report` adds up (a lost VM's lease runs out before the leader notices, so
+    it is longer than the time since the morph began, which is shown only when spans are missing)."""
     spans = {int(e): v for e, v in (doc.get("epoch_spans") or {}).items()}
     gap = stall_before(epoch, (int(e) for e in doc.get("epochs") or {}), spans)
-    return "" if gap is None else f" ({max(0.0, gap):.1f}s since the step before it)"
+    if gap is None:
+        return f", {max(0.0, since_noticed):.1f}s after the morph began"
+    return f" after training stood still {max(0.0, gap):.1f}s (the report counts the same)"
 
 
 def advance(shown: Shown, doc: dict[str, Any], now: float, wall: float | None = None) -> tuple[Shown, str]:

@@ -338,11 +338,22 @@ def _loss_section(inputs: ReportInputs, out: Path) -> dict[str, Any]:
     if not history:
         raise _Missing("no loss was recorded")
     epochs = inputs.status.get("epochs", {})
-    markers = [(epochs[str(m.to_epoch)][0], f"{m.from_shape}>{m.to_shape}")
-               for m in inputs.state.morphs if str(m.to_epoch) in epochs]
-    chart = render_line_chart(out / "loss.png", history, markers=markers,
-                              title=f"{inputs.spec.job}  loss per step  ({_plural(len(markers), 'morph')})")
+    # A morph is marked where the job stood when it happened (the step after the old epoch's last),
+    # labelled with its cause; the steps redone from the checkpoint after it are shaded.
+    markers, redone = [], []
+    for m in inputs.state.morphs:
+        if str(m.to_epoch) not in epochs:
+            continue
+        resumed = epochs[str(m.to_epoch)][0]
+        at = epochs[str(m.from_epoch)][1] + 1 if str(m.from_epoch) in epochs else resumed
+        markers.append((at, (m.cause or f"{m.from_shape}>{m.to_shape}").replace(" was lost", " lost")))
+        if resumed < at:
+            redone.append((resumed, at - 1))
+    chart = render_line_chart(out / "loss.png", history, markers=markers, spans=redone,
+                              title=f"{inputs.spec.job}  loss per step  ({_plural(len(markers), 'morph')}"
+                                    + (", redone steps shaded)" if redone else ")"))
     return {"png": "loss.png", "size": [chart.width, chart.height], "morph_steps": [x for x, _ in markers],
+            "redone_spans": redone,
             "first_loss": history[0][1], "last_loss": history[-1][1]}
 
 
@@ -489,6 +500,9 @@ def format_report(doc: dict[str, Any]) -> str:
     if pred:
         err = f", {100 * pred['error']:+.1f}% vs measured" if "error" in pred else ""
         lines.append(f"         predicted {pred['step_s']:.4f} s by the simulator{err}")
+    from varunad.ctl import plan_lines   # the same explanation as `varunactl status JOB`
+
+    lines += [ln.replace("why      ", "plan     ", 1) for ln in plan_lines(doc.get("plan") or {})]
     lines += _cost_lines(doc["cost"])
     lines.append("files    " + ", ".join(doc["files"]))
     lines += [f"note     {n}" for n in doc["notes"]]

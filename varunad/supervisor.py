@@ -446,11 +446,21 @@ class Supervisor:
         if not w.connected:
             w.pending.append(data)  # sent when the worker first speaks (after its first step)
             return
+        def undelivered(fut: asyncio.Future) -> None:
+            # a zmq.asyncio send reports EHOSTUNREACH (the worker's identity not routable now) on its
+            # future, not as a raise: take it there, or asyncio logs "Future exception was never retrieved"
+            if not fut.cancelled() and fut.exception() is not None:
+                w.connected = False
+                w.pending.append(data)
+
         try:
-            self.sock.send_multipart([w.identity, data], flags=zmq.NOBLOCK)
+            sent = self.sock.send_multipart([w.identity, data], flags=zmq.NOBLOCK)
         except zmq.ZMQError:  # unroutable (reconnecting) or full: keep it for its next message
             w.connected = False
             w.pending.append(data)
+            return
+        if isinstance(sent, asyncio.Future):
+            sent.add_done_callback(undelivered)
 
     # -- the control socket ------------------------------------------------------------------------------
 
@@ -479,7 +489,9 @@ class Supervisor:
                 pending, w.pending = w.pending, []
                 for item in pending:
                     with contextlib.suppress(zmq.ZMQError):
-                        self.sock.send_multipart([w.identity, item], flags=zmq.NOBLOCK)
+                        sent = self.sock.send_multipart([w.identity, item], flags=zmq.NOBLOCK)
+                        if isinstance(sent, asyncio.Future):   # its error, if any, is taken and dropped
+                            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
             if isinstance(msg, WorkerProgress):
                 self._on_progress(w, msg)
             else:
