@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import shlex
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from varunad import ctl
 from varunad.fleetkeys import FleetKeys
-from varunad.jobs import JobSpec, JobState
+from varunad.jobs import JobSpec, JobState, MorphEvent
 from varunad.records import encode_history
 from varunad.store import EtcdStore
 
@@ -31,6 +32,18 @@ async def test_a_resumed_epoch_shows_the_step_it_is_at_not_the_highest_reached(e
         await store.put(keys.state("j"), JobState(job="j", state="running", epoch=9, epochs=(5, 9)).encode())
         now = await ctl.job_status(store, keys, "j")
         assert now["step"] == 62 and now["loss"] == 2.8
+        assert now["redoing"] is None   # no morph recorded: nothing to explain
+        lost = MorphEvent(reason="vm4 was lost (its lease ended): re-planning", from_shape="2x1", to_shape="1x1",
+                          from_epoch=5, to_epoch=9, noticed_at=1.0, stopped_at=2.0, planned_at=3.0,
+                          checkpoint=False, cause="vm4 was lost")
+        await store.put(keys.state("j"), JobState(job="j", state="running", epoch=9, epochs=(5, 9),
+                                                  morphs=(lost,)).encode())
+        now = await ctl.job_status(store, keys, "j")
+        assert now["redoing"] == {"first": 60, "last": 76, "cause": "vm4 was lost"}
+        out = io.StringIO()
+        ctl.print_job(now, out)
+        assert "redoing steps 60-76 after vm4 was lost" in out.getvalue()
+        assert "morphs    1\n  2x1 -> 1x1: vm4 was lost (its lease ended)" in out.getvalue()
 
 
 def test_output_cut_short_by_a_pipe_is_not_an_error():
@@ -62,3 +75,17 @@ async def test_a_queued_job_says_what_it_waits_for(etcd, etcd_root):
             "waiting for first and 1 job(s) queued before it"
         listed = {j["job"]: j["reason"] for j in (await ctl.fleet_status(store, keys))["jobs"]}
         assert listed["second"] == "waiting for first"
+
+
+def test_no_ring_here_is_one_line_naming_up_and_etcd(tmp_path):
+    """No --etcd, no $VARUNAD_ETCD and no ring.json: one line that says what to do."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k not in ("VARUNAD_ETCD",)} | {"VARUNAD_LOCAL_DIR": str(tmp_path)}
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    r = subprocess.run([sys.executable, "-m", "varunad.cli", "--etcd", dead, "--timeout", "2", "status"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"cannot reach etcd at {dead} (connection refused)" in r.stderr
+    assert "`varunactl up N`" in r.stderr and "--etcd" in r.stderr and "gRPC" not in r.stderr

@@ -441,3 +441,18 @@ def test_history_entries_carry_their_span_and_refuse_a_bad_one():
         with pytest.raises(ValueError, match="span is malformed"):
             decode_history(bad)
     assert merge_spans([(10.0, 20.0), (9.5, 19.0)]) == (9.5, 20.0) and merge_spans([]) is None
+
+
+def test_failures_that_cannot_go_away_fail_at_once_transient_ones_are_retried():
+    from varunad.failures import cause, classify
+
+    config = "rank 0 on vm1 exited with code 1: trainer.errors.ConfigError: batch 64 vs 32 (pass the job's)"
+    assert cause(config) == "ConfigError: batch 64 vs 32 (pass the job's)"
+    assert classify(config, None) == "fail"
+    assert classify("rank 0 on vm1 exited with code 1: SyntaxError: invalid syntax", None) == "fail"
+    peer = "rank 1 on vm2 exited with code 1: [rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:5"
+    assert cause(peer).startswith("RuntimeError: Connection closed") and classify(peer, peer) == "retry"
+    boom = "rank 0 on vm1 exited with code 3: failing on purpose"
+    assert classify(boom, None) == "retry"          # new: one fresh start shows whether it repeats
+    assert classify(boom, boom.replace("vm1", "vm2")) == "fail"   # the same words again, on any VM
+    assert classify(boom, "rank 0 on vm1 exited with code 3: something else") == "retry"

@@ -16,6 +16,9 @@ p = argparse.ArgumentParser()
 p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--chunk-size", type=int, default=4)
 p.add_argument("--fail-at", type=int, default=None, help="exit 3 after this step (tests of failures)")
+p.add_argument("--stop-at", type=int, default=None, help="leave the loop before this step and exit 0 (a script "
+               "that ignores the job's step count)")
+p.add_argument("--script-batch", type=int, default=None, help="pass this global batch to Varuna instead of the job's")
 args = p.parse_args()
 
 if os.environ.get("VARUNA_PROFILE"):
@@ -46,7 +49,7 @@ torch.manual_seed(1234)
 cfg = GPTConfig.preset("tiny", dropout=0.0)
 model = GPT(cfg, seed=0)
 data = TextDataset(cfg.seq_len, num_examples=256, seed=0)
-varuna = Varuna(model, None, data.sample_batch, batch_size, args.chunk_size)
+varuna = Varuna(model, None, data.sample_batch, args.script_batch or batch_size, args.chunk_size)
 opt = torch.optim.SGD(varuna.parameters(), lr=0.1, momentum=0.9)
 before_load = time.time()
 varuna.set_optimizer(opt)
@@ -54,7 +57,7 @@ loaded = time.time()
 print(f"TIMING start={started:.6f} before_load={before_load:.6f} loaded={loaded:.6f} "
       f"resumed_at={varuna.iteration}", flush=True)
 batches = GlobalBatches(len(data), batch_size, seed=0)
-while varuna.iteration < steps:
+while varuna.iteration < (steps if args.stop_at is None else min(steps, args.stop_at)):
     idx = batches.shard(varuna.iteration, varuna.replica, varuna.data_depth)
     loss, _ = varuna.step(data.batch(idx))
     if varuna.rank == 0:
