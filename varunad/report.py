@@ -201,7 +201,8 @@ def cost_report(intervals: Sequence[Interval], device_kinds: Mapping[str, int], 
         "samples_per_usd_spot": samples / spot if spot else None,
         "samples_per_usd_on_demand": samples / on_demand if on_demand else None,
         "mean_step_s": mean_step_s, "redone_step_s": step_s or mean_step_s,
-        "morphs": {"count": max(0, len(intervals) - 1), "restarts": restarts,
+        # a restart of the same plan after a worker failed is not a morph: counted apart
+        "morphs": {"count": max(0, len(intervals) - 1 - restarts), "restarts": restarts,
                    "downtime_s": downtime_s, "redone_steps": redone_steps,
                    "lost_s": lost_s, "lost_fraction": lost_s / wall if wall > 0 else 0.0,
                    "lost_device_hours": lost_dh},
@@ -341,6 +342,7 @@ def _loss_section(inputs: ReportInputs, out: Path) -> dict[str, Any]:
     # A morph is marked where the job stood when it happened (the step after the old epoch's last),
     # labelled with its cause; the steps redone from the checkpoint after it are shaded.
     markers, redone = [], []
+    restarts = sum(1 for m in inputs.state.morphs if m.restart and str(m.to_epoch) in epochs)
     for m in inputs.state.morphs:
         if str(m.to_epoch) not in epochs:
             continue
@@ -350,8 +352,8 @@ def _loss_section(inputs: ReportInputs, out: Path) -> dict[str, Any]:
         if resumed < at:
             redone.append((resumed, at - 1))
     chart = render_line_chart(out / "loss.png", history, markers=markers, spans=redone,
-                              title=f"{inputs.spec.job}  loss per step  ({_plural(len(markers), 'morph')}"
-                                    + (", redone steps shaded)" if redone else ")"))
+                              title=f"{inputs.spec.job}  loss per step  ({_plural(len(markers) - restarts, 'morph')}"
+                                    + _restarts(restarts) + (", redone steps shaded)" if redone else ")"))
     return {"png": "loss.png", "size": [chart.width, chart.height], "morph_steps": [x for x, _ in markers],
             "redone_spans": redone,
             "first_loss": history[0][1], "last_loss": history[-1][1]}
@@ -458,7 +460,7 @@ def _plural(n: int, word: str) -> str:
 
 
 def _restarts(n: int) -> str:
-    return f" ({n} of them {'a restart' if n == 1 else 'restarts'} after a worker failed)" if n else ""
+    return f", {_plural(n, 'restart')} after a worker failed" if n else ""
 
 
 def _count(value: float | None) -> str:
