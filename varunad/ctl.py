@@ -175,11 +175,12 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
     # where the running epoch is, once it has reported: after a resume from an older checkpoint
     # it redoes steps an earlier epoch had reached, and says so rather than the highest step
     step = max(now or [s + 1 for s, _ in history] or [0])
-    if state.state == "done":
-        try:
-            step = max(step, JobSpec.decode(spec_kv.value).steps)
-        except JobSpecError:
-            pass
+    try:
+        total = JobSpec.decode(spec_kv.value).steps
+    except JobSpecError:
+        total = None
+    if state.state == "done" and total is not None:   # done means every step was trained
+        step = max(step, total)
     plan = state.plan or {}
     moves = [m for m in state.morphs if not m.restart]   # a restart of the same plan is not a morph
     last = moves[-1] if moves else None
@@ -195,7 +196,9 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
     if state.state == "queued" and reason == "submitted":
         reason = next((j["reason"] for j in await _jobs(store, keys) if j["job"] == job), reason)
     return {
-        "job": job, "state": state.state, "reason": reason, "step": step, "epoch": state.epoch,
+        # `step`: steps done, which is the index (model.iteration) of the next step to train; the loss
+        # history and the plots are indexed by step, so `loss` is that of step `step - 1`
+        "job": job, "state": state.state, "reason": reason, "step": step, "steps": total, "epoch": state.epoch,
         "plan": {"P": plan.get("P"), "D": plan.get("D"), "micro_batch_size": plan.get("micro_batch_size"),
                  "schedule": plan.get("schedule"), "members": plan.get("members", []),
                  "estimated_s": plan.get("estimated_s"), "calibrated": plan.get("calibrated"),
@@ -310,7 +313,8 @@ def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
         f"job       {doc['job']}: {doc['state']} ({doc['reason']})",
         f"plan      epoch {doc['epoch']}: {shape} on {', '.join(plan['members']) or '-'}",
         *plan_lines(plan),
-        f"step      {doc['step']}" + (f", loss {doc['loss']:.4f}" if doc["loss"] is not None else "")
+        f"step      {doc['step']}" + (f" of {doc['steps']}" if doc.get("steps") else "") + " done"
+        + (f", loss {doc['loss']:.4f} (step {doc['step'] - 1})" if doc["loss"] is not None and doc["step"] else "")
         + (f", {doc['samples_per_s']:.1f} samples/s" if doc["samples_per_s"] else "")
         + (f", busy {100 * doc['busy_fraction']:.0f}%" if doc["busy_fraction"] is not None else "")
         + (f", redoing steps {redo['first']}-{redo['last']} after {redo['cause']}" if redo else ""),
