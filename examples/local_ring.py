@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         ring = local.up(args.daemons, args.dir, ttl=args.ttl, metrics_port=local.free_port_range(args.daemons),
-                        daemon_args=["--progress-interval", "0.5"], timeout=120.0)
+                        daemon_args=["--progress-interval", "0.5"], timeout=120.0,
+                        say=lambda line: print(f"local_ring: {line}", flush=True))
     except ctl.CtlError as exc:
         print(f"local_ring: {exc}", file=sys.stderr)
         return 1

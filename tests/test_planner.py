@@ -203,3 +203,19 @@ def test_plan_validates_itself():
         Plan(**{**good, "assignment": {"a": (0, 0), "b": (0, 0)}})
     with pytest.raises(PlanError, match="increasing cuts"):
         Plan(**{**good, "cuts": (1,)})
+
+
+def test_the_plan_names_its_alternatives_and_what_ruled_out_the_obvious_ones():
+    # 2 GiB of weights and optimizer state per segment, 7.2 GiB usable per slot: no single slot
+    # holds the model, so neither every slot data-parallel (1x4) nor one slot (1x1) can run
+    p = plan(_slots(4, mem=8), 8, [_cal()])
+    assert (p.P, p.D) == (2, 2)
+    assert [r.split(":")[0] for r in p.ruled_out] == ["1x4 (every slot data-parallel)", "1x1 (one slot)"]
+    assert all("memory: one gpu slot cannot hold the whole model" in r for r in p.ruled_out), p.ruled_out
+    alternatives = p.alternatives(3)
+    assert 1 <= len(alternatives) <= 3 and all((c.P, c.D) != (2, 2) or c.micro_batch_size != 1
+                                                for c in alternatives)
+    assert "not: 1x4 (every slot data-parallel): memory" in p.explain()
+    # a global batch that does not split over every slot rules 1xN out by the micro-batch count
+    q = plan(_slots(3), 8, [_cal()])
+    assert any(r.startswith("1x3 (every slot data-parallel): the global batch 8 does not split") for r in q.ruled_out)
