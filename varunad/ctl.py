@@ -287,6 +287,10 @@ async def _jobs(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
     return out
 
 
+def _secs(x: float) -> str:
+    return f"{x:.3f} s" if x >= 0.1 else f"{1000 * x:.2f} ms"
+
+
 def plan_lines(plan: dict[str, Any]) -> list[str]:
     """Why this P x D: its estimate, the next alternatives with theirs, what ruled out the obvious."""
     if not plan.get("P"):
@@ -295,11 +299,11 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     est = plan.get("estimated_s")
     lines = [f"why       {plan['P']}x{plan['D']}, micro-batch {plan['micro_batch_size']}"
              + (f" x {m} per replica" if m else "")
-             + (f": estimated {est:.3f} s per step" if est is not None else "")
+             + (f": estimated {_secs(est)} per step" if est is not None else "")
              + ("" if plan.get("calibrated", True) else " (no measured calibration: data-parallel only)")]
     for alt in plan.get("alternatives") or []:
         lines.append(f"  instead {alt['P']}x{alt['D']}, micro-batch {alt['micro_batch_size']} x {alt['micro_batches']}: "
-                     f"estimated {alt['estimated_s']:.3f} s")
+                     f"estimated {_secs(alt['estimated_s'])}")
     lines += [f"  not     {why}" for why in plan.get("ruled_out") or []]
     return lines
 

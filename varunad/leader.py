@@ -487,8 +487,8 @@ class Leader:
                        for r in rep.of(d.job, snap.plan_epoch).values()), default=0)
         final = _final_checkpoint(state.store or job_store(entry.spec, self.config.store), steps)
         if final or (final is None and reached >= steps):
-            await self._finish(snap, d.job, "done", f"trained all {steps} steps (every worker of epoch "
-                                                    f"{snap.plan_epoch} finished, the last checkpoint is complete)")
+            await self._finish(snap, d.job, "done", f"trained all {steps} steps; the checkpoint of the last one "
+                                                    "is complete")
             return True
         if reached >= steps:
             why = (f"the workers trained all {steps} steps but the checkpoint of step {steps} is not complete "
@@ -633,7 +633,12 @@ class Leader:
             morphs = morphs + (MorphEvent(**stopped, to_shape=doc.shape, to_epoch=epoch, planned_at=planned_at),)
             if not stopped.get("restart"):
                 self.metrics.morphs.inc()
-        await self._put_state(state.but(state="running", reason=reason, epoch=epoch, epochs=state.epochs + (epoch,),
+        # once running again, the state says where the job runs now and why it moved (the morph keeps
+        # the whole sentence)
+        now = reason
+        if info is not None and info.get("cause"):
+            now = f"resumed as {doc.shape} on {', '.join(doc.members)} after {info['cause']}"
+        await self._put_state(state.but(state="running", reason=now, epoch=epoch, epochs=state.epochs + (epoch,),
                                         plan={**describe(doc, epoch), **_report_facts(doc, planned, snap)},
                                         morphs=morphs[-50:], started_at=state.started_at or planned_at,
                                         store=job_store(spec, self.config.store)))
