@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from etcd_server import EtcdServer
-from ring import JOB_SCRIPT, Ring
+from ring import Ring
 
 pytestmark = pytest.mark.slow
 

@@ -302,8 +302,8 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
              + (f": estimated {_secs(est)} per step" if est is not None else "")
              + ("" if plan.get("calibrated", True) else " (no measured calibration: data-parallel only)")]
     for alt in plan.get("alternatives") or []:
-        lines.append(f"  instead {alt['P']}x{alt['D']}, micro-batch {alt['micro_batch_size']} x {alt['micro_batches']}: "
-                     f"estimated {_secs(alt['estimated_s'])}")
+        lines.append(f"  instead {alt['P']}x{alt['D']}, micro-batch {alt['micro_batch_size']} x "
+                     f"{alt['micro_batches']}: estimated {_secs(alt['estimated_s'])}")
     lines += [f"  not     {why}" for why in plan.get("ruled_out") or []]
     return lines
 

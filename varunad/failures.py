@@ -25,7 +25,8 @@ DETERMINISTIC = ("ConfigError", "PartitionError", "SyntaxError", "IndentationErr
                  "ImportError", "JobSpecError", "BundleError")
 _TRANSIENT = re.compile(
     r"closed by peer|connection (reset|refused|closed)|broken pipe|timed? ?out|timeout|host unreachable|"
-    r"no route to host|did not reach a first step|ZMQError|WorkerError|got no \w+ for micro-batch|gloo|NCCL|ECONNRESET|EPIPE", re.IGNORECASE)
+    r"no route to host|did not reach a first step|ZMQError|WorkerError|got no \w+ for micro-batch|gloo|NCCL|"
+    r"ECONNRESET|EPIPE", re.IGNORECASE)
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 _EXC_NAME = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception))\b")
 

@@ -130,7 +130,8 @@ def _resumed(shown: Shown, doc: dict[str, Any], wall: float) -> tuple[Shown, lis
     steps = (doc.get("epochs") or {}).get(str(shown.resume_epoch)) if shown.resume_epoch else None
     if not steps:
         return shown, []
-    line = f"resumed at step {steps[0]} in epoch {shown.resume_epoch}{_stall(doc, shown.resume_epoch, wall - shown.resume_noticed)}\n"
+    stall = _stall(doc, shown.resume_epoch, wall - shown.resume_noticed)
+    line = f"resumed at step {steps[0]} in epoch {shown.resume_epoch}{stall}\n"
     return replace(shown, resume_epoch=0), [line]
 
 
