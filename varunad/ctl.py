@@ -24,7 +24,7 @@ from varunad.jobs import BundleError, JobSpec, JobSpecError, JobState, bundle_di
 from varunad.records import Progress, decode_history, epoch_ranges, merge_history, merge_spans
 from varunad.store import EtcdStore, Store, StoreError
 
-__all__ = ["CtlError", "run", "build_spec", "submit", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
+__all__ = ["CtlError", "run", "check_bundle", "build_spec", "submit", "plan_lines", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
            "print_job", "print_fleet", "dumps"]
 
 
