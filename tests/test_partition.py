@@ -10,7 +10,7 @@ from trainer.errors import ConfigError, PartitionError
 from trainer.layout import build_layout
 from trainer.models.cnn import CNN, CNNConfig
 from trainer.models.gpt import GPT, GPTConfig
-from trainer.partition import ACTIVATION, balance, dry_run, slice_stages, trace_model
+from trainer.partition import ACTIVATION, balance, capture_model, dry_run, slice_stages
 
 
 def gpt_batch(cfg, n=3, seed=0):
@@ -35,14 +35,15 @@ def test_slices_compute_the_whole_model(cuts):
     model = GPT(cfg, seed=0)
     batch = gpt_batch(cfg)
     expected = model(**batch)
-    slices = slice_stages(trace_model(model), cuts)
+    slices = slice_stages(capture_model(model, batch), cuts)
     assert len(slices) == len(cuts) + 1
     torch.testing.assert_close(run_slices(slices, batch), expected)
 
 
 def test_stages_own_disjoint_layers_and_share_the_tied_embedding():
-    model = GPT(GPTConfig.preset("tiny"), seed=0)
-    traced = trace_model(model)
+    cfg = GPTConfig.preset("tiny")
+    model = GPT(cfg, seed=0)
+    traced = capture_model(model, gpt_batch(cfg))
     slices = slice_stages(traced, [1, 3])
     owned = [set(s.owned) for s in slices]
     assert "wte.weight" in owned[0] and "wte.weight" in owned[-1]
@@ -57,8 +58,9 @@ def test_stages_own_disjoint_layers_and_share_the_tied_embedding():
 
 def test_a_cut_plan_does_not_change_layer_files():
     """Checkpoint files are named by layer, so every plan writes the same names."""
-    model = GPT(GPTConfig.preset("tiny"), seed=0)
-    traced = trace_model(model)
+    cfg = GPTConfig.preset("tiny")
+    model = GPT(cfg, seed=0)
+    traced = capture_model(model, gpt_batch(cfg))
     files = [build_layout(traced, slice_stages(traced, cuts)).files for cuts in ([], [1], [0, 2])]
     assert files[0] == files[1] == files[2]
     assert len(set(files[0].values())) == len(traced.markers) + 1   # one file per layer
@@ -67,11 +69,11 @@ def test_a_cut_plan_does_not_change_layer_files():
 def test_model_without_cutpoints_is_cut_between_sequential_blocks():
     cfg = CNNConfig.preset("tiny")
     model = CNN(cfg)
-    traced = trace_model(model)
-    assert traced.auto and traced.marker_names
-    assert all(name.endswith(":out") for name in traced.marker_names)
     batch = {"images": torch.randn(2, cfg.in_channels, cfg.image_size, cfg.image_size),
              "labels": torch.tensor([0, 1])}
+    traced = capture_model(model, batch)
+    assert traced.auto and traced.marker_names
+    assert all(name.endswith(":out") for name in traced.marker_names)
     slices = slice_stages(traced, [0])
     torch.testing.assert_close(run_slices(slices, batch), model(**batch))
 
@@ -92,9 +94,12 @@ def test_too_many_stages_says_how_many_are_possible():
 
 def test_dry_run_times_every_segment():
     cfg = GPTConfig.preset("tiny")
-    traced = trace_model(GPT(cfg, seed=0))
+    traced = capture_model(GPT(cfg, seed=0), gpt_batch(cfg))
     costs = dry_run(traced, gpt_batch(cfg), repeats=1)
     assert len(costs) == len(traced.markers) + 1 and all(c > 0 for c in costs)
+
+
+X = {"x": torch.randn(3, 4)}
 
 
 class _Twice(nn.Module):
@@ -139,27 +144,32 @@ class _DataDependent(nn.Module):
 
 def test_cutpoint_called_twice_is_refused():
     with pytest.raises(PartitionError, match="called twice"):
-        trace_model(_Twice())
+        capture_model(_Twice(), X)
 
 
 def test_skip_connection_across_a_cut_is_refused():
     with pytest.raises(PartitionError, match="skip connection"):
-        slice_stages(trace_model(_Skip()), [0])
+        slice_stages(capture_model(_Skip(), X), [0])
 
 
 def test_cutpoint_input_must_be_batch_first():
     with pytest.raises(PartitionError, match="first dimension is the batch"):
-        dry_run(trace_model(_NotBatchFirst()), {"x": torch.randn(3, 4)}, repeats=1)
+        dry_run(capture_model(_NotBatchFirst(), X), X, repeats=1)
 
 
 def test_untraceable_model_says_why():
-    with pytest.raises(PartitionError, match="cannot trace"):
-        trace_model(_DataDependent())
+    with pytest.raises(PartitionError, match="cannot capture") as err:
+        capture_model(_DataDependent(), X)
+    message = str(err.value)
+    assert "control flow depends on a tensor's value" in message
+    assert "test_partition.py" in message and "if y.sum() > 0" in message   # where, in the user's code
+    assert "torch.where" in message                                       # what to change
 
 
 def test_unknown_shared_weight_name_is_refused():
-    model = GPT(GPTConfig.preset("tiny"), seed=0)
-    traced = trace_model(model)
+    cfg = GPTConfig.preset("tiny")
+    model = GPT(cfg, seed=0)
+    traced = capture_model(model, gpt_batch(cfg))
     aliases = {n: n for n, _ in model.named_parameters(remove_duplicate=False)}
     with pytest.raises(ConfigError, match="lm_head.wieght"):
         build_layout(traced, slice_stages(traced, [1]), [("wte.weight", "lm_head.wieght")], aliases)
@@ -175,7 +185,7 @@ def test_distinct_parameters_named_in_shared_weights_are_tied():
             return F.cross_entropy(self.out(self.cut(self.emb(ids))), targets)
 
     model = TwoEmbeddings()
-    traced = trace_model(model)
+    traced = capture_model(model, {"ids": torch.tensor([1, 2]), "targets": torch.tensor([2, 3])})
     aliases = {n: n for n, _ in model.named_parameters()}
     layout = build_layout(traced, slice_stages(traced, [0]), [("emb.weight", "out.weight")], aliases)
     assert layout.tied == (("emb.weight", "out.weight"),)

@@ -1,6 +1,6 @@
 """Which stage owns which tensor, and which checkpoint file each tensor lives in.
 
-A tensor's *layer* is the cut-point segment where the traced graph first uses it: a property
+A tensor's *layer* is the cut-point segment where the captured graph first uses it: a property
 of the model, not of the plan. Checkpoint files are named by layer and hold tensors by their
 names in the user's model, so a checkpoint written by any P x D loads into any other
 (DESIGN idea 2).
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trainer.cutpoint import cut_marker
+from trainer.cutpoint import is_marker
 from trainer.errors import ConfigError
 from trainer.partition import StageSlice, TracedModel, _tensors_used
 
@@ -42,13 +42,15 @@ def build_layout(traced: TracedModel, slices: Sequence[StageSlice],
             name = traced.canonical.get(id(t))
             if name is not None:
                 layer.setdefault(name, seg)
-        if node.op == "call_function" and node.target is cut_marker:
+        if is_marker(node):
             seg += 1
     owners: dict[str, list[int]] = {}
     for sl in slices:
         for name in (*sl.owned, *sl.owned_buffers):
             owners.setdefault(name, []).append(sl.stage)
-    tied = _tied_sets(owners, shared_weights, aliases or {})
+    params = {n for sl in slices for n in sl.owned}
+    # Buffers several stages read (rotary frequencies) are copies, not weights to keep equal.
+    tied = _tied_sets({n: s for n, s in owners.items() if n in params}, shared_weights, aliases or {})
     # One writer per file: tensors of one layer written by different stages get split files.
     writers: dict[int, set[int]] = {}
     for name, stages in owners.items():

@@ -1,17 +1,20 @@
-"""Slicing a whole model into per-stage modules.
+"""Slicing a whole captured model into per-stage modules.
 
-The model is traced once with torch.fx, CutPoints becoming `cut_marker` nodes (for a model
-without CutPoints, one marker after each block of its largest nn.Sequential/nn.ModuleList).
-Choosing P-1 active markers splits the graph: stage b's module is the backward slice of the
-graph from its output (the input of active marker b+1, or the loss) that stops at active marker
-b, which becomes the `varuna_activation` input. So a stage never sees other stages' modules,
-user code never handles `None`, and a value that would have to cross a cut point other than
-through a CutPoint is found and named at partition time, not as a hang at run time.
+The model is captured once (`trainer.capture.capture_model`, torch.export), CutPoints becoming
+`varuna::cut` marker nodes (for a model without CutPoints, one marker after each block of its
+largest nn.Sequential/nn.ModuleList). Choosing P-1 active markers splits the graph: stage b's
+module is the backward slice of the graph from its output (the input of active marker b+1, or
+the loss) that stops at active marker b, which becomes the `varuna_activation` input. So a
+stage never sees other stages' parameters, user code never handles `None`, and a value that
+would have to cross a cut point other than through a CutPoint is found and named at partition
+time, not as a hang at run time.
 
-Nodes that depend only on the batch inputs and on parameters (a tied embedding's weight read
-again by the output head, position ids) may land in several stages: they are recomputed where
-needed, and any parameter used by several stages is reported as shared, so its gradients are
-summed across the stages that own it.
+Nodes that depend only on the batch inputs or only on parameters (an attention mask, position
+ids, a tied embedding's weight read again by the output head) may land in several stages: they
+are recomputed where needed, and any parameter used by several stages is reported as shared,
+so its gradients are summed across the stages that own it. A node that combines parameters
+with the batch is computed by one stage only. A buffer update (BatchNorm's running
+statistics) runs in the stage of the layer that computes it.
 """
 
 from __future__ import annotations
@@ -23,107 +26,21 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from trainer.cutpoint import CutPoint, cut_marker
+from trainer.capture import TracedModel, capture_model
+from trainer.cutpoint import is_marker, marker_name
 from trainer.errors import ConfigError, PartitionError
 
-__all__ = ["TracedModel", "StageSlice", "trace_model", "dry_run", "balance", "slice_stages"]
+__all__ = ["TracedModel", "StageSlice", "capture_model", "dry_run", "balance", "slice_stages", "ACTIVATION"]
 
 ACTIVATION = "varuna_activation"
 
 
-class _Tracer(fx.Tracer):
-    def __init__(self, auto_blocks: frozenset[str]) -> None:
-        super().__init__()
-        self._auto_blocks = auto_blocks
-        self._seen: set[str] = set()
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, CutPoint) or super().is_leaf_module(m, qualname)
-
-    def call_module(self, m, forward, args, kwargs):
-        qualname = self.path_of_module(m)
-        if isinstance(m, CutPoint):
-            if qualname in self._seen:
-                raise PartitionError(
-                    f"CutPoint '{qualname}' is called twice in one forward",
-                    hint="give every boundary its own CutPoint instance",
-                )
-            self._seen.add(qualname)
-            if len(args) != 1 or kwargs:
-                raise PartitionError(f"CutPoint '{qualname}' takes exactly one tensor")
-            return self.create_proxy("call_function", cut_marker, args, {"name": qualname})
-        out = super().call_module(m, forward, args, kwargs)
-        if qualname in self._auto_blocks:
-            out = self.create_proxy("call_function", cut_marker, (out,), {"name": f"{qualname}:out"})
-        return out
-
-
-def _auto_blocks(model: nn.Module) -> frozenset[str]:
-    """Boundaries between the blocks of the model's largest Sequential/ModuleList."""
-    best, best_key = None, (1, 0)
-    for name, mod in model.named_modules():
-        if isinstance(mod, (nn.Sequential, nn.ModuleList)) and len(mod) >= 2:
-            key = (len(mod), sum(p.numel() for p in mod.parameters()))
-            if key > best_key:
-                best, best_key = name, key
-    if best is None:
-        return frozenset()
-    container = model.get_submodule(best)
-    prefix = f"{best}." if best else ""
-    return frozenset(f"{prefix}{i}" for i in range(len(container) - 1))
-
-
-@dataclass(frozen=True)
-class TracedModel:
-    """The whole model as one graph, with its potential cut points in execution order."""
-
-    graph_module: fx.GraphModule
-    markers: tuple[fx.Node, ...]
-    canonical: dict[int, str]          # id(parameter or buffer) -> its name in the user's model
-    input_names: tuple[str, ...]
-    auto: bool                          # cut points were inferred from a block container
-
-    @property
-    def marker_names(self) -> list[str]:
-        return [m.kwargs["name"] for m in self.markers]
-
-
-def trace_model(model: nn.Module) -> TracedModel:
-    has_cutpoints = any(isinstance(m, CutPoint) for m in model.modules())
-    auto = frozenset() if has_cutpoints else _auto_blocks(model)
-    tracer = _Tracer(auto)
-    try:
-        graph = tracer.trace(model)
-    except PartitionError:
-        raise
-    except Exception as exc:  # torch.fx raises many kinds for untraceable Python
-        raise PartitionError(
-            f"cannot trace {type(model).__name__} with torch.fx: {exc}",
-            hint="forward must take the batch's tensors as arguments, return the loss, and avoid "
-                 "Python control flow that depends on tensor values",
-        ) from exc
-    gm = fx.GraphModule(tracer.root, graph, class_name=f"Traced{type(model).__name__}")
-    markers = tuple(n for n in gm.graph.nodes if n.op == "call_function" and n.target is cut_marker)
-    canonical: dict[int, str] = {}
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        canonical.setdefault(id(t), name)
-    inputs = tuple(n.target for n in gm.graph.nodes if n.op == "placeholder")
-    return TracedModel(gm, markers, canonical, inputs, bool(auto))
-
-
 def _inputs_by_position(traced: TracedModel, inputs: Mapping[str, object]) -> list[object]:
-    args = []
-    for node in traced.graph_module.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        if node.target in inputs:
-            args.append(inputs[node.target])
-        elif node.args:
-            args.append(node.args[0])
-        else:
-            raise ConfigError(f"the batch has no '{node.target}', which the model's forward needs",
-                              hint=f"get_batch_fn must return a dict with keys {list(traced.input_names)}")
-    return args
+    missing = [n for n in traced.input_names if n not in inputs]
+    if missing:
+        raise ConfigError(f"the batch has no {missing}, which the model's forward needs",
+                          hint=f"get_batch_fn must return a dict with keys {list(traced.input_names)}")
+    return [inputs[n] for n in traced.input_names]
 
 
 class _SegmentTimer(fx.Interpreter):
@@ -137,8 +54,8 @@ class _SegmentTimer(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         out = super().run_node(n)
-        if n.op == "call_function" and n.target is cut_marker:
-            name = n.kwargs["name"]
+        if is_marker(n):
+            name = marker_name(n)
             if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != self.batch:
                 shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise PartitionError(
@@ -154,18 +71,25 @@ class _SegmentTimer(fx.Interpreter):
 @torch.no_grad()
 def dry_run(traced: TracedModel, inputs: Mapping[str, torch.Tensor], *, repeats: int = 3) -> list[float]:
     """Median forward CPU seconds of each segment (len(markers) + 1 of them) on a sample batch.
-    CPU time, not wall time: other processes on a busy machine cannot make a segment look slow."""
+    CPU time, not wall time: other processes on a busy machine cannot make a segment look slow.
+    Buffers the forward updates (BatchNorm statistics) are put back: timing is not training."""
     batch = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim()), None)
     if batch is None:
         raise ConfigError("get_batch_fn returned no batch-first tensor")
     args = _inputs_by_position(traced, inputs)
+    gm = traced.graph_module
+    saved = [(t, t.clone()) for t in gm.buffers()]
     runs = []
-    for _ in range(repeats):
-        timer = _SegmentTimer(traced.graph_module, batch)
-        start = time.process_time()
-        timer.run(*args)
-        stamps = [start, *timer.stamps, time.process_time()]
-        runs.append([b - a for a, b in zip(stamps, stamps[1:])])
+    try:
+        for _ in range(repeats):
+            timer = _SegmentTimer(gm, batch)
+            start = time.process_time()
+            timer.run(*args)
+            stamps = [start, *timer.stamps, time.process_time()]
+            runs.append([b - a for a, b in zip(stamps, stamps[1:])])
+    finally:
+        for t, old in saved:
+            t.copy_(old)
     return [sorted(col)[len(col) // 2] for col in zip(*runs)]
 
 
@@ -220,9 +144,35 @@ def _marker_segment(traced: TracedModel) -> dict[fx.Node, int]:
     seg, out = 0, {}
     for node in traced.graph_module.graph.nodes:
         out[node] = seg
-        if node.op == "call_function" and node.target is cut_marker:
+        if is_marker(node):
             seg += 1
     return out
+
+
+def _mixes_weights_and_batch(traced: TracedModel) -> set[fx.Node]:
+    """Nodes computed from both a trainable parameter and the batch (or an activation): work
+    that must run in one stage only. What depends on one side only is cheap to recompute."""
+    gm = traced.graph_module
+    weights, data = set(), set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            if any(isinstance(t, nn.Parameter) and t.requires_grad for t in _tensors_used(gm, node)):
+                weights.add(node)
+        elif node.op == "placeholder":
+            data.add(node)
+        else:
+            ins = node.all_input_nodes
+            if any(i in weights for i in ins):
+                weights.add(node)
+            if any(i in data for i in ins):
+                data.add(node)
+    return weights & data
+
+
+def _where(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    module = next(reversed(stack.values()))[0] if stack else ""
+    return f"'{node.name}'" + (f" (in module '{module}')" if module else "")
 
 
 def slice_stages(traced: TracedModel, cuts: Sequence[int]) -> list[StageSlice]:
@@ -234,30 +184,36 @@ def slice_stages(traced: TracedModel, cuts: Sequence[int]) -> list[StageSlice]:
     active = [traced.markers[c] for c in cuts]
     graph_out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = graph_out.args[0]
-    if not isinstance(loss, fx.Node):
-        raise PartitionError("forward must return the loss as a single tensor")
     names = dict(zip(traced.markers, traced.marker_names))
     P = len(active) + 1
     ends = [m.args[0] for m in active] + [loss]
+    entries = [None, *active]
     segment_of = _marker_segment(traced)
-    slices, placed = [], {}
+    bounds = [-1, *cuts, len(traced.markers)]
+    stage_of_segment = {s: b for b in range(P) for s in range(bounds[b] + 1, bounds[b + 1] + 1)}
+    needed = [_backward_slice(ends[b], entries[b], set(active), names, b) for b in range(P)]
+    for mut in traced.mutations:   # a buffer update runs in the segment that computes it
+        b = stage_of_segment[segment_of[mut]]
+        needed[b] |= _backward_slice(mut, entries[b], set(active), names, b)
+    once = _mixes_weights_and_batch(traced)
+    placed: dict[fx.Node, int] = {}
+    slices = []
     for b in range(P):
-        entry = active[b - 1] if b else None
-        needed = _backward_slice(ends[b], entry, set(active), names, b)
-        if entry is not None and entry not in needed:
+        entry = entries[b]
+        if entry is not None and entry not in needed[b]:
             raise PartitionError(
                 f"stage {b} does not use the tensor of cut point '{names[entry]}'",
                 hint="active cut points must lie on one path from the inputs to the loss",
             )
-        for node in needed:
-            if node.op == "call_module" and node in placed and _tensors_used(gm, node):
+        for node in needed[b]:
+            if node in once and node in placed and node is not entry:
                 raise PartitionError(
-                    f"module '{node.target}' would run in stages {placed[node]} and {b}: its output is "
+                    f"{_where(node)} would be computed in stages {placed[node]} and {b}: its output is "
                     "used after a cut point without passing through it (a skip connection across the cut?)",
                     hint="move the CutPoint so that one tensor carries everything the next layers need",
                 )
             placed.setdefault(node, b)
-        slices.append(_build_slice(traced, b, needed, entry, ends[b], segment_of, cuts))
+        slices.append(_build_slice(traced, b, needed[b], entry, ends[b], bounds))
     return slices
 
 
@@ -280,19 +236,20 @@ def _backward_slice(end, entry, active: set, names: dict, stage: int) -> set:
     return needed
 
 
-def _build_slice(traced, b, needed, entry, end, segment_of, cuts) -> StageSlice:
+def _build_slice(traced, b, needed, entry, end, bounds) -> StageSlice:
     gm = traced.graph_module
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     if entry is not None:
         env[entry] = graph.placeholder(ACTIVATION)
+        env[entry].meta = dict(entry.meta)
     inputs, owned, owned_buffers = [], {}, {}
     for node in gm.graph.nodes:
         if node not in needed or node in env:
             continue
         if node.op == "placeholder":
             inputs.append(node.target)
-        if node.op == "call_function" and node.target is cut_marker:
+        if is_marker(node):
             env[node] = env[node.args[0]]   # an inactive cut point is the identity
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
@@ -303,18 +260,15 @@ def _build_slice(traced, b, needed, entry, end, segment_of, cuts) -> StageSlice:
             (owned if isinstance(t, nn.Parameter) else owned_buffers)[name] = True
     graph.output(env[end])
     module = fx.GraphModule(gm, graph, class_name=f"Stage{b}")
-    bounds = [-1, *cuts, len(traced.markers)]
     segments = tuple(range(bounds[b] + 1, bounds[b + 1] + 1))
     return StageSlice(b, module, tuple(inputs), entry is not None, tuple(owned), tuple(owned_buffers), segments)
 
 
 def _tensors_used(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
-    if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
-        return [*mod.parameters(), *mod.buffers()]
-    if node.op == "get_attr":
-        obj = gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part)
-        return [obj] if isinstance(obj, torch.Tensor) else []
-    return []
+    """The parameter, buffer or constant a get_attr node reads (nothing for other nodes)."""
+    if node.op != "get_attr":
+        return []
+    obj = gm
+    for part in node.target.split("."):
+        obj = getattr(obj, part)
+    return [obj] if isinstance(obj, torch.Tensor) else []

@@ -7,7 +7,7 @@ A script written for Varuna ports with an import change:
     while model.iteration < steps:
         loss, overflow = model.step(shard_for(model.iteration))
 
-Each worker traces the whole model, keeps only its stage (the rest of the parameters are
+Each worker captures the whole model (torch.export), keeps only its stage (the rest of the parameters are
 freed), and runs the schedule's action list for its stage every step. Gradients are summed
 over replicas (the loss is normalised by the global batch), so every P x D computes the same
 update as a single process would (DESIGN idea 3).
@@ -40,8 +40,8 @@ from trainer.errors import CheckpointError, ConfigError
 from trainer.executor import StageExecutor
 from trainer.layout import Layout, build_layout
 from trainer.netaddr import bound_gloo_backend, nccl_environment
+from trainer.partition import balance, capture_model, dry_run, slice_stages
 from trainer.rendezvous import RendezvousStore, parse_url
-from trainer.partition import balance, dry_run, slice_stages, trace_model
 from trainer.precision import LossScaler, Precision
 from trainer.schedule import SCHEDULES, Action, Kind, build_table
 from trainer.trace import NullRecorder, recorder_for
@@ -87,7 +87,7 @@ class Varuna:
         self._init_distributed()
         atexit.register(self.close)
 
-        traced = trace_model(model)
+        traced = capture_model(model, get_batch_fn(self.micro_batch_size, _device_of(model)))
         cuts = self._agree_on_cuts(traced, get_batch_fn)
         slices = slice_stages(traced, cuts)
         aliases = _aliases(model, traced.canonical)
@@ -531,6 +531,12 @@ def _device(a: Assignment, local_rank: int, device: int | str) -> torch.device:
     if local_rank >= 0 and torch.cuda.is_available():
         return torch.device(f"cuda:{local_rank}")
     return torch.device("cpu")
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """Where the model's tensors are, so that the capture's sample batch is there too."""
+    t = next(iter(model.parameters()), None)
+    return t.device if t is not None else torch.device("cpu")
 
 
 def _aliases(model: nn.Module, canonical: Mapping[int, str]) -> dict[str, str]:
