@@ -11,7 +11,7 @@ import torch
 from trainer.calibration import Calibration, CalibrationError, LinkCost
 from trainer.data import TextDataset
 from trainer.models.gpt import GPT, GPTConfig
-from trainer.partition import trace_model
+from trainer.partition import capture_model
 from trainer.profiler import Profiler, fit_affine, measure_segments, model_fingerprint, segment_slices
 
 SIZES = [1, 2]
@@ -167,18 +167,21 @@ def test_network_override_skips_measurement(tmp_path):
 
 
 def test_fingerprint_depends_on_structure_not_values():
-    a, _ = _tiny()
+    a, data = _tiny()
     same = GPT(GPTConfig.preset("tiny"), seed=7)
-    assert model_fingerprint(a) == model_fingerprint(same)
+    sample = data.sample_batch(2)
+    assert model_fingerprint(a, sample=sample) == model_fingerprint(same, sample=sample)
     others = [GPT(GPTConfig.preset("tiny", n_layer=3)), GPT(GPTConfig.preset("tiny", n_embd=64)),
               GPT(GPTConfig.preset("tiny", dropout=0.1))]
-    prints = {model_fingerprint(a), *(model_fingerprint(m) for m in others), model_fingerprint(a, precision="fp16")}
+    traced = capture_model(a, sample)
+    prints = {model_fingerprint(a, traced=traced), *(model_fingerprint(m, sample=sample) for m in others),
+              model_fingerprint(a, traced=traced, precision="fp16")}
     assert len(prints) == 5
 
 
 def test_measure_segments_standalone():
     model, data = _tiny(n_layer=2)
-    slices = segment_slices(trace_model(model))
+    slices = segment_slices(capture_model(model, data.sample_batch(2)))
     got = measure_segments(slices, data.sample_batch(2), segments=[1], repeats=1, warmup=0)
     assert list(got) == [1]
     assert got[1].activation_bytes == 2 * 32 * 48 * 4 and got[1].backward_s > 0

@@ -43,8 +43,8 @@ cores of a VM are not equally fast and lock-step replicas or a pipeline's bottle
 the slowest) and names the device kind 'cpu-<n>slots'.
 
 The result depends on neither P nor D. It is keyed by (model fingerprint, device kind): the
-fingerprint hashes the parameter and buffer names, shapes and dtypes, the traced graph's op
-sequence (with each module's type and settings), the cut points and the precision, never the
+fingerprint hashes the parameter and buffer names, shapes and dtypes, the captured graph's op
+sequence (with constant arguments), the cut points and the precision, never the
 weights' values. It is saved as `<out_folder>/calibration-<fingerprint>-<device kind>.json`;
 `from_cache=True` returns a saved calibration of the same key that covers the sizes asked for,
 and `add_to_existing=True` measures only what a saved one lacks and merges the two.
@@ -92,7 +92,7 @@ from trainer.calibration import (
 )
 from trainer.errors import ConfigError, VarunaError
 from trainer.launch import free_ports
-from trainer.partition import ACTIVATION, StageSlice, TracedModel, slice_stages, trace_model
+from trainer.partition import ACTIVATION, StageSlice, TracedModel, capture_model, slice_stages
 from trainer.precision import Precision, autocast
 
 __all__ = [
@@ -125,21 +125,24 @@ class ProfilerError(VarunaError, RuntimeError):
 
 # -- identity ----------------------------------------------------------------------------------------
 
-def _target_name(node: fx.Node, gm: fx.GraphModule) -> str:
-    if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
-        return f"{node.target}:{type(mod).__qualname__}({mod.extra_repr()})"
-    if node.op == "call_function":
-        fn = node.target
-        return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
-    return str(node.target)
+def _target_name(node: fx.Node) -> str:
+    fn = node.target
+    if node.op == "call_function" and hasattr(fn, "__qualname__") and not isinstance(fn, torch._ops.OperatorBase):
+        return f"{getattr(fn, '__module__', '')}.{fn.__qualname__}"   # operator.getitem and the like
+    return str(fn)   # aten ops print as 'aten.linear.default'; no address in either
 
 
-def model_fingerprint(model: nn.Module, *, traced: TracedModel | None = None, precision: str = "fp32") -> str:
+def model_fingerprint(model: nn.Module, *, traced: TracedModel | None = None,
+                      sample: Mapping[str, torch.Tensor] | None = None, precision: str = "fp32") -> str:
     """A stable hex digest of what decides the model's costs: the names, shapes and dtypes of its
-    parameters and buffers, its traced graph's op sequence (module types and settings, functions,
-    methods, constant arguments), its cut points and the precision. Weights' values do not count."""
-    traced = traced or trace_model(model)
+    parameters and buffers, its captured graph's op sequence (aten ops with their constant
+    arguments, so layer settings such as a dropout rate count), its cut points and the
+    precision. Weights' values do not count. Give the captured model, or a sample batch to
+    capture it with."""
+    if traced is None:
+        if sample is None:
+            raise ConfigError("model_fingerprint needs the captured model or a sample batch to capture it with")
+        traced = capture_model(model, sample)
     h = hashlib.sha256()
     h.update(f"precision={precision}\n".encode())
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
@@ -147,9 +150,14 @@ def model_fingerprint(model: nn.Module, *, traced: TracedModel | None = None, pr
     gm = traced.graph_module
     for node in gm.graph.nodes:
         consts = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, (int, float, str, bool, type(None)))]
-        h.update(f"{node.op}|{_target_name(node, gm)}|{consts}\n".encode())
+        h.update(f"{node.op}|{_target_name(node)}|{consts}\n".encode())
     h.update(("markers=" + ",".join(traced.marker_names)).encode())
     return h.hexdigest()[:32]
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    t = next(iter(model.parameters()), None)
+    return t.device if t is not None else torch.device("cpu")
 
 
 def device_kind_of(device: torch.device, slots: int = 1) -> str:
@@ -834,7 +842,7 @@ class Profiler:
             self._links["inter"] = inter_link
         if inter_allreduce is not None:
             self._allreduce["inter"] = inter_allreduce
-        self.traced = trace_model(model)
+        self.traced = capture_model(model, get_batch_fn(2, _device_of(model)))
         self.fingerprint = model_fingerprint(model, traced=self.traced, precision=self.precision)
         self.device_kind = device_kind or device_kind_of(self.device, self.slots)
         self.n_segments = len(self.traced.markers) + 1

@@ -1,0 +1,151 @@
+"""Models nobody here wrote (Hugging Face transformers, random init from tiny configs, no
+network) and hand-written GPT code as users write it, with the plain single-process PyTorch
+loop every P x D run of them must reproduce."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer import CutPoint
+
+STEPS, BATCH, CHUNK = 5, 8, 2
+VOCAB, SEQ = 64, 16
+HF = ("llama", "gpt2", "bert", "resnet")
+GPT = ("gpt_tied", "gpt_shared")
+SHARED = {"gpt_shared": [("wte.weight", "lm_head.weight")]}
+
+
+class LossOf(nn.Module):
+    """What a user writes around a Hugging Face model: forward(batch) -> loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+class ImageLossOf(LossOf):
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixel_values, labels=labels).loss
+
+
+class Block(nn.Module):
+    """GPT block as most GPT code writes it: the mask from the input's shape."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        t = x.size(1)
+        mask = torch.tril(torch.ones(t, t, device=x.device)).view(1, 1, t, t)
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (z.view(B, T, self.heads, C // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (C // self.heads) ** 0.5)
+        att = F.softmax(att.masked_fill(mask == 0, float("-inf")), dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class HandGPT(nn.Module):
+    """Position ids from the input's shape, CutPoints between blocks, and a head tied to the
+    embedding either as one Parameter (`tie="same"`) or as two named in shared_weights."""
+
+    def __init__(self, tie: str, d: int = 32, layers: int = 4, heads: int = 4) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, d), nn.Embedding(SEQ, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(layers - 1))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        if tie == "same":
+            self.lm_head.weight = self.wte.weight
+        else:
+            with torch.no_grad():
+                self.lm_head.weight.copy_(self.wte.weight)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=input_ids.device).unsqueeze(0)
+        x = self.wte(input_ids) + self.wpe(pos)
+        for i, block in enumerate(self.blocks):
+            x = block(self.cuts[i - 1](x) if i else x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(b * t, -1), labels.view(-1))
+
+
+def build(name: str) -> nn.Module:
+    import transformers as tf
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    ids = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "llama":
+        return LossOf(tf.LlamaForCausalLM(tf.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False, **ids)))
+    if name == "gpt2":
+        return LossOf(tf.GPT2LMHeadModel(tf.GPT2Config(
+            n_embd=32, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, **ids)))
+    if name == "bert":
+        return LossOf(tf.BertForMaskedLM(tf.BertConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, pad_token_id=0)))
+    if name == "resnet":
+        return ImageLossOf(tf.ResNetForImageClassification(tf.ResNetConfig(
+            num_channels=3, embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1], num_labels=5)))
+    if name in GPT:
+        return HandGPT("same" if name == "gpt_tied" else "two")
+    raise ValueError(name)
+
+
+def global_batch(name: str, step: int, size: int = BATCH) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 7)
+    if name == "resnet":
+        return {"pixel_values": torch.randn(size, 3, 16, 16, generator=g),
+                "labels": torch.randint(0, 5, (size,), generator=g)}
+    x = torch.randint(1, VOCAB, (size, SEQ), generator=g)
+    # labels everywhere (no -100): every micro-batch's mean is over the same number of tokens
+    return {"input_ids": x, "labels": torch.roll(x, -1, 1) if name in GPT else x}
+
+
+def sample_batch_fn(name: str):
+    def get_batch_fn(size, device):
+        return {k: v.to(device) for k, v in global_batch(name, 99, size).items()}
+    return get_batch_fn
+
+
+def optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def reference(name: str, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The plain loop: micro-batches of CHUNK consecutive examples (BatchNorm sees what each
+    stage sees), gradients accumulated, one optimizer step per global batch."""
+    model = build(name)
+    model.train()
+    opt = optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        batch, total = global_batch(name, step), 0.0
+        for start in range(0, BATCH, CHUNK):
+            loss = model(**{k: v[start:start + CHUNK] for k, v in batch.items()}) * (CHUNK / BATCH)
+            loss.backward()
+            total += loss.item()
+        if name == "gpt_shared":   # what shared_weights means: the two copies are one weight
+            grad = model.wte.weight.grad + model.lm_head.weight.grad
+            model.wte.weight.grad, model.lm_head.weight.grad = grad, grad.clone()
+        opt.step()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
