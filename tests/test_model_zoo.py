@@ -44,7 +44,12 @@ def params(out: Path, tag: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: zoo.reference(name) for name in (*zoo.HF, *zoo.GPT)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # tiny models: spinning thread pools only slow a busy machine down
+    try:
+        return {name: zoo.reference(name) for name in (*zoo.HF, *zoo.GPT)}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _specs(stages: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""Reference models: shapes, tying, determinism, FX-traceability, micro-batch invariance, learning."""
+"""Reference models: shapes, tying, determinism, capture with torch.export, micro-batch invariance, learning."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-import torch.fx
 
+from trainer.capture import capture_model
 from trainer.cutpoint import CutPoint
 from trainer.data import GlobalBatches, ImageDataset, TextDataset
 from trainer.errors import ConfigError
@@ -27,13 +27,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-class _CutPointLeafTracer(torch.fx.Tracer):
-    """What the partitioner does: CutPoints stay visible as call_module nodes."""
-
-    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return isinstance(m, CutPoint) or super().is_leaf_module(m, qualname)
 
 
 def _tokens(cfg: GPTConfig, n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -102,16 +95,13 @@ def test_attention_is_causal():
     assert not torch.allclose(before[:, -1], after[:, -1])
 
 
-def test_fx_trace_keeps_one_cut_point_per_layer_and_matches_eager():
+def test_capture_keeps_one_cut_point_per_layer_and_matches_eager():
     model = GPT(TINY)
-    graph = _CutPointLeafTracer().trace(model)
-    traced = torch.fx.GraphModule(model, graph)
-    placeholders = [n.target for n in graph.nodes if n.op == "placeholder"]
-    cut_nodes = [n.target for n in graph.nodes if n.op == "call_module" and n.target.startswith("cuts.")]
-    assert placeholders == ["input_ids", "targets"]
-    assert cut_nodes == [f"cuts.{i}" for i in range(TINY.n_layer)]
     batch = _tokens(TINY, 3)
-    assert torch.equal(traced(**batch), model(**batch))
+    traced = capture_model(model, batch)
+    assert traced.input_names == ("input_ids", "targets")
+    assert traced.marker_names == [f"cuts.{i}" for i in range(TINY.n_layer)]
+    torch.testing.assert_close(traced.graph_module(**batch), model(**batch))
 
 
 def test_dropout_masks_replay_from_the_rng_state():
@@ -178,13 +168,13 @@ def test_cnn_has_a_sequential_body_and_no_cut_points():
         assert model.body(images).shape == (3, cfg.num_classes)
 
 
-def test_cnn_traces_with_fx_and_matches_eager():
+def test_cnn_captures_and_matches_eager():
     cfg = CNN_PRESETS["tiny"]
     model = CNN(cfg)
-    traced = torch.fx.symbolic_trace(model)
     batch = ImageDataset(8, channels=cfg.in_channels, image_size=cfg.image_size).batch(range(8))
-    assert [n.target for n in traced.graph.nodes if n.op == "placeholder"] == ["images", "labels"]
-    assert torch.equal(traced(**batch), model(**batch))
+    traced = capture_model(model, batch)
+    assert traced.input_names == ("images", "labels")
+    torch.testing.assert_close(traced.graph_module(**batch), model(**batch))
 
 
 def test_cnn_gradient_does_not_depend_on_micro_batching():

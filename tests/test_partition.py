@@ -189,3 +189,28 @@ def test_distinct_parameters_named_in_shared_weights_are_tied():
     aliases = {n: n for n, _ in model.named_parameters()}
     layout = build_layout(traced, slice_stages(traced, [0]), [("emb.weight", "out.weight")], aliases)
     assert layout.tied == (("emb.weight", "out.weight"),)
+
+
+def test_buffer_updates_run_once_in_the_stage_of_their_layer():
+    """BatchNorm's running statistics (updated inside the op) and num_batches_tracked (an
+    in-place add nothing reads) are kept by the capture and run in the stage that owns them."""
+    body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 2))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = body
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.body(x), y)
+
+    batch = {"x": torch.randn(4, 3, 8, 8), "y": torch.tensor([0, 1, 1, 0])}
+    traced = capture_model(Net(), batch)
+    slices = slice_stages(traced, [1])      # BatchNorm in stage 0, the head in stage 1
+    assert "body.1.num_batches_tracked" in slices[0].owned_buffers
+    assert not slices[1].owned_buffers
+    bn = body[1]
+    expected = bn.running_mean * 0.9 + 0.1 * body[0](batch["x"]).mean((0, 2, 3))
+    run_slices(slices, batch)
+    torch.testing.assert_close(bn.running_mean, expected.detach())
+    assert int(bn.num_batches_tracked) == 1

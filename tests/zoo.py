@@ -112,7 +112,7 @@ def build(name: str) -> nn.Module:
 def global_batch(name: str, step: int, size: int = BATCH) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + 7)
     if name == "resnet":
-        return {"pixel_values": torch.randn(size, 3, 16, 16, generator=g),
+        return {"pixel_values": torch.randn(size, 3, 64, 64, generator=g),
                 "labels": torch.randint(0, 5, (size,), generator=g)}
     x = torch.randint(1, VOCAB, (size, SEQ), generator=g)
     # labels everywhere (no -100): every micro-batch's mean is over the same number of tokens
@@ -126,7 +126,7 @@ def sample_batch_fn(name: str):
 
 
 def optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.SGD(params, lr=0.02, momentum=0.9)
 
 
 def reference(name: str, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
