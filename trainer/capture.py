@@ -151,16 +151,16 @@ def capture_model(model: nn.Module, sample: Mapping[str, object]) -> TracedModel
     finally:
         for h in hooks:
             h.remove()
-    gm, input_names, mutations = _to_graph_module(model, ep, list(inputs))
+    gm, input_names, mutations = _to_graph_module(model, ep)
     markers = tuple(n for n in gm.graph.nodes if is_marker(n))
-    _check_batch_is_dynamic(gm, input_names)
+    _check_batch_is_dynamic(gm)
     canonical: dict[int, str] = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         canonical.setdefault(id(t), name)
     return TracedModel(gm, markers, canonical, input_names, bool(blocks), mutations)
 
 
-def _check_batch_is_dynamic(gm: fx.GraphModule, input_names) -> None:
+def _check_batch_is_dynamic(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
@@ -172,7 +172,7 @@ def _check_batch_is_dynamic(gm: fx.GraphModule, input_names) -> None:
                 hint="derive sizes from the input (x.size(0), reshape(-1, ...)) instead of constants")
 
 
-def _to_graph_module(model: nn.Module, ep, input_names: list[str]):
+def _to_graph_module(model: nn.Module, ep):
     """The exported program as a GraphModule whose parameters and buffers are get_attr nodes
     (at their first use) of the user's own tensors, named by their path in the model."""
     from torch.export.graph_signature import InputKind, OutputKind
