@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import zmq
@@ -45,6 +45,8 @@ from varunad.config import ConfigError, DaemonConfig, build_parser, load_config
 from varunad.election import Election, ElectionState
 from varunad.facts import (DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, gpu_count,
                            is_local_address, version)
+from varunad import schemas
+from varunad.fleet import read_plan
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import BUNDLES, job_dir, prune_jobs
 from varunad.jobs import BundleError, JobSpec, JobSpecError, job_store, model_fingerprint, unpack_bundle
@@ -60,6 +62,8 @@ from varunad.supervisor import Supervisor
 __all__ = ["Daemon", "main"]
 
 log = logging.getLogger("varunad")
+
+_RESTART_MIN, _RESTART_MAX, _RESTART_RESET = 0.5, 30.0, 60.0  # a failed task's back-off, seconds
 
 
 class Daemon:
@@ -83,9 +87,11 @@ class Daemon:
         self._apply_lock = asyncio.Lock()
         self._jobs: dict[str, tuple[JobSpec, Path]] = {}
         self._tasks: list[asyncio.Task] = []
+        self.failures: dict[str, int] = {}  # task name -> restarts after a failure (the daemon's health)
         self._background: set[asyncio.Task] = set()  # held so they are not garbage-collected mid-run
         self.metrics = DaemonMetrics()
         self.metrics.before_scrape = self._refresh_metrics
+        schemas.on_reject(lambda kind: self.metrics.bad_documents.labels(kind=kind).inc())
         self._metrics_server: asyncio.Server | None = None
 
     # -- start -------------------------------------------------------------------------------------------
@@ -161,10 +167,11 @@ class Daemon:
                             ports=self.ports, is_busy=lambda: bool(self.supervisor.alive()),
                             timeout=self.config.retry_timeout,
                             env={k: v for k, v in os.environ.items() if not k.startswith(("VARUNA_", "VARUNAD_"))})
-        self._tasks = [loop.create_task(coro, name=name) for name, coro in (
-            ("election", self.election.run()), ("control-server", self._serve()),
-            ("plan-follower", self._follow_plan()), ("worker-socket", self.supervisor.serve()),
-            ("reports", self.supervisor.report_loop()), ("link-prober", prober.run()),
+        self._tasks = [loop.create_task(self._keep_running(name, run), name=name) for name, run in (
+            ("election", self.election.run), ("control-server", self._serve),
+            ("plan-follower", self._follow_plan), ("worker-socket", self.supervisor.serve),
+            ("reports", self.supervisor.report_loop), ("link-prober", prober.run),
+            ("registration", self.membership.guard_key),
         )]
         notice = loop.create_task(self._notice.wait())
         done, _ = await asyncio.wait({notice, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)
@@ -176,6 +183,30 @@ class Daemon:
                 code = 1
         await self._shutdown()
         return code
+
+    async def _keep_running(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        """Run one of the daemon's tasks for as long as the daemon runs: a task that fails (a bug;
+        bad data is rejected where it is parsed) is logged, counted in varunad_task_restarts and
+        started again after a back-off, instead of ending the daemon and with it the fleet's job."""
+        loop = asyncio.get_running_loop()
+        delay = _RESTART_MIN
+        while True:
+            started = loop.time()
+            try:
+                await run()
+                why = "it returned"
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                why = repr(exc)
+                log.error("%s: task %s failed: %s; restarting it in %.1fs", self.name, name, why, delay,
+                          exc_info=exc)
+            self.failures[name] = self.failures.get(name, 0) + 1
+            self.metrics.task_restarts.labels(task=name).inc()
+            if loop.time() - started > _RESTART_RESET:
+                delay = _RESTART_MIN  # it ran well for a while: this is a new failure, not the same one
+            await asyncio.sleep(delay)
+            delay = min(_RESTART_MAX, delay * 2)
 
     # -- leadership -------------------------------------------------------------------------------------------
 
@@ -240,12 +271,12 @@ class Daemon:
 
     async def _read_plan(self, why: str) -> None:
         try:
-            kv = await self.store.get(self.keys.plan, timeout=self.config.retry_timeout)
+            doc, epoch = await read_plan(self.store, self.keys, timeout=self.config.retry_timeout)
         except StoreError as exc:
             log.warning("%s: cannot read the plan (%s): %s", self.name, why, exc)
             return
-        if kv is not None:
-            await self._apply(kv.value, kv.mod_revision)
+        if doc is not None:
+            await self._apply(doc, epoch)
 
     async def _follow_plan(self) -> None:
         while True:
@@ -258,22 +289,21 @@ class Daemon:
                     if event is None:
                         await self._read_plan("periodic check")  # a silent watch (frozen etcd) is not trusted
                     elif event.kind == "put":
-                        await self._apply(event.value, event.revision)
+                        try:
+                            doc = PlanDoc.decode(event.value)
+                        except ValueError as exc:  # not a leader's: the plan in force stays
+                            schemas.reject("plan", f"{self.keys.plan}@{event.revision}", exc)
+                            continue
+                        await self._apply(doc, event.revision)
             except StoreError as exc:
                 log.debug("%s: plan watch broke (%s); watching again", self.name, exc)
                 await asyncio.sleep(min(1.0, self.config.loop_wait))
             finally:
                 await watch.cancel()
 
-    async def _apply(self, value: bytes, epoch: int) -> None:
+    async def _apply(self, doc: PlanDoc, epoch: int) -> None:
         async with self._apply_lock:
             if epoch <= self.applied_epoch:
-                return
-            try:
-                doc = PlanDoc.decode(value)
-            except ValueError as exc:
-                log.warning("%s: ignoring plan epoch %d: %s", self.name, epoch, exc)
-                self.applied_epoch = epoch
                 return
             self.applied_epoch = epoch
             log.info("%s: plan epoch %d: %s %s (%s)", self.name, epoch, doc.kind, doc.job or "", doc.reason)

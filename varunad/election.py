@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from varunad.keys import Keys
 from varunad.membership import Membership
-from varunad.store import Key, Store, StoreError, Value, Watch
+from varunad.store import Key, KeyValue, Store, StoreError, Value, Watch
 
 __all__ = ["Role", "ElectionState", "Election", "NotLeader"]
 
@@ -87,6 +87,7 @@ class Election:
             raise ValueError(f"loop_wait {self.loop_wait}s must be positive and below the TTL {membership.ttl}s")
         self._on_change = on_change
         self._lease_id: int | None = None  # lease the leader key was created with, while leading
+        self._suspect: tuple[int, int] | None = None  # a leader key whose lease matched no member once
         self._state = ElectionState(
             name=membership.name, role=Role.FOLLOWER, leader=None, term=None, reason="it has not run yet"
         )
@@ -182,12 +183,51 @@ class Election:
             self._lease_id = lease.id
             return self._decide(Role.LEADER, self.name, current.create_revision,
                                 f"I hold the leader key and my lease is certain for {self._time_left():.1f}s")
-        if holder == self.name:
+        if holder == self.name and current.lease != 0:
             return self._decide(Role.FOLLOWER, None, None,
                                 f"the leader key holds my name under an earlier lease {current.lease:x}, "
                                 "which must expire before anyone can lead")
+        bogus = await self._bogus(current, holder, timeout)
+        if bogus is not None:
+            return self._decide(Role.FOLLOWER, None, None, bogus)
         return self._decide(Role.FOLLOWER, holder, current.create_revision,
                             f"{holder} holds the leader key")
+
+    async def _bogus(self, current: KeyValue, holder: str, timeout: float) -> str | None:
+        """Why the leader key is no leader's (and was removed), or None when it may be one.
+
+        A leader key lives on its holder's member lease, so that it vanishes with the holder. A key
+        with no lease (``etcdctl put .../leader x``) never would, and one on a lease that is not
+        the named member's would outlive it: either would leave the fleet leaderless for good. Such
+        a key is deleted (only if unchanged) so that the members contend again. A member whose
+        key is missing for a moment (it is re-registering it) is given one more cycle."""
+        why = None
+        if current.lease == 0:
+            why = "it has no lease, so it would never expire"
+        else:
+            try:
+                member = await self.store.get(self.keys.member(holder), timeout=timeout)
+            except StoreError:
+                return None  # cannot tell now; decide next cycle
+            except ValueError:
+                member = None  # the holder cannot even be a member name
+            if member is None or member.lease != current.lease:
+                suspect = (current.create_revision, current.lease)
+                if self._suspect != suspect:
+                    self._suspect = suspect
+                    return None
+                why = (f"its lease {current.lease:x} is not the lease of a member named {holder!r}, "
+                       "so it would outlive its holder")
+        self._suspect = None
+        if why is None:
+            return None
+        try:
+            removed = await self.store.delete_if(self.keys.leader, value=current.value, timeout=timeout)
+        except StoreError:
+            removed = False
+        log.warning("%s: the leader key (%r) is no leader's: %s; %s", self.name, holder, why,
+                    "deleted it" if removed else "could not delete it yet")
+        return f"the leader key naming {holder!r} is no leader's ({why})"
 
     # -- the loop
 

@@ -10,14 +10,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from varunad import schemas
 from varunad.facts import DaemonMember, parse_member
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobSpecError, JobState
 from varunad.plans import PlanDoc
 from varunad.records import WorkerReport
-from varunad.store import Store
+from varunad.store import Store, StoreError
 
-__all__ = ["JobEntry", "FleetSnapshot", "read_fleet"]
+__all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan"]
+
+# How many older values of the plan key a reader walks back past malformed ones.
+_PLAN_LOOKBACK = 32
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +65,11 @@ async def read_fleet(store: Store, keys: FleetKeys, *, timeout: float) -> FleetS
             if member.name != name:
                 raise ValueError(f"it describes {member.name!r}")
         except ValueError as exc:
-            notes.append(f"ignored member key {kv.key}: {exc}")
+            schemas.reject("member", kv.key, exc)
             continue
         members[name] = (member, kv.lease)
 
-    plan_kv = await store.get(keys.plan, timeout=timeout)
-    plan, epoch = None, 0
-    if plan_kv is not None:
-        epoch = plan_kv.mod_revision
-        try:
-            plan = PlanDoc.decode(plan_kv.value)
-        except ValueError as exc:
-            notes.append(f"ignored the plan at revision {epoch}: {exc}")
+    plan, epoch = await read_plan(store, keys, timeout=timeout)
 
     jobs = []
     for kv in await store.get_prefix(keys.jobs, timeout=timeout):
@@ -91,7 +88,7 @@ async def read_fleet(store: Store, keys: FleetKeys, *, timeout: float) -> FleetS
         try:
             states[keys.state_job(kv.key)] = JobState.decode(kv.value)
         except (ValueError, JobSpecError) as exc:
-            notes.append(f"ignored job state {kv.key}: {exc}")
+            schemas.reject("state", kv.key, exc)
 
     cancels = set()
     for kv in await store.get_prefix(keys.cancels, timeout=timeout):
@@ -106,8 +103,32 @@ async def read_fleet(store: Store, keys: FleetKeys, *, timeout: float) -> FleetS
         try:
             reports[keys.workers_member(kv.key)] = WorkerReport.decode(kv.value)
         except ValueError as exc:
-            notes.append(f"ignored worker report {kv.key}: {exc}")
-    for note in notes:
-        log.warning("%s", note)
+            schemas.reject("report", kv.key, exc)
     return FleetSnapshot(last.revision, members, plan, epoch, tuple(jobs), states, frozenset(cancels), reports,
                          tuple(notes))
+
+
+async def read_plan(store: Store, keys: FleetKeys, *, timeout: float) -> tuple[PlanDoc | None, int]:
+    """The newest plan that parses and its epoch; (None, 0) when there is none.
+
+    A value that does not parse was not written by a leader (leaders write through
+    ``PlanDoc.encode``): it is reported and skipped, and the plan in force stays the one before
+    it, read from etcd's history. So garbage at ``plan`` neither stops the job nor makes the
+    leader re-plan it (which would kill its workers without a checkpoint).
+    """
+    kv = await store.get(keys.plan, timeout=timeout)
+    for _ in range(_PLAN_LOOKBACK):
+        if kv is None:
+            return None, 0
+        try:
+            return PlanDoc.decode(kv.value), kv.mod_revision
+        except ValueError as exc:
+            schemas.reject("plan", f"{keys.plan}@{kv.mod_revision}", exc)
+        if kv.mod_revision <= 1:
+            return None, 0
+        try:
+            kv = await store.get(keys.plan, timeout=timeout, revision=kv.mod_revision - 1)
+        except StoreError as exc:  # compacted away: no plan we can trust
+            log.debug("cannot read the plan before revision %d: %s", kv.mod_revision, exc)
+            return None, 0
+    return None, 0

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from varunad import schemas
+
 __all__ = [
     "JobSpecError",
     "BundleError",
@@ -133,8 +135,11 @@ class JobSpec:
         if job is not None and doc.get("job") != job:
             raise JobSpecError(f"job spec under jobs/{job} names job {doc.get('job')!r}")
         try:
+            schemas.check(cls, doc, "job spec")
             return cls(**doc)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, JobSpecError):
+                raise
             raise JobSpecError(f"job spec is malformed: {exc}") from None
 
 
@@ -242,8 +247,11 @@ class JobState:
     def decode(cls, data: bytes) -> JobState:
         doc = _json_object(data, "job state")
         try:
+            schemas.check(cls, doc, "job state")
             return cls(**doc)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, JobSpecError):
+                raise
             raise JobSpecError(f"job state is malformed: {exc}") from None
 
 

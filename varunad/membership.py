@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 
+from varunad import schemas
 from varunad.keys import Keys, check_component
 from varunad.store import Lease, LeaseExpired, Store, StoreError
 
@@ -82,6 +83,7 @@ class Member:
         if missing:
             raise ValueError(f"member value lacks {sorted(missing)}")
         try:
+            schemas.check(cls, raw, "member value")
             return cls(**{k: v for k, v in raw.items() if k in known})
         except TypeError as exc:
             raise ValueError(f"member value is malformed: {exc}") from exc
@@ -320,6 +322,44 @@ class Membership:
                 # A bug here must not end the heartbeat silently: log it and keep renewing.
                 log.exception("%s: unexpected error while renewing the lease", self.name)
                 delay = self.renew_interval / 2
+
+    # -- guarding the key
+
+    async def guard_key(self) -> None:
+        """Keep ``members/<name>`` holding this member's facts under its lease (a task).
+
+        A put by anyone else (``etcdctl put`` of the same key, a hand edit) replaces the value
+        *and detaches the key from the lease*; a delete removes it while the lease lives on. Either
+        way the fleet would lose this VM for good, since the keepalive only renews the lease. So
+        the key is watched, and checked once per renewal besides, and written again at once."""
+        while True:
+            watch = self.store.watch(self.key)
+            try:
+                await watch.start(timeout=self.renew_interval)
+                await self.restore_key()
+                while True:
+                    await watch.next(timeout=self.renew_interval)
+                    await self.restore_key()
+            except StoreError as exc:
+                log.debug("%s: the watch of my key broke (%s); watching again", self.name, exc)
+                await asyncio.sleep(min(1.0, self.renew_interval))
+            finally:
+                await watch.cancel()
+
+    async def restore_key(self) -> bool:
+        """Write the member key again if it is not this member's value under this lease; True if written."""
+        lease = self._lease
+        if lease is None:
+            return False  # the keepalive registers again when it can
+        kv = await self.store.get(self.key, timeout=self.renew_interval)
+        if kv is not None and kv.lease == lease.id and kv.value == self._member.encode():
+            return False
+        if self._lease is not lease:
+            return False
+        what = "deleted" if kv is None else f"overwritten (lease {kv.lease:x})"
+        log.warning("%s: my member key was %s; registering it again under lease %x", self.name, what, lease.id)
+        await self.store.put(self.key, self._member.encode(), lease=lease, timeout=self.renew_interval)
+        return True
 
     # -- leaving
 

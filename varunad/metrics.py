@@ -60,7 +60,8 @@ CHECKPOINT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 METRIC_NAMES = (
     "varunad_members", "varunad_leader", "varunad_plan_epoch", "varunad_workers", "varunad_job_step",
     "varunad_job_loss", "varunad_samples_per_second", "varunad_stage_busy_fraction", "varunad_morphs_total",
-    "varunad_checkpoint_seconds",
+    "varunad_checkpoint_seconds", "varunad_bad_documents_total", "varunad_task_restarts_total",
+    "varunad_dropped_messages_total",
 )
 """Every documented name, as it appears in the exposition (for tests and docs)."""
 
@@ -94,6 +95,15 @@ class DaemonMetrics:
             "varunad_checkpoint_seconds", "Seconds a local worker's training stood still for its share of a checkpoint",
             ["job"],
             buckets=CHECKPOINT_BUCKETS, registry=r)
+        self.bad_documents = Counter(
+            "varunad_bad_documents", "Values read from etcd that did not parse as their kind and were ignored",
+            ["kind"], registry=r)
+        self.task_restarts = Counter(
+            "varunad_task_restarts", "Times one of the daemon's tasks failed and was restarted (0 when healthy)",
+            ["task"], registry=r)
+        self.dropped_messages = Counter(
+            "varunad_dropped_messages", "Messages on the worker control socket dropped as malformed or not from "
+            "the current epoch's worker of that rank", registry=r)
         self.before_scrape: Callable[[], Awaitable[None]] | None = None
         self._stage_of: dict[int, int] = {}
         self._jobs: set[str] = set()   # jobs whose step, loss and rate are served

@@ -29,6 +29,7 @@ from protocol.messages import Assignment, SlotAssignment
 from trainer.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
 from trainer.planner import Plan, PlanError, Slot, plan as run_planner
 
+from varunad import schemas
 from varunad.facts import DaemonMember
 from varunad.jobs import JobSpec
 
@@ -129,6 +130,7 @@ class PlanDoc:
             doc = json.loads(data)
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")
+            schemas.check(cls, doc, "plan")
             known = {f.name for f in fields(cls)}
             return cls(**{k: v for k, v in doc.items() if k in known})
         except (ValueError, TypeError) as exc:

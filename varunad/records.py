@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from varunad import schemas
+
 __all__ = ["OUTCOMES", "WorkerRecord", "WorkerReport", "Progress", "encode_history", "decode_history",
            "merge_history", "epoch_ranges", "merge_spans", "stall_before"]
 
@@ -36,6 +38,7 @@ def _loads(data: bytes, what: str) -> dict:
 
 
 def _build(cls: type, doc: Mapping[str, Any]) -> Any:
+    schemas.check(cls, doc)
     known = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in doc.items() if k in known})
 

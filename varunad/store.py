@@ -44,6 +44,7 @@ from typing import Any, TypeVar, Union
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import aetcd  # noqa: E402
+import aetcd.client
 import aetcd.exceptions
 import aetcd.rpc
 import aetcd.transactions as _tx
@@ -261,7 +262,8 @@ class Store(abc.ABC):
 
     # Plain reads and writes.
     @abc.abstractmethod
-    async def get(self, key: Key, *, timeout: float | None = None) -> KeyValue | None: ...
+    async def get(self, key: Key, *, timeout: float | None = None, revision: int | None = None) -> KeyValue | None:
+        """The key now, or as it was at ``revision`` (its previous values, until etcd compacts them)."""
 
     @abc.abstractmethod
     async def get_prefix(self, prefix: Key, *, timeout: float | None = None) -> Listing: ...
@@ -508,6 +510,14 @@ class _Client(aetcd.Client):
     def __init__(self, *, credentials: grpc.ChannelCredentials | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._credentials = credentials
+
+    @aetcd.client._handle_errors
+    @aetcd.client._ensure_connected
+    async def get_at(self, key: bytes, revision: int) -> Any:
+        """aetcd's ``get`` at an older revision (aetcd 1.0 has no such argument)."""
+        request = aetcd.rpc.RangeRequest(key=key, revision=revision)
+        response = await self.kvstub.Range(request, timeout=self._timeout, metadata=self.metadata)
+        return response.kvs[0] if response.count >= 1 else None
 
     async def connect(self) -> None:
         if self._credentials is None:
@@ -778,8 +788,12 @@ class EtcdStore(Store):
 
     # -- plain reads and writes
 
-    async def get(self, key: Key, *, timeout: float | None = None) -> KeyValue | None:
-        raw = await self._call(f"get {key!r}", lambda c: c.get(_encode(key)), timeout)
+    async def get(self, key: Key, *, timeout: float | None = None, revision: int | None = None) -> KeyValue | None:
+        if revision is not None:
+            raw = await self._call(f"get {key!r} at revision {revision}", lambda c: c.get_at(_encode(key), revision),
+                                   timeout)
+        else:
+            raw = await self._call(f"get {key!r}", lambda c: c.get(_encode(key)), timeout)
         return None if raw is None else _kv(raw)
 
     async def get_prefix(self, prefix: Key, *, timeout: float | None = None) -> Listing:
