@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 
 import zmq
@@ -17,12 +18,20 @@ import zmq
 from protocol.errors import ProtocolError
 from protocol.messages import CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
 
-__all__ = ["ControlClient", "StopRequested", "STOPPED_EXIT_CODE"]
+__all__ = ["ControlClient", "StopRequested", "STOPPED_EXIT_CODE", "TOKEN_ENV", "control_identity"]
 
 log = logging.getLogger("varuna.control")
 
 # EX_TEMPFAIL: the worker stopped because it was asked to, not because it failed.
 STOPPED_EXIT_CODE = 75
+
+# The secret the daemon drew for this worker (varunad.control_channel): part of its identity on
+# the control socket, so that no other local process can speak for it.
+TOKEN_ENV = "VARUNA_CONTROL_TOKEN"
+
+
+def control_identity(rank: int, token: str = "") -> bytes:
+    return (f"rank-{rank}-{token}" if token else f"rank-{rank}").encode()
 
 
 class StopRequested(SystemExit):
@@ -41,7 +50,7 @@ class ControlClient:
         self._sock = None
         if endpoint:
             self._sock = zmq.Context.instance().socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+            self._sock.setsockopt(zmq.IDENTITY, control_identity(rank, os.environ.get(TOKEN_ENV, "")))
             self._sock.setsockopt(zmq.LINGER, 1000)
             self._sock.connect(endpoint)
         self._install_sigterm()

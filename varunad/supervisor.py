@@ -44,6 +44,7 @@ from trainer.launch import worker_environment as launch_environment
 from trainer.netaddr import numeric_address
 
 from varunad.config import DaemonConfig
+from varunad.control_channel import TOKEN_ENV, ControlChannel, control_identity, new_token
 from varunad.fencing import put_for_epoch
 from varunad.facts import DaemonMember, PortReservation, gpu_count
 from varunad.fleetkeys import FleetKeys
@@ -124,10 +125,12 @@ class _Worker:
     profile_path: str | None = None
     ports: tuple[int, ...] = ()
     log_offset: int = 0
+    token: str = ""  # the secret this worker names itself by on the control socket
+    stop_request: bytes | None = None  # resent until the worker exits (a stop may be lost)
 
     @property
     def identity(self) -> bytes:
-        return f"rank-{self.rank}".encode()
+        return control_identity(self.rank, self.token)
 
     @property
     def alive(self) -> bool:
@@ -167,13 +170,17 @@ class Supervisor:
         # the address every worker's collectives bind: the advertised one (trainer.netaddr)
         self.bind_address = numeric_address(config.advertise)
         self._gpus = gpu_count()   # CUDA workers or CPU ones: what the host has, not what its kind is called
+        # Private to this daemon and its workers: a Unix socket in a directory only this user may
+        # enter (no TCP port any local process could reach), and each worker names itself by a
+        # secret drawn for it alone (ControlChannel); there is no ROUTER_HANDOVER, so nobody can
+        # take over a connected worker's identity either.
+        self.channel = ControlChannel()
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.control_endpoint = f"tcp://127.0.0.1:{port}"
+        self.sock.bind(self.channel.endpoint)
+        self.control_endpoint = self.channel.endpoint
         log.info("%s: worker control socket at %s", self.name, self.control_endpoint)
         self.workers: dict[int, _Worker] = {}
         self.job: str | None = None
@@ -242,9 +249,10 @@ class Supervisor:
                 bind_address=self.bind_address,
             )
             ports = [member.worker_ports[s.slot]] + ([member.rendezvous_port] if s.rank == 0 else [])
-            await self._spawn(_Worker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot,
+            token = new_token()
+            await self._spawn(_Worker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot, token=token,
                                       log_path=self._log_path(doc.job or "", epoch, s.rank), ports=tuple(ports)),
-                              script, args, worker_environment(assignment, extra=extra))
+                              script, args, worker_environment(assignment, extra={**extra, TOKEN_ENV: token}))
         log.info("%s: started %d worker(s) of %s epoch %d (%s, ranks %s)", self.name, len(mine), doc.job, epoch,
                  doc.shape, [s.rank for s in mine])
 
@@ -272,10 +280,12 @@ class Supervisor:
         )
         with contextlib.suppress(FileNotFoundError):
             os.unlink(out_path)
-        worker = _Worker(job=doc.job or "", epoch=epoch, rank=0, slot=0, profile_path=out_path,
+        token = new_token()
+        worker = _Worker(job=doc.job or "", epoch=epoch, rank=0, slot=0, profile_path=out_path, token=token,
                          log_path=self._log_path(doc.job or "", epoch, 0),
                          ports=(member.worker_ports[0], member.rendezvous_port))
-        await self._spawn(worker, script, args, worker_environment(assignment, extra=self.security_env))
+        await self._spawn(worker, script, args, worker_environment(assignment, extra={**self.security_env,
+                                                                                    TOKEN_ENV: token}))
 
     def fail_epoch(self, job: str, epoch: int, ranks: list[int], error: str) -> None:
         """Report ``ranks`` of an epoch this daemon could not even start as failed, with ``error``."""
@@ -389,7 +399,9 @@ class Supervisor:
                 log.info("%s: killed %d worker(s) of a broken epoch (%s)", self.name, len(targets), reason)
             return len(targets)
         for w in targets:
-            self._deliver(w, StopWorkers(job=w.job, epoch=w.epoch, reason=reason[:1000], checkpoint=checkpoint))
+            msg = StopWorkers(job=w.job, epoch=w.epoch, reason=str(reason)[:1000], checkpoint=checkpoint)
+            w.stop_request = encode(msg)
+            self._deliver(w, msg)
             if w.kill_task is None or checkpoint is False:
                 if w.kill_task is not None:
                     w.kill_task.cancel()
@@ -402,7 +414,7 @@ class Supervisor:
     def checkpoint_now(self, job: str, epoch: int, reason: str) -> None:
         for w in self.alive():
             if w.job == job and w.epoch == epoch:
-                self._deliver(w, CheckpointNow(job=job, epoch=epoch, reason=reason[:1000]))
+                self._deliver(w, CheckpointNow(job=job, epoch=epoch, reason=str(reason)[:1000]))
 
     async def _kill_after(self, w: _Worker, grace: float) -> None:
         await asyncio.sleep(grace)
@@ -442,25 +454,33 @@ class Supervisor:
             await self.wait_all_exited(10.0)
 
     def _deliver(self, w: _Worker, msg: Any) -> None:
-        data = encode(msg)
+        data = msg if isinstance(msg, bytes) else encode(msg)
         if not w.connected:
             w.pending.append(data)  # sent when the worker first speaks (after its first step)
             return
-        def undelivered(fut: asyncio.Future) -> None:
-            # a zmq.asyncio send reports EHOSTUNREACH (the worker's identity not routable now) on its
-            # future, not as a raise: take it there, or asyncio logs "Future exception was never retrieved"
-            if not fut.cancelled() and fut.exception() is not None:
-                w.connected = False
-                w.pending.append(data)
+        self._send(w, data)
 
+    def _send(self, w: _Worker, data: bytes) -> None:
+        # An asyncio socket reports a failed send in the returned future, never by raising here
+        # (an `except zmq.ZMQError` around it never fired): look at the future, and keep a message
+        # that could not go for the worker's next message.
         try:
-            sent = self.sock.send_multipart([w.identity, data], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # unroutable (reconnecting) or full: keep it for its next message
+            fut = self.sock.send_multipart([w.identity, data], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._undelivered(w, data)
+            return
+
+        def sent(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                self._undelivered(w, data)
+
+        fut.add_done_callback(sent)
+
+    def _undelivered(self, w: _Worker, data: bytes) -> None:
+        if w.alive and data not in w.pending:
+            log.debug("%s: a request to rank %d was not delivered; sending it with the next reply", self.name, w.rank)
             w.connected = False
             w.pending.append(data)
-            return
-        if isinstance(sent, asyncio.Future):
-            sent.add_done_callback(undelivered)
 
     # -- the control socket ------------------------------------------------------------------------------
 
@@ -480,18 +500,19 @@ class Supervisor:
                 self._drop(f"unexpected {type(msg).__name__} from a worker")
                 continue
             w = self.workers.get(msg.rank)
-            if w is None or w.job != msg.job or w.epoch != msg.epoch or identity != w.identity:
-                log.debug("%s: ignored %s of %s epoch %d rank %d", self.name, type(msg).__name__, msg.job,
-                          msg.epoch, msg.rank)
+            if w is None or not w.alive or w.job != msg.job or w.epoch != msg.epoch or identity != w.identity:
+                # Only the current epoch's worker of that rank knows its identity: anything else is
+                # a stale worker or a forgery, and must not move the job's progress or history.
+                self._drop(f"{type(msg).__name__} for {msg.job} epoch {msg.epoch} rank {msg.rank} not from "
+                           "that rank's current worker")
                 continue
             if not w.connected:
                 w.connected = True
                 pending, w.pending = w.pending, []
                 for item in pending:
-                    with contextlib.suppress(zmq.ZMQError):
-                        sent = self.sock.send_multipart([w.identity, item], flags=zmq.NOBLOCK)
-                        if isinstance(sent, asyncio.Future):   # its error, if any, is taken and dropped
-                            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+                    self._send(w, item)
+            elif w.stop_request is not None:
+                self._send(w, w.stop_request)  # idempotent; confirmed only by the worker's exit
             if isinstance(msg, WorkerProgress):
                 self._on_progress(w, msg)
             else:
@@ -502,6 +523,7 @@ class Supervisor:
 
     def _drop(self, why: str) -> None:
         self.dropped += 1
+        self.metrics.dropped_messages.inc()
         if self.dropped <= 20 or self.dropped % 1000 == 0:
             log.warning("%s: dropped a malformed message on the worker socket (%d so far): %s",
                         self.name, self.dropped, why)
@@ -608,3 +630,4 @@ class Supervisor:
 
     def close(self) -> None:
         self.sock.close(0)
+        self.channel.close()

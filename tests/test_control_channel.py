@@ -1,0 +1,146 @@
+"""The daemon-worker control socket is private: forged, stale and hijacked reports are dropped,
+and stop requests that could not be sent are sent again (issue 17, items 2 and 7).
+
+Real ZeroMQ sockets on the supervisor's real ipc:// endpoint; the worker side is the trainer's
+own ControlClient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from trainer.control import TOKEN_ENV, ControlClient
+from varunad.config import load_config
+from varunad.facts import PortReservation
+from varunad.fleetkeys import FleetKeys
+from varunad.membership import Membership
+from varunad.store import EtcdStore
+from varunad.supervisor import Supervisor, _Worker
+
+from protocol.messages import StopWorkers, WorkerProgress, decode, encode
+from test_membership import make_member
+
+
+def _supervisor(tmp_path: Path, ctx: zmq.asyncio.Context) -> Supervisor:
+    config = load_config(["--etcd", "127.0.0.1:1", "--store", str(tmp_path / "store"), "--plaintext",
+                          "--state-dir", str(tmp_path / "state"), "--name", "vm1"], environ={})
+    store = EtcdStore("127.0.0.1:1")   # never called: nothing here reports to etcd
+    keys = FleetKeys("/t/")
+    return Supervisor(config=config, store=store, keys=keys, membership=Membership(store, keys, make_member("vm1")),
+                      ports=PortReservation("127.0.0.1"), ctx=ctx, security_env={}, peer_keys=lambda doc: {})
+
+
+def _running(sup: Supervisor, rank: int, token: str) -> _Worker:
+    w = _Worker(job="j", epoch=5, rank=rank, slot=0, log_path=Path(os.devnull), token=token, outcome="running")
+    sup.workers[rank] = w
+    sup.job, sup.epoch = "j", 5
+    return w
+
+
+def _progress(step: int, loss: float, *, epoch: int = 5, rank: int = 0) -> bytes:
+    return encode(WorkerProgress(job="j", epoch=epoch, rank=rank, step=step, loss=loss, samples_per_s=1.0,
+                                 busy_fraction=0.5))
+
+
+async def _until(check, what: str, timeout: float = 5.0):
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+async def test_the_socket_is_a_unix_socket_in_a_private_directory(tmp_path):
+    ctx = zmq.asyncio.Context()
+    sup = _supervisor(tmp_path, ctx)
+    try:
+        assert sup.control_endpoint.startswith("ipc://")
+        directory = Path(sup.channel.directory)
+        st = directory.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+        assert Path(sup.channel.path).is_socket()
+    finally:
+        sup.close()
+        ctx.term()
+    assert not directory.exists()
+
+
+async def test_only_the_current_workers_identity_is_heard(tmp_path, monkeypatch):
+    ctx = zmq.asyncio.Context()
+    sup = _supervisor(tmp_path, ctx)
+    serving = asyncio.create_task(sup.serve())
+    forger = ctx.socket(zmq.DEALER)
+    hijacker = ctx.socket(zmq.DEALER)
+    try:
+        w = _running(sup, 0, "s3cret")
+        # a forger that knows job, epoch and rank but not the secret: the old 'rank-0' identity
+        forger.setsockopt(zmq.IDENTITY, b"rank-0")
+        forger.setsockopt(zmq.LINGER, 0)
+        forger.connect(sup.control_endpoint)
+        await forger.send(_progress(10000, 123.456))
+        # the real worker, through the trainer's own client
+        monkeypatch.setenv(TOKEN_ENV, "s3cret")
+        client = ControlClient(sup.control_endpoint, job="j", epoch=5, rank=0)
+        try:
+            client.progress(3, 1.5, 10.0, 0.5)
+            await _until(lambda: w.step == 3, "the worker's own progress")
+            # a second connection claiming the worker's identity is refused (no ROUTER_HANDOVER)
+            hijacker.setsockopt(zmq.IDENTITY, w.identity)
+            hijacker.setsockopt(zmq.LINGER, 0)
+            hijacker.connect(sup.control_endpoint)
+            await hijacker.send(_progress(9999, 99.0))
+            # a stale epoch with the right identity is no report of this epoch either
+            await forger.send(_progress(5000, 7.0, epoch=4))
+            client.progress(4, 1.25, 10.0, 0.5)
+            await _until(lambda: w.step == 4, "the worker's next progress")
+            await _until(lambda: sup.dropped >= 2, "the forgeries dropped")
+            assert sup._progress[0].step == 4 and sup._progress[0].loss == 1.25
+            assert dict(sup._history[("j", 5)]) == {3: 1.5, 4: 1.25}
+            assert sup.metrics.dropped_messages._value.get() >= 2
+        finally:
+            client.close()
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        forger.close(0)
+        hijacker.close(0)
+        sup.close()
+        ctx.term()
+
+
+async def test_a_stop_is_delivered_even_after_a_failed_send(tmp_path, monkeypatch):
+    """A send to a worker that is not connected fails inside the asyncio future; the stop must
+    still reach the worker when it next speaks, and is repeated until it exits."""
+    ctx = zmq.asyncio.Context()
+    sup = _supervisor(tmp_path, ctx)
+    serving = asyncio.create_task(sup.serve())
+    try:
+        w = _running(sup, 0, "tok")
+        w.connected = True   # believed connected, but no worker is: the send fails (EHOSTUNREACH)
+        sup.stop("j", 5, checkpoint=True, reason="preemption notice", grace=60)
+        await _until(lambda: w.pending, "the failed stop kept for later")
+        monkeypatch.setenv(TOKEN_ENV, "tok")
+        client = ControlClient(sup.control_endpoint, job="j", epoch=5, rank=0)
+        try:
+            client.progress(1, 2.0, 1.0, 0.5)
+
+            def got_stop():
+                client.poll()
+                return client.stop_requested and client.checkpoint_requested
+
+            await _until(got_stop, "the stop at the worker")
+        finally:
+            client.close()
+    finally:
+        for task in [serving] + [w.kill_task for w in sup.workers.values() if w.kill_task]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        sup.close()
+        ctx.term()
