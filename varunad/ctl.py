@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 from varunad.facts import parse_member
+from varunad.fleet import read_newest
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import BundleError, JobSpec, JobSpecError, JobState, bundle_digest, pack_bundle
 from varunad.records import Progress, decode_history, epoch_ranges, merge_history, merge_spans
@@ -138,13 +139,8 @@ async def submit(store: Store, keys: FleetKeys, spec: JobSpec, bundle: bytes, ou
 # --- status --------------------------------------------------------------------------------------------
 
 async def _state(store: Store, keys: FleetKeys, job: str) -> JobState | None:
-    kv = await store.get(keys.state(job))
-    if kv is None:
-        return None
-    try:
-        return JobState.decode(kv.value)
-    except (ValueError, JobSpecError):
-        return None
+    state, _ = await read_newest(store, keys.state(job), JobState.decode, "state", timeout=None)
+    return state
 
 
 async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:

@@ -8,7 +8,9 @@ spec that is wrong fails that job; a garbled member or report is logged and left
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from varunad import schemas
 from varunad.facts import DaemonMember, parse_member
@@ -16,9 +18,11 @@ from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobSpecError, JobState
 from varunad.plans import PlanDoc
 from varunad.records import WorkerReport
-from varunad.store import Store, StoreError
+from varunad.store import KeyValue, Store, StoreError
 
-__all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan"]
+__all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest"]
+
+T = TypeVar("T")
 
 # How many older values of the plan key a reader walks back past malformed ones.
 _PLAN_LOOKBACK = 32
@@ -86,9 +90,13 @@ async def read_fleet(store: Store, keys: FleetKeys, *, timeout: float) -> FleetS
     states = {}
     for kv in await store.get_prefix(keys.states, timeout=timeout):
         try:
-            states[keys.state_job(kv.key)] = JobState.decode(kv.value)
-        except (ValueError, JobSpecError) as exc:
+            job = keys.state_job(kv.key)
+        except ValueError as exc:
             schemas.reject("state", kv.key, exc)
+            continue
+        state, _ = await read_newest(store, kv.key, JobState.decode, "state", timeout=timeout, kv=kv)
+        if state is not None:
+            states[job] = state
 
     cancels = set()
     for kv in await store.get_prefix(keys.cancels, timeout=timeout):
@@ -116,19 +124,33 @@ async def read_plan(store: Store, keys: FleetKeys, *, timeout: float) -> tuple[P
     it, read from etcd's history. So garbage at ``plan`` neither stops the job nor makes the
     leader re-plan it (which would kill its workers without a checkpoint).
     """
-    kv = await store.get(keys.plan, timeout=timeout)
+    return await read_newest(store, keys.plan, PlanDoc.decode, "plan", timeout=timeout)
+
+
+async def read_newest(store: Store, key: str, decode: Callable[[bytes], T], kind: str, *, timeout: float | None,
+                      kv: KeyValue | None | bool = True) -> tuple[T | None, int]:
+    """The newest value of ``key`` that ``decode`` accepts and its mod revision; (None, 0) if none.
+
+    For documents only the leader writes (the plan, job states): one that does not parse is no
+    leader's, so it is reported and the one before it, from etcd's history, stays in force.
+    ``kv``: the key as already read (None: absent), to save a read.
+    """
+    if kv is True:
+        kv = await store.get(key, timeout=timeout)
     for _ in range(_PLAN_LOOKBACK):
-        if kv is None:
+        if kv is None or kv is False:
             return None, 0
         try:
-            return PlanDoc.decode(kv.value), kv.mod_revision
+            return decode(kv.value), kv.mod_revision
         except ValueError as exc:
-            schemas.reject("plan", f"{keys.plan}@{kv.mod_revision}", exc)
+            schemas.reject(kind, f"{key}@{kv.mod_revision}", exc)
         if kv.mod_revision <= 1:
             return None, 0
         try:
-            kv = await store.get(keys.plan, timeout=timeout, revision=kv.mod_revision - 1)
-        except StoreError as exc:  # compacted away: no plan we can trust
-            log.debug("cannot read the plan before revision %d: %s", kv.mod_revision, exc)
+            kv = await store.get(key, timeout=timeout, revision=kv.mod_revision - 1)
+        except StoreError as exc:  # compacted away: nothing we can trust
+            log.debug("cannot read %s before revision %d: %s", key, kv.mod_revision, exc)
+            return None, 0
+        if kv is not None and kv.version == 0:
             return None, 0
     return None, 0

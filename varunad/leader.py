@@ -33,7 +33,7 @@ from trainer.planner import Plan, PlanError
 from varunad.config import DaemonConfig
 from varunad.election import Election, NotLeader
 from varunad.failures import cause as failure_cause, classify
-from varunad.fleet import FleetSnapshot, JobEntry, read_fleet
+from varunad.fleet import FleetSnapshot, JobEntry, read_fleet, read_newest
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobState, MorphEvent, job_store, model_fingerprint
 from varunad.links import LinkSurvey, apply_links
@@ -400,11 +400,8 @@ class Leader:
     # -- job state ----------------------------------------------------------------------------------------
 
     async def _state(self, job: str) -> JobState:
-        kv = await self.store.get(self.keys.state(job), timeout=self.t)
-        if kv is not None:
-            with contextlib.suppress(ValueError):
-                return JobState.decode(kv.value)
-        return JobState(job=job)
+        state, _ = await read_newest(self.store, self.keys.state(job), JobState.decode, "state", timeout=self.t)
+        return state if state is not None else JobState(job=job)
 
     async def _put_state(self, state: JobState) -> None:
         await self.election.write_as_leader(self.keys.state(state.job), state.encode())

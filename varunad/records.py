@@ -134,7 +134,10 @@ def encode_history(pairs: Iterable[tuple[int, float]], span: Span | None = None)
 def decode_history(data: bytes) -> tuple[list[tuple[int, float]], Span | None]:
     """(the (step, loss) pairs, the span or None: entries written before spans existed have none)."""
     doc = _loads(data, "history")
-    pairs = [(int(s), float(v)) for s, v in doc.get("steps", [])]
+    try:
+        pairs = [(int(s), float(v)) for s, v in doc.get("steps", [])]
+    except TypeError as exc:
+        raise ValueError(f"history is malformed: {exc}") from None
     span = doc.get("span")
     if span is None:
         return pairs, None
