@@ -386,7 +386,9 @@ def test_decide_morphs_when_a_member_of_the_plan_leaves_or_is_noticed_leaving():
     assert (dec.action, dec.checkpoint, dec.failure) == ("abort", False, False) and "d2" in dec.reason
     members = {f"d{i}": (member(f"d{i}"), 100 + i) for i in (1, 2, 3)}
     members["d2"] = (member("d2"), 999)  # the same name, registered again: its workers died with it
-    dec = d(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50), members=members))
+    reports = reports_for(plan, 50)
+    reports["d2"] = WorkerReport(member="d2")  # what the new process reports (its old report went with its lease)
+    dec = d(snapshot(plan=plan, epoch=50, states=running(), reports=reports, members=members))
     assert dec.action == "abort" and "d2" in dec.reason
     members["d2"] = (member("d2", draining=True), 102)
     dec = d(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50), members=members))

@@ -35,6 +35,7 @@ from varunad.election import Election, NotLeader
 from varunad.failures import cause as failure_cause, classify
 from varunad.fleet import FleetSnapshot, JobEntry, read_fleet, read_newest
 from varunad.fleetkeys import FleetKeys
+from varunad.outage import judge_members
 from varunad.jobs import JobSpec, JobState, MorphEvent, job_store, model_fingerprint
 from varunad.links import LinkSurvey, apply_links
 from varunad.metrics import DaemonMetrics
@@ -115,7 +116,8 @@ def _queued(snap: FleetSnapshot) -> JobEntry | None:
     return None
 
 
-def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeout: float) -> Decision:
+def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeout: float,
+           outage_until: float = 0.0) -> Decision:
     """What to do next, from the snapshot alone (and when this leader first saw each epoch)."""
     for entry in snap.jobs:
         st = snap.states.get(entry.job)
@@ -164,11 +166,13 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
         if not why.startswith(f"rank {r.rank} on {m} "):   # the supervisor's own errors name the worker
             why = f"rank {r.rank} on {m} failed: {why}"
         return Decision("abort", why, job, failure=True)
-    gone = [m for m in plan.members
-            if m not in snap.members or snap.members[m][1] != plan.incarnations.get(m, snap.members[m][1])]
-    if gone:
-        return Decision("abort", f"{_was_lost(gone)} (its lease ended): re-planning on the VMs left, from the "
+    verdict = judge_members(plan, epoch, snap.members, snap.reports, now=now, outage_until=outage_until)
+    if verdict.gone:
+        return Decision("abort", f"{_was_lost(verdict.gone)} (its lease ended): re-planning on the VMs left, from the "
                                  "newest checkpoint", job)
+    if verdict.awaited:
+        return Decision("wait", f"etcd was unavailable: waiting up to {outage_until - now:.0f}s for "
+                                f"{', '.join(verdict.awaited)} to register again before counting it lost", job)
     leaving = [m for m in plan.members if snap.members[m][0].draining]
     if leaving:
         return Decision("abort", f"{', '.join(leaving)} is leaving (a stop or a preemption notice): checkpointing, "
@@ -331,7 +335,8 @@ class Leader:
         now = self.clock()
         if snap.plan is not None and snap.plan.kind == "run":
             self.memory.epoch_seen.setdefault(snap.plan_epoch, now)
-        decision = decide(snap, self.memory, now=now, start_timeout=self.config.start_timeout)
+        decision = decide(snap, self.memory, now=now, start_timeout=self.config.start_timeout,
+                          outage_until=self._outage_until())
         sentence = decision.sentence
         # One line per decision; a decision repeated cycle after cycle (waiting for slots, say) once.
         log.log(logging.DEBUG if sentence == self._last_sentence else logging.INFO, "%s", sentence)
@@ -357,6 +362,12 @@ class Leader:
             await self.links.survey({m.name: m for m, _ in snap.usable()}, busy)
         except StoreError as exc:
             log.warning("leader: link survey: %s", exc)
+
+    def _outage_until(self) -> float:
+        """Until when absent members are awaited (varunad.outage): two TTLs after this daemon last
+        saw etcd fail (a renewal failed, or its lease lapsed and it registered again)."""
+        trouble = self.election.membership.trouble_at
+        return trouble + 2 * self.config.ttl + self.config.loop_wait if trouble else 0.0
 
     async def _execute(self, d: Decision, snap: FleetSnapshot) -> bool:
         if d.action in ("nothing", "wait"):

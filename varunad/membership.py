@@ -160,6 +160,9 @@ class Membership:
         self._task: asyncio.Task[None] | None = None
         self._fence_task: asyncio.Task[None] | None = None
         self._on_expire: list[Callable[[], object]] = []
+        # clock() when a renewal last failed or the lease lapsed (0.0: never): etcd had trouble,
+        # so other members' keys may be missing for a while (varunad.outage)
+        self.trouble_at = 0.0
 
     @property
     def name(self) -> str:
@@ -302,6 +305,7 @@ class Membership:
                 await self.renew()
             except LeaseExpired:
                 log.warning("%s: lease expired (etcd or this node stalled); registering again", self.name)
+                self.trouble_at = self.clock()
                 self._lease = None
                 try:
                     await self._register()
@@ -311,6 +315,7 @@ class Membership:
                         await self.store.reconnect()
                     delay = min(0.5, self.renew_interval / 2)
             except StoreError as exc:
+                self.trouble_at = self.clock()
                 left = self._deadline - self.clock()
                 log.warning("%s: lease renewal failed (%s); the lease is certain for %.1fs more",
                             self.name, exc, max(left, 0.0))

@@ -56,6 +56,7 @@ class Outcome:
     redone: int = -1
     recovery_s: float = float("nan")  # fault -> the first step beyond the one reached at the fault
     left_running: list[str] = field(default_factory=list)
+    exited: list[str] = field(default_factory=list)  # daemons that exited though the fault spared them
     state: dict[str, Any] = field(default_factory=dict)
     note: str = ""
 
@@ -69,6 +70,8 @@ class Outcome:
             out.append(f"{self.redone} steps redone (at most {every} allowed)")
         if self.left_running:
             out.append(f"left running: {self.left_running}")
+        if self.exited:
+            out.append(f"daemons exited that the fault did not touch: {self.exited}")
         return out
 
 
@@ -175,6 +178,7 @@ class Run:
     def __init__(self, base: Path, etcd: EtcdServer | EtcdCluster, names: list[str], job: str) -> None:
         self.base, self.etcd, self.names, self.job = base, etcd, names, job
         self.ring = Ring(base / "ring", etcd.endpoint, root="/chaos/", ttl=TTL, extra=RING_FLAGS)
+        self.hit: set[str] = set()  # daemons the fault killed or stopped on purpose
 
     def start(self, *, steps: int = STEPS) -> None:
         for n in self.names:
@@ -230,6 +234,7 @@ def run_scenario(name: str, fault: Callable[[Run], None], base: Path, *, names: 
             out.note = str(exc)[-3000:]
         out.state = st
         out.finished = st.get("state") == "done"
+        out.exited = [n for n, d in run.ring.daemons.items() if not d.alive and n not in run.hit]
         if out.finished:
             out.equal, why = losses_equal(st, reference_losses(steps))
             out.note = out.note or why
@@ -252,16 +257,20 @@ def run_scenario(name: str, fault: Callable[[Run], None], base: Path, *, names: 
 def kill9_member(run: Run) -> None:
     leader = run.leader()
     victim = next(m for m in run.plan_members() if m != leader)
+    run.hit.add(victim)
     run.ring.daemons[victim].kill9()
 
 
 def kill9_leader(run: Run) -> None:
-    run.ring.daemons[run.leader()].kill9()
+    leader = run.leader()
+    run.hit.add(leader)
+    run.ring.daemons[leader].kill9()
 
 
 def kill9_two(run: Run) -> None:
     leader = run.leader()
     others = [m for m in run.plan_members() if m != leader]
+    run.hit.update([leader, others[0]])
     for m in [leader, others[0]]:
         os.killpg(run.ring.daemons[m].proc.pid, signal.SIGKILL)
     for m in [leader, others[0]]:
@@ -269,7 +278,9 @@ def kill9_two(run: Run) -> None:
 
 
 def sigterm_leader(run: Run) -> None:
-    d = run.ring.daemons[run.leader()]
+    leader = run.leader()
+    run.hit.add(leader)
+    d = run.ring.daemons[leader]
     d.proc.send_signal(signal.SIGTERM)
     d.proc.wait(60)
 

@@ -1,0 +1,61 @@
+"""An etcd outage is not a VM loss (issue 17, item 4): the leader's decision after every lease
+lapsed at once, from the fleet's snapshot alone (varunad.outage, through leader.decide)."""
+
+from __future__ import annotations
+
+from test_daemon_units import member, reports_for, run_plan, running, snapshot
+
+from varunad.leader import LeaderMemory, decide
+
+
+def d(snap, *, now=100.0, outage_until=0.0):
+    return decide(snap, LeaderMemory(), now=now, start_timeout=60.0, outage_until=outage_until)
+
+
+def reincarnated(names=("d1", "d2", "d3"), shift=1000):
+    """Every member registered again under a new lease, as after an etcd stall."""
+    return {n: (member(n), 100 + int(n[-1]) + shift) for n in names}
+
+
+def test_members_back_under_new_leases_with_live_workers_keep_their_epoch():
+    plan = run_plan()
+    snap = snapshot(plan=plan, epoch=50, states=running(), members=reincarnated(), reports=reports_for(plan, 50))
+    dec = d(snap)
+    assert dec.action == "nothing", dec.sentence  # before: "abort ... left the fleet (its lease ended)"
+
+
+def test_absent_members_are_awaited_after_this_daemon_saw_etcd_fail():
+    plan = run_plan()
+    members = reincarnated(("d1",))
+    reports = {"d1": reports_for(plan, 50)["d1"]}
+    snap = snapshot(plan=plan, epoch=50, states=running(), members=members, reports=reports)
+    dec = d(snap, now=100.0, outage_until=105.0)
+    assert dec.action == "wait" and "d2, d3" in dec.reason and "register again" in dec.reason
+    # not forever: once the grace has passed they are lost
+    dec = d(snap, now=106.0, outage_until=105.0)
+    assert dec.action == "abort" and "d2, d3 left the fleet" in dec.reason
+
+
+def test_a_reregistered_member_whose_report_is_not_back_yet_is_awaited():
+    plan = run_plan()
+    reports = reports_for(plan, 50)
+    del reports["d2"]
+    snap = snapshot(plan=plan, epoch=50, states=running(), members=reincarnated(), reports=reports)
+    assert d(snap, outage_until=105.0).action == "wait"
+
+
+def test_a_lost_vm_without_an_outage_here_is_lost_at_once():
+    plan = run_plan()
+    members = {n: (member(n), 100 + int(n[-1])) for n in ("d1", "d3")}
+    snap = snapshot(plan=plan, epoch=50, states=running(), members=members, reports=reports_for(plan, 50))
+    dec = d(snap)
+    assert dec.action == "abort" and "d2 left the fleet" in dec.reason
+
+
+def test_a_restarted_daemon_without_its_workers_is_a_lost_member():
+    plan = run_plan()
+    reports = reports_for(plan, 50)
+    reports["d2"] = reports_for(plan, 0, outcome="killed")["d2"]   # a new process: no worker of epoch 50
+    snap = snapshot(plan=plan, epoch=50, states=running(), members=reincarnated(), reports=reports)
+    dec = d(snap, outage_until=105.0)
+    assert dec.action == "abort" and "d2" in dec.reason
