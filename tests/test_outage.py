@@ -59,3 +59,11 @@ def test_a_restarted_daemon_without_its_workers_is_a_lost_member():
     snap = snapshot(plan=plan, epoch=50, states=running(), members=reincarnated(), reports=reports)
     dec = d(snap, outage_until=105.0)
     assert dec.action == "abort" and "d2" in dec.reason
+
+
+def test_a_member_whose_workers_finished_during_the_outage_is_not_lost():
+    plan = run_plan()
+    reports = reports_for(plan, 50)
+    reports["d3"] = reports_for(plan, 50, outcome="done")["d3"]   # its worker reached the last step first
+    snap = snapshot(plan=plan, epoch=50, states=running(), members=reincarnated(), reports=reports)
+    assert d(snap).action == "nothing"

@@ -64,7 +64,16 @@ def _keys(args: argparse.Namespace):
 def _run(args: argparse.Namespace, fn) -> int:
     from varunad import ctl
 
-    return ctl.run(args.etcd, args.timeout, fn)
+    return ctl.run(args.etcd, args.timeout, fn, **_etcd_security(args))
+
+
+def _etcd_security(args: argparse.Namespace) -> dict:
+    """TLS and auth for etcd, as the daemon takes them (flags, else VARUNAD_ETCD_* variables)."""
+    password = os.environ.get("VARUNAD_ETCD_PASSWORD")
+    if (args.etcd_user is None) != (password is None):
+        raise ValueError("--etcd-user (VARUNAD_ETCD_USER) needs VARUNAD_ETCD_PASSWORD, and the other way round")
+    return dict(ca_file=args.etcd_ca, cert_file=args.etcd_cert, key_file=args.etcd_key, user=args.etcd_user,
+                password=password, probe_key=args.root)
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
@@ -332,6 +341,16 @@ def _parser() -> argparse.ArgumentParser:
                         help="the fleet's etcd key root (default $VARUNAD_ROOT or /varunad/)")
     parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                         help="give up on an unreachable etcd after this long (default 5)")
+    env = os.environ.get
+    parser.add_argument("--etcd-ca", default=env("VARUNAD_ETCD_CA"), metavar="FILE",
+                        help="CA certificate to verify etcd's TLS certificate (default $VARUNAD_ETCD_CA)")
+    parser.add_argument("--etcd-cert", default=env("VARUNAD_ETCD_CERT"), metavar="FILE",
+                        help="client certificate for etcd, with --etcd-key (default $VARUNAD_ETCD_CERT)")
+    parser.add_argument("--etcd-key", default=env("VARUNAD_ETCD_KEY"), metavar="FILE",
+                        help="client key for etcd (default $VARUNAD_ETCD_KEY)")
+    parser.add_argument("--etcd-user", default=env("VARUNAD_ETCD_USER"), metavar="USER",
+                        help="etcd user (default $VARUNAD_ETCD_USER; the password is read from "
+                             "$VARUNAD_ETCD_PASSWORD, never from the command line)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in _GROUPS:
         add(sub)

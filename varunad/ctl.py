@@ -43,19 +43,20 @@ def _unreachable(etcd: str, exc: Exception, timeout: float) -> CtlError:
                     f"or point --etcd HOST:PORT (or $VARUNAD_ETCD) at your fleet's etcd")
 
 
-async def _open(etcd: str, timeout: float) -> Store:
+async def _open(etcd: str, timeout: float, **options: Any) -> Store:
     try:
-        store = EtcdStore(etcd, timeout=timeout)
+        store = EtcdStore(etcd, timeout=timeout, **options)
         await store.connect()
         return store
     except StoreError as exc:
         raise _unreachable(etcd, exc, timeout) from None
 
 
-def run(etcd: str, timeout: float, fn: Callable[[Store], Awaitable[int]]) -> int:
-    """Open the store, run ``fn(store)``, close it; StoreError becomes CtlError."""
+def run(etcd: str, timeout: float, fn: Callable[[Store], Awaitable[int]], **options: Any) -> int:
+    """Open the store (``options``: EtcdStore's TLS, auth and probe key), run ``fn(store)``, close
+    it; StoreError becomes CtlError."""
     async def main() -> int:
-        store = await _open(etcd, timeout)
+        store = await _open(etcd, timeout, **options)
         try:
             return await fn(store)
         except StoreError as exc:

@@ -73,7 +73,7 @@ class Daemon:
         self.keys = FleetKeys(config.root)
         self.store = EtcdStore(config.etcd, timeout=config.retry_timeout, ca_file=config.etcd_ca,
                                cert_file=config.etcd_cert, key_file=config.etcd_key, user=config.etcd_user,
-                               password=config.etcd_password)
+                               password=config.etcd_password, probe_key=config.root)
         self.security = Security(SecurityConfig(
             mode=config.security_mode,  # type: ignore[arg-type]
             secret_key_file=config.secret_key_file, allowed_keys_dir=config.curve_keys,

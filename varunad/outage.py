@@ -56,7 +56,9 @@ def judge_members(plan: PlanDoc, epoch: int, members: Mapping[str, tuple[object,
         if report is None and now < outage_until:
             awaited.append(m)  # registered again; its report (on the new lease) follows in a moment
             continue
-        kept = report is not None and report.job == plan.job and report.epoch == epoch and report.alive(epoch)
+        # A report of this very epoch under the new lease: the daemon kept its workers through the
+        # outage (a restarted daemon has none of this epoch). They may have finished meanwhile.
+        kept = report is not None and report.job == plan.job and report.epoch == epoch and bool(report.workers)
         if not kept:
             gone.append(m)
     return Verdict(gone, awaited)

@@ -599,6 +599,7 @@ class EtcdStore(Store):
     unavailable error the next request goes to the next endpoint (with a single endpoint the
     gRPC channel reconnects by itself). TLS: ``ca_file`` alone for server verification, plus
     ``cert_file``/``key_file`` for client certificates. ``user``/``password`` for etcd auth.
+    ``probe_key``: what the connection check reads; the key root, for a user limited to it.
     """
 
     def __init__(
@@ -611,6 +612,7 @@ class EtcdStore(Store):
         key_file: str | Path | None = None,
         user: str | None = None,
         password: str | None = None,
+        probe_key: Key = b"\0",
     ) -> None:
         if timeout <= 0:
             raise StoreConfigError(f"etcd timeout must be positive, got {timeout}")
@@ -627,6 +629,9 @@ class EtcdStore(Store):
         self._tls = any(f is not None for f in self._tls_files)
         self._user = user
         self._password = password
+        # The key the connection check and revision() read. A user whose role may only touch the
+        # fleet's prefix is refused any other key (even a missing one), so pass the key root.
+        self._probe = _encode(probe_key)
         self._client: _Client | None = None
         self._index = 0
         self._rotate = False
@@ -680,7 +685,13 @@ class EtcdStore(Store):
     async def connect(self) -> None:
         """Connect to the first endpoint that answers; StoreUnavailable if none does in time."""
         self._closed = False
-        await _bounded(self._ensure_client(), self._timeout * len(self._endpoints))
+        try:
+            await _bounded(self._ensure_client(), self._timeout * len(self._endpoints))
+        except asyncio.TimeoutError:
+            # e.g. authenticating (etcd checks the password with bcrypt) took longer than the
+            # bound; a bare TimeoutError would escape the callers' retry loops as an empty error
+            raise StoreUnavailable(f"etcd at {self.endpoint} did not answer a first read in time",
+                                   hint=_HINT_UNAVAILABLE) from None
 
     async def _ensure_client(self) -> _Client:
         if self._closed:
@@ -702,7 +713,7 @@ class EtcdStore(Store):
                 index = (self._index + step) % len(self._endpoints)
                 client = self._new_client(index)
                 try:
-                    await _bounded(client.get_range(b"\0", b"\0\0"), per_endpoint)
+                    await _bounded(client.get(self._probe), per_endpoint)
                 except (Exception, asyncio.TimeoutError) as exc:
                     await self._close_client(client)
                     err = _translate(exc, "a first read", "%s:%d" % self._endpoints[index])
@@ -823,8 +834,8 @@ class EtcdStore(Store):
         return raw.deleted
 
     async def revision(self, *, timeout: float | None = None) -> int:
-        # A range over the one key b"\0" (never used) returns just the header.
-        raw = await self._call("read the revision", lambda c: c.get_range(b"\0", b"\0\0"), timeout)
+        # A range over the one probe key (the key root: never a value) returns just the header.
+        raw = await self._call("read the revision", lambda c: c.get_range(self._probe, self._probe + b"\0"), timeout)
         return raw.header.revision
 
     # -- leases
