@@ -29,6 +29,15 @@ def _cmd_keys_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keys_submit_key(args: argparse.Namespace) -> int:
+    from varunad.signing import generate_submit_key
+
+    secret, public = generate_submit_key(args.dir, args.name, force=args.force)
+    print(f"public key  {public}  (copy it into the --submit-keys directory of every daemon)")
+    print(f"secret key  {secret}  (mode 0600; sign jobs with `varunactl submit --sign-key {secret}`)")
+    return 0
+
+
 def _cmd_keys_show(args: argparse.Namespace) -> int:
     print(load_public_key(args.file).decode("ascii"))
     return 0
@@ -36,7 +45,7 @@ def _cmd_keys_show(args: argparse.Namespace) -> int:
 
 def _add_keys(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser(
-        "keys", help="create and inspect CURVE key pairs",
+        "keys", help="create and inspect CURVE key pairs and job-signing keys",
         description="CURVE key pairs authenticate daemons to each other and encrypt their traffic.")
     actions = keys.add_subparsers(dest="action", metavar="ACTION", required=True)
     gen = actions.add_parser(
@@ -47,6 +56,15 @@ def _add_keys(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--name", required=True, metavar="NAME", help="key name: letters, digits, . _ - : @")
     gen.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
     gen.set_defaults(handler=_cmd_keys_generate)
+    sk = actions.add_parser(
+        "submit-key", help="write NAME.sign_public and NAME.sign_secret (to sign jobs)",
+        description="Write a new Ed25519 key pair for signing jobs: DIR/NAME.sign_public goes into the "
+                    "--submit-keys directory of every daemon; DIR/NAME.sign_secret (mode 0600) stays with the "
+                    "person who submits (varunactl submit --sign-key).")
+    sk.add_argument("--dir", required=True, metavar="DIR", help="directory to write into (created if missing)")
+    sk.add_argument("--name", required=True, metavar="NAME", help="key name: letters, digits, . _ - : @")
+    sk.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
+    sk.set_defaults(handler=_cmd_keys_submit_key)
     show = actions.add_parser("show", help="print the public key of a key file",
                               description="Print the Z85 public key held in a .key or .key_secret file.")
     show.add_argument("file", metavar="FILE", help="a NAME.key or NAME.key_secret file")
@@ -90,7 +108,12 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     if spec.checkpoint_every > spec.steps:
         print(f"varunactl submit: note: --checkpoint-every {spec.checkpoint_every} is more than --steps {spec.steps}: "
               "no checkpoint before the end, so a lost VM restarts the job from step 0", file=sys.stderr)
-    return _run(args, lambda store: ctl.submit(store, _keys(args), spec, bundle))
+    signature = None
+    if args.sign_key:
+        from varunad.signing import sign_spec
+
+        signature = sign_spec(args.sign_key, spec.encode()).encode()
+    return _run(args, lambda store: ctl.submit(store, _keys(args), spec, bundle, signature=signature))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -177,6 +200,9 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
                    help="pipeline schedule (default varuna)")
     p.add_argument("--no-import-check", action="store_true",
                    help="do not refuse a script whose imports are not installed on this machine (they are on the VMs)")
+    p.add_argument("--sign-key", default=os.environ.get("VARUNAD_SIGN_KEY"), metavar="FILE",
+                   help="sign the job with this NAME.sign_secret (default $VARUNAD_SIGN_KEY); fleets started "
+                        "with --submit-keys run only jobs signed by a key they list")
     p.add_argument("script", metavar="SCRIPT", help="a Varuna training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="arguments for the script")
     p.set_defaults(handler=_cmd_submit)

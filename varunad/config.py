@@ -92,6 +92,8 @@ class DaemonConfig:
     """No CURVE on ZeroMQ sockets (development only; must be asked for)."""
     trusted_network: bool = False
     """Tensor streams between workers skip CURVE (the network between VMs is private)."""
+    submit_keys: str | None = None
+    """Directory of *.sign_public keys: run only jobs signed by one of them (varunad.signing)."""
     etcd_ca: str | None = None
     etcd_cert: str | None = None
     etcd_key: str | None = None
@@ -290,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no authentication or encryption on ZeroMQ (development only)")
     a("--trusted-network", action="store_true", default=None,
       help="tensor streams between workers skip CURVE (private network between VMs)")
+    a("--submit-keys", metavar="DIR", help="run only jobs signed by a key DIR/*.sign_public holds "
+      "(`varunactl keys submit-key`; default: any job in etcd runs)")
     a("--etcd-ca", metavar="FILE", help="CA certificate to verify etcd's TLS certificate")
     a("--etcd-cert", metavar="FILE", help="client certificate for etcd (with --etcd-key)")
     a("--etcd-key", metavar="FILE", help="client key for etcd")

@@ -126,14 +126,22 @@ def build_spec(*, name: str, script: str, args: list[str], batch_size: int, chun
     return spec, data
 
 
-async def submit(store: Store, keys: FleetKeys, spec: JobSpec, bundle: bytes, out: TextIO = sys.stdout) -> int:
+async def submit(store: Store, keys: FleetKeys, spec: JobSpec, bundle: bytes, out: TextIO = sys.stdout, *,
+                 signature: bytes | None = None) -> int:
+    """Write the bundle, the signature (``signature`` of ``spec.encode()``, or none) and then the
+    spec: the leader acts on the spec, so everything it needs is there first."""
     if await store.get(keys.job(spec.job)) is not None:
         raise CtlError(f"a job named {spec.job} exists already; choose another --name")
     await store.put(keys.bundle(spec.job), bundle)
+    if signature is not None:
+        await store.put(keys.signature(spec.job), signature)
+    else:
+        await store.delete(keys.signature(spec.job))
     if not await store.create_if_absent(keys.job(spec.job), spec.encode()):
         raise CtlError(f"a job named {spec.job} was submitted at the same moment; choose another --name")
     print(f"submitted {spec.job}: {spec.script} {' '.join(spec.args)} (batch {spec.batch_size}, {spec.steps} steps, "
-          f"checkpoint every {spec.checkpoint_every}; bundle {spec.bundle_bytes / 1024:.1f} KiB)", file=out)
+          f"checkpoint every {spec.checkpoint_every}; bundle {spec.bundle_bytes / 1024:.1f} KiB"
+          f"{'; signed' if signature is not None else ''})", file=out)
     return 0
 
 

@@ -56,6 +56,7 @@ from varunad.membership import Membership, NameInUse, read_members
 from varunad.metrics import DaemonMetrics, serve as serve_metrics
 from varunad.peers import PeerClients, PeerServer
 from varunad.plans import PlanDoc
+from varunad.signing import AllowList, SigningError
 from varunad.store import EtcdStore, StoreError, StoreUnavailable
 from varunad.supervisor import Supervisor
 
@@ -78,6 +79,8 @@ class Daemon:
             mode=config.security_mode,  # type: ignore[arg-type]
             secret_key_file=config.secret_key_file, allowed_keys_dir=config.curve_keys,
             trusted_network=config.trusted_network))
+        # the submitters whose jobs may run here; None: any job in etcd (see README, Security)
+        self.allowed_submitters = AllowList(config.submit_keys) if config.submit_keys else None
         self.ctx = zmq.asyncio.Context()
         self.applied_epoch = 0
         self.draining = False
@@ -387,6 +390,13 @@ class Daemon:
         if kv is None:
             raise JobSpecError(f"job {job} has no spec in etcd")
         spec = JobSpec.decode(kv.value, job=job)
+        if self.allowed_submitters is not None:
+            sig = await self.store.get(self.keys.signature(job), timeout=t)
+            try:
+                signer = self.allowed_submitters.verify(job, kv.value, None if sig is None else sig.value)
+            except SigningError as exc:
+                raise BundleError(str(exc)) from None
+            log.info("%s: job %s is signed by %s", self.name, job, signer)
         cached = self._jobs.get(job)
         if cached is not None and cached[0] == spec:
             return cached
@@ -526,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              config.name, config.etcd, config.ttl, config.loop_wait, config.retry_timeout)
     try:
         daemon = Daemon(config)
-    except (SecurityError, StoreError, ValueError) as exc:
+    except (SecurityError, StoreError, ValueError) as exc:  # SigningError: a bad --submit-keys
         print(f"varunad: {exc}", file=sys.stderr)
         return 2
     _setup_child_watcher()

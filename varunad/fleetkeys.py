@@ -4,6 +4,7 @@
 progress. The daemon also keeps (under the same root)::
 
     bundles/<job>                       the job's script directory, zipped (written once by varunactl)
+    signatures/<job>                    the submitter's signature of jobs/<job> (varunad.signing)
     state/<job>                         the job's state as the leader sees it (leader-written, fenced)
     cancel/<job>                        a cancel request (varunactl)
     workers/<member>                    a daemon's workers and how they ended (on the member's lease)
@@ -22,6 +23,7 @@ from varunad.keys import Keys, check_component
 __all__ = ["FleetKeys"]
 
 BUNDLES = "bundles/"
+SIGNATURES = "signatures/"
 STATE = "state/"
 CANCEL = "cancel/"
 WORKERS = "workers/"
@@ -42,6 +44,9 @@ class FleetKeys(Keys):
     @property
     def workers(self) -> str:
         return self.root + WORKERS
+
+    def signature(self, job: str) -> str:
+        return self.root + SIGNATURES + check_component("job id", job)
 
     def bundle(self, job: str) -> str:
         return self.root + BUNDLES + check_component("job id", job)
