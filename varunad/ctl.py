@@ -152,6 +152,18 @@ async def _state(store: Store, keys: FleetKeys, job: str) -> JobState | None:
     return state
 
 
+async def _notes(store: Store, keys: FleetKeys, job: str) -> list[str]:
+    """What the daemons noted about the job's workers (checkpoints they refused), oldest first."""
+    out: list[str] = []
+    for kv in await store.get_prefix(keys.notes_of(job)):
+        try:
+            notes = json.loads(kv.value)
+            out += [n for n in notes if isinstance(n, str)] if isinstance(notes, list) else []
+        except ValueError:
+            continue
+    return out
+
+
 async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
     spec_kv = await store.get(keys.job(job))
     if spec_kv is None:
@@ -214,6 +226,7 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
         "samples_per_s": sum(p.samples_per_s for p in current) / len(current) if current else None,
         "busy_fraction": min((p.busy_fraction for p in current), default=None),
         "restarts": state.restarts, "error": state.error,
+        "warnings": await _notes(store, keys, job),
         "epochs": {str(e): list(r) for e, r in sorted(ranges.items())},
         "epoch_spans": {str(e): list(merge_spans(v)) for e, v in sorted(spans.items())},
         "morphs": [{"reason": m.reason, "from": m.from_shape, "to": m.to_shape, "from_epoch": m.from_epoch,
@@ -331,7 +344,7 @@ def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
                                           if doc["error"] and doc["restarts"] else ""),
         f"morphs    {len(moves) or 'none'}" + "".join(f"\n  {m['from']} -> {m['to']}: {m['reason'].splitlines()[0]}"
                                                        for m in moves[-5:]),
-    ]
+    ] + [f"warning   {w}" for w in doc.get("warnings", [])]
     print("\n".join(lines), file=out)
 
 

@@ -20,7 +20,7 @@ from varunad.plans import PlanDoc
 from varunad.records import WorkerReport
 from varunad.store import KeyValue, Store, StoreError
 
-__all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest"]
+__all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest", "forget_progress"]
 
 T = TypeVar("T")
 
@@ -154,3 +154,17 @@ async def read_newest(store: Store, key: str, decode: Callable[[bytes], T], kind
         if kv is not None and kv.version == 0:
             return None, 0
     return None, 0
+
+
+async def forget_progress(store: Store, keys: FleetKeys, job: str, ranks: int, *, timeout: float) -> int:
+    """Delete ``progress/<job>/<rank>`` of every rank >= ``ranks`` (a plan that shrank no longer has
+    them, and status would show their last step forever); returns how many went. Best effort."""
+    gone = 0
+    try:
+        for kv in await store.get_prefix(keys.progress_of(job), timeout=timeout):
+            rank = kv.key[len(keys.progress_of(job)):]
+            if not rank.isdigit() or int(rank) >= ranks:
+                gone += bool(await store.delete(kv.key, timeout=timeout))
+    except StoreError as exc:
+        log.debug("could not forget stale progress of %s: %s", job, exc)
+    return gone

@@ -10,6 +10,7 @@ progress. The daemon also keeps (under the same root)::
     workers/<member>                    a daemon's workers and how they ended (on the member's lease)
     history/<job>/<epoch>/<member>      (step, loss) pairs one daemon saw in one epoch
     logs/<job>/<member>/<seq>           chunks of the workers' output
+    notes/<job>/<member>                what a daemon's workers refused (a corrupt checkpoint), for status
 
 Like ``Keys``, every key name is built here and nowhere else.
 """
@@ -24,6 +25,7 @@ __all__ = ["FleetKeys"]
 
 BUNDLES = "bundles/"
 SIGNATURES = "signatures/"
+NOTES = "notes/"
 STATE = "state/"
 CANCEL = "cancel/"
 WORKERS = "workers/"
@@ -75,6 +77,12 @@ class FleetKeys(Keys):
         if not sep or not epoch.isdigit() or not member or "/" in member:
             raise ValueError(f"{key!r} is not a history entry")
         return int(epoch), member
+
+    def notes_of(self, job: str) -> str:
+        return self.root + NOTES + check_component("job id", job) + "/"
+
+    def note_entry(self, job: str, member: str) -> str:
+        return self.notes_of(job) + check_component("member name", member)
 
     def logs_of(self, job: str) -> str:
         return self.root + LOGS + check_component("job id", job) + "/"

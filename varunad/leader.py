@@ -33,7 +33,7 @@ from trainer.planner import Plan, PlanError
 from varunad.config import DaemonConfig
 from varunad.election import Election, NotLeader
 from varunad.failures import cause as failure_cause, classify
-from varunad.fleet import FleetSnapshot, JobEntry, read_fleet, read_newest
+from varunad.fleet import FleetSnapshot, JobEntry, forget_progress, read_fleet, read_newest
 from varunad.fleetkeys import FleetKeys
 from varunad.outage import judge_members
 from varunad.jobs import JobSpec, JobState, MorphEvent, job_store, model_fingerprint
@@ -655,6 +655,7 @@ class Leader:
         assignment = doc.assignment(epoch)
         for name in doc.members:
             await self.clients.send(name, snap.members[name][0].endpoint, assignment)
+        await forget_progress(self.store, self.keys, job, len(doc.slots), timeout=self.t)
         return True
 
     async def _profile(self, snap: FleetSnapshot, spec: JobSpec, members: list[tuple], state: JobState,

@@ -123,10 +123,10 @@ async def read_members(store: Store, keys: Keys, *, timeout: float | None = None
             member = Member.decode(kv.value)
         except ValueError as exc:
             # A bad entry (another version, a hand edit) must not stop the leader from planning.
-            log.warning("ignoring member key %s: %s", kv.key, exc)
+            schemas.reject("member", kv.key, exc)
             continue
         if member.name != name:
-            log.warning("ignoring member key %s: it describes %r", kv.key, member.name)
+            schemas.reject("member", kv.key, f"it describes {member.name!r}")
             continue
         members.append(member)
     return MembersSnapshot(listing.revision, tuple(sorted(members, key=lambda m: m.name)))

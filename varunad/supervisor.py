@@ -67,6 +67,7 @@ _HISTORY_CAP = 20000
 # Steps each worker traces (trainer.varuna stops recording after them): enough for a warm-up
 # step plus a few steady ones for the end-of-job timeline, small enough to cost nothing.
 _TRACE_STEPS = 5
+_REFUSAL = b"skipping checkpoint"  # what trainer.ckpt_store logs for a checkpoint that does not verify
 
 # Resolved before any fork: the child of a fork may only call what is already loaded.
 try:
@@ -200,6 +201,7 @@ class Supervisor:
         self._log_seq = time.time_ns() // 1000
         self._log_chunks: dict[str, list[str]] = {}  # job -> chunk keys this daemon wrote, oldest first
         self._on_exit: list[Callable[[_Worker], Any]] = []
+        self._notes: dict[str, list[str]] = {}  # job -> checkpoint refusals its workers logged here
         self.dropped = 0
 
     # -- the epoch's workers -------------------------------------------------------------------------
@@ -617,6 +619,7 @@ class Supervisor:
                 continue
             if len(data) == _LOG_CHUNK and b"\n" in data:
                 data = data[: data.rindex(b"\n") + 1]  # whole lines only
+            await self._note_refusals(w, data, timeout)
             prefix = f"[{self.name} e{w.epoch} r{w.rank}] ".encode()
             text = b"".join(prefix + line for line in data.splitlines(keepends=True))
             self._log_seq = max(self._log_seq + 1, time.time_ns() // 1000)
@@ -627,6 +630,21 @@ class Supervisor:
             chunks.append(key)
             while len(chunks) > _LOG_CHUNKS_KEPT:
                 await self.store.delete(chunks.pop(0), timeout=timeout)
+
+    async def _note_refusals(self, w: _Worker, data: bytes, timeout: float) -> None:
+        """A worker that skipped a corrupt checkpoint (trainer.ckpt_store: "skipping checkpoint N:
+        ...") resumed from an older one and redoes steps: say so in this daemon's log and in etcd
+        (``notes/<job>/<member>``, shown by status), not only in the worker's own output."""
+        found = [line.decode("utf-8", "replace").strip() for line in data.splitlines() if _REFUSAL in line]
+        if not found:
+            return
+        notes = self._notes.setdefault(w.job, [])
+        for line in found:
+            text = line[line.index(_REFUSAL.decode()):][:500]
+            log.warning("%s: rank %d of %s epoch %d refused a checkpoint: %s", self.name, w.rank, w.job, w.epoch, text)
+            notes.append(f"epoch {w.epoch} rank {w.rank} on {self.name}: {text}")
+        del notes[:-10]
+        await self.store.put(self.keys.note_entry(w.job, self.name), json.dumps(notes).encode(), timeout=timeout)
 
     def close(self) -> None:
         self.sock.close(0)

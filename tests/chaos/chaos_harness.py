@@ -34,7 +34,7 @@ from ring import REPO, Ring  # noqa: E402
 TTL = 2.0
 STEPS, BATCH, EVERY = 14, 12, 4
 SLEEP = ("--step-sleep", "0.25")
-RING_FLAGS = ["--stop-grace", "20", "--abort-grace", "2", "--max-restarts", "2", "--progress-interval", "0.3",
+RING_FLAGS = ["--calibrate", "uniform", "--stop-grace", "20", "--abort-grace", "2", "--max-restarts", "2", "--progress-interval", "0.3",
               "--debounce", "0.2", "--start-timeout", "120"]
 
 _reference: dict[tuple[int, int], list[float]] = {}
@@ -58,6 +58,7 @@ class Outcome:
     left_running: list[str] = field(default_factory=list)
     exited: list[str] = field(default_factory=list)  # daemons that exited though the fault spared them
     keep_epoch: bool = False  # the fault must not cost the running epoch (an etcd outage is no VM loss)
+    extra: list[str] = field(default_factory=list)  # what the fault's own checks found wrong
     state: dict[str, Any] = field(default_factory=dict)
     note: str = ""
 
@@ -73,6 +74,7 @@ class Outcome:
             out.append(f"left running: {self.left_running}")
         if self.keep_epoch and self.finished and len(self.state.get("epochs", {})) != 1:
             out.append(f"the epoch did not survive the fault: {self.state.get('morphs')}")
+        out += self.extra
         if self.exited:
             out.append(f"daemons exited that the fault did not touch: {self.exited}")
         return out
@@ -182,6 +184,7 @@ class Run:
         self.base, self.etcd, self.names, self.job = base, etcd, names, job
         self.ring = Ring(base / "ring", etcd.endpoint, root="/chaos/", ttl=TTL, extra=RING_FLAGS)
         self.hit: set[str] = set()  # daemons the fault killed or stopped on purpose
+        self.checks: list[Callable[[dict[str, Any]], str | None]] = []  # the fault's own checks of the status
 
     def start(self, *, steps: int = STEPS) -> None:
         for n in self.names:
@@ -239,6 +242,7 @@ def run_scenario(name: str, fault: Callable[[Run], None], base: Path, *, names: 
         out.state = st
         out.finished = st.get("state") == "done"
         out.exited = [n for n, d in run.ring.daemons.items() if not d.alive and n not in run.hit]
+        out.extra = [p for check in run.checks if (p := check(st))]
         if out.finished:
             out.equal, why = losses_equal(st, reference_losses(steps))
             out.note = out.note or why
@@ -343,6 +347,8 @@ def corrupt_newest_checkpoint(run: Run) -> None:
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
+    run.checks.append(lambda st: None if any(f"skipping checkpoint {newest}" in w for w in st.get("warnings", []))
+                      else f"status does not say checkpoint {newest} was refused: {st.get('warnings')}")
     # and make the epoch restart from it: kill a member, as a lost VM would
     kill9_member(run)
 
