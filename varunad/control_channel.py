@@ -5,7 +5,7 @@ daemon's stop and checkpoint requests. Over TCP on 127.0.0.1 any local process c
 report a step 10000 with loss 123.456, or take over ``rank-N`` with ROUTER_HANDOVER. Here:
 
 * the socket is ``ipc://<dir>/control`` where ``<dir>`` is made by ``mkdtemp`` (mode 0700, owned
-  by the daemon's user), so other users cannot even reach it;
+  by the daemon's user) in its state directory, so other users cannot even reach it;
 * each worker gets a fresh random token in its environment (``VARUNA_CONTROL_TOKEN``, readable
   only by its own user) and uses ``rank-<r>-<token>`` as its ZeroMQ identity; the supervisor
   takes a report only from the identity of the current epoch's worker of that rank.
@@ -19,6 +19,7 @@ import secrets
 import shutil
 import stat
 import tempfile
+from pathlib import Path
 
 from trainer.control import TOKEN_ENV, control_identity
 
@@ -29,13 +30,26 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-class ControlChannel:
-    """A private directory for one daemon's control socket; ``close()`` removes it."""
+_PREFIX = "varunad-ctl-"
+_MAX_PATH = 100  # a Unix socket path holds at most 107 bytes
 
-    def __init__(self, parent: str | None = None) -> None:
+
+class ControlChannel:
+    """A private directory for one daemon's control socket; ``close()`` removes it.
+
+    Under ``parent`` (the daemon's state dir) when the socket path fits there, so that a daemon
+    killed with -9 leaves nothing elsewhere (and the next start removes what it left); else under
+    the temp dir."""
+
+    def __init__(self, parent: str | os.PathLike[str] | None = None) -> None:
+        if parent is not None:
+            for old in Path(parent).glob(f"{_PREFIX}*"):  # left by an earlier incarnation killed with -9
+                shutil.rmtree(old, ignore_errors=True)
+            if len(os.path.join(os.fspath(parent), _PREFIX + "x" * 8, "control")) > _MAX_PATH:
+                parent = None
         # mkdtemp: 0700 and owned by us, atomically (no window in which another user could enter
-        # or pre-create it). Short path under the temp dir: a Unix socket path has ~107 bytes.
-        self.directory = tempfile.mkdtemp(prefix="varunad-ctl-", dir=parent)
+        # or pre-create it).
+        self.directory = tempfile.mkdtemp(prefix=_PREFIX, dir=parent)
         st = os.stat(self.directory)
         if stat.S_IMODE(st.st_mode) != 0o700 or st.st_uid != os.getuid():
             raise OSError(f"{self.directory} is not a private directory (mode {stat.S_IMODE(st.st_mode):o})")

@@ -175,7 +175,8 @@ class Supervisor:
         # enter (no TCP port any local process could reach), and each worker names itself by a
         # secret drawn for it alone (ControlChannel); there is no ROUTER_HANDOVER, so nobody can
         # take over a connected worker's identity either.
-        self.channel = ControlChannel()
+        Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+        self.channel = ControlChannel(config.state_dir)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
