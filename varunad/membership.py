@@ -163,6 +163,7 @@ class Membership:
         # clock() when a renewal last failed or the lease lapsed (0.0: never): etcd had trouble,
         # so other members' keys may be missing for a while (varunad.outage)
         self.trouble_at = 0.0
+        self._updating = 0
 
     @property
     def name(self) -> str:
@@ -280,7 +281,11 @@ class Membership:
         if self._lease is None:
             raise RuntimeError(f"member {self.name} is not registered")
         self._member = member
-        return await self.store.put(self.key, member.encode(), lease=self._lease)
+        self._updating += 1  # the guard must not take this write for someone else's
+        try:
+            return await self.store.put(self.key, member.encode(), lease=self._lease)
+        finally:
+            self._updating -= 1
 
     # -- keeping the lease alive
 
@@ -354,8 +359,8 @@ class Membership:
     async def restore_key(self) -> bool:
         """Write the member key again if it is not this member's value under this lease; True if written."""
         lease = self._lease
-        if lease is None:
-            return False  # the keepalive registers again when it can
+        if lease is None or self._updating:
+            return False  # the keepalive registers again when it can; an update is writing it now
         kv = await self.store.get(self.key, timeout=self.renew_interval)
         if kv is not None and kv.lease == lease.id and kv.value == self._member.encode():
             return False
