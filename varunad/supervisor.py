@@ -8,8 +8,10 @@ Each worker
   daemon (``PR_SET_PDEATHSIG`` = SIGKILL): a daemon killed with -9 takes its workers along, as
   when the VM vanishes;
 * writes stdout and stderr to ``STATE_DIR/logs/<job>/e<epoch>-r<rank>.log``;
-* talks to the daemon over a local ROUTER socket (identity ``rank-<r>``): progress after each
-  step, a note after each checkpoint; the daemon sends it ``StopWorkers`` / ``CheckpointNow``.
+* talks to the daemon over its private control socket (``varunad.control_channel``: a Unix
+  socket in a 0700 directory, identity ``rank-<r>-<secret>``): progress after each step, a note
+  after each checkpoint; the daemon sends it ``StopWorkers`` / ``CheckpointNow`` (a stop is
+  repeated until the worker exits, a send that failed is retried with its next message).
 
 A stop request gives the workers a grace period (``stop_grace`` with a checkpoint,
 ``abort_grace`` without: a worker blocked on a dead peer never reaches a step boundary), then
