@@ -8,7 +8,12 @@ One asyncio loop, no threads of its own. Tasks:
   a pushed Assignment only makes it read the plan at once: etcd holds the truth;
 * the supervisor (``varunad.supervisor``): workers, their control socket, reports to etcd;
 * the leader (``varunad.leader``), only while this daemon leads.
-* with ``--metrics-port``, the Prometheus endpoint (``varunad.metrics``), served from this loop.
+* with ``--metrics-port``, the Prometheus endpoint (``varunad.metrics``), served from this loop;
+* the registration guard: the member key written again if someone overwrites or deletes it.
+
+Each task is restarted with back-off if it fails (``_keep_running``; counted in
+``varunad_task_restarts``): a bug in one must not end the daemon and with it the fleet's job.
+Values read from etcd are checked by type where they are parsed (``varunad.schemas``).
 
 SIGTERM or SIGINT is a preemption notice: the daemon marks itself leaving, stops leading, asks
 its workers to checkpoint and stop (the stop is agreed by every worker of the job, so the whole
@@ -41,11 +46,11 @@ from protocol.messages import Assignment, CheckpointNow, StopWorkers
 from protocol.security import Security, SecurityConfig
 from trainer.calibration import Calibration
 
+from varunad import schemas
 from varunad.config import ConfigError, DaemonConfig, build_parser, load_config
 from varunad.election import Election, ElectionState
 from varunad.facts import (DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, gpu_count,
                            is_local_address, version)
-from varunad import schemas
 from varunad.fleet import read_plan
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import BUNDLES, job_dir, prune_jobs
