@@ -182,9 +182,10 @@ def wait_gone(base: Path, timeout: float = 20.0) -> list[str]:
 class Run:
     """One scenario's etcd, ring and job, for the fault to act on."""
 
-    def __init__(self, base: Path, etcd: EtcdServer | EtcdCluster, names: list[str], job: str) -> None:
+    def __init__(self, base: Path, etcd: EtcdServer | EtcdCluster, names: list[str], job: str,
+                 flags: tuple[str, ...] = ()) -> None:
         self.base, self.etcd, self.names, self.job = base, etcd, names, job
-        self.ring = Ring(base / "ring", etcd.endpoint, root="/chaos/", ttl=TTL, extra=RING_FLAGS)
+        self.ring = Ring(base / "ring", etcd.endpoint, root="/chaos/", ttl=TTL, extra=RING_FLAGS + list(flags))
         self.hit: set[str] = set()  # daemons the fault killed or stopped on purpose
         self.checks: list[Callable[[dict[str, Any]], str | None]] = []  # the fault's own checks of the status
 
@@ -215,7 +216,7 @@ class Run:
 
 def run_scenario(name: str, fault: Callable[[Run], None], base: Path, *, names: tuple[str, ...] = ("vm1", "vm2", "vm3"),
                  cluster: bool = False, steps: int = STEPS, fault_at: int = 5, timeout: float = 240.0,
-                 keep_epoch: bool = False, max_redone: int = EVERY) -> Outcome:
+                 keep_epoch: bool = False, max_redone: int = EVERY, flags: tuple[str, ...] = ()) -> Outcome:
     """Start etcd and the ring, run the job to ``fault_at`` (after a checkpoint), call ``fault``,
     wait for the job to end, and check it."""
     out = Outcome(name, keep_epoch=keep_epoch, max_redone=max_redone)
@@ -223,7 +224,7 @@ def run_scenario(name: str, fault: Callable[[Run], None], base: Path, *, names: 
     etcd.start()
     run = None
     try:
-        run = Run(base, etcd, list(names), job=name)
+        run = Run(base, etcd, list(names), job=name, flags=flags)
         run.start(steps=steps)
         run.wait_checkpoint(EVERY * (fault_at // EVERY) if fault_at >= EVERY else EVERY)
         st = run.wait_step(fault_at)
@@ -428,7 +429,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "etcd-stall": dict(fault=etcd_stall, steps=40, keep_epoch=True),
     "etcd-lose-member": dict(fault=etcd_lose_one_member, cluster=True),
     "etcd-lose-quorum": dict(fault=etcd_lose_quorum, cluster=True),
-    "frozen-daemon": dict(fault=freeze_daemon, steps=30),
+    # the thawed VM finds a newer plan and stops its worker; it is not taken back in (no scale-up
+    # morph: that is kill9-vm's job), which keeps the scenario short
+    "frozen-daemon": dict(fault=freeze_daemon, flags=("--scale-up-threshold", "1000")),
     # checkpoints at 4 and 8, the one at 8 corrupted: the resume loads 4, so up to two intervals are redone
     "corrupt-checkpoint": dict(fault=corrupt_newest_checkpoint, steps=18, fault_at=9, max_redone=2 * EVERY),
     "garbage-in-etcd": dict(fault=garbage_in_etcd),
