@@ -241,12 +241,30 @@ class Daemon:
             if asyncio.current_task() is self.leader_task:
                 self.leader_task = None
 
-    def _fence(self) -> None:
+    async def _fence(self) -> None:
         """The lease ran out unrenewed: stop every worker (the membership registers anew, as a new
-        incarnation, as soon as etcd answers; the leader then plans with it again)."""
+        incarnation, as soon as etcd answers; the leader then plans with it again).
+
+        Unless the workers still make progress: then their peers are reachable and training goes
+        on, so etcd, not this VM, is what failed (a stall or restart longer than the TTL takes
+        every lease at once). An outage is no VM loss (varunad.outage): the workers are kept while
+        they progress; once the daemon is registered again, a newer plan (if the leader made
+        one) stops them, an unchanged one keeps them. A VM cut off from the network fences at
+        once: its workers block on their peers and report nothing."""
         sup = getattr(self, "supervisor", None)
-        if sup is not None:
-            sup.fence(f"{self.name} lost etcd for longer than its lease ({self.config.ttl:g}s)")
+        if sup is None:
+            return
+        why = f"{self.name} lost etcd for longer than its lease ({self.config.ttl:g}s)"
+        window = self.config.ttl / 3
+        while True:
+            if not sup.progressing(window):
+                sup.fence(why)
+                return
+            if self.membership.lease_valid():
+                log.warning("%s: etcd was away longer than the lease but the workers kept training: kept them",
+                            self.name)
+                return
+            await asyncio.sleep(0.1)
 
     async def _refresh_metrics(self) -> None:
         """Before a scrape: the values read on demand (members from etcd, bounded by retry_timeout)."""

@@ -430,6 +430,12 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(w.proc.pid, signal.SIGKILL)
 
+    def progressing(self, window: float) -> bool:
+        """Whether a live worker reported a step within the last ``window`` seconds."""
+        now = time.time()
+        ranks = {w.rank for w in self.alive()}
+        return any(now - p.at <= window for r, p in self._progress.items() if r in ranks)
+
     def fence(self, reason: str) -> list[_Worker]:
         """This daemon lost etcd for longer than its lease: its workers can be in no valid epoch
         any more (the fleet may have planned without them). Kill them now, and drop the progress
