@@ -255,9 +255,9 @@ class Daemon:
         if sup is None:
             return
         why = f"{self.name} lost etcd for longer than its lease ({self.config.ttl:g}s)"
-        window = self.config.ttl / 3
         while True:
-            if not sup.progressing(window):
+            # a cut-off VM fences within its TTL (its workers' last step is before the cut)
+            if not sup.progressing(self.config.ttl):
                 sup.fence(why)
                 return
             if self.membership.lease_valid():

@@ -205,6 +205,7 @@ class Supervisor:
         self._log_chunks: dict[str, list[str]] = {}  # job -> chunk keys this daemon wrote, oldest first
         self._on_exit: list[Callable[[_Worker], Any]] = []
         self._notes: dict[str, list[str]] = {}  # job -> checkpoint refusals its workers logged here
+        self._step_interval: dict[int, float] = {}  # rank -> seconds between its last two reports
         self.dropped = 0
 
     # -- the epoch's workers -------------------------------------------------------------------------
@@ -430,11 +431,15 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(w.proc.pid, signal.SIGKILL)
 
-    def progressing(self, window: float) -> bool:
-        """Whether a live worker reported a step within the last ``window`` seconds."""
+    def progressing(self, limit: float) -> bool:
+        """Whether a live worker reported a step recently: within twice its last step interval
+        (at least ``limit``/3, at most ``limit`` seconds)."""
         now = time.time()
-        ranks = {w.rank for w in self.alive()}
-        return any(now - p.at <= window for r, p in self._progress.items() if r in ranks)
+        for w in self.alive():
+            p = self._progress.get(w.rank)
+            if p is not None and now - p.at <= min(limit, max(limit / 3, 2 * self._step_interval.get(w.rank, 0.0))):
+                return True
+        return False
 
     def fence(self, reason: str) -> list[_Worker]:
         """This daemon lost etcd for longer than its lease: its workers can be in no valid epoch
@@ -546,6 +551,9 @@ class Supervisor:
             self.first_step_at = now
             self._mark_report()
         w.step = max(w.step, msg.step)
+        last = self._progress.get(w.rank)
+        if last is not None and last.epoch == msg.epoch:
+            self._step_interval[w.rank] = now - last.at
         self._progress[w.rank] = Progress(job=msg.job, epoch=msg.epoch, rank=msg.rank, step=msg.step, loss=msg.loss,
                                           samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
                                           member=self.name, at=now)

@@ -425,8 +425,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "kill9-two-vms": dict(fault=kill9_two, names=("vm1", "vm2", "vm3", "vm4")),
     "sigterm-leader": dict(fault=sigterm_leader),
     # etcd away for 3 TTLs: the job must still be running afterwards (workers do not need etcd)
-    "etcd-kill-restart": dict(fault=etcd_kill_restart, steps=40, keep_epoch=True),
-    "etcd-stall": dict(fault=etcd_stall, steps=40, keep_epoch=True),
+    # (TTL 3 s: a daemon whose lease ran out keeps its workers only while they report steps within
+    # the TTL, and steps on a loaded 2-core machine take seconds)
+    "etcd-kill-restart": dict(fault=etcd_kill_restart, steps=40, keep_epoch=True, flags=("--ttl", "3")),
+    "etcd-stall": dict(fault=etcd_stall, steps=40, keep_epoch=True, flags=("--ttl", "3")),
     "etcd-lose-member": dict(fault=etcd_lose_one_member, cluster=True),
     "etcd-lose-quorum": dict(fault=etcd_lose_quorum, cluster=True),
     # the thawed VM finds a newer plan and stops its worker; it is not taken back in (no scale-up
