@@ -33,7 +33,7 @@ def test_absent_members_are_awaited_after_this_daemon_saw_etcd_fail():
     assert dec.action == "wait" and "d2, d3" in dec.reason and "register again" in dec.reason
     # not forever: once the grace has passed they are lost
     dec = d(snap, now=106.0, outage_until=105.0)
-    assert dec.action == "abort" and "d2, d3 left the fleet" in dec.reason
+    assert dec.action == "abort" and "d2, d3 were lost" in dec.reason
 
 
 def test_a_reregistered_member_whose_report_is_not_back_yet_is_awaited():
@@ -49,7 +49,7 @@ def test_a_lost_vm_without_an_outage_here_is_lost_at_once():
     members = {n: (member(n), 100 + int(n[-1])) for n in ("d1", "d3")}
     snap = snapshot(plan=plan, epoch=50, states=running(), members=members, reports=reports_for(plan, 50))
     dec = d(snap)
-    assert dec.action == "abort" and "d2 left the fleet" in dec.reason
+    assert dec.action == "abort" and "d2 was lost" in dec.reason
 
 
 def test_a_restarted_daemon_without_its_workers_is_a_lost_member():
