@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from etcd_server import EtcdServer
+from ring import DaemonProc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,29 +53,13 @@ def unavailable_reason() -> str | None:
     return None
 
 
-class NetnsDaemon:
+class NetnsDaemon(DaemonProc):
+    """A daemon of tests/ring.py's kind, running inside network namespace `ns`."""
+
     def __init__(self, index: int, ns: str, proc: subprocess.Popen, log: Path) -> None:
+        super().__init__(f"vm{index}", proc, log)
         self.index = index
         self.ns = ns
-        self.proc = proc
-        self.log = log
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill9(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-
-    def log_text(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")
-        except OSError:
-            return ""
 
 
 class Fabric:

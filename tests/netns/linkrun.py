@@ -36,9 +36,11 @@ class LinkRun:
 
 
 class FabricRing(Ring):
-    def __init__(self, fabric: Fabric, root: str) -> None:
+    """tests/ring.py's helpers (status, polls, submit) over a Fabric's etcd and daemons."""
+
+    def __init__(self, fabric: Fabric, root: str, ttl: float = 4.0) -> None:
         assert fabric.etcd is not None
-        super().__init__(fabric.base / root.strip("/"), fabric.etcd.endpoint, root=root, ttl=4.0)
+        super().__init__(fabric.base / root.strip("/"), fabric.etcd.endpoint, root=root, ttl=ttl)
         self.fabric = fabric
         self.daemons = fabric.daemons
 

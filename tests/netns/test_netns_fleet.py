@@ -14,7 +14,7 @@ import pytest
 
 from fabric import Fabric, unavailable_reason
 from reference import reference_run
-from ring import Ring
+from linkrun import FabricRing
 
 pytestmark = pytest.mark.slow
 
@@ -30,15 +30,12 @@ DAEMON_FLAGS = ("--slots", "1", "--threads", "1", "--ttl", str(TTL), "--calibrat
                 "--progress-interval", "0.5", "--debounce", "0.3")
 
 
-class NetRing(Ring):
-    """tests/ring.py's helpers (status, polls, submit) over a Fabric's etcd and daemons."""
+class NetRing(FabricRing):
+    """A FabricRing whose tests share its daemons, started with `daemon_args`."""
 
     def __init__(self, fabric: Fabric, root: str, daemon_args: tuple[str, ...]) -> None:
-        assert fabric.etcd is not None
-        super().__init__(fabric.base / root.strip("/"), fabric.etcd.endpoint, root=root, ttl=TTL)
-        self.fabric = fabric
+        super().__init__(fabric, root, ttl=TTL)
         self.daemon_args = daemon_args
-        self.daemons = fabric.daemons
 
     def start_vm(self, i: int):
         """VM i's daemon, started unless it runs already (the module's tests share one ring)."""
@@ -46,14 +43,6 @@ class NetRing(Ring):
         if d is not None and d.alive:
             return d
         return self.fabric.start_daemon(i, "--root", self.root, "--store", str(self.store_dir), *self.daemon_args)
-
-    def tails(self, lines: int = 25) -> str:
-        return self.fabric.tails(lines)
-
-    def close(self) -> None:
-        self.fabric.stop_daemons()
-        self.call(self.store.close())
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")
