@@ -52,18 +52,14 @@ def _add_keys(sub: argparse._SubParsersAction) -> None:
         "generate", help="write NAME.key and NAME.key_secret",
         description="Write a new key pair: DIR/NAME.key (public, share it) and DIR/NAME.key_secret "
                     "(secret, mode 0600). Name it after the daemon's member name.")
-    gen.add_argument("--dir", required=True, metavar="DIR", help="directory to write into (created if missing)")
-    gen.add_argument("--name", required=True, metavar="NAME", help="key name: letters, digits, . _ - : @")
-    gen.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
+    _key_pair_options(gen)
     gen.set_defaults(handler=_cmd_keys_generate)
     sk = actions.add_parser(
         "submit-key", help="write NAME.sign_public and NAME.sign_secret (to sign jobs)",
         description="Write a new Ed25519 key pair for signing jobs: DIR/NAME.sign_public goes into the "
                     "--submit-keys directory of every daemon; DIR/NAME.sign_secret (mode 0600) stays with the "
                     "person who submits (varunactl submit --sign-key).")
-    sk.add_argument("--dir", required=True, metavar="DIR", help="directory to write into (created if missing)")
-    sk.add_argument("--name", required=True, metavar="NAME", help="key name: letters, digits, . _ - : @")
-    sk.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
+    _key_pair_options(sk)
     sk.set_defaults(handler=_cmd_keys_submit_key)
     show = actions.add_parser("show", help="print the public key of a key file",
                               description="Print the Z85 public key held in a .key or .key_secret file.")
@@ -270,6 +266,12 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     from varunad import progress
 
     return _run(args, lambda store: progress.watch(store, _keys(args), args.job, interval=args.interval))
+
+
+def _key_pair_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", required=True, metavar="DIR", help="directory to write into (created if missing)")
+    p.add_argument("--name", required=True, metavar="NAME", help="key name: letters, digits, . _ - : @")
+    p.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
 
 
 def _add_ring(sub: argparse._SubParsersAction) -> None:
