@@ -86,10 +86,11 @@ def main() -> None:
         print(f"resumed at step {varuna.iteration}", flush=True)
     batches = GlobalBatches(len(ds), args.batch_size, args.seed)
     while varuna.iteration < args.steps:
-        idx = batches.shard(varuna.iteration, varuna.replica, varuna.data_depth)
+        step = varuna.iteration   # the step's index: what status, plots and the loss history call it
+        idx = batches.shard(step, varuna.replica, varuna.data_depth)
         loss, _ = varuna.step(ds.batch(idx))
         if varuna.rank == 0:
-            print(f"step {varuna.iteration} loss {loss:.4f}", flush=True)
+            print(f"step {step} loss {loss:.4f}", flush=True)
     varuna.close()
 
 
