@@ -11,7 +11,7 @@ import torch
 
 from reference import reference_run
 from trainer.launch import launch
-from trainer.timeline import load_events
+from varunad.report.traces import load_events
 
 WORKER = Path(__file__).parent / "workers" / "train_check.py"
 STEPS, BATCH = 5, 12

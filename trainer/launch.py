@@ -431,7 +431,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  python -m trainer.launch --stages 2 --replicas 2 examples/train_gpt.py --steps 20\n"
                "  python -m trainer.launch -P 4 --trace-dir traces examples/train_cnn.py\n"
-               "  python -m trainer.timeline traces -o timeline.png",
+               "  varunactl report --traces traces   # timeline.png of the last step",
     )
     p.add_argument("--stages", "-P", type=int, required=True, help="pipeline depth P")
     p.add_argument("--replicas", "-D", type=int, default=1, help="data-parallel width D (default 1)")
@@ -439,7 +439,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cuts", type=_parse_cuts, metavar="I,J,...",
                    help="active cut-point indices, P-1 of them (default: Varuna balances the stages)")
     p.add_argument("--trace-dir", metavar="DIR", help="write a Chrome trace per worker here "
-                   "(render with `python -m trainer.timeline DIR`)")
+                   "(draw them with `varunactl report --traces DIR`)")
     p.add_argument("--store", metavar="DIR", help="checkpoint store of the job; workers resume from its "
                    "newest complete checkpoint")
     p.add_argument("--checkpoint-every", type=int, metavar="K",

@@ -428,11 +428,12 @@ class Leader:
             self._write_report(job, state.store or job_store(entry.spec, self.config.store))
 
     def _write_report(self, job: str, store_dir: str) -> None:
-        """Draw the job's pictures and cost into its store, in the background: the report reads
-        etcd and files and renders PNGs, none of which may hold up the loop or fail the job
-        (write_end_of_job_report logs its own failures)."""
+        """Record the job's report data (losses, morphs, traces, cost) into its store, in the
+        background: the report reads etcd and files, none of which may hold up the loop or fail
+        the job (write_end_of_job_report logs its own failures). `varunactl report` draws the
+        pictures from it: no plotting library in the daemon."""
         try:
-            from varunad.report import write_end_of_job_report  # numpy rendering: loaded when first needed
+            from varunad.report import write_end_of_job_report  # loaded when first needed
         except Exception as exc:  # a broken report must not break the leader
             log.warning("leader: no report for %s: %s", job, exc)
             return
