@@ -372,6 +372,8 @@ def test_the_loss_data_marks_where_the_vm_was_lost_and_the_steps_redone(morphed)
     assert second["after"] == {"cause": "vm4 was lost", "restart": False, "noticed_at": 1100.0}
     assert second["samples_per_s"] == pytest.approx(39 * 16 / 170.0)
     assert (second["start"], second["end"]) == (1106.0, 1300.0)
+    assert "plans    2x2: steps 0-27, 4.55 samples/s; 2x1: steps 20-59, 3.67 samples/s\n" in (
+        report / "report.txt").read_text()
 
 
 def test_the_loss_figure_has_the_curve_the_morph_the_redone_span_and_a_legend(morphed):

@@ -220,6 +220,11 @@ def format_report(doc: dict[str, Any]) -> str:
     """report.txt: the summary varunactl prints."""
     lines = [f"job      {doc['job']}: {doc['state']} ({doc['reason']})",
              f"run      {doc['steps']} steps x batch {doc['batch_size']} as {' -> '.join(doc['shapes']) or '-'}"]
+    ran = [r for r in doc.get("runs", ()) if r["first_step"] is not None]
+    if ran:
+        lines.append("plans    " + "; ".join(
+            f"{r['shape']}: steps {r['first_step']}-{r['last_step']}"
+            + ("" if r["samples_per_s"] is None else f", {r['samples_per_s']:.3g} samples/s") for r in ran))
     meas, pred = doc["measured"], doc["predicted"]
     if meas:
         lines.append(f"step     measured {meas['step_s']:.4f} s (step {meas['step']} of epoch {meas['epoch']}, "
