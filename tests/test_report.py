@@ -4,6 +4,7 @@ its matplotlib pictures, the message when matplotlib is missing, and one real da
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from trainer.schedule import build_table
 from trainer.simulator import simulate, stage_costs
 from trainer.trace import CATEGORIES, TraceRecorder, trace_path
 from varunad.cli import main as varunactl
+from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobState, MorphEvent
 from varunad.prices import DEFAULT_PRICES, DevicePrice, PriceError, load_prices, price_of
 from varunad.report import (
@@ -34,7 +36,9 @@ from varunad.report import (
     run_intervals,
 )
 from varunad.report.cost import cost_lines
+from varunad.records import encode_history
 from varunad.report.pictures import EXTRA, draw_report
+from varunad.store import EtcdStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -448,6 +452,37 @@ def test_without_matplotlib_varunactl_report_says_in_one_line_which_extra_to_ins
         assert r.stderr == f"varunactl report: the pictures need matplotlib, which is not installed: {EXTRA}\n"
         assert EXTRA == "pip install 'varunad[report]'"
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_varunactl_report_of_a_job_writes_the_data_then_draws_or_names_the_extra(etcd, etcd_root, tmp_path):
+    """What the leader and daemons leave in etcd for a finished job; `varunactl report` against it,
+    once with matplotlib and once as if it were not installed."""
+    keys = FleetKeys(etcd_root)
+    spec = JobSpec(job="j", script="t.py", batch_size=8, steps=6, checkpoint_every=3, bundle_digest="0" * 64,
+                   bundle_bytes=1, store=str(tmp_path / "store"))
+    async with EtcdStore(etcd.endpoint) as store:
+        await store.put(keys.job("j"), spec.encode())
+        await store.put(keys.history_entry("j", 4, "vm1"), encode_history([(s, 2.0 - s / 10) for s in range(6)],
+                                                                           span=(103.0, 118.0)))
+        await store.put(keys.state("j"), JobState(job="j", state="done", reason="trained", epoch=4, epochs=(4,),
+                                                  started_at=100.0, finished_at=120.0,
+                                                  plan={"P": 1, "D": 1, "micro_batch_size": 8}).encode())
+    base = ["--etcd", etcd.endpoint, "--root", etcd_root, "report", "j"]
+    with_pictures = await asyncio.to_thread(varunactl, [*base, "--out", str(tmp_path / "a")])
+    assert with_pictures == 0
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(
+        ["loss.json", "cost.json", "report.json", "report.txt", "loss.png", "throughput.png"])
+    assert png_size(tmp_path / "a" / "throughput.png") == (900, 550)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    r = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _WITHOUT_MATPLOTLIB, *base, "--out", "b"],
+                                capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert r.returncode == 1
+    assert r.stderr == (f"varunactl report: the pictures need matplotlib, which is not installed: {EXTRA} "
+                        "(the report's data is in b/)\n")
+    assert r.stdout.startswith("job      j: done (trained)\nrun      6 steps x batch 8 as 1x1\n"), r.stdout
+    assert "plans    1x1: steps 0-5, 2.67 samples/s\n" in r.stdout   # 5 steps of 8 samples in 15 s
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["cost.json", "loss.json", "report.json",
+                                                                  "report.txt"]
 
 
 # --- a real job ---------------------------------------------------------------------------------------------

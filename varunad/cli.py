@@ -330,7 +330,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
         if args.from_dir:
             drawn, notes = pictures.draw_report(args.from_dir, args.out)
             out = args.out or args.from_dir
-            print("\n".join([f"drew     {', '.join(drawn) or 'nothing'} into {out}/"] + [f"note     {n}" for n in notes]))
+            print("\n".join([f"drew     {', '.join(drawn) or 'nothing'} into {out}/"]
+                            + [f"note     {n}" for n in notes]))
             return 0
         return _report_job(args, pictures)
     except pictures.NoMatplotlib as exc:

@@ -36,7 +36,7 @@ from varunad.ctl import job_status, plan_lines
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobState, model_fingerprint
 from varunad.prices import DevicePrice, load_prices
-from varunad.report.cost import Interval, cost_lines, cost_report, morph_losses, plural, restarts_text, run_intervals
+from varunad.report.cost import Interval, cost_lines, cost_report, morph_losses, plural, run_intervals
 from varunad.report.traces import MeasuredStep, Missing, chrome_trace, pick_measured_step, predict, stage_meta
 from varunad.store import Store
 
