@@ -145,7 +145,7 @@ def timeline_figure(events: Sequence[Mapping[str, Any]], title: str) -> Figure:
         if mb is None or cat in COMM_CATEGORIES or dur_ms < span_ms * len(str(mb)) / 90:
             continue
         ax.text((float(e["ts"]) - t0) / 1000.0 + dur_ms / 2, row[(int(e["pid"]), int(e["tid"]))] - 0.11, str(mb),
-                ha="center", va="center", fontsize=7, color=_ink_on(CATEGORY_COLORS.get(cat, _OTHER)))
+                ha="center", va="center", fontsize=8, color=_ink_on(CATEGORY_COLORS.get(cat, _OTHER)))
     ax.set_yticks(range(len(keys)), [f"stage {s}, replica {r}" for s, r in keys])
     ax.set_ylim(len(keys) - 0.5, -0.6)
     ax.set_xlim(0, span_ms * 1.01)
