@@ -17,6 +17,7 @@ from pathlib import Path
 
 from protocol.errors import ProtocolError
 from protocol.security import generate_key_pair, load_public_key
+from trainer.schedule import SCHEDULES
 
 __all__ = ["main"]
 
@@ -192,7 +193,7 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, required=True, metavar="K", help="checkpoint every K steps")
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="complete checkpoints kept (3)")
     p.add_argument("--store", metavar="DIR", help="checkpoint store of the job (default: the daemons' --store/NAME)")
-    p.add_argument("--schedule", default="varuna", choices=["varuna", "gpipe", "1f1b"],
+    p.add_argument("--schedule", default="varuna", choices=list(SCHEDULES),
                    help="pipeline schedule (default varuna)")
     p.add_argument("--no-import-check", action="store_true",
                    help="do not refuse a script whose imports are not installed on this machine (they are on the VMs)")

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from trainer.schedule import SCHEDULES  # pure Python: the one list of schedule names
 from varunad import schemas
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
 
 STATES = ("queued", "running", "morphing", "done", "failed", "cancelled")
 TERMINAL = frozenset({"done", "failed", "cancelled"})
-SCHEDULES = ("varuna", "gpipe", "1f1b")
 
 MAX_BUNDLE_BYTES = 1 << 20  # zipped; etcd refuses requests over 1.5 MiB by default
 MAX_UNPACKED_BYTES = 64 << 20
