@@ -22,7 +22,7 @@ from varunad.facts import PortReservation
 from varunad.fleetkeys import FleetKeys
 from varunad.membership import Membership
 from varunad.store import EtcdStore
-from varunad.supervisor import Supervisor, _Worker
+from varunad.supervisor import Supervisor, _SupervisedWorker
 
 from protocol.messages import StopWorkers, WorkerProgress, decode, encode
 from test_membership import make_member
@@ -37,8 +37,8 @@ def _supervisor(tmp_path: Path, ctx: zmq.asyncio.Context) -> Supervisor:
                       ports=PortReservation("127.0.0.1"), ctx=ctx, security_env={}, peer_keys=lambda doc: {})
 
 
-def _running(sup: Supervisor, rank: int, token: str) -> _Worker:
-    w = _Worker(job="j", epoch=5, rank=rank, slot=0, log_path=Path(os.devnull), token=token, outcome="running")
+def _running(sup: Supervisor, rank: int, token: str) -> _SupervisedWorker:
+    w = _SupervisedWorker(job="j", epoch=5, rank=rank, slot=0, log_path=Path(os.devnull), token=token, outcome="running")
     sup.workers[rank] = w
     sup.job, sup.epoch = "j", 5
     return w

@@ -14,7 +14,7 @@ import pytest
 
 from ring import Ring
 from trainer.launch import free_ports
-from varunad.config import ConfigError, load_config
+from varunad.config import DaemonConfigError, load_config
 from varunad.metrics import METRIC_NAMES, DaemonMetrics, MetricsError, serve
 
 
@@ -111,7 +111,7 @@ def test_metrics_port_option():
     assert load_config(base, environ={"VARUNAD_METRICS_PORT": "9464"}).metrics_port == 9464
     assert load_config(base + ["--metrics-port", "9100"], environ={"VARUNAD_METRICS_PORT": "9464"}).metrics_port == 9100
     for bad in ("-1", "70000"):
-        with pytest.raises(ConfigError, match="metrics-port"):
+        with pytest.raises(DaemonConfigError, match="metrics-port"):
             load_config(base + ["--metrics-port", bad], environ={})
 
 

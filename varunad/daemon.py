@@ -47,14 +47,14 @@ from protocol.security import Security, SecurityConfig
 from trainer.calibration import Calibration
 
 from varunad import schemas
-from varunad.config import ConfigError, DaemonConfig, build_parser, load_config
+from varunad.config import DaemonConfig, DaemonConfigError, build_parser, load_config
 from varunad.election import Election, ElectionState
 from varunad.facts import (DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, gpu_count,
                            is_local_address, version)
 from varunad.fleet import read_plan
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import BUNDLES, job_dir, prune_jobs
-from varunad.jobs import BundleError, JobSpec, JobSpecError, job_store, model_fingerprint, unpack_bundle
+from varunad.jobs import BundleError, JobSpec, JobSpecError, job_store, script_fingerprint, unpack_bundle
 from varunad.leader import Leader
 from varunad.links import LinkProber
 from varunad.membership import Membership, NameInUse, read_members
@@ -383,7 +383,7 @@ class Daemon:
         except (StoreError, JobSpecError) as exc:
             self.supervisor.fail_epoch(doc.job or "", epoch, [0], f"{self.name} could not get the job's files: {exc}")
             return
-        out = Path(self.config.state_dir) / "calibration" / f"{model_fingerprint(spec)}.json"
+        out = Path(self.config.state_dir) / "calibration" / f"{script_fingerprint(spec)}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         log.info("%s: calibrating the model of %s (writing %s)", self.name, spec.job, out)
         await self.supervisor.start_profile(doc, epoch, member=self.membership.member, script=script,
@@ -400,7 +400,7 @@ class Daemon:
             kind = self.membership.member.device_kind
             if cal.device_kind != kind:
                 cal = dataclasses.replace(cal, device_kind=kind)
-            await self.store.put(self.keys.calibration_entry(model_fingerprint(spec), kind), cal.to_bytes(),
+            await self.store.put(self.keys.calibration_entry(script_fingerprint(spec), kind), cal.to_bytes(),
                                  timeout=self.config.retry_timeout)
             log.info("%s: stored the calibration of %s for %s", self.name, spec.job, kind)
         except (OSError, ValueError, KeyError, StoreError) as exc:
@@ -541,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         config = load_config(args, parser=parser)
-    except ConfigError as exc:
+    except DaemonConfigError as exc:
         print(f"varunad: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level, stream=sys.stderr,

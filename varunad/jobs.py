@@ -37,7 +37,7 @@ __all__ = [
     "pack_bundle",
     "unpack_bundle",
     "bundle_digest",
-    "model_fingerprint",
+    "script_fingerprint",
     "job_store",
     "job_trace_dir",
 ]
@@ -170,8 +170,10 @@ def job_trace_dir(store: str, epoch: int) -> str | None:
     return os.path.join(store, "traces", f"epoch{epoch}")
 
 
-def model_fingerprint(spec: JobSpec) -> str:
-    """Key of the job's calibration in etcd: same bundle and arguments, same model."""
+def script_fingerprint(spec: JobSpec) -> str:
+    """Key of the job's calibration in etcd: a digest of the bundle and the arguments (same script,
+    same model), not of the model itself, which the daemon never loads (that is
+    `trainer.profiler.model_fingerprint`)."""
     h = hashlib.sha256(spec.bundle_digest.encode())
     h.update(json.dumps([spec.script, list(spec.args)]).encode())
     return h.hexdigest()[:16]

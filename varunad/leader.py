@@ -36,7 +36,7 @@ from varunad.failures import cause as failure_cause, classify
 from varunad.fleet import FleetSnapshot, JobEntry, forget_progress, read_fleet, read_newest
 from varunad.fleetkeys import FleetKeys
 from varunad.outage import judge_members
-from varunad.jobs import JobSpec, JobState, MorphEvent, job_store, model_fingerprint
+from varunad.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
 from varunad.links import LinkSurvey, apply_links
 from varunad.metrics import DaemonMetrics
 from varunad.peers import PeerClients
@@ -566,7 +566,7 @@ class Leader:
 
     async def _calibrations(self, spec: JobSpec, kinds: list[str]) -> tuple[dict[str, Calibration], bool, list[str]]:
         """(calibrations, all measured?, kinds still missing). The one place that picks the fallback."""
-        fp = model_fingerprint(spec)
+        fp = script_fingerprint(spec)
         listing = await self.store.get_prefix(self.keys.calibration_of(fp), timeout=self.t)
         stored = {kv.key.rsplit("/", 1)[-1]: kv.value for kv in listing}
         found, missing = calibrations_for(spec, kinds, stored)
@@ -600,7 +600,7 @@ class Leader:
             if rec is not None and rec.outcome in ("failed", "killed"):
                 log.warning("leader: calibrating %s failed (%s); planning without a measured calibration",
                             job, error_summary(rec.error) or rec.outcome)
-                self.memory.profile_failed.add(model_fingerprint(spec))
+                self.memory.profile_failed.add(script_fingerprint(spec))
         members = await self._candidates(snap)
         kinds = sorted({m.device_kind for m, _ in members})
         cals: dict[str, Calibration] = {}

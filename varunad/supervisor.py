@@ -1,7 +1,7 @@
 """Worker supervision: start this daemon's trainer workers, hear from them, stop them, report to etcd.
 
 One worker per assigned slot: ``python script.py args`` in the job's unpacked bundle, with the
-``trainer.env.Assignment`` of its rank in the environment (the local launcher's entry point).
+``trainer.env.WorkerAssignment`` of its rank in the environment (the local launcher's entry point).
 Each worker
 
 * runs in its own session (so its process group can be signalled as one) and dies with the
@@ -41,7 +41,7 @@ import zmq.asyncio
 from protocol.errors import ProtocolError
 from protocol.messages import CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
 from trainer.control import STOPPED_EXIT_CODE
-from trainer.env import Assignment as WorkerAssignment
+from trainer.env import WorkerAssignment
 from trainer.launch import worker_environment as launch_environment
 from trainer.netaddr import numeric_address
 
@@ -108,7 +108,9 @@ def _tail(path: Path, size: int = _TAIL_BYTES) -> str:
 
 
 @dataclass(eq=False)
-class _Worker:
+class _SupervisedWorker:
+    """One worker process this daemon started for a job's epoch, and what it reported."""
+
     job: str
     epoch: int
     rank: int
@@ -186,7 +188,7 @@ class Supervisor:
         self.sock.bind(self.channel.endpoint)
         self.control_endpoint = self.channel.endpoint
         log.info("%s: worker control socket at %s", self.name, self.control_endpoint)
-        self.workers: dict[int, _Worker] = {}
+        self.workers: dict[int, _SupervisedWorker] = {}
         self.job: str | None = None
         self.epoch = 0
         self.epoch_started_at = 0.0
@@ -203,14 +205,14 @@ class Supervisor:
         self._exited.set()
         self._log_seq = time.time_ns() // 1000
         self._log_chunks: dict[str, list[str]] = {}  # job -> chunk keys this daemon wrote, oldest first
-        self._on_exit: list[Callable[[_Worker], Any]] = []
+        self._on_exit: list[Callable[[_SupervisedWorker], Any]] = []
         self._notes: dict[str, list[str]] = {}  # job -> checkpoint refusals its workers logged here
         self._step_interval: dict[int, float] = {}  # rank -> seconds between its last two reports
         self.dropped = 0
 
     # -- the epoch's workers -------------------------------------------------------------------------
 
-    def alive(self) -> list[_Worker]:
+    def alive(self) -> list[_SupervisedWorker]:
         return [w for w in self.workers.values() if w.alive]
 
     def report(self) -> WorkerReport:
@@ -256,7 +258,7 @@ class Supervisor:
             )
             ports = [member.worker_ports[s.slot]] + ([member.rendezvous_port] if s.rank == 0 else [])
             token = new_token()
-            await self._spawn(_Worker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot, token=token,
+            await self._spawn(_SupervisedWorker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot, token=token,
                                       log_path=self._log_path(doc.job or "", epoch, s.rank), ports=tuple(ports)),
                               script, args, worker_environment(assignment, extra={**extra, TOKEN_ENV: token}))
         log.info("%s: started %d worker(s) of %s epoch %d (%s, ranks %s)", self.name, len(mine), doc.job, epoch,
@@ -287,7 +289,7 @@ class Supervisor:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(out_path)
         token = new_token()
-        worker = _Worker(job=doc.job or "", epoch=epoch, rank=0, slot=0, profile_path=out_path, token=token,
+        worker = _SupervisedWorker(job=doc.job or "", epoch=epoch, rank=0, slot=0, profile_path=out_path, token=token,
                          log_path=self._log_path(doc.job or "", epoch, 0),
                          ports=(member.worker_ports[0], member.rendezvous_port))
         await self._spawn(worker, script, args, worker_environment(assignment, extra={**self.security_env,
@@ -297,11 +299,11 @@ class Supervisor:
         """Report ``ranks`` of an epoch this daemon could not even start as failed, with ``error``."""
         self._begin(job, epoch)
         for rank in ranks:
-            self.workers[rank] = _Worker(job=job, epoch=epoch, rank=rank, slot=0, outcome="failed", error=error,
+            self.workers[rank] = _SupervisedWorker(job=job, epoch=epoch, rank=rank, slot=0, outcome="failed", error=error,
                                          log_path=self._log_path(job, epoch, rank))
         self._mark_report()
 
-    def on_exit(self, callback: Callable[[_Worker], Any]) -> None:
+    def on_exit(self, callback: Callable[[_SupervisedWorker], Any]) -> None:
         """Call ``callback(worker)`` (may be async) when a worker has exited, before reporting it."""
         self._on_exit.append(callback)
 
@@ -326,7 +328,7 @@ class Supervisor:
         self._progress.clear()
         self._report_dirty = True
 
-    async def _spawn(self, w: _Worker, script: Path, args: list[str], env: dict[str, str]) -> None:
+    async def _spawn(self, w: _SupervisedWorker, script: Path, args: list[str], env: dict[str, str]) -> None:
         w.log_path.parent.mkdir(parents=True, exist_ok=True)
         for port in w.ports:
             self.ports.release(port)
@@ -349,7 +351,7 @@ class Supervisor:
         self._mark_report()
         w.wait_task = asyncio.get_running_loop().create_task(self._wait(w), name=f"worker-{w.job}-e{w.epoch}-r{w.rank}")
 
-    async def _wait(self, w: _Worker) -> None:
+    async def _wait(self, w: _SupervisedWorker) -> None:
         assert w.proc is not None
         code = await w.proc.wait()
         w.exit_code = code
@@ -376,7 +378,7 @@ class Supervisor:
                 log.exception("%s: exit callback failed", self.name)
         self._after_exit(w)
 
-    def _after_exit(self, w: _Worker) -> None:
+    def _after_exit(self, w: _SupervisedWorker) -> None:
         for port in w.ports:
             self.ports.reacquire(port)
         level = logging.WARNING if w.outcome == "failed" else logging.INFO
@@ -422,7 +424,7 @@ class Supervisor:
             if w.job == job and w.epoch == epoch:
                 self._deliver(w, CheckpointNow(job=job, epoch=epoch, reason=str(reason)[:1000]))
 
-    async def _kill_after(self, w: _Worker, grace: float) -> None:
+    async def _kill_after(self, w: _SupervisedWorker, grace: float) -> None:
         await asyncio.sleep(grace)
         if w.alive and w.proc is not None:
             log.warning("%s: rank %d of %s epoch %d did not stop within %.0fs; SIGKILL", self.name, w.rank, w.job,
@@ -441,7 +443,7 @@ class Supervisor:
                 return True
         return False
 
-    def fence(self, reason: str) -> list[_Worker]:
+    def fence(self, reason: str) -> list[_SupervisedWorker]:
         """This daemon lost etcd for longer than its lease: its workers can be in no valid epoch
         any more (the fleet may have planned without them). Kill them now, and drop the progress
         not yet written: it belongs to an epoch that may be over."""
@@ -452,7 +454,7 @@ class Supervisor:
             log.warning("%s: killed %d worker(s): %s", self.name, len(killed), reason)
         return killed
 
-    def kill_now(self) -> list[_Worker]:
+    def kill_now(self) -> list[_SupervisedWorker]:
         """SIGKILL every live worker's process group; returns them."""
         alive = self.alive()
         for w in alive:
@@ -469,14 +471,14 @@ class Supervisor:
             log.warning("%s: killed %d worker(s): %s", self.name, len(alive), reason)
             await self.wait_all_exited(10.0)
 
-    def _deliver(self, w: _Worker, msg: Any) -> None:
+    def _deliver(self, w: _SupervisedWorker, msg: Any) -> None:
         data = msg if isinstance(msg, bytes) else encode(msg)
         if not w.connected:
             w.pending.append(data)  # sent when the worker first speaks (after its first step)
             return
         self._send(w, data)
 
-    def _send(self, w: _Worker, data: bytes) -> None:
+    def _send(self, w: _SupervisedWorker, data: bytes) -> None:
         # An asyncio socket reports a failed send in the returned future, never by raising here
         # (an `except zmq.ZMQError` around it never fired): look at the future, and keep a message
         # that could not go for the worker's next message.
@@ -492,7 +494,7 @@ class Supervisor:
 
         fut.add_done_callback(sent)
 
-    def _undelivered(self, w: _Worker, data: bytes) -> None:
+    def _undelivered(self, w: _SupervisedWorker, data: bytes) -> None:
         if w.alive and data not in w.pending:
             log.debug("%s: a request to rank %d was not delivered; sending it with the next reply", self.name, w.rank)
             w.connected = False
@@ -544,7 +546,7 @@ class Supervisor:
             log.warning("%s: dropped a malformed message on the worker socket (%d so far): %s",
                         self.name, self.dropped, why)
 
-    def _on_progress(self, w: _Worker, msg: WorkerProgress) -> None:
+    def _on_progress(self, w: _SupervisedWorker, msg: WorkerProgress) -> None:
         now = time.time()
         reports_job = w.rank == min(self.workers)   # the lowest local rank speaks for the job
         if w.step < 0 and not self.first_step_at:
@@ -648,7 +650,7 @@ class Supervisor:
             while len(chunks) > _LOG_CHUNKS_KEPT:
                 await self.store.delete(chunks.pop(0), timeout=timeout)
 
-    async def _note_refusals(self, w: _Worker, data: bytes, timeout: float) -> None:
+    async def _note_refusals(self, w: _SupervisedWorker, data: bytes, timeout: float) -> None:
         """A worker that skipped a corrupt checkpoint (trainer.ckpt_store: "skipping checkpoint N:
         ...") resumed from an older one and redoes steps: say so in this daemon's log and in etcd
         (``notes/<job>/<member>``, shown by status), not only in the worker's own output."""

@@ -34,7 +34,7 @@ from typing import Any
 
 from varunad.ctl import job_status, plan_lines
 from varunad.fleetkeys import FleetKeys
-from varunad.jobs import JobSpec, JobState, model_fingerprint
+from varunad.jobs import JobSpec, JobState, script_fingerprint
 from varunad.prices import DevicePrice, load_prices
 from varunad.report.cost import Interval, cost_lines, cost_report, morph_losses, plural, run_intervals
 from varunad.report.traces import MeasuredStep, Missing, chrome_trace, pick_measured_step, predict, stage_meta
@@ -67,7 +67,7 @@ async def collect(store: Store, keys: FleetKeys, job: str, *, store_dir: str | N
     spec = JobSpec.decode((await store.get(keys.job(job))).value, job=job)
     kv = await store.get(keys.state(job))
     state = JobState.decode(kv.value) if kv is not None else JobState(job=job)
-    listing = await store.get_prefix(keys.calibration_of(model_fingerprint(spec)))
+    listing = await store.get_prefix(keys.calibration_of(script_fingerprint(spec)))
     calibrations = {kv.key.rsplit("/", 1)[-1]: kv.value for kv in listing}
     return ReportInputs(spec=spec, state=state, status=status, calibrations=calibrations,
                         store_dir=store_dir or spec.store or state.store or None, now=time.time())
