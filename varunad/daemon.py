@@ -54,7 +54,7 @@ from varunad.facts import (DaemonMember, PortReservation, detect_device_kind, de
 from varunad.fleet import read_plan
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import BUNDLES, job_dir, prune_jobs
-from varunad.jobs import BundleError, JobSpec, JobSpecError, job_store, script_fingerprint, unpack_bundle
+from varunad.jobs import BundleError, JobSpec, JobSpecError, script_fingerprint, unpack_bundle
 from varunad.leader import Leader
 from varunad.links import LinkProber
 from varunad.membership import Membership, NameInUse, read_members
@@ -370,10 +370,7 @@ class Daemon:
             sup.fail_epoch(doc.job or "", epoch, [s.rank for s in doc.slots_on(self.name)],
                            f"{self.name} could not get the job's files: {exc}")
             return
-        await sup.start_epoch(doc, epoch, member=self.membership.member, script=script, args=list(spec.args),
-                              store_dir=job_store(spec, self.config.store), batch_size=spec.batch_size,
-                              steps=spec.steps, checkpoint_every=spec.checkpoint_every,
-                              keep_checkpoints=spec.keep_checkpoints)
+        await sup.start_epoch(doc, epoch, spec, script)
 
     async def _start_profile(self, doc: PlanDoc, epoch: int) -> None:
         if not self._planned_for_me(doc):
@@ -386,9 +383,7 @@ class Daemon:
         out = Path(self.config.state_dir) / "calibration" / f"{script_fingerprint(spec)}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         log.info("%s: calibrating the model of %s (writing %s)", self.name, spec.job, out)
-        await self.supervisor.start_profile(doc, epoch, member=self.membership.member, script=script,
-                                            args=list(spec.args), batch_size=spec.batch_size, steps=spec.steps,
-                                            out_path=str(out))
+        await self.supervisor.start_profile(doc, epoch, spec, script, str(out))
 
     async def _after_worker(self, worker) -> None:
         """A calibration run that exited 0 has written its file: store it for the leader."""

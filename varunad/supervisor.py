@@ -51,7 +51,7 @@ from varunad.fencing import put_for_epoch
 from varunad.facts import DaemonMember, PortReservation, gpu_count
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import LOGS, STAGING, job_dir
-from varunad.jobs import job_trace_dir
+from varunad.jobs import JobSpec, job_store, job_trace_dir
 from varunad.membership import Membership
 from varunad.metrics import DaemonMetrics
 from varunad.plans import PlanDoc
@@ -232,11 +232,12 @@ class Supervisor:
         except TimeoutError:
             return False
 
-    async def start_epoch(self, doc: PlanDoc, epoch: int, *, member: DaemonMember, script: Path, args: list[str],
-                          store_dir: str, batch_size: int, steps: int, checkpoint_every: int,
-                          keep_checkpoints: int) -> None:
-        """Start a worker for each slot ``doc`` gives this member (after ending any older ones)."""
+    async def start_epoch(self, doc: PlanDoc, epoch: int, spec: JobSpec, script: Path) -> None:
+        """Start a worker for each slot ``doc`` gives this member (after ending any older ones):
+        ``script`` (the job's unpacked entry point) with ``spec``'s arguments and settings."""
         await self.kill_all("a newer plan replaces them")
+        member = self.membership.member
+        store_dir = job_store(spec, self.config.store)
         mine = doc.slots_on(self.name)
         self._begin(doc.job or "", epoch)
         self.metrics.begin_epoch({s.rank: s.stage for s in mine}, doc.job or "")
@@ -250,8 +251,8 @@ class Supervisor:
                 job=doc.job or "", epoch=epoch, cuts=list(doc.cuts), schedule=doc.schedule, threads=threads,
                 recompute=list(doc.recompute) or None,
                 store=store_dir, device=self._device(member, s.slot), control=self.control_endpoint,
-                checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume="latest",
-                batch_size=batch_size, micro_batch_size=doc.micro_batch_size, steps=steps,
+                checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints, resume="latest",
+                batch_size=spec.batch_size, micro_batch_size=doc.micro_batch_size, steps=spec.steps,
                 trace_dir=job_trace_dir(store_dir, epoch),
                 checkpoint_tmpdir=str(self._staging_dir(doc.job or "")) if self.config.stage_checkpoints else None,
                 bind_address=self.bind_address,
@@ -260,18 +261,18 @@ class Supervisor:
             token = new_token()
             await self._spawn(_SupervisedWorker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot, token=token,
                                       log_path=self._log_path(doc.job or "", epoch, s.rank), ports=tuple(ports)),
-                              script, args, worker_environment(assignment, extra={**extra, TOKEN_ENV: token}))
+                              script, list(spec.args), worker_environment(assignment, extra={**extra, TOKEN_ENV: token}))
         log.info("%s: started %d worker(s) of %s epoch %d (%s, ranks %s)", self.name, len(mine), doc.job, epoch,
                  doc.shape, [s.rank for s in mine])
 
-    async def start_profile(self, doc: PlanDoc, epoch: int, *, member: DaemonMember, script: Path, args: list[str],
-                            batch_size: int, steps: int, out_path: str) -> None:
+    async def start_profile(self, doc: PlanDoc, epoch: int, spec: JobSpec, script: Path, out_path: str) -> None:
         """Run the script once on slot 0 with VARUNA_PROFILE: it writes the calibration and exits 0.
 
         It measures what a training worker of this host will see: as many torch threads, and on a
         CPU host whose slots share the cores, all of them busy at once (the profiler forks one
         process per slot; that needs one thread each, else the lone slot is measured)."""
         await self.kill_all("a newer plan replaces them")
+        member = self.membership.member
         self._begin(doc.job or "", epoch)
         self.metrics.begin_epoch({0: 0}, doc.job or "")
         threads = self._threads(member)
@@ -283,7 +284,7 @@ class Supervisor:
         assignment = WorkerAssignment(
             rank=0, stage_to_rank={0: [0]}, endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
             job=doc.job or "", epoch=epoch, threads=threads,
-            device=self._device(member, 0), control=self.control_endpoint, batch_size=batch_size, steps=steps,
+            device=self._device(member, 0), control=self.control_endpoint, batch_size=spec.batch_size, steps=spec.steps,
             profile=out_path, profile_slots=busy_slots, bind_address=self.bind_address,
         )
         with contextlib.suppress(FileNotFoundError):
@@ -292,7 +293,7 @@ class Supervisor:
         worker = _SupervisedWorker(job=doc.job or "", epoch=epoch, rank=0, slot=0, profile_path=out_path, token=token,
                          log_path=self._log_path(doc.job or "", epoch, 0),
                          ports=(member.worker_ports[0], member.rendezvous_port))
-        await self._spawn(worker, script, args, worker_environment(assignment, extra={**self.security_env,
+        await self._spawn(worker, script, list(spec.args), worker_environment(assignment, extra={**self.security_env,
                                                                                     TOKEN_ENV: token}))
 
     def fail_epoch(self, job: str, epoch: int, ranks: list[int], error: str) -> None:
