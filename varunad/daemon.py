@@ -6,7 +6,8 @@ One asyncio loop, no threads of its own. Tasks:
 * the control server (``varunad.peers``): assignments and stop requests from the leader, pings;
 * the plan follower: watches ``plan`` and applies each new epoch (start, stop or clear workers);
   a pushed Assignment only makes it read the plan at once: etcd holds the truth;
-* the supervisor (``varunad.supervisor``): workers, their control socket, reports to etcd;
+* the supervisor (``varunad.supervisor``): workers and their control socket; its reporter (``varunad.reporter``)
+  writes what they did to etcd;
 * the leader (``varunad.leader``), only while this daemon leads.
 * with ``--metrics-port``, the Prometheus endpoint (``varunad.metrics``), served from this loop;
 * the registration guard: the member key written again if someone overwrites or deletes it.
@@ -178,7 +179,7 @@ class Daemon:
         self._tasks = [loop.create_task(self._keep_running(name, run), name=name) for name, run in (
             ("election", self.election.run), ("control-server", self._serve),
             ("plan-follower", self._follow_plan), ("worker-socket", self.supervisor.serve),
-            ("reports", self.supervisor.report_loop), ("link-prober", prober.run),
+            ("reports", self.supervisor.reporter.loop), ("link-prober", prober.run),
             ("registration", self.membership.guard_key),
         )]
         notice = loop.create_task(self._notice.wait())
@@ -489,7 +490,7 @@ class Daemon:
             if not await sup.wait_all_exited(self.config.notice_timeout):
                 await sup.kill_all("they did not stop within the notice timeout")
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(sup.flush(), 2 * t)
+                await asyncio.wait_for(sup.reporter.flush(), 2 * t)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

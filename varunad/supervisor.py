@@ -1,4 +1,4 @@
-"""Worker supervision: start this daemon's trainer workers, hear from them, stop them, report to etcd.
+"""Worker supervision: start this daemon's trainer workers, hear from them, stop them.
 
 One worker per assigned slot: ``python script.py args`` in the job's unpacked bundle, with the
 ``trainer.env.WorkerAssignment`` of its rank in the environment (the local launcher's entry point).
@@ -15,8 +15,8 @@ Each worker
 
 A stop request gives the workers a grace period (``stop_grace`` with a checkpoint,
 ``abort_grace`` without: a worker blocked on a dead peer never reaches a step boundary), then
-the daemon SIGKILLs their process groups. Outcomes and progress go to etcd (``varunad.records``),
-the report at once, progress and loss history throttled, logs in chunks.
+the daemon SIGKILLs their process groups. What the workers did goes to etcd through
+``varunad.reporter`` (the report at once, progress and loss history throttled, logs in chunks).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from trainer.netaddr import numeric_address
 
 from varunad.config import DaemonConfig
 from varunad.control_channel import TOKEN_ENV, ControlChannel, control_identity, new_token
-from varunad.fencing import put_for_epoch
 from varunad.facts import DaemonMember, PortReservation, gpu_count
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import LOGS, STAGING, job_dir
@@ -55,21 +54,18 @@ from varunad.jobs import JobSpec, job_store, job_trace_dir
 from varunad.membership import Membership
 from varunad.metrics import DaemonMetrics
 from varunad.plans import PlanDoc
-from varunad.records import Progress, WorkerRecord, WorkerReport, encode_history
-from varunad.store import Store, StoreError
+from varunad.records import Progress, WorkerRecord, WorkerReport
+from varunad.reporter import Reporter
+from varunad.store import Store
 
 __all__ = ["Supervisor", "STOPPED_EXIT_CODE", "worker_environment"]
 
 log = logging.getLogger(__name__)
 
 _TAIL_BYTES = 4096
-_LOG_CHUNK = 64 * 1024
-_LOG_CHUNKS_KEPT = 64
-_HISTORY_CAP = 20000
 # Steps each worker traces (trainer.varuna stops recording after them): enough for a warm-up
 # step plus a few steady ones for the end-of-job timeline, small enough to cost nothing.
 _TRACE_STEPS = 5
-_REFUSAL = b"skipping checkpoint"  # what trainer.ckpt_store logs for a checkpoint that does not verify
 
 # Resolved before any fork: the child of a fork may only call what is already loaded.
 try:
@@ -148,7 +144,7 @@ class _SupervisedWorker:
 
 
 class Supervisor:
-    """This daemon's workers of one epoch at a time, and everything it reports about them."""
+    """This daemon's workers of one epoch at a time; `reporter` writes what they did to etcd."""
 
     def __init__(
         self,
@@ -164,8 +160,6 @@ class Supervisor:
         metrics: DaemonMetrics | None = None,
     ) -> None:
         self.config = config
-        self.store = store
-        self.keys = keys
         self.membership = membership
         self.ports = ports
         self.security_env = dict(security_env)
@@ -193,20 +187,11 @@ class Supervisor:
         self.epoch = 0
         self.epoch_started_at = 0.0
         self.first_step_at = 0.0
-        self._progress: dict[int, Progress] = {}
-        self._progress_written: dict[int, Progress] = {}
-        self._history: dict[tuple[str, int], dict[int, float]] = {}
-        self._history_span: dict[tuple[str, int], tuple[float, float]] = {}
-        self._history_dirty: set[tuple[str, int]] = set()
-        self._report_dirty = True
-        self._report_lease: int | None = None
-        self._wake = asyncio.Event()
+        self.reporter = Reporter(config=config, store=store, keys=keys, membership=membership, report=self.report,
+                                 workers=lambda: list(self.workers.values()))
         self._exited = asyncio.Event()
         self._exited.set()
-        self._log_seq = time.time_ns() // 1000
-        self._log_chunks: dict[str, list[str]] = {}  # job -> chunk keys this daemon wrote, oldest first
         self._on_exit: list[Callable[[_SupervisedWorker], Any]] = []
-        self._notes: dict[str, list[str]] = {}  # job -> checkpoint refusals its workers logged here
         self._step_interval: dict[int, float] = {}  # rank -> seconds between its last two reports
         self.dropped = 0
 
@@ -302,7 +287,7 @@ class Supervisor:
         for rank in ranks:
             self.workers[rank] = _SupervisedWorker(job=job, epoch=epoch, rank=rank, slot=0, outcome="failed", error=error,
                                          log_path=self._log_path(job, epoch, rank))
-        self._mark_report()
+        self.reporter.mark()
 
     def on_exit(self, callback: Callable[[_SupervisedWorker], Any]) -> None:
         """Call ``callback(worker)`` (may be async) when a worker has exited, before reporting it."""
@@ -326,8 +311,7 @@ class Supervisor:
         self.job, self.epoch = job, epoch
         self.epoch_started_at = time.time()
         self.first_step_at = 0.0
-        self._progress.clear()
-        self._report_dirty = True
+        self.reporter.begin_epoch()
 
     async def _spawn(self, w: _SupervisedWorker, script: Path, args: list[str], env: dict[str, str]) -> None:
         w.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -349,7 +333,7 @@ class Supervisor:
                 self._after_exit(w)
                 return
         w.outcome = "running"
-        self._mark_report()
+        self.reporter.mark()
         w.wait_task = asyncio.get_running_loop().create_task(self._wait(w), name=f"worker-{w.job}-e{w.epoch}-r{w.rank}")
 
     async def _wait(self, w: _SupervisedWorker) -> None:
@@ -385,7 +369,7 @@ class Supervisor:
         level = logging.WARNING if w.outcome == "failed" else logging.INFO
         log.log(level, "%s: worker rank %d of %s epoch %d: %s (exit code %s)%s", self.name, w.rank, w.job, w.epoch,
                 w.outcome, w.exit_code, ("\n" + w.error) if w.outcome == "failed" else "")
-        self._mark_report()
+        self.reporter.mark()
         if not self.alive():
             self._exited.set()
 
@@ -439,7 +423,7 @@ class Supervisor:
         (at least ``limit``/3, at most ``limit`` seconds)."""
         now = time.time()
         for w in self.alive():
-            p = self._progress.get(w.rank)
+            p = self.reporter.progress.get(w.rank)
             if p is not None and now - p.at <= min(limit, max(limit / 3, 2 * self._step_interval.get(w.rank, 0.0))):
                 return True
         return False
@@ -449,8 +433,7 @@ class Supervisor:
         any more (the fleet may have planned without them). Kill them now, and drop the progress
         not yet written: it belongs to an epoch that may be over."""
         killed = self.kill_now()
-        self._progress.clear()
-        self._progress_written.clear()
+        self.reporter.forget_progress()
         if killed:
             log.warning("%s: killed %d worker(s): %s", self.name, len(killed), reason)
         return killed
@@ -538,7 +521,7 @@ class Supervisor:
                 self.metrics.worker_checkpointed(job=msg.job, stalled_s=msg.stalled_s)
                 log.info("%s: rank %d checkpointed step %d of %s (training stood still %.2fs for it)", self.name,
                          msg.rank, msg.step, msg.job, msg.stalled_s)
-                self._wake.set()  # flush the history now: the next epoch resumes from here
+                self.reporter.flush_soon()  # the history now: the next epoch resumes from here
 
     def _drop(self, why: str) -> None:
         self.dropped += 1
@@ -552,119 +535,18 @@ class Supervisor:
         reports_job = w.rank == min(self.workers)   # the lowest local rank speaks for the job
         if w.step < 0 and not self.first_step_at:
             self.first_step_at = now
-            self._mark_report()
+            self.reporter.mark()
         w.step = max(w.step, msg.step)
-        last = self._progress.get(w.rank)
+        last = self.reporter.progress.get(w.rank)
         if last is not None and last.epoch == msg.epoch:
             self._step_interval[w.rank] = now - last.at
-        self._progress[w.rank] = Progress(job=msg.job, epoch=msg.epoch, rank=msg.rank, step=msg.step, loss=msg.loss,
-                                          samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
-                                          member=self.name, at=now)
+        self.reporter.record_progress(Progress(job=msg.job, epoch=msg.epoch, rank=msg.rank, step=msg.step,
+                                               loss=msg.loss, samples_per_s=msg.samples_per_s,
+                                               busy_fraction=msg.busy_fraction, member=self.name, at=now),
+                                      reports_job=reports_job)
         self.metrics.worker_progress(job=msg.job, rank=msg.rank, step=msg.step, loss=msg.loss,
                                      samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
                                      reports_job=reports_job)
-        if reports_job:
-            key = (msg.job, msg.epoch)
-            hist = self._history.setdefault(key, {})
-            if len(hist) < _HISTORY_CAP:
-                hist[msg.step] = msg.loss
-            self._history_span[key] = (self._history_span.get(key, (now, now))[0], now)
-            self._history_dirty.add(key)
-
-    # -- reporting to etcd ---------------------------------------------------------------------------
-
-    def _mark_report(self) -> None:
-        self._report_dirty = True
-        self._wake.set()
-
-    async def report_loop(self) -> None:
-        """Write what changed: the report at once, the rest every progress_interval."""
-        last_periodic = 0.0
-        loop = asyncio.get_running_loop()
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.progress_interval):
-                    await self._wake.wait()
-            self._wake.clear()
-            await self.flush(periodic=loop.time() - last_periodic >= self.config.progress_interval)
-            if loop.time() - last_periodic >= self.config.progress_interval:
-                last_periodic = loop.time()
-
-    async def flush(self, *, periodic: bool = True) -> bool:
-        """Write pending records; False if etcd refused or did not answer (they stay pending)."""
-        ok = True
-        t = self.config.retry_timeout
-        lease = self.membership.lease
-        try:
-            if lease is not None and (self._report_dirty or lease.id != self._report_lease):
-                self._report_dirty = False
-                try:
-                    await self.store.put(self.keys.workers_of(self.name), self.report().encode(), lease=lease,
-                                         timeout=t)
-                    self._report_lease = lease.id
-                except BaseException:
-                    self._report_dirty = True
-                    raise
-            for key in list(self._history_dirty):
-                job, epoch = key
-                self._history_dirty.discard(key)
-                try:
-                    await self.store.put(self.keys.history_entry(job, epoch, self.name),
-                                         encode_history(self._history[key].items(), self._history_span.get(key)),
-                                         timeout=t)
-                except BaseException:
-                    self._history_dirty.add(key)
-                    raise
-            if periodic:
-                for rank, p in list(self._progress.items()):
-                    if self._progress_written.get(rank) != p:
-                        await put_for_epoch(self.store, self.keys.progress_entry(p.job, rank), p.encode(),
-                                            epoch=p.epoch, timeout=t)
-                        self._progress_written[rank] = p
-                await self._ship_logs(t)
-        except StoreError as exc:
-            ok = False
-            log.debug("%s: could not write reports to etcd yet: %s", self.name, exc)
-        return ok
-
-    async def _ship_logs(self, timeout: float) -> None:
-        for w in list(self.workers.values()):
-            try:
-                with open(w.log_path, "rb") as f:
-                    f.seek(w.log_offset)
-                    data = f.read(_LOG_CHUNK)
-            except OSError:
-                continue
-            if not data:
-                continue
-            if len(data) == _LOG_CHUNK and b"\n" in data:
-                data = data[: data.rindex(b"\n") + 1]  # whole lines only
-            await self._note_refusals(w, data, timeout)
-            prefix = f"[{self.name} e{w.epoch} r{w.rank}] ".encode()
-            text = b"".join(prefix + line for line in data.splitlines(keepends=True))
-            self._log_seq = max(self._log_seq + 1, time.time_ns() // 1000)
-            key = self.keys.log_chunk(w.job, self.name, self._log_seq)
-            await self.store.put(key, text, timeout=timeout)
-            w.log_offset += len(data)
-            chunks = self._log_chunks.setdefault(w.job, [])
-            chunks.append(key)
-            while len(chunks) > _LOG_CHUNKS_KEPT:
-                await self.store.delete(chunks.pop(0), timeout=timeout)
-
-    async def _note_refusals(self, w: _SupervisedWorker, data: bytes, timeout: float) -> None:
-        """A worker that skipped a corrupt checkpoint (trainer.ckpt_store: "skipping checkpoint N:
-        ...") resumed from an older one and redoes steps: say so in this daemon's log and in etcd
-        (``notes/<job>/<member>``, shown by status), not only in the worker's own output."""
-        found = [line.decode("utf-8", "replace").strip() for line in data.splitlines() if _REFUSAL in line]
-        if not found:
-            return
-        notes = self._notes.setdefault(w.job, [])
-        for line in found:
-            text = line[line.index(_REFUSAL.decode()):][:500]
-            log.warning("%s: rank %d of %s epoch %d refused a checkpoint: %s", self.name, w.rank, w.job, w.epoch, text)
-            notes.append(f"epoch {w.epoch} rank {w.rank} on {self.name}: {text}")
-        del notes[:-10]
-        await self.store.put(self.keys.note_entry(w.job, self.name), json.dumps(notes).encode(), timeout=timeout)
 
     def close(self) -> None:
         self.sock.close(0)
