@@ -242,3 +242,30 @@ def test_network_measurement_over_real_zeromq_and_gloo():
         assert 1e7 < cost.bandwidth_Bps < 1e12, cost
         assert cost.latency_s >= 0
     assert link.send_overhead_s > 0 and link.recv_overhead_s > 0
+
+
+def test_a_calibration_run_profiles_with_the_scripts_optimizer(tmp_path, caplog):
+    """VARUNA_PROFILE (the daemon's calibration run): Varuna() gives the script a lone worker
+    holding the whole model, and set_optimizer profiles with that optimizer, then ends the script.
+    SGD with momentum keeps one buffer per parameter, where the profiler's stand-in (AdamW) keeps
+    two: the state bytes show which optimizer was stepped."""
+    from trainer.env import Assignment
+    from trainer.varuna import Varuna
+
+    model, data = _tiny(n_layer=2)
+    out = tmp_path / "calibration.json"
+    a = Assignment(rank=0, stage_to_rank={0: [0]}, endpoints=["inproc://calibration-run"], dist_url="",
+                   profile=str(out))
+    varuna = Varuna(model, None, data.sample_batch, 2, 2, assignment=a)
+    assert (varuna.rank, varuna.stage, varuna.pipeline_depth, varuna.data_depth, varuna.iteration) == (0, 0, 1, 1, 0)
+    assert [id(p) for p in varuna.parameters()] == [id(p) for p in model.parameters()]
+    assert not out.exists(), "profiled before the script set its optimizer"
+    varuna._calibration_run.check_done()
+    assert "ended before Varuna.set_optimizer()" in caplog.text
+    with pytest.raises(SystemExit) as ended:
+        varuna.set_optimizer(torch.optim.SGD(varuna.parameters(), lr=0.1, momentum=0.9))
+    assert ended.value.code == 0
+    cal = Calibration.load(out)
+    assert cal.micro_batch_sizes == (1, 2)
+    assert all(s.param_bytes > 0 and s.optimizer_bytes == s.param_bytes for s in cal.segments)
+    assert all(s.step_s > 0 for s in cal.segments)

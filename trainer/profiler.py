@@ -421,8 +421,9 @@ def measure_steps(groups: Sequence[Sequence[nn.Parameter]], factory: OptimizerFa
     def result(group, opt, times) -> tuple[float, int]:
         if opt is None:
             return 0.0, 0
-        state = _state_bytes(opt) if given else 0
-        return _median(times), state or int(round(optimizer_factor * sum(_nbytes(p) for p in group)))
+        if given:   # measured, 0 included: plain SGD keeps no state
+            return _median(times), _state_bytes(opt)
+        return _median(times), int(round(optimizer_factor * sum(_nbytes(p) for p in group)))
 
     if device.type == "cpu":
         states = [setup(g) for g in groups]

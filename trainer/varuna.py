@@ -32,6 +32,7 @@ from torch import nn
 from protocol.errors import SecurityError
 from protocol.security import Security, SecurityConfig
 from trainer import checkpointing, ckpt_store
+from trainer.calibration_run import CalibrationRun
 from trainer.comm import PeerChannel
 from trainer.control import ControlClient, StopRequested
 from trainer.data_parallel import GradReducer
@@ -54,6 +55,10 @@ _TRACE_STEPS = int(os.environ.get("VARUNA_TRACE_STEPS", "10"))
 
 
 class Varuna:
+    # Set only in a calibration run (VARUNA_PROFILE), which profiles at set_optimizer and exits.
+    _calibration_run: CalibrationRun | None = None
+    _owns_process_group = False
+
     def __init__(self, model: nn.Module, stage_to_rank_map: Mapping[int, Sequence[int]] | None,
                  get_batch_fn: Callable[[int, torch.device | str], Mapping[str, torch.Tensor]],
                  batch_size: int, chunk_size: int, fp16: bool = False, local_rank: int = -1,
@@ -64,8 +69,9 @@ class Varuna:
         self.assignment = assignment or _assignment(stage_to_rank_map)
         a = self.assignment
         if a.profile:
-            _profile_and_exit(model, get_batch_fn, a, batch_size, chunk_size, fp16, precision,
-                              _device(a, local_rank, device))
+            self._begin_calibration_run(model, get_batch_fn, batch_size, chunk_size,
+                                        precision or ("fp16" if fp16 else "fp32"), _device(a, local_rank, device))
+            return
         self.rank = a.rank
         self.stage, self.replica = a.position()
         self.pipeline_depth, self.data_depth = a.pipeline_depth, a.data_depth
@@ -140,6 +146,8 @@ class Varuna:
     def set_optimizer(self, optimizer: torch.optim.Optimizer, loss_scale: float | str = "dynamic",
                       init_loss_scale: float = 2.0**20, min_loss_scale: float = 1.0,
                       lr_scheduler=None) -> None:
+        if self._calibration_run is not None:
+            self._calibration_run.run(optimizer)   # profiles with this optimizer and ends the script
         mine = {id(p) for p in self.parameters()}
         foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
         if foreign:
@@ -299,6 +307,20 @@ class Varuna:
             self._rendezvous = None
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _begin_calibration_run(self, model: nn.Module, get_batch_fn, batch_size: int, chunk_size: int,
+                               precision: Precision, device: torch.device) -> None:
+        """A calibration run: the script sees a lone worker holding the whole model until it sets
+        its optimizer, which is then profiled with the model (trainer.calibration_run)."""
+        self._calibration_run = CalibrationRun(model, get_batch_fn, self.assignment, batch_size, chunk_size,
+                                               precision, device)
+        atexit.register(self._calibration_run.check_done)
+        self.rank, self.stage, self.replica = 0, 0, 0
+        self.pipeline_depth = self.data_depth = 1
+        self.batch_size, self.micro_batch_size = int(batch_size), int(chunk_size)
+        self.precision, self.device, self.iteration = precision, device, 0
+        self.optimizer = None
+        self._named = dict(model.named_parameters())
 
     def _init_distributed(self) -> None:
         a = self.assignment
@@ -575,23 +597,6 @@ def _squared_norms(grads: list[torch.Tensor]) -> list[float]:
         return []
     norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
     return torch.stack(norms).pow(2).tolist()
-
-
-def _profile_and_exit(model, get_batch_fn, a: Assignment, batch_size: int, chunk_size: int,
-                      fp16: bool, precision: Precision | None, device: torch.device) -> None:
-    """The daemon's calibration run (VARUNA_PROFILE=path): measure this model once on the device
-    its workers will train on, write the calibration, and end the script before any training."""
-    from trainer.profiler import Profiler   # only calibration runs pay for the profiler
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    limit = max(1, min(batch_size, int(os.environ.get("VARUNA_PROFILE_MAX_MICRO_BATCH", "64"))))
-    sizes = sorted({1 << k for k in range(limit.bit_length()) if 1 << k <= limit} | {min(chunk_size, limit)})
-    profiler = Profiler(model, get_batch_fn, device=device, out_folder=os.path.dirname(os.path.abspath(a.profile)),
-                        gpus_per_node=a.profile_slots, precision=precision or ("fp16" if fp16 else "fp32"))
-    calibration = profiler.profile_all(sizes)
-    calibration.save(a.profile)
-    log.warning("calibration of %s written to %s; exiting (VARUNA_PROFILE run)", profiler.fingerprint, a.profile)
-    raise SystemExit(0)
 
 
 def _stream_security(endpoints: Sequence[str]) -> Security:
