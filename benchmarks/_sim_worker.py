@@ -37,6 +37,7 @@ p.add_argument("--sizes", default="2,4", help="profile: micro-batch sizes")
 p.add_argument("--slots", type=int, default=1, help="profile: worker slots busy at once")
 p.add_argument("--repeats", type=int, default=5, help="profile: timed repeats")
 p.add_argument("--network", metavar="FILE", help="profile: take the network costs from this calibration")
+p.add_argument("--in-flight", type=int, help="profile: micro-batches in flight (default: the profiler's)")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -51,7 +52,7 @@ if args.profile:
         known = Calibration.load(args.network)
         net = {"links": dict(known.links), "allreduce": dict(known.allreduce)}
     prof = Profiler(model, data.sample_batch, gpus_per_node=args.slots, out_folder=os.path.dirname(args.profile),
-                    from_cache=False, repeats=args.repeats, **net)
+                    from_cache=False, repeats=args.repeats, in_flight=args.in_flight, **net)
     prof.set_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
     prof.profile_all([int(s) for s in args.sizes.split(",")]).save(args.profile)
     raise SystemExit(0)

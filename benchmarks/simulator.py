@@ -79,12 +79,14 @@ CONFIGS = [
 ]
 
 
-def _profile(sizes, folder: str, repeats: int, slots: int = 1, network: str | None = None) -> str:
+def _profile(sizes, folder: str, repeats: int, slots: int = 1, network: str | None = None,
+             in_flight: int | None = None) -> str:
     """Profile the reference model in a worker started by the launcher (the workers' environment:
     one thread, their allocator settings); returns the calibration file."""
     path = os.path.join(folder, f"calibration-{slots}slots.json")
     args = ["--config", json.dumps(asdict(REFERENCE)), "--profile", path, "--sizes", ",".join(map(str, sizes)),
-            "--slots", slots, "--repeats", repeats, *(["--network", network] if network else [])]
+            "--slots", slots, "--repeats", repeats, *(["--network", network] if network else []),
+            *(["--in-flight", in_flight] if in_flight else [])]
     res = launch(WORKER, args, stages=1, replicas=1, threads=1, timeout=600)
     if not res.ok:
         raise SystemExit(f"profiling failed: {res.reason}\n{res.errors[0][-3000:]}")
@@ -200,6 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--tries", type=int, default=4, help="at most this many attempts per profile or run (default 4)")
     p.add_argument("--trace", metavar="DIR", help="write each run's Chrome traces under DIR/<row>")
     p.add_argument("--save", metavar="DIR", help="keep the (median) calibrations and the rows' times in DIR")
+    p.add_argument("--in-flight", type=int, metavar="K",
+                   help="profile with K micro-batches in flight (default: the profiler's; 1: one at a time)")
     ns = p.parse_args(argv)
     steps = ns.steps or (4 if ns.quick else 8)
     warmup = ns.warmup or (1 if ns.quick else 2)
@@ -219,12 +223,13 @@ def main(argv=None) -> int:
             # compared with average over the same stretch of time.
             loads = []
             with _Load() as load:
-                alone, others = _quietly(lambda: _profile(sizes, folder, repeats), ns.max_others, ns.tries)
+                alone, others = _quietly(lambda: _profile(sizes, folder, repeats, in_flight=ns.in_flight),
+                                         ns.max_others, ns.tries)
                 profiles[1].append(Calibration.load(alone))
                 loads.append(others)
                 if 2 in profiles:   # two workers share this host: a slot of a host with both slots busy
-                    busy, others = _quietly(lambda: _profile(sizes, folder, repeats, slots=2, network=alone),
-                                            ns.max_others, ns.tries)
+                    busy, others = _quietly(lambda: _profile(sizes, folder, repeats, slots=2, network=alone,
+                                                             in_flight=ns.in_flight), ns.max_others, ns.tries)
                     profiles[2].append(Calibration.load(busy))
                     loads.append(others)
             cal = profiles[1][-1]

@@ -11,7 +11,10 @@ What is measured (medians over `repeats` runs after `warmup` runs):
   stage; on the last segment, which only the last stage runs and never recomputes, the forward
   with autograd), the forward with autograd (`recompute_s`: a RECOMPUTE, and the FORWARD of a
   stage that keeps its graph), and a real autograd backward given an upstream gradient of the output's
-  shape (`backward_s`; on the last segment, the loss's backward as the executor does it). The
+  shape (`backward_s`; on the last segment, the loss's backward as the executor does it), with
+  several micro-batches in flight as a running pipeline interleaves them
+  (`measure_segments_interleaved`: a backward after other micro-batches' forwards, as the
+  executor runs it, not straight after its own). The
   input activation is the real boundary tensor of the previous segment on a sample batch;
   `activation_bytes` is the size of the segment's output boundary (its gradient has the same
   size); `peak_activation_bytes` is what autograd saves for one micro-batch (on CPU the distinct
@@ -54,8 +57,8 @@ raised (`trainer.launch.worker_environment`), which removes thousands of page fa
 Profile in that environment too (the daemon's VARUNA_PROFILE run is a worker; a script can be
 started with `python -m trainer.launch -P 1`); the profiler logs a warning otherwise.
 
-The measurement functions (`measure_segments`, `measure_network`, `model_fingerprint`) work on
-their own, so a daemon's worker can call them without the rest.
+The measurement functions (`measure_segments[_interleaved]`, `measure_network`,
+`model_fingerprint`) work on their own, so a daemon's worker can call them without the rest.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ __all__ = [
     "device_kind_of",
     "segment_slices",
     "measure_segments",
+    "measure_segments_interleaved",
     "measure_steps",
     "measure_network",
     "tied_weights",
@@ -252,7 +256,7 @@ def _batch_size_of(batch: Mapping[str, torch.Tensor]) -> int:
 def measure_segments(slices: Sequence[StageSlice], batch: Mapping[str, torch.Tensor], *,
                      device: torch.device | str = "cpu", precision: Precision = "fp32",
                      segments: Iterable[int] | None = None, repeats: int = 5, warmup: int = 2,
-                     ) -> dict[int, SegmentMeasurement]:
+                     in_flight: int = 1) -> dict[int, SegmentMeasurement]:
     """Time the forward, recompute and backward of each segment in `segments` (default: all) on
     `batch` (one micro-batch, already on `device`). The slices' modules must be on `device`.
 
@@ -262,7 +266,11 @@ def measure_segments(slices: Sequence[StageSlice], batch: Mapping[str, torch.Ten
     segment's output is complete). A stage of several segments runs them as one module and
     one backward too, so the segments' times add up to the stage's; measuring each segment
     in isolation instead adds the overhead of a separate backward per segment (~8% on the GPT
-    blocks here). Gradients accumulate into the parameters' `.grad`; callers reset them."""
+    blocks here). With `in_flight` = k > 1 a repeat runs k micro-batches as a pipeline's stage
+    interleaves them (`measure_segments_interleaved`). Gradients accumulate into the parameters'
+    `.grad`; callers reset them."""
+    if in_flight < 1:
+        raise ConfigError(f"in_flight must be >= 1, got {in_flight}")
     device = torch.device(device)
     n = len(slices)
     wanted = sorted(set(range(n)) if segments is None else set(segments))
@@ -286,14 +294,8 @@ def measure_segments(slices: Sequence[StageSlice], batch: Mapping[str, torch.Ten
                 outs.append(x)
         return [b - a for a, b in zip(stamps, stamps[1:])], outs
 
-    fwd: list[list[float]] = [[] for _ in range(n)]
-    rec: list[list[float]] = [[] for _ in range(n)]
-    bwd: list[list[float]] = [[] for _ in range(n)]
-    act_bytes = [0] * n
-    for r in range(warmup + repeats):
-        f_times, _ = chain(grad=False)
-        r_times, outs = chain(grad=True)
-        act_bytes = [_nbytes(y) for y in outs]
+    def backward(outs: list[torch.Tensor]) -> list[float | None]:
+        """Each segment's share of one backward through the chain (None: no gradient reached it)."""
         done: dict[int, float] = {}     # boundary k -> when the gradient of segment k's output was complete
 
         def stamp(k: int):
@@ -312,15 +314,36 @@ def measure_segments(slices: Sequence[StageSlice], batch: Mapping[str, torch.Ten
         finally:
             for h in handles:
                 h.remove()
-        del outs
+        out: list[float | None] = []
+        for k in range(n):
+            start, stop = done.get(k), done.get(k - 1, end) if k > 0 else end
+            out.append(None if start is None else max(stop - start, 0.0))
+        return out
+
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    rec: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    act_bytes = [0] * n
+    for r in range(warmup + repeats):
+        # k micro-batches in flight, in the order a pipeline's stage runs them: forwards without
+        # the graph (a recomputing stage's FORWARDs), then forwards that keep it, all k graphs
+        # alive at once (RECOMPUTEs ahead of their BACKWARDs, or the FORWARDs of a stage that
+        # keeps activations), then the backwards oldest first. A backward then reads what its
+        # forward saved after other micro-batches' work went through the caches, as in a
+        # running pipeline; one micro-batch at a time finds it still cached and under-estimates.
+        f_times = [chain(grad=False)[0] for _ in range(in_flight)]
+        graphs = [chain(grad=True) for _ in range(in_flight)]
+        r_times = [t for t, _ in graphs]
+        act_bytes = [_nbytes(y) for y in graphs[0][1]]
+        b_times = []
+        while graphs:
+            b_times.append(backward(graphs.pop(0)[1]))
         if r < warmup:
             continue
         for k in range(n):
-            fwd[k].append(f_times[k])
-            rec[k].append(r_times[k])
-            start, stop = done.get(k), done.get(k - 1, end) if k > 0 else end
-            if start is not None:
-                bwd[k].append(max(stop - start, 0.0))
+            fwd[k] += [t[k] for t in f_times]
+            rec[k] += [t[k] for t in r_times]
+            bwd[k] += [t[k] for t in b_times if t[k] is not None]
     params = [p for sl in slices for p in sl.module.parameters()]
     boundary = _boundaries(slices, kwargs_for, device, precision)
     out: dict[int, SegmentMeasurement] = {}
@@ -331,6 +354,17 @@ def measure_segments(slices: Sequence[StageSlice], batch: Mapping[str, torch.Ten
         backward_s = _median(bwd[k]) if bwd[k] else 0.0
         out[k] = SegmentMeasurement(forward_s, _median(rec[k]), backward_s, act_bytes[k], peak)
     return out
+
+
+IN_FLIGHT = 4   # micro-batches in flight in an interleaved profile
+
+
+def measure_segments_interleaved(slices: Sequence[StageSlice], batch: Mapping[str, torch.Tensor], *,
+                                 in_flight: int = IN_FLIGHT, **kwargs) -> dict[int, SegmentMeasurement]:
+    """`measure_segments` with `in_flight` micro-batches per repeat, interleaved as a pipeline's
+    stage runs them (several forwards' graphs alive, each backward after the others' forwards):
+    what the profiler uses, since the executor never runs one micro-batch alone."""
+    return measure_segments(slices, batch, in_flight=in_flight, **kwargs)
 
 
 def _boundaries(slices, kwargs_for, device, precision) -> list[torch.Tensor | None]:
@@ -470,12 +504,14 @@ class _Job:
     warmup: int
     factory: OptimizerFactory | None
     optimizer_factor: float
+    in_flight: int = 1
 
     def run(self, between: Callable[[], object] | None = None
             ) -> tuple[dict[int, dict[int, SegmentMeasurement]], list[tuple[float, int]]]:
         """Segments, then (after `between()`: the slots meet there) optimizer steps."""
-        per_size = {b: measure_segments(self.slices, batch, device=self.device, precision=self.precision,
-                                        segments=self.segments, repeats=self.repeats, warmup=self.warmup)
+        per_size = {b: measure_segments_interleaved(self.slices, batch, device=self.device, precision=self.precision,
+                                                    segments=self.segments, repeats=self.repeats, warmup=self.warmup,
+                                                    in_flight=self.in_flight)
                     for b, batch in self.batches.items()}
         if between is not None:
             between()
@@ -810,8 +846,9 @@ class Profiler:
     calibration of the same key. Keyword-only extras: `precision`, `device_kind` (defaults to
     'cpu' or the CUDA device name), `repeats`/`warmup`, `optimizer_factor` (state bytes per
     parameter byte when no optimizer is set), `links`/`allreduce` (a LinkCost per link kind:
-    skip measuring the network), and `inter_link`/`inter_allreduce` (cross-host costs; by
-    default "inter" gets the loopback numbers)."""
+    skip measuring the network), `inter_link`/`inter_allreduce` (cross-host costs; by
+    default "inter" gets the loopback numbers), and `in_flight` (micro-batches per repeat of
+    `measure_segments_interleaved`: by default IN_FLIGHT on CPU, 1 on a GPU)."""
 
     def __init__(self, model: nn.Module, get_batch_fn: Callable[..., Mapping[str, torch.Tensor]],
                  device: int | str = -1, gpus_per_node: int | None = None, fp16: bool = False,
@@ -820,7 +857,7 @@ class Profiler:
                  device_kind: str | None = None, repeats: int = 5, warmup: int = 2,
                  optimizer_factor: float = 2.0, links: Mapping[str, LinkCost] | None = None,
                  allreduce: Mapping[str, LinkCost] | None = None, inter_link: LinkCost | None = None,
-                 inter_allreduce: LinkCost | None = None) -> None:
+                 inter_allreduce: LinkCost | None = None, in_flight: int | None = None) -> None:
         if repeats < 1 or warmup < 0:
             raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
         self.model = model
@@ -836,6 +873,10 @@ class Profiler:
         self.pstages_to_profile = None if pstages_to_profile is None else sorted(set(pstages_to_profile))
         self.from_cache, self.add_to_existing = from_cache, add_to_existing
         self.repeats, self.warmup = repeats, warmup
+        # A whole model's graphs k times over may not fit a GPU that holds one stage's in training.
+        self.in_flight = in_flight or (IN_FLIGHT if self.device.type == "cpu" else 1)
+        if self.in_flight < 1:
+            raise ConfigError(f"in_flight must be >= 1, got {in_flight}")
         self.optimizer_factor = optimizer_factor
         self._links = dict(links or {})
         self._allreduce = dict(allreduce or {})
@@ -929,7 +970,7 @@ class Profiler:
             batches[b] = batch
             input_bytes.append(sum(_nbytes(v) for v in batch.values() if isinstance(v, torch.Tensor)))
         job = _Job(slices, batches, segments, self.device, self.precision, self.repeats, self.warmup,
-                   self._factory, self.optimizer_factor)
+                   self._factory, self.optimizer_factor, self.in_flight)
         try:
             if self.slots > 1:
                 per_size, steps = _run_concurrently(job, self.slots)

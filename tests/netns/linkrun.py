@@ -6,6 +6,8 @@ step time the job then took."""
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -72,15 +74,31 @@ def run_once(fabric: Fabric, ring: FabricRing, rate: str | None, *, steps: int =
     assert len(links) == 1, f"expected the one measured link vm1 <-> vm2, got {[kv.key for kv in links]}"
     link = json.loads(links.items[0].value)
     plan = st["plan"]
-    epoch = str(st["epoch"])
-    first, last = st["epochs"][epoch]
-    t0, t1 = st["epoch_spans"][epoch]
-    assert last - first >= 3, st["epochs"]
-    measured = (t1 - t0) / (last - first)
+    measured = steady_step_s(fabric, job, st["epoch"])
     fabric.stop_daemons()
     return LinkRun(rate=rate, bandwidth_Bps=link["bandwidth_Bps"], allreduce_Bps=link["allreduce_Bps"],
                    shape=f"{plan['P']}x{plan['D']}", micro_batch=plan["micro_batch_size"],
                    estimated_s=plan["estimated_s"], measured_s=measured)
+
+
+# Steps whose time is not the steady state the plan estimates: the first ones after the
+# workers start (connections, the allocator's first growth, caches) run slower.
+WARMUP_STEPS = 2
+_STEP_LINE = re.compile(r"^step (\d+) loss \S+ t=([0-9.]+)$", re.M)
+
+
+def steady_step_s(fabric: Fabric, job: str, epoch: int) -> float:
+    """The median step of the job's epoch after WARMUP_STEPS: the intervals between the ends of
+    consecutive steps as rank 0 printed them (tests/netns/wide_job.py), like the simulator
+    benchmark's measured side (benchmarks/simulator.py), not the epoch's mean, which the slow
+    first steps pull up. The last step is left out too: it ends in the job's final checkpoint."""
+    logs = sorted(fabric.base.glob(f"vm*/logs/{job}/e{epoch}-r0.log"))
+    assert len(logs) == 1, f"expected one rank-0 log of {job} epoch {epoch}, found {logs}"
+    ends = {int(s): float(t) for s, t in _STEP_LINE.findall(logs[0].read_text())}
+    steps = sorted(ends)
+    assert len(steps) >= WARMUP_STEPS + 4 and steps == list(range(steps[0], steps[-1] + 1)), steps
+    times = [ends[s] - ends[s - 1] for s in steps[WARMUP_STEPS + 1:-1]]
+    return statistics.median(times)
 
 
 def table(runs: list[LinkRun], out=sys.stdout) -> None:
