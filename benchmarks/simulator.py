@@ -30,7 +30,7 @@ used more than `--max-others` cores (from /proc/stat minus our own rusage) is re
 measured the machine's load, not the engine. `--wait-quiet S` first waits up to S seconds for
 a quiet window.
 
-Run:  python benchmarks/simulator.py [--quick] [--steps N] [--warmup W] [--rounds R]
+Run:  python benchmarks/simulator.py [--quick] [--steps N] [--warmup W] [--rounds R] [--in-flight K]
                                      [--max-others CORES] [--tries T] [--wait-quiet S] [--trace DIR]
                                      [--save DIR]   (keeps the median calibrations and the rows' times)
 Last line:  `bench simulator: median_error=<x> max_error=<y>` (fractions |est - act| / act).
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps, repeats and rounds (under ~90 s)")
     p.add_argument("--steps", type=int, help="timed steps per configuration and round")
-    p.add_argument("--warmup", type=int, help="untimed steps per run")
+    p.add_argument("--warmup", type=int, help="untimed steps per run (default 2)")
     p.add_argument("--rounds", type=int, help="runs of every configuration, interleaved (default 5, quick 1)")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="first wait up to this long for other processes to leave the cores alone")
@@ -206,7 +206,9 @@ def main(argv=None) -> int:
                    help="profile with K micro-batches in flight (default: the profiler's; 1: one at a time)")
     ns = p.parse_args(argv)
     steps = ns.steps or (4 if ns.quick else 8)
-    warmup = ns.warmup or (1 if ns.quick else 2)
+    # The estimate is of a steady step; a run's first two are not (the allocator's first growth,
+    # the first optimizer step's state, the ZeroMQ connections' first messages), quick or not.
+    warmup = ns.warmup or 2
     rounds = ns.rounds or (1 if ns.quick else 5)
     configs = CONFIGS[:8] if ns.quick else CONFIGS
     sizes = sorted({mb for _, _, mb, _ in configs})
