@@ -12,7 +12,15 @@ from trainer.calibration import Calibration, CalibrationError, LinkCost
 from trainer.data import TextDataset
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.partition import capture_model
-from trainer.profiler import Profiler, fit_affine, measure_segments, model_fingerprint, segment_slices
+from trainer.profiler import (
+    IN_FLIGHT,
+    Profiler,
+    fit_affine,
+    measure_segments,
+    measure_segments_interleaved,
+    model_fingerprint,
+    segment_slices,
+)
 
 SIZES = [1, 2]
 FAST = dict(repeats=1, warmup=0)
@@ -185,6 +193,34 @@ def test_measure_segments_standalone():
     got = measure_segments(slices, data.sample_batch(2), segments=[1], repeats=1, warmup=0)
     assert list(got) == [1]
     assert got[1].activation_bytes == 2 * 32 * 48 * 4 and got[1].backward_s > 0
+
+
+def test_micro_batches_are_profiled_interleaved_as_a_pipeline_runs_them(tmp_path):
+    """Several micro-batches per repeat, as a running stage holds them: their forwards without the
+    graph, then with it (all their graphs alive at once), then their backwards oldest first. The
+    profiler measures so by default on CPU."""
+    model, data = _tiny(n_layer=2)
+    slices = segment_slices(capture_model(model, data.sample_batch(2)))
+    seen: list[str] = []
+
+    def forward_hook(_module, _args, out):
+        if not torch.is_grad_enabled():
+            seen.append("f")
+            return
+        i = sum(1 for x in seen if x.startswith("F"))
+        seen.append(f"F{i}")
+        out.register_hook(lambda _grad: seen.append(f"B{i}"))
+
+    slices[0].module.register_forward_hook(forward_hook)
+    got = measure_segments_interleaved(slices, data.sample_batch(2), in_flight=3, repeats=1, warmup=0)
+    assert seen[:9] == ["f", "f", "f", "F0", "F1", "F2", "B0", "B1", "B2"]
+    assert all(m.forward_s > 0 and m.recompute_s > 0 and m.backward_s > 0 for m in got.values())
+    seen.clear()
+    measure_segments(slices, data.sample_batch(2), repeats=1, warmup=0)
+    assert seen[:3] == ["f", "F0", "B0"], "one micro-batch at a time unless asked"
+    assert Profiler(model, data.sample_batch, out_folder=tmp_path).in_flight == IN_FLIGHT > 1
+    with pytest.raises(ValueError, match="in_flight"):
+        Profiler(model, data.sample_batch, out_folder=tmp_path, in_flight=0)
 
 
 def test_fit_affine_recovers_a_line():

@@ -874,7 +874,7 @@ class Profiler:
         self.from_cache, self.add_to_existing = from_cache, add_to_existing
         self.repeats, self.warmup = repeats, warmup
         # A whole model's graphs k times over may not fit a GPU that holds one stage's in training.
-        self.in_flight = in_flight or (IN_FLIGHT if self.device.type == "cpu" else 1)
+        self.in_flight = in_flight if in_flight is not None else IN_FLIGHT if self.device.type == "cpu" else 1
         if self.in_flight < 1:
             raise ConfigError(f"in_flight must be >= 1, got {in_flight}")
         self.optimizer_factor = optimizer_factor
