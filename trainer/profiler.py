@@ -324,7 +324,10 @@ def measure_segments(slices: Sequence[StageSlice], batch: Mapping[str, torch.Ten
     rec: list[list[float]] = [[] for _ in range(n)]
     bwd: list[list[float]] = [[] for _ in range(n)]
     act_bytes = [0] * n
-    for r in range(warmup + repeats):
+    # `repeats` and `warmup` count micro-batches, in rounds of k: the same number of samples
+    # (and about the same time) whatever k is
+    rounds, warm = -(-repeats // in_flight), -(-warmup // in_flight)
+    for r in range(warm + rounds):
         # k micro-batches in flight, in the order a pipeline's stage runs them: forwards without
         # the graph (a recomputing stage's FORWARDs), then forwards that keep it, all k graphs
         # alive at once (RECOMPUTEs ahead of their BACKWARDs, or the FORWARDs of a stage that
@@ -338,7 +341,7 @@ def measure_segments(slices: Sequence[StageSlice], batch: Mapping[str, torch.Ten
         b_times = []
         while graphs:
             b_times.append(backward(graphs.pop(0)[1]))
-        if r < warmup:
+        if r < warm:
             continue
         for k in range(n):
             fwd[k] += [t[k] for t in f_times]
