@@ -38,7 +38,8 @@ Variables (all strings):
     VARUNA_BATCH_SIZE      optional: the job's global batch; the script's must agree
     VARUNA_MICRO_BATCH     optional: the planner's micro-batch size (overrides chunk_size)
     VARUNA_STEPS           optional: the job's total steps (`WorkerAssignment.steps`, for scripts)
-    VARUNA_PROFILE         optional: profile the model into this calibration file and exit
+    VARUNA_PROFILE         optional: profile the model into this calibration file when the
+                           script sets its optimizer (timing that optimizer), and exit
     VARUNA_PROFILE_SLOTS   optional, CPU only: profile as this many slots busy at once (the
                            host's workers share its cores), one torch thread each
     VARUNA_SECURITY, VARUNA_SECRET_KEY_FILE, VARUNA_ALLOWED_KEYS_DIR, VARUNA_TRUSTED_NETWORK
