@@ -4,8 +4,10 @@ their links uncapped and capped at 1 Gbit/s, 100 Mbit/s and 10 Mbit/s by `tc tbf
 For each speed both daemons start afresh (new VMs: the leader has them measure the link between
 them, varunad.links), the wide job (tests/netns/wide_job.py: activations large for its compute)
 is submitted, and the table shows the link as measured (and as a ratio of the cap, the limit
-measured in the same run), the plan chosen, its estimated step, the step measured over the
-job's epoch, and the error. One one-thread slot per VM (two workers on two cores).
+measured in the same run), the plan chosen, its estimated step, the measured steady step (the
+median from rank 0's log, warm-up steps and the final checkpoint's step left out: the estimate is
+of a steady step; tests/netns/linkrun.py), and the error. One one-thread slot per VM (two workers
+on two cores): other work on the machine's cores shows in the measured column.
 
 Run (as root):  python benchmarks/network.py [--steps N] [--batch B]
 The last line is `bench network: max_error=<...> plans=<distinct plans chosen>`.
