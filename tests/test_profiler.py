@@ -285,13 +285,13 @@ def test_a_calibration_run_profiles_with_the_scripts_optimizer(tmp_path, caplog)
     holding the whole model, and set_optimizer profiles with that optimizer, then ends the script.
     SGD with momentum keeps one buffer per parameter, where the profiler's stand-in (AdamW) keeps
     two: the state bytes show which optimizer was stepped."""
-    from trainer.env import Assignment
+    from trainer.env import WorkerAssignment
     from trainer.varuna import Varuna
 
     model, data = _tiny(n_layer=2)
     out = tmp_path / "calibration.json"
-    a = Assignment(rank=0, stage_to_rank={0: [0]}, endpoints=["inproc://calibration-run"], dist_url="",
-                   profile=str(out))
+    a = WorkerAssignment(rank=0, stage_to_rank={0: [0]}, endpoints=["inproc://calibration-run"], dist_url="",
+                         profile=str(out))
     varuna = Varuna(model, None, data.sample_batch, 2, 2, assignment=a)
     assert (varuna.rank, varuna.stage, varuna.pipeline_depth, varuna.data_depth, varuna.iteration) == (0, 0, 1, 1, 0)
     assert [id(p) for p in varuna.parameters()] == [id(p) for p in model.parameters()]

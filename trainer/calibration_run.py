@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from trainer.env import Assignment
+from trainer.env import WorkerAssignment
 from trainer.precision import Precision
 
 __all__ = ["CalibrationRun", "profile_sizes"]
@@ -35,7 +35,7 @@ class CalibrationRun:
     """What a calibration run needs until the script hands over its optimizer."""
 
     def __init__(self, model: nn.Module, get_batch_fn: Callable[..., Mapping[str, torch.Tensor]],
-                 assignment: Assignment, batch_size: int, chunk_size: int, precision: Precision,
+                 assignment: WorkerAssignment, batch_size: int, chunk_size: int, precision: Precision,
                  device: torch.device) -> None:
         self.model, self.get_batch_fn, self.assignment = model, get_batch_fn, assignment
         self.sizes = profile_sizes(batch_size, chunk_size)
