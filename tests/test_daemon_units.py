@@ -220,7 +220,7 @@ def member(name: str, *, lease_ports: int = 0, draining: bool = False, slots: in
     return DaemonMember(name=name, host=f"10.0.0.{name[-1]}", endpoint=f"tcp://10.0.0.{name[-1]}:{base}", slots=slots,
                         device_kind="cpu", memory_bytes=2**30, version="0.1.0", started_at=0.0,
                         worker_ports=tuple(range(base + 1, base + 1 + slots)), rendezvous_port=base + 9,
-                        draining=draining)
+                        probe_ports=(base + 7, base + 8), draining=draining)
 
 
 def test_a_failed_workers_error_is_summed_up_by_the_exception_that_ended_it():
@@ -296,6 +296,11 @@ def test_member_facts_round_trip_and_old_readers_ignore_them():
     assert Member.decode(m.encode()).name == "d1"
     with pytest.raises(ValueError, match="worker ports"):
         DaemonMember(**{**json.loads(m.encode()), "worker_ports": [1]})
+    # a link probe's ports are its own: never a worker's stream port or the job's rendezvous
+    with pytest.raises(ValueError, match="overlap"):
+        DaemonMember(**{**json.loads(m.encode()), "probe_ports": [m.worker_ports[0], 30000]})
+    with pytest.raises(ValueError, match="two TCP ports"):
+        DaemonMember(**{**json.loads(m.encode()), "probe_ports": [30000]})
 
 
 def test_make_plan_places_ranks_and_the_rendezvous_on_rank_0():

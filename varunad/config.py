@@ -104,7 +104,8 @@ class DaemonConfig:
     metrics_port: int = 0
     """TCP port of the Prometheus endpoint ``/metrics`` (0 = none; see ``varunad.metrics``)."""
     worker_port_base: int = 0
-    """First of slots + 1 consecutive worker ports (0 = free ones chosen at start)."""
+    """First of slots + 3 consecutive ports: one per slot's worker, the rendezvous, two for link probes
+    (0 = free ones chosen at start)."""
     device_kind: str = ""
     """Device kind for calibration ("" = detect: the GPU model, else "cpu" or "cpu-<n>slots")."""
     memory: int = 0
@@ -301,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, metavar="PORT", help="TCP port of the daemon's control socket (default: a free one)")
     a("--metrics-port", type=int, metavar="PORT",
       help="serve Prometheus metrics at http://HOST:PORT/metrics on the control socket's host (default 0: off)")
-    a("--worker-port-base", type=int, metavar="PORT", help="first of SLOTS+1 worker ports (default: free ones)")
+    a("--worker-port-base", type=int, metavar="PORT",
+      help="first of SLOTS+3 consecutive ports: one per slot's worker, the job's rendezvous, two for link probes "
+      "between VMs (default: free ones)")
     a("--device-kind", metavar="KIND", help="device kind for calibration and prices (default: the GPU model, e.g. "
       "'NVIDIA A100-SXM4-80GB'; 'cpu' on a CPU host, 'cpu-<n>slots' with --slots n)")
     a("--memory", type=int, metavar="BYTES",

@@ -251,6 +251,7 @@ async def _members(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
             "name": m.name, "host": m.host, "endpoint": m.endpoint, "slots": m.slots, "device_kind": m.device_kind,
             "memory_bytes": m.memory_bytes, "version": m.version, "draining": m.draining,
             "worker_ports": list(m.worker_ports), "rendezvous_port": m.rendezvous_port,
+            "probe_ports": list(m.probe_ports),
             "up_s": round(time.time() - m.started_at, 1),
             "lease_ttl_left_s": remaining,
             "lease_age_s": None if remaining is None or not m.lease_ttl else round(m.lease_ttl - remaining, 1),

@@ -119,15 +119,17 @@ class Daemon:
         c = self.config
         gpus = gpu_count()
         slots = c.slots or detect_slots(gpus)
-        self.ports = PortReservation(c.advertise, ports=list(range(c.worker_port_base, c.worker_port_base + slots + 1))
-                                     if c.worker_port_base else None, count=0 if c.worker_port_base else slots + 1)
+        # one stream port per slot, the rendezvous, then the link probe's stream and rendezvous ports
+        n = slots + 3
+        self.ports = PortReservation(c.advertise, ports=list(range(c.worker_port_base, c.worker_port_base + n))
+                                     if c.worker_port_base else None, count=0 if c.worker_port_base else n)
         ports = self.ports.ports
         return DaemonMember(
             name=self.name, host=c.advertise, endpoint=f"tcp://{c.advertise}:{self.server.port}", slots=slots,
             device_kind=c.device_kind or detect_device_kind(slots, gpus=gpus),
             memory_bytes=c.memory or detect_memory(slots, gpus),
             version=version(), started_at=time.time(), worker_ports=tuple(ports[:slots]),
-            rendezvous_port=ports[slots], lease_ttl=c.ttl,
+            rendezvous_port=ports[slots], probe_ports=tuple(ports[slots + 1:slots + 3]), lease_ttl=c.ttl,
         )
 
     def _bind_host(self) -> str:
@@ -171,10 +173,10 @@ class Daemon:
                                      ports=self.ports, ctx=self.ctx, security_env=self._worker_security_env(),
                                      peer_keys=self._peer_keys, metrics=self.metrics)
         self.supervisor.on_exit(self._after_worker)
-        prober = LinkProber(store=self.store, keys=self.keys, name=self.name, host=self.config.advertise,
-                            ports=self.ports, is_busy=lambda: bool(self.supervisor.alive()),
-                            timeout=self.config.retry_timeout,
-                            env={k: v for k, v in os.environ.items() if not k.startswith(("VARUNA_", "VARUNAD_"))})
+        self.prober = prober = LinkProber(
+            store=self.store, keys=self.keys, name=self.name, member=lambda: self.membership.member, ports=self.ports,
+            is_busy=lambda: bool(self.supervisor.alive()), timeout=self.config.retry_timeout,
+            env={k: v for k, v in os.environ.items() if not k.startswith(("VARUNA_", "VARUNAD_"))})
         self._tasks = [loop.create_task(self._keep_running(name, run), name=name) for name, run in (
             ("election", self.election.run), ("control-server", self._serve),
             ("plan-follower", self._follow_plan), ("worker-socket", self.supervisor.serve),
@@ -370,6 +372,7 @@ class Daemon:
             sup.fail_epoch(doc.job or "", epoch, [s.rank for s in doc.slots_on(self.name)],
                            f"{self.name} could not get the job's files: {exc}")
             return
+        await self.prober.stop(f"{doc.job} epoch {epoch} starts here")   # a probe never runs beside a step
         await sup.start_epoch(doc, epoch, member=self.membership.member, script=script, args=list(spec.args),
                               store_dir=job_store(spec, self.config.store), batch_size=spec.batch_size,
                               steps=spec.steps, checkpoint_every=spec.checkpoint_every,
@@ -386,6 +389,7 @@ class Daemon:
         out = Path(self.config.state_dir) / "calibration" / f"{model_fingerprint(spec)}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         log.info("%s: calibrating the model of %s (writing %s)", self.name, spec.job, out)
+        await self.prober.stop(f"calibrating {spec.job} here")
         await self.supervisor.start_profile(doc, epoch, member=self.membership.member, script=script,
                                             args=list(spec.args), batch_size=spec.batch_size, steps=spec.steps,
                                             out_path=str(out))

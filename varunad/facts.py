@@ -2,8 +2,10 @@
 
 ``DaemonMember`` is ``varunad.membership.Member`` plus what the leader needs to place workers:
 the TCP port each slot's worker binds for tensor streams and the port of the torch.distributed
-rendezvous (used when this member hosts rank 0), and whether the daemon is leaving (a
-preemption notice arrived; plan without it). Older readers ignore the extra fields.
+rendezvous (used when this member hosts rank 0), the two ports of its link probes (varunad.links:
+a probe never touches a worker's port, so a probe that outlives its welcome cannot take the port
+a job's worker is about to bind), and whether the daemon is leaving (a preemption notice arrived;
+plan without it). Older readers ignore the extra fields.
 
 Ports are chosen free at start and held (bound, not listening) until a worker needs one, so
 other processes on the VM cannot take them in the meantime.
@@ -42,6 +44,7 @@ def version() -> str:
 class DaemonMember(Member):
     worker_ports: tuple[int, ...] = ()  # one per slot: tcp://host:port is that slot's stream endpoint
     rendezvous_port: int = 0  # torch.distributed store when this member hosts rank 0
+    probe_ports: tuple[int, ...] = ()  # (stream, rendezvous) of link probes (varunad.links); () = not probed
     draining: bool = False  # leaving after a preemption notice: plan without it
     lease_ttl: float = 0.0  # the TTL it asked for, so `varunactl nodes` can show the lease's age
 
@@ -55,6 +58,13 @@ class DaemonMember(Member):
             raise ValueError(f"member {self.name}: {len(ports)} worker ports for {self.slots} slots")
         if not isinstance(self.rendezvous_port, int) or not 0 <= self.rendezvous_port < 65536:
             raise ValueError(f"member {self.name}: rendezvous_port must be a TCP port")
+        probe = tuple(self.probe_ports)
+        object.__setattr__(self, "probe_ports", probe)
+        if probe and (len(probe) != 2 or any(not isinstance(p, int) or isinstance(p, bool) or not 0 < p < 65536
+                                             for p in probe)):
+            raise ValueError(f"member {self.name}: probe_ports must be two TCP ports, got {probe!r}")
+        if set(probe) & ({*ports, self.rendezvous_port}):
+            raise ValueError(f"member {self.name}: probe_ports {probe!r} overlap the worker ports")
         if not isinstance(self.draining, bool):
             raise ValueError(f"member {self.name}: draining must be true or false")
 

@@ -272,7 +272,8 @@ class Leader:
         self._changed = asyncio.Event()
         self._last_sentence = ""
         self._reports: set[asyncio.Task[None]] = set()  # end-of-job reports being written
-        self.links = LinkSurvey(store, keys, timeout=config.retry_timeout, clock=clock)
+        self.links = LinkSurvey(store, keys, timeout=config.retry_timeout, put=election.write_as_leader,
+                                term=lambda: election.state.term, clock=clock)
 
     @property
     def t(self) -> float:
@@ -284,7 +285,7 @@ class Leader:
         watchers = [asyncio.get_running_loop().create_task(self._watch(prefix, is_prefix))
                     for prefix, is_prefix in ((self.keys.members, True), (self.keys.jobs, True),
                                               (self.keys.cancels, True), (self.keys.workers, True),
-                                              (self.keys.plan, False), (self.keys.root + "links/pair/", True))]
+                                              (self.keys.plan, False), (self.keys.root + "links/", True))]
         try:
             while True:
                 try:
@@ -353,11 +354,12 @@ class Leader:
     async def _survey_links(self, snap: FleetSnapshot) -> None:
         """Measure the links between idle members that have none for their addresses (varunad.links)."""
         plan = snap.plan
-        busy: set[str] = set()
+        # members whose workers still run (a stopping epoch's too), and those a plan gives work
+        busy = {m for m, r in snap.reports.items() if r.alive()}
         if plan is not None and plan.kind == "run":
-            busy = set(plan.members)
+            busy |= set(plan.members)
         elif plan is not None and plan.kind == "profile" and plan.profile_member:
-            busy = {plan.profile_member}
+            busy.add(plan.profile_member)
         try:
             await self.links.survey({m.name: m for m, _ in snap.usable()}, busy)
         except StoreError as exc:
@@ -606,8 +608,11 @@ class Leader:
         measured = False
         if members:
             names = [m.name for m, _ in members]
-            waiting = self.links.waiting(names)
-            if waiting:   # first the links, then a calibration run: neither may disturb the other
+            # A job's first plan waits for a probe in flight (it ends within PROBE_TIMEOUT, at once
+            # when it fails): first the links, then a calibration run, neither disturbing the other.
+            # A job that ran already (a morph, a restart) never waits: it plans with what is measured.
+            waiting = self.links.waiting(names) if not state.epochs else []
+            if waiting:
                 why = "waiting for the link measurement " + ", ".join(f"{a} <-> {b}" for a, b in waiting)
                 if self.memory.waiting.get(job) != why:
                     self.memory.waiting[job] = why
