@@ -367,8 +367,11 @@ class LinkProber:
         if why:
             log.info("%s: ending the link probe in progress: %s", self.name, why)
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # asyncio.wait, not `await task`: the probe's CancelledError must not be confused with
+        # (and swallow) a cancellation of the caller, which would then wait on for ever
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("%s: the link probe task failed: %r", self.name, task.exception())
 
     async def _handle(self, value: bytes) -> None:
         try:
@@ -421,6 +424,8 @@ class LinkProber:
         return None
 
     async def _withdraw(self, value: bytes) -> None:
+        if self._value is value:
+            self._value = None   # the deletion's watch event is this task's own doing, no reason to end it
         with contextlib.suppress(StoreError):
             await self.store.delete_if(self.key, value=value, timeout=self.t)
 
