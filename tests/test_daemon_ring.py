@@ -163,6 +163,12 @@ def test_kill9_of_a_non_leader_morphs_and_the_job_finishes(healthy, reference):
     assert lost and lost[0]["reason"].startswith(f"{victim} was lost ("), st["morphs"]
     assert "re-planning on the VMs left" in lost[0]["reason"] and "[rank" not in lost[0]["reason"], lost[0]
     assert lost[0]["cause"] == f"{victim} was lost" and not lost[0]["restart"]
+    # the epoch after the loss fenced the store where it resumed, and wrote its epoch into its checkpoints
+    # (so nothing the lost epoch's workers committed after that could be loaded: trainer.ckpt_store)
+    from trainer.ckpt_store import checkpoint_dir, read_epoch_fences, verify
+    store = str(ring.store_dir / "kill-member")
+    assert read_epoch_fences(store).get(st["epoch"], -1) >= 6, read_epoch_fences(store)
+    assert verify(checkpoint_dir(store, STEPS))["epoch"] == st["epoch"]
     # the status command a user runs says the same
     r = ring.varunactl("status", "kill-member", "--json")
     assert r.returncode == 0, r.stderr

@@ -14,12 +14,18 @@ in place, writes a record naming them (`ckpt_store.write_writer_record`); rank 0
 waits for all of them and only then writes the manifest. Until then the checkpoint is
 incomplete and never loaded. One staged checkpoint is in flight at a time; the next one, an
 on-demand one and `close` wait for it.
+
+Under the daemon every checkpoint carries the plan epoch it was written in, and rank 0 of an
+epoch fences the store when it chooses where to resume (`resume_point`): a checkpoint an older
+epoch commits past that point, a cut-off incarnation's late write, is refused and never loaded
+(`ckpt_store.superseded`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import shutil
 import threading
 import time
@@ -32,7 +38,7 @@ from torch import nn
 from trainer import ckpt_store
 from trainer.errors import CheckpointError
 
-__all__ = ["save", "load", "agree", "Upload"]
+__all__ = ["save", "load", "agree", "resume_point", "Upload"]
 
 log = logging.getLogger("varuna.checkpoint")
 
@@ -80,31 +86,56 @@ def _meta(v, iteration: int) -> dict:
     }
 
 
+def _epoch(v) -> int | None:
+    """The plan epoch this worker runs in (None outside the daemon: its checkpoints are not fenced)."""
+    return v.assignment.epoch or None
+
+
+def resume_point(v, store: str) -> int | None:
+    """The newest complete checkpoint to resume from (None: none), agreed by every rank; rank 0
+    fences the store with it first, so that nothing an older epoch commits later is loaded."""
+    def choose() -> int | None:
+        newest = ckpt_store.latest_complete(store)
+        if _epoch(v) is not None:
+            ckpt_store.write_epoch_fence(store, _epoch(v), newest)
+        return newest
+    return agree(v, choose)
+
+
 def save(v, store: str, iteration: int, *, tmpdir: str | None = None, shard: bool = False) -> str:
     """Write checkpoint `iteration`; collective. With `tmpdir`, stage it there and leave the copy
-    into the store to a background `Upload` (held in `v._upload`); else write it in place."""
+    into the store to a background `Upload` (held in `v._upload`); else write it in place.
+    Refused (CheckpointError on every rank) when a newer epoch has fenced it out."""
     start = time.perf_counter()
     v._shard_checkpoint = shard
     final_dir = ckpt_store.checkpoint_dir(store, iteration)
+    epoch = _epoch(v)
+
+    def not_superseded(then):
+        ckpt_store.refuse_superseded(store, epoch, iteration)
+        return then()
+
     if tmpdir:
         # The same name from every rank; a record of an earlier, dead run is never counted.
-        token = agree(v, lambda: uuid.uuid4().hex)
+        token = agree(v, lambda: not_superseded(lambda: uuid.uuid4().hex))
         # per rank: the workers of a VM share the tmpdir, and each removes its own when copied
         stage_dir = ckpt_store.checkpoint_dir(os.path.join(tmpdir, f"rank{v.rank}"), iteration)
         entries = _write_mine(v, stage_dir, iteration)
         stalled = time.perf_counter() - start
         v._upload = Upload(stage_dir, final_dir, entries, iteration=iteration, token=token, rank=v.rank,
                            world=v.assignment.world_size, meta=_manifest_meta(v) if v.rank == 0 else None,
-                           stalled_s=stalled)
+                           stalled_s=stalled, epoch=epoch)
         log.info("rank %d: checkpoint %d staged in %s in %.2fs; copying it to %s in the background", v.rank,
                  iteration, stage_dir, stalled, final_dir)
         return final_dir
+    if epoch is not None:
+        agree(v, lambda: not_superseded(lambda: None))
     entries = _write_mine(v, final_dir, iteration)
     gathered: list[list | None] = [None] * v.assignment.world_size
     dist.all_gather_object(gathered, entries)
     if v.rank == 0:
         ckpt_store.write_manifest(final_dir, [e for es in gathered for e in es], _manifest_meta(v),
-                                  iteration=iteration)
+                                  iteration=iteration, epoch=epoch)
     dist.barrier()
     log.info("rank %d: checkpoint %d written to %s in %.2fs", v.rank, iteration, final_dir,
              time.perf_counter() - start)
@@ -133,8 +164,8 @@ class Upload:
 
     def __init__(self, stage_dir: str, final_dir: str, entries: list[ckpt_store.FileEntry], *, iteration: int,
                  token: str, rank: int, world: int, meta: dict | None, timeout_s: float = COMMIT_TIMEOUT_S,
-                 stalled_s: float = 0.0) -> None:
-        self.iteration, self.final_dir = iteration, final_dir
+                 stalled_s: float = 0.0, epoch: int | None = None) -> None:
+        self.iteration, self.final_dir, self.epoch = iteration, final_dir, epoch
         self.stalled_s = stalled_s   # what staging cost the training thread
         self.error: BaseException | None = None
         self._thread = threading.Thread(
@@ -153,6 +184,8 @@ class Upload:
     def _run(self, stage_dir, entries, token, rank, world, meta, timeout_s) -> None:
         start = time.perf_counter()
         try:
+            # a newer epoch may have started while this one staged: then not a file is copied
+            ckpt_store.refuse_superseded(posixpath.dirname(self.final_dir.rstrip("/")), self.epoch, self.iteration)
             for e in entries:
                 ckpt_store.copy_file(stage_dir, self.final_dir, e)
             ckpt_store.write_writer_record(self.final_dir, token, rank, entries)
@@ -181,7 +214,7 @@ class Upload:
                                            "is the one a resume loads")
             time.sleep(0.1)
         ckpt_store.write_manifest(self.final_dir, [e for r in sorted(records) for e in records[r]], meta,
-                                  iteration=self.iteration)
+                                  iteration=self.iteration, epoch=self.epoch)
 
 
 def agree(v, fn):

@@ -13,6 +13,14 @@ Every file appears under its final name all at once (temporary name, fsync, rena
 reader sees either nothing or a whole file. Hidden names (starting with ".") are reserved for
 those temporaries and are never listed in a manifest.
 
+Plan epochs fence checkpoints. A worker started by the daemon writes the plan epoch it runs
+under into each manifest it commits, and rank 0 of a new epoch, once it has chosen the
+checkpoint it resumes from, writes ``epochs/<epoch>.json`` saying so (`write_epoch_fence`).
+From then on a checkpoint an *older* epoch commits past that one is an old incarnation's late
+write (a worker cut off from the fleet, a staged upload still in flight): it is refused when
+committed and, if it lands anyway, never loaded or counted as the newest (`superseded`).
+Checkpoints written without an epoch (the local launcher) are never fenced.
+
 Storage sits behind `CheckpointStorage`, a small protocol over string paths. Plain paths use the
 local (or mounted shared) filesystem; ``register_storage("s3", ...)`` plugs in another backend for
 paths like ``s3://bucket/job``.
@@ -61,6 +69,10 @@ __all__ = [
     "copy_file",
     "write_writer_record",
     "read_writer_records",
+    "write_epoch_fence",
+    "read_epoch_fences",
+    "superseded",
+    "refuse_superseded",
 ]
 
 CKPT_PREFIX = "varuna_ckpt_"
@@ -348,12 +360,15 @@ def _write_manifest_doc(storage: CheckpointStorage, ckpt_dir: str, doc: dict) ->
 
 
 def write_manifest(
-    ckpt_dir: str, entries: list[FileEntry], meta: dict, *, iteration: int | None = None
+    ckpt_dir: str, entries: list[FileEntry], meta: dict, *, iteration: int | None = None,
+    epoch: int | None = None,
 ) -> None:
     """Commit the checkpoint: list every file (as reported by all writers) and ``meta``.
 
     Call once, from one process, after every writer has returned its entries. ``iteration``
-    defaults to the one in the directory name (``varuna_ckpt_<iteration>``).
+    defaults to the one in the directory name (``varuna_ckpt_<iteration>``). ``epoch``: the plan
+    epoch it was written under; refused (CheckpointError) when a newer epoch has started from
+    an older checkpoint (`superseded`).
     """
     parsed = _iteration_of(ckpt_dir)
     if iteration is None:
@@ -403,6 +418,10 @@ def write_manifest(
         "meta": meta,
         "complete": True,
     }
+    if epoch is not None:
+        _check_epoch(epoch)
+        doc["epoch"] = epoch
+    refuse_superseded(posixpath.dirname(ckpt_dir.rstrip("/")), epoch, iteration)
     _write_manifest_doc(storage, ckpt_dir, doc)
     log.info("committed checkpoint %d in %s (%d files)", iteration, ckpt_dir, len(by_name))
 
@@ -469,6 +488,9 @@ def _read_manifest(storage: CheckpointStorage, ckpt_dir: str) -> dict:
         )
     if doc.get("complete") is not True:
         raise _broken(ckpt_dir, "incomplete: its manifest is not marked complete")
+    epoch = doc.get("epoch")
+    if epoch is not None and (type(epoch) is not int or epoch < 0):
+        raise _broken(ckpt_dir, f"corrupt: manifest epoch {epoch!r} is not an int >= 0")
     it = doc.get("iteration")
     if type(it) is not int or it < 0:
         raise _broken(ckpt_dir, f"corrupt: manifest iteration {it!r} is not an int >= 0")
@@ -516,6 +538,9 @@ def verify(ckpt_dir: str, *, checksums: bool = True) -> dict:
     """
     storage = _storage_for(ckpt_dir)
     doc = _read_manifest(storage, ckpt_dir)
+    fence = superseded(posixpath.dirname(ckpt_dir.rstrip("/")), doc.get("epoch"), doc["iteration"])
+    if fence is not None:
+        raise _broken(ckpt_dir, _superseded_why(doc.get("epoch"), *fence))
     for f in doc["files"]:
         path = posixpath.join(ckpt_dir, f["name"])
         try:
@@ -663,6 +688,7 @@ def copy_to_store(local_dir: str, store: str, iteration: int) -> str:
         raise ValueError(f"{local_dir} holds checkpoint {doc['iteration']}, not {iteration}")
     dst = _storage_for(store)
     dest = checkpoint_dir(store, iteration)
+    refuse_superseded(store, doc.get("epoch"), iteration)
     if dst.exists(posixpath.join(dest, MANIFEST)):
         existing = _read_manifest(dst, dest)
         if existing["files"] == doc["files"]:
@@ -749,3 +775,92 @@ def read_writer_records(ckpt_dir: str, token: str) -> dict[int, list[FileEntry]]
             doc = json.loads(f.read())
         found[int(m.group(1))] = [FileEntry(e["name"], int(e["size"]), e["sha256"]) for e in doc["files"]]
     return found
+
+
+# --------------------------------------------------------------------------------------------
+# Epoch fences: an old incarnation's late checkpoint is never loaded (see the module doc)
+
+EPOCHS = "epochs"
+
+
+def _check_epoch(epoch: object) -> None:
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"a plan epoch is an int >= 0, got {epoch!r}")
+
+
+def write_epoch_fence(store: str, epoch: int, resumed_from: int | None) -> None:
+    """Record that plan `epoch` starts from checkpoint `resumed_from` (None: from scratch), so
+    that a checkpoint an older epoch commits past it is never loaded. Rank 0 of the epoch
+    calls it once, after choosing the checkpoint and before loading it."""
+    _check_epoch(epoch)
+    if resumed_from is not None and (isinstance(resumed_from, bool) or not isinstance(resumed_from, int)
+                                     or resumed_from < 0):
+        raise ValueError(f"resumed_from is a checkpoint iteration or None, got {resumed_from!r}")
+    storage = _storage_for(store)
+    path = posixpath.join(store, EPOCHS, f"{epoch}.json")
+    try:
+        storage.makedirs(posixpath.join(store, EPOCHS))
+        with storage.open_atomic(path) as f:
+            f.write(json.dumps({"epoch": epoch, "resumed_from": resumed_from}).encode())
+    except OSError as exc:
+        raise _write_error(path, exc) from exc
+
+
+def read_epoch_fences(store: str, *, newer_than: int = -1) -> dict[int, int]:
+    """epoch -> the checkpoint it resumed from (-1: from scratch), for every fence in `store` of
+    an epoch above `newer_than`. A fence that cannot be read is logged and left out."""
+    storage = _storage_for(store)
+    base = posixpath.join(store, EPOCHS)
+    try:
+        names = storage.listdir(base)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise CheckpointError(f"could not list {base}: {exc}", hint=_MOUNT_HINT) from exc
+    fences: dict[int, int] = {}
+    for name in names:
+        m = re.fullmatch(r"(0|[1-9][0-9]*)\.json", name)
+        if not m or int(m.group(1)) <= newer_than:
+            continue
+        try:
+            with storage.open_read(posixpath.join(base, name)) as f:
+                doc = json.loads(f.read())
+            resumed = doc["resumed_from"]
+            if doc["epoch"] != int(m.group(1)) or not (resumed is None or (type(resumed) is int and resumed >= 0)):
+                raise ValueError(f"not a fence: {doc!r}")
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring epoch fence %s: %s", posixpath.join(base, name), exc)
+            continue
+        fences[int(m.group(1))] = -1 if resumed is None else resumed
+    return fences
+
+
+def superseded(store: str, epoch: int | None, iteration: int,
+               fences: dict[int, int] | None = None) -> tuple[int, int] | None:
+    """The fence (newer epoch, the checkpoint it resumed from) that makes checkpoint `iteration`
+    of `epoch` an old incarnation's late write; None when it stands (or has no epoch)."""
+    if epoch is None:
+        return None
+    if fences is None:
+        fences = read_epoch_fences(store, newer_than=epoch)
+    for newer in sorted(fences):
+        if newer > epoch and iteration > fences[newer]:
+            return newer, fences[newer]
+    return None
+
+
+def _superseded_why(epoch: int | None, newer: int, resumed_from: int) -> str:
+    start = f"checkpoint {resumed_from}" if resumed_from >= 0 else "scratch"
+    return (f"superseded: written under plan epoch {epoch}, after epoch {newer} had started from {start} "
+            "(a late write of an old incarnation)")
+
+
+def refuse_superseded(store: str, epoch: int | None, iteration: int) -> None:
+    """Raise CheckpointError if checkpoint `iteration` of `epoch` must not be written (`superseded`)."""
+    fence = superseded(store, epoch, iteration)
+    if fence is not None:
+        raise CheckpointError(f"not writing checkpoint {iteration} to {store}: {_superseded_why(epoch, *fence)}",
+                              hint="a newer plan epoch runs this job; this worker's epoch is over (if etcd was "
+                                   f"reset, so epochs count from 1 again, delete {posixpath.join(store, EPOCHS)})")

@@ -153,7 +153,7 @@ class Varuna:
             self.scaler = LossScaler(1.0, 1.0, 1.0)
         a = self.assignment
         if a.resume == "latest":
-            newest = checkpointing.agree(self, lambda: ckpt_store.latest_complete(a.store))
+            newest = checkpointing.resume_point(self, a.store)
             if newest is not None:
                 self.load_checkpoint(a.store, newest)
                 log.info("rank %d: resumed from checkpoint %d", self.rank, newest)
