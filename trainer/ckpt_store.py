@@ -592,15 +592,20 @@ def read_tensors(ckpt_dir: str, name: str, *, map_location: Any = "cpu") -> dict
 # Finding, pruning, copying
 
 
-def list_checkpoints(store: str) -> list[int]:
-    """Iterations with a checkpoint directory in ``store`` (complete or not), ascending."""
-    storage = _storage_for(store)
+def _names(storage: CheckpointStorage, path: str) -> list[str]:
+    """The entries of directory `path`; none when it does not exist."""
     try:
-        names = storage.listdir(store)
+        return storage.listdir(path)
     except FileNotFoundError:
         return []
     except OSError as exc:
-        raise CheckpointError(f"could not list {store}: {exc}", hint=_MOUNT_HINT) from exc
+        raise CheckpointError(f"could not list {path}: {exc}", hint=_MOUNT_HINT) from exc
+
+
+def list_checkpoints(store: str) -> list[int]:
+    """Iterations with a checkpoint directory in ``store`` (complete or not), ascending."""
+    storage = _storage_for(store)
+    names = _names(storage, store)
     found = []
     for n in names:
         m = _DIR_RE.match(n)
@@ -762,12 +767,8 @@ def read_writer_records(ckpt_dir: str, token: str) -> dict[int, list[FileEntry]]
     """The records of run `token` found so far (a record of another run is never counted)."""
     storage = _storage_for(ckpt_dir)
     base = posixpath.join(ckpt_dir, WRITERS)
-    try:
-        names = storage.listdir(base)
-    except FileNotFoundError:
-        return {}
     found: dict[int, list[FileEntry]] = {}
-    for name in names:
+    for name in _names(storage, base):
         m = re.fullmatch(rf"{re.escape(token)}-rank(\d+)\.json", name)
         if not m:
             continue
@@ -811,14 +812,8 @@ def read_epoch_fences(store: str, *, newer_than: int = -1) -> dict[int, int]:
     an epoch above `newer_than`. A fence that cannot be read is logged and left out."""
     storage = _storage_for(store)
     base = posixpath.join(store, EPOCHS)
-    try:
-        names = storage.listdir(base)
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        raise CheckpointError(f"could not list {base}: {exc}", hint=_MOUNT_HINT) from exc
     fences: dict[int, int] = {}
-    for name in names:
+    for name in _names(storage, base):
         m = re.fullmatch(r"(0|[1-9][0-9]*)\.json", name)
         if not m or int(m.group(1)) <= newer_than:
             continue
