@@ -117,7 +117,7 @@ async def read_fleet(store: Store, keys: FleetKeys, *, timeout: float) -> FleetS
                          tuple(notes))
 
 
-async def read_plan(store: Store, keys: FleetKeys, *, timeout: float) -> tuple[PlanDoc | None, int]:
+async def read_plan(store: Store, keys: FleetKeys, *, timeout: float | None) -> tuple[PlanDoc | None, int]:
     """The newest plan a leader wrote and its epoch; (None, 0) when there is none.
 
     A value that does not parse, or that no leader wrote (no :class:`PlanWriter` record of its
@@ -138,7 +138,7 @@ async def read_plan(store: Store, keys: FleetKeys, *, timeout: float) -> tuple[P
 
 
 async def _not_a_leaders(store: Store, keys: FleetKeys, revision: int, written: KeyValue | None,
-                         leader: KeyValue | None, *, timeout: float) -> str | None:
+                         leader: KeyValue | None, *, timeout: float | None) -> str | None:
     """Why the plan written at ``revision`` is no leader's; None when a leader wrote it.
 
     ``written`` and ``leader``: the plan-writer record and the leader key as read now. A leader
