@@ -462,6 +462,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.daemon_args is not None:
                 parser.error(f"up: unexpected argument {args.daemon_args!r}; varunad flags go after --")
             args.daemon_args = daemon_args
+        if args.command != "up":
+            # gRPC's C core would print its TLS errors on stderr before varunactl's one line that
+            # says what to fix (set before grpc is imported; the daemons `up` starts keep them)
+            os.environ.setdefault("GRPC_VERBOSITY", "NONE")
         if args.etcd is None:
             from varunad.local import default_etcd
             args.etcd = default_etcd()

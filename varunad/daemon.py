@@ -316,12 +316,9 @@ class Daemon:
                     if event is None:
                         await self._read_plan("periodic check")  # a silent watch (frozen etcd) is not trusted
                     elif event.kind == "put":
-                        try:
-                            doc = PlanDoc.decode(event.value)
-                        except ValueError as exc:  # not a leader's: the plan in force stays
-                            schemas.reject("plan", f"{self.keys.plan}@{event.revision}", exc)
-                            continue
-                        await self._apply(doc, event.revision)
+                        # read back, not taken from the event: read_plan checks who wrote it (a
+                        # plan no leader wrote is skipped and the plan in force stays)
+                        await self._read_plan(f"a put at revision {event.revision}")
             except StoreError as exc:
                 log.debug("%s: plan watch broke (%s); watching again", self.name, exc)
                 await asyncio.sleep(min(1.0, self.config.loop_wait))

@@ -4,7 +4,8 @@
 when it first saw an epoch): it returns one ``Decision`` whose ``sentence`` says what and why.
 ``Leader`` runs the loop (watch members, jobs, cancel requests, worker reports and the plan;
 debounce; read a snapshot; decide; act) while this daemon holds leadership. Every write it makes
-goes through ``Election.write_as_leader``, so a deposed leader changes nothing.
+goes through ``Election.write_as_leader`` (the plan through ``write_plan``, with its writer record), so
+a deposed leader changes nothing.
 
 A morph has two phases. First a ``stop`` plan (new epoch) asks the old epoch's workers to stop,
 after a checkpoint when every member of the old plan is alive (a member that left cannot
@@ -373,7 +374,7 @@ class Leader:
         if d.action in ("nothing", "wait"):
             return False
         if d.action == "idle":
-            await self.election.write_as_leader(self.keys.plan, PlanDoc.idle(d.reason).encode())
+            await self.election.write_plan(PlanDoc.idle(d.reason).encode())
             return True
         assert d.job is not None
         if d.action == "fail":
@@ -421,7 +422,7 @@ class Leader:
         state = await self._state(job)
         await self._put_state(state.but(state=outcome, reason=reason, error=error, finished_at=time.time()))
         if snap.plan is not None and snap.plan.job == job and snap.plan.kind != "idle":
-            await self.election.write_as_leader(self.keys.plan, PlanDoc.idle(f"{job} is {outcome}").encode())
+            await self.election.write_plan(PlanDoc.idle(f"{job} is {outcome}").encode())
         log.info("leader: job %s is %s: %s", job, outcome, reason)
         entry = snap.entry(job)
         if state.epochs and entry is not None and entry.spec is not None:
@@ -455,8 +456,8 @@ class Leader:
     async def _write_stop(self, snap: FleetSnapshot, job: str, epoch: int, *, checkpoint: bool, reason: str) -> None:
         # Without a checkpoint the epoch is broken (a member lost, a worker failed, a cancel): no
         # worker can reach another step boundary, so daemons kill them at once (kill=True).
-        await self.election.write_as_leader(
-            self.keys.plan, PlanDoc.stop(job, epoch, checkpoint=checkpoint, reason=reason, kill=not checkpoint).encode())
+        await self.election.write_plan(
+            PlanDoc.stop(job, epoch, checkpoint=checkpoint, reason=reason, kill=not checkpoint).encode())
         msg = StopWorkers(job=job, epoch=epoch, reason=reason[:1000], checkpoint=checkpoint)
         for name, (member, _) in snap.members.items():
             await self.clients.send(name, member.endpoint, msg)
@@ -631,7 +632,7 @@ class Leader:
                 log.info("leader: %s is %s", job, why)
             return False
         self.memory.waiting.pop(job, None)
-        epoch = await self.election.write_as_leader(self.keys.plan, doc.encode())
+        epoch = await self.election.write_plan(doc.encode())
         planned_at = time.time()
         self.memory.epoch_seen[epoch] = self.clock()
         morphs = state.morphs
@@ -664,7 +665,7 @@ class Leader:
         member = next(m for m, _ in members if m.device_kind == missing[0])
         doc = PlanDoc(kind="profile", job=spec.job, reason=f"calibrating {missing[0]} on {member.name}",
                       profile_member=member.name, incarnations={member.name: snap.members[member.name][1]})
-        await self.election.write_as_leader(self.keys.plan, doc.encode())
+        await self.election.write_plan(doc.encode())
         await self._put_state(state.but(reason=doc.reason))
         return True
 
