@@ -50,10 +50,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from trainer.schedule import SCHEDULES  # noqa: E402  (after the path insert)
+
 __all__ = ["main"]
 
 WIDTH, LAYERS, CUT, MICRO, P = 512, 8, 3, 4, 2
-SCHEDULES = ("varuna", "gpipe", "1f1b")
 TORCH_SCHEDULES = ("gpipe", "1f1b")
 N_BATCHES = 4   # distinct global batches, cycled
 

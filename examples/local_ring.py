@@ -9,8 +9,9 @@ the job's live progress (varunad.progress), kill -9s one daemon that is not the 
 (a spot VM vanishing: the fleet notices when its lease expires, re-plans and carries on from
 the newest checkpoint with the same global batch), waits until the job is done, saves what
 each daemon's metrics endpoint serves (DIR/metrics/), writes the report (`varunactl report`
-into DIR/report/), and stops everything (varunad.local.down), also on Ctrl-C or an error.
-Logs stay under DIR/logs.
+into DIR/report/: the data, and with matplotlib, pip install 'varunad[report]', the pictures
+loss.png, timeline.png, timeline_predicted.png and throughput.png), and stops everything
+(varunad.local.down), also on Ctrl-C or an error. Logs stay under DIR/logs.
 
 --quick is the small size CI runs: the tiny GPT, 3 daemons, 240 short steps, a 3 s lease.
 """

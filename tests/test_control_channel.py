@@ -22,7 +22,7 @@ from varunad.facts import PortReservation
 from varunad.fleetkeys import FleetKeys
 from varunad.membership import Membership
 from varunad.store import EtcdStore
-from varunad.supervisor import Supervisor, _Worker
+from varunad.supervisor import Supervisor, _SupervisedWorker
 
 from protocol.messages import StopWorkers, WorkerProgress, decode, encode
 from test_membership import make_member
@@ -37,8 +37,8 @@ def _supervisor(tmp_path: Path, ctx: zmq.asyncio.Context) -> Supervisor:
                       ports=PortReservation("127.0.0.1"), ctx=ctx, security_env={}, peer_keys=lambda doc: {})
 
 
-def _running(sup: Supervisor, rank: int, token: str) -> _Worker:
-    w = _Worker(job="j", epoch=5, rank=rank, slot=0, log_path=Path(os.devnull), token=token, outcome="running")
+def _running(sup: Supervisor, rank: int, token: str) -> _SupervisedWorker:
+    w = _SupervisedWorker(job="j", epoch=5, rank=rank, slot=0, log_path=Path(os.devnull), token=token, outcome="running")
     sup.workers[rank] = w
     sup.job, sup.epoch = "j", 5
     return w
@@ -99,8 +99,8 @@ async def test_only_the_current_workers_identity_is_heard(tmp_path, monkeypatch)
             client.progress(4, 1.25, 10.0, 0.5)
             await _until(lambda: w.step == 4, "the worker's next progress")
             await _until(lambda: sup.dropped >= 2, "the forgeries dropped")
-            assert sup._progress[0].step == 4 and sup._progress[0].loss == 1.25
-            assert dict(sup._history[("j", 5)]) == {3: 1.5, 4: 1.25}
+            assert sup.reporter.progress[0].step == 4 and sup.reporter.progress[0].loss == 1.25
+            assert dict(sup.reporter._history[("j", 5)]) == {3: 1.5, 4: 1.25}
             assert sup.metrics.dropped_messages._value.get() >= 2
         finally:
             client.close()

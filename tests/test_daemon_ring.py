@@ -143,6 +143,7 @@ def test_submit_refuses_bad_specs_with_a_reason(ring, tmp_path):
     assert ring.call(ring.store.get(ring.keys.job("bad"))) is None
 
 
+@pytest.mark.chaos  # the chaos suite's kill -9 of this kind (tests/chaos/ does not repeat it)
 def test_kill9_of_a_non_leader_morphs_and_the_job_finishes(healthy, reference):
     ring = healthy
     ring.submit("kill-member", steps=STEPS, script_args=SLEEP)
@@ -180,6 +181,7 @@ def test_kill9_of_a_non_leader_morphs_and_the_job_finishes(healthy, reference):
     assert text.returncode == 0 and f": {victim} was lost (" in text.stdout, text.stdout
 
 
+@pytest.mark.chaos  # the chaos suite's kill -9 of this kind (tests/chaos/ does not repeat it)
 def test_kill9_of_the_leader_elects_another_within_a_ttl_and_the_job_finishes(healthy, reference):
     ring = healthy
     ring.submit("kill-leader", steps=STEPS, script_args=SLEEP)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from varunad.config import ConfigError, load_config, parse_env_file
+from varunad.config import DaemonConfigError, load_config, parse_env_file
 from varunad.facts import DaemonMember, detect_device_kind, detect_memory, gpu_count, gpu_models
 from varunad.fleet import FleetSnapshot, JobEntry
-from varunad.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_digest, model_fingerprint, pack_bundle,
+from varunad.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_digest, script_fingerprint, pack_bundle,
                           unpack_bundle)
 from varunad.leader import LeaderMemory, decide, error_summary
 from varunad.plans import PlanDoc, make_plan, uniform_calibration
@@ -62,7 +62,7 @@ def test_config_lowers_a_retry_timeout_that_breaks_the_rule(caplog):
     with caplog.at_level(logging.WARNING):
         c = load_config(BASE + ["--ttl", "6", "--loop-wait", "2", "--retry-timeout", "5"], environ={})
     assert c.retry_timeout == 2.0 and "lowering retry_timeout" in caplog.text
-    with pytest.raises(ConfigError, match="below --ttl"):
+    with pytest.raises(DaemonConfigError, match="below --ttl"):
         load_config(BASE + ["--ttl", "4", "--loop-wait", "5"], environ={})
 
 
@@ -85,7 +85,7 @@ def test_config_precedence_flags_over_env_file_over_environment(tmp_path):
     (BASE + ["--keep-jobs", "0"], "--keep-jobs 0 must be at least 1"),
 ])
 def test_config_refuses_unusable_settings(argv, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(DaemonConfigError, match=message):
         load_config(argv, environ={})
 
 
@@ -167,7 +167,7 @@ def test_job_spec_round_trip_and_hand_written_values():
             JobSpec.decode(bad, job="j")
     with pytest.raises(JobSpecError, match="names job"):
         JobSpec.decode(spec(job="k").encode(), job="j")
-    assert model_fingerprint(s) != model_fingerprint(spec(args=("--x", "2"), chunk_size=4))
+    assert script_fingerprint(s) != script_fingerprint(spec(args=("--x", "2"), chunk_size=4))
 
 
 def test_job_state_round_trip():

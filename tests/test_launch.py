@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import trainer.launch as launch_mod
-from trainer.env import Assignment
+from trainer.env import WorkerAssignment
 from trainer.errors import ConfigError
 from trainer.launch import launch, plan_assignments
 
@@ -230,12 +230,12 @@ def test_per_stage_recompute_flags_round_trip_through_the_environment():
     flagged = replace(a, recompute=[False, True])
     env = flagged.to_env()
     assert json.loads(env["VARUNA_RECOMPUTE"]) == [False, True]
-    assert Assignment.from_env(env).recompute == [False, True]
-    assert "VARUNA_RECOMPUTE" not in a.to_env() and Assignment.from_env(a.to_env()).recompute is None
+    assert WorkerAssignment.from_env(env).recompute == [False, True]
+    assert "VARUNA_RECOMPUTE" not in a.to_env() and WorkerAssignment.from_env(a.to_env()).recompute is None
     with pytest.raises(ConfigError, match="3 recompute flags for 2 stages"):
         replace(a, recompute=[True, True, False])
     with pytest.raises(ConfigError, match="VARUNA_RECOMPUTE must be a JSON list"):
-        Assignment.from_env({**env, "VARUNA_RECOMPUTE": "[1, 0]"})
+        WorkerAssignment.from_env({**env, "VARUNA_RECOMPUTE": "[1, 0]"})
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():

@@ -1,25 +1,31 @@
-"""The job report: loss chart, cost arithmetic, price table, simulated timeline events, and one real
-daemon job whose `varunactl report` is checked file by file (PNGs decoded with zlib, no Pillow)."""
+"""The job report: its data (loss, cost arithmetic, price table, simulated and measured timelines),
+its matplotlib pictures, the message when matplotlib is missing, and one real daemon job whose
+`varunactl report` is checked file by file."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-import numpy as np
 import pytest
 
 from ring import Ring
-from test_timeline import _decode_png
+from test_trace import png_size
 from trainer.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
-from trainer.plot import LINE_COLOR, MARKER_COLOR, render_line_chart
 from trainer.schedule import build_table
 from trainer.simulator import simulate, stage_costs
 from trainer.trace import CATEGORIES, TraceRecorder, trace_path
 from varunad.cli import main as varunactl
+from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobState, MorphEvent
 from varunad.prices import DEFAULT_PRICES, DevicePrice, PriceError, load_prices, price_of
 from varunad.report import (
-    FILES,
+    DATA_FILES,
+    PICTURES,
     Interval,
     ReportInputs,
     build_report,
@@ -29,37 +35,12 @@ from varunad.report import (
     predict,
     run_intervals,
 )
+from varunad.report.cost import cost_lines
+from varunad.records import encode_history
+from varunad.report.pictures import EXTRA, draw_report
+from varunad.store import EtcdStore
 
-# --- loss chart --------------------------------------------------------------------------------------
-
-
-def test_loss_chart_is_a_png_of_the_asked_size_with_the_curve_and_a_marker_per_morph(tmp_path):
-    points = [(s, 3.0 * np.exp(-s / 20)) for s in range(60)]
-    chart = render_line_chart(tmp_path / "loss.png", points, markers=[(12, "2X1>1X1"), (40, "1X1>2X1")],
-                              width=800, height=360)
-    img = _decode_png(tmp_path / "loss.png")
-    assert img.shape == (360, 800, 3) and (chart.width, chart.height) == (800, 360)
-    for x in chart.marker_xs:  # dashed: about half of the plot's height is marker-red at that column
-        column = img[chart.plot_y0:chart.plot_y1, x]
-        assert (column == MARKER_COLOR).all(axis=1).mean() > 0.3
-    assert chart.marker_xs[0] < chart.marker_xs[1]
-    assert abs(chart.marker_xs[0] - chart.x_of(12)) <= 1
-    # No marker anywhere else: columns away from them hold no marker-red inside the plot.
-    away = [x for x in range(chart.plot_x0, chart.plot_x1) if min(abs(x - m) for m in chart.marker_xs) > 3]
-    assert not (img[chart.plot_y0:chart.plot_y1, away] == MARKER_COLOR).all(axis=2).any()
-    # The curve passes through its points (first and last) in the line colour.
-    for s in (0, 59):
-        x, y = chart.x_of(s), chart.y_of(points[s][1])
-        assert (img[y - 2:y + 3, x - 2:x + 3] == LINE_COLOR).all(axis=2).any()
-    # Higher loss is drawn higher up.
-    assert chart.y_of(points[0][1]) < chart.y_of(points[-1][1])
-
-
-def test_loss_chart_needs_points(tmp_path):
-    with pytest.raises(ValueError, match="no finite points"):
-        render_line_chart(tmp_path / "x.png", [(0, float("nan"))])
-    flat = render_line_chart(tmp_path / "flat.png", [(0, 1.0)])  # one point, no span: still drawn
-    assert _decode_png(tmp_path / "flat.png").shape == (flat.height, flat.width, 3)
+REPO = Path(__file__).resolve().parents[1]
 
 
 # --- device time and cost ------------------------------------------------------------------------------
@@ -140,18 +121,16 @@ def test_cost_arithmetic_matches_a_hand_computation():
 
 
 def test_restarts_are_told_apart_from_morphs_and_a_run_that_trained_nothing_claims_no_saving():
-    from varunad.report import _cost_lines
-
     intervals = [Interval(e, "1x2", 2, 60.0 * i, 60.0 * (i + 1)) for i, e in enumerate((1, 2, 3))]
     prices = {"NVIDIA A100-SXM4-80GB": DevicePrice(1.0, 4.0, "test")}
     c = cost_report(intervals, {"NVIDIA A100-SXM4-80GB": 2}, prices, steps=0, batch_size=8, downtime_s=20.0,
                     redone_steps=0, restarts=2)
     assert c["morphs"]["count"] == 0 and c["morphs"]["restarts"] == 2 and c["spot_saving_factor"]
-    lines = _cost_lines(c)
+    lines = cost_lines(c)
     assert lines[1].startswith("NVIDIA A100-SXM4-80GB ")   # the kind column fits the model's name
     assert any(ln.startswith("morphs   0, 2 restarts after a worker failed: ") for ln in lines), lines
     assert not any(ln.startswith("saving") for ln in lines), lines
-    trained = _cost_lines(cost_report(intervals, {"NVIDIA A100-SXM4-80GB": 2}, prices, steps=10, batch_size=8,
+    trained = cost_lines(cost_report(intervals, {"NVIDIA A100-SXM4-80GB": 2}, prices, steps=10, batch_size=8,
                                       downtime_s=20.0, redone_steps=0))
     assert any(ln.startswith("morphs   2: ") for ln in trained) and any(ln.startswith("saving") for ln in trained)
 
@@ -317,7 +296,7 @@ def test_the_measured_step_is_not_one_that_ran_beside_a_checkpoint_copy(tmp_path
     assert pick_measured_step(str(tmp_path), {3: 2}, checkpoint_every=5).step == 6
 
 
-def test_a_report_from_state_alone_notes_what_it_could_not_draw(tmp_path):
+def test_a_report_from_state_alone_notes_what_it_could_not_make(tmp_path):
     spec = JobSpec(job="j", script="t.py", batch_size=8, steps=4, checkpoint_every=2, bundle_digest="0" * 64,
                    bundle_bytes=1)
     state = JobState(job="j", state="done", epoch=5, epochs=(5,), started_at=100.0, finished_at=460.0,
@@ -325,18 +304,185 @@ def test_a_report_from_state_alone_notes_what_it_could_not_draw(tmp_path):
     status = {"step": 4, "epochs": {"5": [0, 3]}, "loss_history": [[0, 2.0], [1, 1.5], [2, 1.2], [3, 1.1]]}
     inputs = ReportInputs(spec=spec, state=state, status=status, calibrations={}, store_dir=str(tmp_path / "store"),
                           now=1000.0)
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "timeline.png").write_bytes(b"stale")  # from an earlier report: must go
-    doc = build_report(inputs, tmp_path / "out", DEFAULT_PRICES)
-    assert doc["files"] == ["loss.png", "cost.json", "report.json", "report.txt"]
-    assert not (tmp_path / "out" / "timeline.png").exists()
+    out = tmp_path / "out"
+    out.mkdir()
+    for stale in ("timeline.png", "trace.json"):   # from an earlier report: must go
+        (out / stale).write_bytes(b"stale")
+    doc = build_report(inputs, out, DEFAULT_PRICES)
+    assert doc["files"] == ["loss.json", "cost.json", "report.json", "report.txt"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(doc["files"])   # data only: no picture, nothing stale
     assert doc["cost"]["device_hours"] == pytest.approx(2 * 360 / 3600)
     assert doc["cost"]["spot_usd"] == pytest.approx(0.2 * DEFAULT_PRICES["cpu"].spot)
     assert any("no traces" in n for n in doc["notes"]) and any("synthetic calibration" in n for n in doc["notes"])
-    text = (tmp_path / "out" / "report.txt").read_text()
+    text = (out / "report.txt").read_text()
     assert "job      j: done" in text and "0.2000 device-hours" in text and "note     measured timeline" in text
-    assert json.loads((tmp_path / "out" / "report.json").read_text())["cost"] == json.loads(
-        (tmp_path / "out" / "cost.json").read_text())
+    assert json.loads((out / "report.json").read_text())["cost"] == json.loads((out / "cost.json").read_text())
+    # the pictures its data allows; a note for each of the others
+    drawn, notes = draw_report(out)
+    assert drawn == ["loss.png", "throughput.png"]
+    assert notes == ["timeline.png: no trace.json (the report's notes say why)",
+                     "timeline_predicted.png: no trace_predicted.json (the report's notes say why)"]
+
+
+# --- a run with a lost VM: its data and its pictures --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def morphed(tmp_path_factory):
+    """The report of a 60-step job that ran 2x2 on steps 0-27, lost vm4 (lease, re-plan), and
+    resumed as 2x1 from the checkpoint at step 20, traced in the new epoch."""
+    root = tmp_path_factory.mktemp("morphed")
+    cal = _calibration()
+    events: list[dict] = []
+    simulate(build_table("varuna", 2, 4, True), stage_costs([cal, cal], [0, 2, 4], 2, 1, ["inter"], ["inter"] * 2),
+             events=events)
+    for stage in range(2):   # the simulated step as two workers' traces of steps 40 (warm-up) and 41
+        rec = TraceRecorder(trace_path(root / "store" / "traces" / "epoch3", stage), rank=stage, stage=stage,
+                            replica=0)
+        rec.events += [{**e, "ts": e["ts"] + 1e5 * k, "args": {**e["args"], "step": step}}
+                       for k, step in enumerate((40, 41)) for e in events if e["pid"] == stage]
+        rec.save()
+    spec = JobSpec(job="gpt", script="t.py", batch_size=16, steps=60, checkpoint_every=10, bundle_digest="0" * 64,
+                   bundle_bytes=1)
+    lost = MorphEvent(reason="vm4 was lost: its lease expired", from_shape="2x2", to_shape="2x1", from_epoch=1,
+                      to_epoch=3, noticed_at=1100.0, stopped_at=1104.0, planned_at=1106.0, checkpoint=True,
+                      cause="vm4 was lost")
+    plan = {"P": 2, "D": 1, "micro_batch_size": 2, "cuts": [1], "calibrated": True, "schedule": "varuna",
+            "members": ["a", "b"], "stage_kinds": ["cpu", "cpu"], "recompute": [True, False], "link_kinds": ["inter"],
+            "allreduce_kinds": ["inter", "inter"], "micro_batches": 4, "device_kinds": {"cpu": 2}}
+    state = JobState(job="gpt", state="done", epoch=3, epochs=(1, 3), started_at=1000.0, finished_at=1300.0,
+                     morphs=(lost,), plan=plan)
+    status = {"step": 60, "epochs": {"1": [0, 27], "3": [20, 59]},
+              "epoch_spans": {"1": [1003.0, 1098.0], "3": [1125.0, 1295.0]},
+              "loss_history": [[s, 4.0 / (1 + s / 10)] for s in range(60)]}
+    inputs = ReportInputs(spec=spec, state=state, status=status, calibrations={"cpu": cal.to_bytes()},
+                          store_dir=str(root / "store"), now=1400.0)
+    doc = build_report(inputs, root / "report", DEFAULT_PRICES)
+    return root / "report", doc
+
+
+def test_the_loss_data_marks_where_the_vm_was_lost_and_the_steps_redone(morphed):
+    report, doc = morphed
+    assert doc["files"] == list(DATA_FILES) and doc["notes"] == []
+    loss = json.loads((report / "loss.json").read_text())
+    # epoch 1 reached step 27; vm4 was lost there (the mark is at 28, the step it did not finish);
+    # epoch 3 resumed from the checkpoint at step 20: steps 20-27 were trained twice
+    assert loss["morphs"] == [{"step": 28, "resumed": 20, "restart": False, "shapes": ["2x2", "2x1"],
+                               "label": "vm4 lost"}]
+    assert loss["redone"] == [[20, 27]] and len(loss["history"]) == 60
+    assert doc["loss"]["morph_steps"] == [28] and doc["loss"]["redone_spans"] == [[20, 27]]
+    first, second = doc["runs"]
+    assert (first["shape"], first["devices"], first["after"]) == ("2x2", 4, None)
+    assert first["samples_per_s"] == pytest.approx(27 * 16 / 95.0)
+    assert second["after"] == {"cause": "vm4 was lost", "restart": False, "noticed_at": 1100.0}
+    assert second["samples_per_s"] == pytest.approx(39 * 16 / 170.0)
+    assert (second["start"], second["end"]) == (1106.0, 1300.0)
+    assert "plans    2x2: steps 0-27, 4.55 samples/s; 2x1: steps 20-59, 3.67 samples/s\n" in (
+        report / "report.txt").read_text()
+
+
+def test_the_loss_figure_has_the_curve_the_morph_the_redone_span_and_a_legend(morphed):
+    from varunad.report.draw import loss_figure
+
+    report, _ = morphed
+    (ax,) = loss_figure(json.loads((report / "loss.json").read_text())).axes
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("step (model.iteration)", "loss")
+    assert ax.get_title() == "gpt: loss per step (1 morph)"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "loss", "morph (where the job stood)", "steps redone from the checkpoint"]
+    curve = next(line for line in ax.lines if line.get_label() == "loss")
+    assert list(curve.get_xdata()) == list(range(60)) and curve.get_ydata()[0] == pytest.approx(4.0)
+    morph = next(line for line in ax.lines if line.get_label().startswith("morph"))
+    assert list(morph.get_xdata()) == [28, 28] and morph.get_linestyle() == "--"
+    (span,) = ax.patches
+    xs = span.get_patch_transform().transform(span.get_path().vertices)[:, 0]   # x in data, whatever the patch
+    assert (min(xs), max(xs)) == (19.5, 27.5)
+    assert [t.get_text() for t in ax.texts] == ["vm4 lost"]
+
+
+def test_the_throughput_figure_shows_samples_per_second_and_the_devices_over_time(morphed):
+    from varunad.report.draw import throughput_figure
+
+    _, doc = morphed
+    top, bottom = throughput_figure(doc).axes
+    assert top.get_ylabel() == "samples / s" and bottom.get_ylabel() == "devices (P × D)"
+    assert bottom.get_xlabel() == "time since the job started (s)"
+    assert top.get_title() == "gpt: throughput and P × D over time"
+    assert [t.get_text() for t in top.get_legend().get_texts()] == [
+        "samples/s (mean over the plan's steps)", "morph noticed", "no training: stop, re-plan, restart"]
+    rates = [seg for coll in top.collections for seg in coll.get_segments()] if top.collections else []
+    levels = sorted({round(float(seg[0][1]), 3) for seg in rates if seg[0][1] == seg[1][1] and seg[0][1] > 0})
+    assert levels == [round(39 * 16 / 170.0, 3), round(27 * 16 / 95.0, 3)]
+    assert [t.get_text() for t in bottom.texts] == ["2x2", "2x1"]
+    assert bottom.get_ylim()[1] > 4
+
+
+def test_every_picture_is_a_png_drawn_from_the_data_also_with_varunactl_report_from(morphed, tmp_path, capsys):
+    report, _ = morphed
+    drawn, notes = draw_report(report, tmp_path / "a")
+    assert drawn == list(PICTURES) and notes == []
+    sizes = {name: png_size(tmp_path / "a" / name) for name in PICTURES}
+    assert sizes["loss.png"] == (900, 450) and sizes["throughput.png"] == (900, 550)
+    for name in ("timeline.png", "timeline_predicted.png"):   # two rows: stage 0 and stage 1
+        assert sizes[name] == (1200, 270), name
+    assert all(os.path.getsize(tmp_path / "a" / name) > 10_000 for name in PICTURES)   # drawn, not blank
+    assert varunactl(["report", "--from", str(report), "--out", str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().out.strip() == f"drew     {', '.join(PICTURES)} into {tmp_path / 'b'}/"
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted(PICTURES)
+    assert varunactl(["report", "--from", str(tmp_path / "b")]) == 1   # pictures, but no data
+    assert capsys.readouterr().err.strip() == (f"varunactl report: no report.json in {tmp_path / 'b'}: "
+                                               "`varunactl report JOB --out DIR` writes a report there")
+
+
+_WITHOUT_MATPLOTLIB = """
+import sys
+sys.modules["matplotlib"] = None   # as if it were not installed: importing it raises ModuleNotFoundError
+import varunad.leader, varunad.report   # the daemon's side: records the data, draws nothing
+from varunad.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_without_matplotlib_varunactl_report_says_in_one_line_which_extra_to_install(morphed, tmp_path):
+    report, _ = morphed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    for args in (["--from", str(report), "--out", str(tmp_path)], ["--traces", str(report / "trace.json")]):
+        r = subprocess.run([sys.executable, "-c", _WITHOUT_MATPLOTLIB, "report", *args], capture_output=True,
+                           text=True, timeout=60, env=env, cwd=tmp_path)
+        assert r.returncode == 1, r.stderr
+        assert r.stderr == f"varunactl report: the pictures need matplotlib, which is not installed: {EXTRA}\n"
+        assert EXTRA == "pip install 'varunad[report]'"
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_varunactl_report_of_a_job_writes_the_data_then_draws_or_names_the_extra(etcd, etcd_root, tmp_path):
+    """What the leader and daemons leave in etcd for a finished job; `varunactl report` against it,
+    once with matplotlib and once as if it were not installed."""
+    keys = FleetKeys(etcd_root)
+    spec = JobSpec(job="j", script="t.py", batch_size=8, steps=6, checkpoint_every=3, bundle_digest="0" * 64,
+                   bundle_bytes=1, store=str(tmp_path / "store"))
+    async with EtcdStore(etcd.endpoint) as store:
+        await store.put(keys.job("j"), spec.encode())
+        await store.put(keys.history_entry("j", 4, "vm1"), encode_history([(s, 2.0 - s / 10) for s in range(6)],
+                                                                           span=(103.0, 118.0)))
+        await store.put(keys.state("j"), JobState(job="j", state="done", reason="trained", epoch=4, epochs=(4,),
+                                                  started_at=100.0, finished_at=120.0,
+                                                  plan={"P": 1, "D": 1, "micro_batch_size": 8}).encode())
+    base = ["--etcd", etcd.endpoint, "--root", etcd_root, "report", "j"]
+    with_pictures = await asyncio.to_thread(varunactl, [*base, "--out", str(tmp_path / "a")])
+    assert with_pictures == 0
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(
+        ["loss.json", "cost.json", "report.json", "report.txt", "loss.png", "throughput.png"])
+    assert png_size(tmp_path / "a" / "throughput.png") == (900, 550)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    r = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _WITHOUT_MATPLOTLIB, *base, "--out", "b"],
+                                capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert r.returncode == 1
+    assert r.stderr == (f"varunactl report: the pictures need matplotlib, which is not installed: {EXTRA} "
+                        "(the report's data is in b/)\n")
+    assert r.stdout.startswith("job      j: done (trained)\nrun      6 steps x batch 8 as 1x1\n"), r.stdout
+    assert "plans    1x1: steps 0-5, 2.67 samples/s\n" in r.stdout   # 5 steps of 8 samples in 15 s
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["cost.json", "loss.json", "report.json",
+                                                                  "report.txt"]
 
 
 # --- a real job ---------------------------------------------------------------------------------------------
@@ -366,14 +512,15 @@ def test_a_daemon_job_ends_with_a_report_and_varunactl_report_redraws_it(tmp_pat
         assert r.returncode == 0, r.stderr
         assert "job      rep: done" in r.stdout and f"written to {out}/" in r.stdout, r.stdout
 
-        for name in FILES:
+        for name in DATA_FILES:
             assert (out / name).is_file(), (name, r.stdout)
             assert (leader_report / name).is_file(), name
-        loss = _decode_png(out / "loss.png")
-        assert loss.shape == (420, 900, 3)
+        assert not list(leader_report.glob("*.png"))   # the leader records data; varunactl draws
+        assert png_size(out / "loss.png") == (900, 450) and png_size(out / "throughput.png") == (900, 550)
         for name in ("timeline.png", "timeline_predicted.png"):
-            img = _decode_png(out / name)
-            assert img.shape[1] == 1400 and img.shape[0] > 100, name
+            width, height = png_size(out / name)
+            assert width == 1200 and height > 200, name
+        assert f"pictures {', '.join(PICTURES)}" in r.stdout, r.stdout
         report = json.loads((out / "report.json").read_text())
         assert report["measured"]["workers"] == 2 and report["measured"]["warm"], report["measured"]
         for name in ("trace.json", "trace_predicted.json"):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from trainer.schedule import (
     SCHEDULES,
+    STASH_RULES,
     Action,
     Kind,
     ScheduleError,
@@ -23,6 +24,7 @@ from trainer.schedule import (
     format_table,
     gpipe,
     one_f_one_b,
+    stash_bound,
     validate,
     varuna,
 )
@@ -185,6 +187,45 @@ def test_every_schedule_is_valid_and_runs_without_deadlock(P, m, name, recompute
     if name == "varuna":
         for s in range(P):
             assert _max_recomputed_waiting(_compute(table, s)) <= 1
+
+
+def _peak_stash(compute):
+    """Most micro-batches forwarded and not yet backwarded at any point of one stage's order."""
+    held = peak = 0
+    for a in compute:
+        held += (a.kind is Kind.FORWARD) - (a.kind is Kind.BACKWARD)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_the_memory_rule_is_the_peak_stash_of_the_generated_orders(name):
+    # the planner sizes stages by `stash_bound`; if a generator changed its order (or the rule
+    # changed) without the other, plans would under- or over-reserve memory. With one flag for
+    # every stage the rule is the peak exactly; with mixed flags a recomputing stage behind one
+    # that does not can be held below its bound by its predecessor, so the rule is an upper bound.
+    assert STASH_RULES.keys() == SCHEDULES.keys()
+    for P in range(1, 7):
+        mixed = [tuple(s % 2 == 0 for s in range(P)), tuple(s % 2 == 1 for s in range(P))]
+        for m in sorted({1, 2, max(P - 1, 1), P, P + 1, 2 * P, 2 * P + 3, 4 * P}):
+            for flags in [(True,) * P, (False,) * P] + mixed:
+                table = build_table(name, P, m, flags)
+                for s in range(P):
+                    got = _peak_stash(_compute(table, s))
+                    want = stash_bound(name, P, s, m, flags[s])
+                    where = f"{name} P={P} m={m} recompute={flags}: stage {s} stashes {got}, the rule says {want}"
+                    if len(set(flags[:-1])) <= 1:
+                        assert got == want, where
+                    else:
+                        assert got <= want, where
+
+
+def test_the_memory_rule_refuses_bad_input():
+    with pytest.raises(ScheduleError, match="unknown schedule 'zigzag'"):
+        stash_bound("zigzag", 4, 0, 8, True)
+    with pytest.raises(ScheduleError, match="stage 4 is outside 0..3"):
+        stash_bound("varuna", 4, 4, 8, True)
+    assert stash_bound("varuna", 4, 3, 8, True) == 1  # the last stage never recomputes
 
 
 def test_varuna_is_deterministic():

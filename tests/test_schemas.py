@@ -89,14 +89,15 @@ def test_rejections_are_counted_and_logged_once(caplog):
 
 async def test_a_garbage_plan_leaves_the_previous_one_in_force(etcd, etcd_root):
     keys = FleetKeys(etcd_root)
-    async with EtcdStore(etcd.endpoint) as store:
+    async with fleet(etcd.endpoint, keys, ["a"]) as nodes, EtcdStore(etcd.endpoint) as store:
+        leader = await one_leader(nodes, timeout=10.0)
         good = PlanDoc.stop("j", 7, checkpoint=True, reason="a real one")
-        rev = await store.put(keys.plan, good.encode())
+        rev = await leader.election.write_plan(good.encode())
         for value in BAD_PLANS[:3]:
             await store.put(keys.plan, value)
         doc, epoch = await read_plan(store, keys, timeout=3.0)
         assert (doc, epoch) == (good, rev)
-        later = await store.put(keys.plan, PlanDoc.idle("next").encode())
+        later = await leader.election.write_plan(PlanDoc.idle("next").encode())
         assert await read_plan(store, keys, timeout=3.0) == (PlanDoc.idle("next"), later)
 
 

@@ -37,7 +37,7 @@ Variables (all strings):
                            VARUNA_STORE in set_optimizer, so scripts need no resume code
     VARUNA_BATCH_SIZE      optional: the job's global batch; the script's must agree
     VARUNA_MICRO_BATCH     optional: the planner's micro-batch size (overrides chunk_size)
-    VARUNA_STEPS           optional: the job's total steps (`Assignment.steps`, for scripts)
+    VARUNA_STEPS           optional: the job's total steps (`WorkerAssignment.steps`, for scripts)
     VARUNA_PROFILE         optional: profile the model into this calibration file and exit
     VARUNA_PROFILE_SLOTS   optional, CPU only: profile as this many slots busy at once (the
                            host's workers share its cores), one torch thread each
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from trainer.errors import ConfigError
 
-__all__ = ["Assignment", "job_setting", "stage_to_rank_from_json", "stage_to_rank_to_json"]
+__all__ = ["WorkerAssignment", "job_setting", "stage_to_rank_from_json", "stage_to_rank_to_json"]
 
 
 def job_setting(name: str, default: int) -> int:
@@ -97,7 +97,7 @@ def stage_to_rank_from_json(text: str) -> dict[int, list[int]]:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Assignment:
+class WorkerAssignment:
     """Where one worker sits in a P x D plan, and how it reaches its peers."""
 
     rank: int
@@ -204,7 +204,7 @@ class Assignment:
         return env
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Assignment:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerAssignment:
         environ = os.environ if environ is None else environ
         missing = [k for k in ("VARUNA_RANK", "VARUNA_STAGE_TO_RANK", "VARUNA_ENDPOINTS", "VARUNA_DIST_URL")
                    if k not in environ]

@@ -2,7 +2,7 @@
 
     python -m trainer.launch --stages 2 --replicas 2 examples/train_gpt.py --steps 20
 
-Each worker is `python script.py [args]` with its `trainer.env.Assignment` in the
+Each worker is `python script.py [args]` with its `trainer.env.WorkerAssignment` in the
 environment: rank = replica * P + stage, one ZeroMQ endpoint per rank on a free loopback port,
 one torch.distributed rendezvous URL for all. The cores are shared out evenly (OMP/MKL and
 VARUNA_THREADS). Output lines are prefixed with `[s<stage>r<replica>]`.
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import trainer
-from trainer.env import Assignment
+from trainer.env import WorkerAssignment
 from trainer.errors import ConfigError
 from trainer.schedule import SCHEDULES
 
@@ -62,8 +62,10 @@ class LaunchResult:
 
 
 @dataclass(eq=False)
-class _Worker:
-    assignment: Assignment
+class _LaunchedWorker:
+    """One local worker process the launcher started, with its captured output."""
+
+    assignment: WorkerAssignment
     proc: subprocess.Popen
     stdout: list[str] = field(default_factory=list)
     stderr: list[str] = field(default_factory=list)
@@ -151,8 +153,8 @@ def plan_assignments(
     device: str | None = None,
     checkpoint_every: int | None = None,
     checkpoint_tmpdir: str | None = None,
-) -> list[Assignment]:
-    """One Assignment per rank (rank = replica * stages + stage), with fresh loopback ports.
+) -> list[WorkerAssignment]:
+    """One WorkerAssignment per rank (rank = replica * stages + stage), with fresh loopback ports.
     With a store, the workers resume from its newest complete checkpoint by themselves.
     `device` "cuda" gives rank r the r-th visible GPU (NCCL wants one GPU per rank); any other
     value (a torch device, "cpu") goes to every rank as it is; None leaves it to the script."""
@@ -185,7 +187,7 @@ def plan_assignments(
     endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[:world]]
     stage_to_rank = {s: [r * stages + s for r in range(replicas)] for s in range(stages)}
     return [
-        Assignment(
+        WorkerAssignment(
             rank=rank,
             stage_to_rank=stage_to_rank,
             endpoints=endpoints,
@@ -206,7 +208,7 @@ def plan_assignments(
     ]
 
 
-def worker_environment(assignment: Assignment, extra: Mapping[str, str] | None = None, *,
+def worker_environment(assignment: WorkerAssignment, extra: Mapping[str, str] | None = None, *,
                        base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of one worker process; the launcher and the daemon both start workers
     with it. `base` defaults to this process's environment; `extra` goes over it and the
@@ -225,7 +227,7 @@ def worker_environment(assignment: Assignment, extra: Mapping[str, str] | None =
     return env
 
 
-def _worker_env(assignment: Assignment, extra: Mapping[str, str] | None) -> dict[str, str]:
+def _worker_env(assignment: WorkerAssignment, extra: Mapping[str, str] | None) -> dict[str, str]:
     # Every worker listens on loopback only: the local launcher is for one machine, so it asks
     # for plaintext streams explicitly (the daemon passes CURVE keys instead).
     security = {"VARUNA_SECURITY": os.environ.get("VARUNA_SECURITY", "plaintext")}
@@ -237,13 +239,13 @@ class _Launcher:
         self.echo = echo
         self.capture = capture
         self.grace = grace
-        self.workers: list[_Worker] = []
+        self.workers: list[_LaunchedWorker] = []
         self.signalled: int | None = None
         self._print_lock = threading.Lock()
 
     # -- output ---------------------------------------------------------------------------
 
-    def _pump(self, worker: _Worker, pipe, is_err: bool) -> None:
+    def _pump(self, worker: _LaunchedWorker, pipe, is_err: bool) -> None:
         stage, replica = worker.assignment.position()
         prefix = f"[s{stage}r{replica}] "
         sink = sys.stderr if is_err else sys.stdout
@@ -267,7 +269,7 @@ class _Launcher:
 
     # -- processes ------------------------------------------------------------------------
 
-    def start(self, script: str, args: Sequence[str], assignments: list[Assignment],
+    def start(self, script: str, args: Sequence[str], assignments: list[WorkerAssignment],
               env: Mapping[str, str] | None) -> None:
         for a in assignments:
             proc = subprocess.Popen(
@@ -278,7 +280,7 @@ class _Launcher:
                 stderr=subprocess.PIPE,
                 start_new_session=True,
             )
-            worker = _Worker(a, proc)
+            worker = _LaunchedWorker(a, proc)
             self.workers.append(worker)
             for pipe, is_err in ((proc.stdout, False), (proc.stderr, True)):
                 t = threading.Thread(target=self._pump, args=(worker, pipe, is_err), daemon=True)
@@ -431,7 +433,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  python -m trainer.launch --stages 2 --replicas 2 examples/train_gpt.py --steps 20\n"
                "  python -m trainer.launch -P 4 --trace-dir traces examples/train_cnn.py\n"
-               "  python -m trainer.timeline traces -o timeline.png",
+               "  varunactl report --traces traces   # timeline.png of the last step",
     )
     p.add_argument("--stages", "-P", type=int, required=True, help="pipeline depth P")
     p.add_argument("--replicas", "-D", type=int, default=1, help="data-parallel width D (default 1)")
@@ -439,7 +441,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cuts", type=_parse_cuts, metavar="I,J,...",
                    help="active cut-point indices, P-1 of them (default: Varuna balances the stages)")
     p.add_argument("--trace-dir", metavar="DIR", help="write a Chrome trace per worker here "
-                   "(render with `python -m trainer.timeline DIR`)")
+                   "(draw them with `varunactl report --traces DIR`)")
     p.add_argument("--store", metavar="DIR", help="checkpoint store of the job; workers resume from its "
                    "newest complete checkpoint")
     p.add_argument("--checkpoint-every", type=int, metavar="K",

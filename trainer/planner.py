@@ -11,9 +11,9 @@ by the simulator on the real action table; the fastest replay wins.
 Conventions:
   * cut point k lies between segment k and segment k+1; `Plan.cuts` lists the active ones;
   * a stage's memory is the schedule's bound, the same accounting the simulator replays:
-    parameters, gradients and optimizer state, plus stashed micro-batches (Varuna stashes at
-    most 2(P-s) inputs on a recomputing stage and P-s full activation sets otherwise, 1F1B P-s,
-    GPipe all m), plus one full set while recomputing;
+    parameters, gradients and optimizer state, plus the micro-batches the schedule stashes
+    (`schedule.stash_bound`: inputs only on a recomputing stage, full activation sets
+    otherwise), plus one full set while recomputing;
   * slots of one stage are one device kind, so its replicas run in step; the pipeline puts
     kinds with more memory first (early stages stash more) and gives slower kinds fewer layers.
 """
@@ -30,7 +30,7 @@ from types import MappingProxyType
 
 from trainer.calibration import Calibration
 from trainer.errors import VarunaError
-from trainer.schedule import SCHEDULES, Action, build_table
+from trainer.schedule import SCHEDULES, Action, build_table, stash_bound, stash_bounds
 from trainer.simulator import simulate, stage_costs
 
 __all__ = ["PlanError", "Slot", "StagePlan", "Candidate", "Plan", "plan"]
@@ -203,20 +203,12 @@ class _Kind:
         return self.cal.input_bytes[j] if i == 0 else self.out[j][i - 1]
 
 
-def _stash(schedule: str, P: int, s: int, m: int, recompute: bool) -> int:
-    if schedule == "gpipe":
-        return m
-    if s == P - 1:
-        return 1
-    bound = 2 * (P - s) if (schedule == "varuna" and recompute) else P - s
-    return min(bound, m)
-
-
 def _fill(kinds: Sequence[_Kind], j: int, X: float, schedule: str, m: int, allow_recompute: bool):
     """Greedy: each stage takes the most segments whose time fits X and memory fits its slot."""
     P, n = len(kinds), kinds[0].cal.n_segments
     bounds, flags = [0], []
-    i, varuna = 0, schedule == "varuna"  # the stash bounds of `_stash`, inlined: this is the hot loop
+    i = 0
+    stash = stash_bounds(schedule, P, m)  # per stage, (without, with) recompute
     for s, k in enumerate(kinds):
         jmax = n - (P - s - 1)
         if s == P - 1 and k.fb[j][n] - k.fb[j][i] > X + _EPS:
@@ -227,7 +219,7 @@ def _fill(kinds: Sequence[_Kind], j: int, X: float, schedule: str, m: int, allow
         for rec in options:
             pre = k.fbr[j] if rec else k.fb[j]
             e = bisect.bisect_right(pre, pre[i] + X + _EPS, i + 1, jmax + 1) - 1 if s < P - 1 else n
-            c = m if schedule == "gpipe" else 1 if s == P - 1 else min(m, (2 if rec and varuna else 1) * (P - s))
+            c = stash[s][rec]
             while e > i:
                 act = k.act[j][e] - k.act[j][i]
                 mem = k.static[e] - k.static[i] + (c * in_b + act if rec else c * (in_b + act))
@@ -548,7 +540,7 @@ def plan(
     for s, name in enumerate(names):
         k, a, b = kind_by_name[name], bounds[s], bounds[s + 1]
         j = k.cal.size_index(mbs)
-        c = _stash(schedule, P, s, m, flags[s])
+        c = stash_bound(schedule, P, s, m, flags[s])
         act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
         mem = k.static[b] - k.static[a] + (c * in_b + act if flags[s] else c * (in_b + act))
         pre = k.fbr[j] if flags[s] else k.fb[j]

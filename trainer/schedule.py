@@ -36,6 +36,9 @@ __all__ = [
     "SCHEDULES",
     "OVERLAP_RECOMPUTE",
     "Recompute",
+    "STASH_RULES",
+    "stash_bound",
+    "stash_bounds",
     "varuna",
     "gpipe",
     "one_f_one_b",
@@ -159,7 +162,7 @@ def gpipe(P: int, m: int, stage: int, recompute: Recompute = True) -> list[Actio
 
 def one_f_one_b(P: int, m: int, stage: int, recompute: Recompute = True) -> list[Action]:
     """PipeDream-flush: P-s-1 warm-up forwards, then pairs of one forward and one backward,
-    then the remaining backwards. At most P-s micro-batches are stashed on stage s."""
+    then the remaining backwards. At most P-s micro-batches are stashed on stage s (`_one_f_one_b_stash`)."""
     _check_args(P, m, stage)
     warmup = min(P - stage - 1, m)
     out = [_act(stage, Kind.FORWARD, k) for k in range(warmup)]
@@ -186,7 +189,7 @@ def _varuna_orders(P: int, m: int, flags: tuple[bool, ...]) -> tuple[tuple[Actio
     Whenever a stage is idle it starts the ready task of highest priority, backward > recompute
     > forward, each kind in micro-batch order:
       * FORWARD k is ready once stage s-1 finished FORWARD k, and only while the stage stashes
-        fewer than its bound of micro-batches (forwarded, backward not finished): P-s where the
+        fewer than its bound of micro-batches (forwarded, backward not finished; `_varuna_stash`): P-s where the
         full activations are kept (the 1F1B bound), 2(P-s) where the stage recomputes, since it
         then stashes only each micro-batch's input boundary. The slack lets a recomputing stage
         run ahead with forwards while gradients are late, which is where Varuna's tolerance of
@@ -210,6 +213,7 @@ def _varuna_orders(P: int, m: int, flags: tuple[bool, ...]) -> tuple[tuple[Actio
     orders: list[list[Action]] = [[] for _ in range(P)]
     remaining = P * m
     t = 0
+    bounds = [_varuna_stash(P, s, m, flags[s]) for s in range(P)]
 
     def by(x: int | None) -> bool:  # the event happened at or before now
         return x is not None and x <= t
@@ -237,8 +241,7 @@ def _varuna_orders(P: int, m: int, flags: tuple[bool, ...]) -> tuple[tuple[Actio
                 next_r[s] += 1
                 orders[s].append(_act(s, Kind.RECOMPUTE, kr))
                 continue
-            bound = 2 * (P - s) if rec else P - s
-            if kf < m and kf - done_b[s] < bound and (s == 0 or by(fin_f[s - 1][kf])):
+            if kf < m and kf - done_b[s] < bounds[s] and (s == 0 or by(fin_f[s - 1][kf])):
                 fin_f[s][kf] = busy_until[s] = t + f_cost
                 next_f[s] += 1
                 orders[s].append(_act(s, Kind.FORWARD, kf))
@@ -259,6 +262,43 @@ def varuna(P: int, m: int, stage: int, recompute: Recompute = True) -> list[Acti
 ScheduleFn = Callable[[int, int, int, Recompute], list[Action]]
 
 SCHEDULES: dict[str, ScheduleFn] = {"varuna": varuna, "gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+# The memory rule of each schedule: how many micro-batches stage `stage` of P holds at most
+# (forwarded, backward not yet finished) with m micro-batches, given whether it recomputes.
+# The planner sizes stages by it; the generators above produce orders whose peak is exactly
+# this (tests/test_schedule.py checks it against the orders), and Varuna's ordering enforces it.
+def _varuna_stash(P: int, stage: int, m: int, recompute: bool) -> int:
+    # a recomputing stage keeps only each micro-batch's input, so it may run twice as far ahead
+    return min(m, (2 if recompute else 1) * (P - stage))
+
+
+def _gpipe_stash(P: int, stage: int, m: int, recompute: bool) -> int:
+    return m  # every forward before any backward
+
+
+def _one_f_one_b_stash(P: int, stage: int, m: int, recompute: bool) -> int:
+    return min(m, P - stage)  # the warm-up forwards plus the one in flight
+
+
+StashRule = Callable[[int, int, int, bool], int]
+
+STASH_RULES: dict[str, StashRule] = {"varuna": _varuna_stash, "gpipe": _gpipe_stash, "1f1b": _one_f_one_b_stash}
+
+
+@functools.lru_cache(maxsize=1024)
+def stash_bounds(name: str, P: int, m: int) -> tuple[tuple[int, int], ...]:
+    """Per stage, `stash_bound` without and with recompute: the planner's hot loop reads this."""
+    return tuple((stash_bound(name, P, s, m, False), stash_bound(name, P, s, m, True)) for s in range(P))
+
+
+def stash_bound(name: str, P: int, stage: int, m: int, recompute: bool) -> int:
+    """The most micro-batches stage `stage` of a P-stage pipeline stashes under schedule `name`
+    with m micro-batches (the last stage never recomputes, whatever `recompute` says)."""
+    if name not in STASH_RULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    _check_args(P, m, stage)
+    return STASH_RULES[name](P, stage, m, bool(recompute) and stage < P - 1)
 
 # Schedules whose RECV_GRAD goes after the RECOMPUTE (the recompute hides the wait); the
 # others receive the gradient first, as a framework that recomputes inside backward does.

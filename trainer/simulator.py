@@ -218,7 +218,7 @@ _CODE = {
     Kind.RECV_GRAD: _RG, Kind.SEND_GRAD: _SG, Kind.ALLREDUCE: _AR, Kind.STEP: _OPT,
 }
 # The categories trainer.trace records for the executor's actions, so that a simulated and a
-# measured step render alike in trainer.timeline and Perfetto.
+# measured step render alike in the report's timelines and Perfetto.
 _TRACE_CATEGORY = ("forward", "recompute", "backward", "recv", "send", "recv", "send", "allreduce", "optimizer")
 
 

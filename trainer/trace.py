@@ -4,7 +4,7 @@ Each worker records what it does as complete ("X") events: the categories the en
 CATEGORIES below; `micro_batch` and the current step go into the event's args. pid is the
 stage and tid the replica, so every worker of a P x D job gets its own row under a
 "stage k" process once all the files are loaded together (Perfetto merges them), and
-`trainer.timeline` draws them as one picture.
+`varunactl report --traces DIR` draws them as one picture.
 
 Timestamps are microseconds on a wall-clock axis: `time.time()` read once when the recorder
 starts, advanced with `time.perf_counter()` (monotonic, fine-grained). Workers on one machine

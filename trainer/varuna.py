@@ -35,7 +35,7 @@ from trainer import checkpointing, ckpt_store
 from trainer.comm import PeerChannel
 from trainer.control import ControlClient, StopRequested
 from trainer.data_parallel import GradReducer
-from trainer.env import Assignment
+from trainer.env import WorkerAssignment as Assignment  # local spelling kept: varuna.py has a concurrent change
 from trainer.errors import CheckpointError, ConfigError
 from trainer.executor import StageExecutor
 from trainer.layout import Layout, build_layout

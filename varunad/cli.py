@@ -17,6 +17,7 @@ from pathlib import Path
 
 from protocol.errors import ProtocolError
 from protocol.security import generate_key_pair, load_public_key
+from trainer.schedule import SCHEDULES
 
 __all__ = ["main"]
 
@@ -192,7 +193,7 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, required=True, metavar="K", help="checkpoint every K steps")
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="complete checkpoints kept (3)")
     p.add_argument("--store", metavar="DIR", help="checkpoint store of the job (default: the daemons' --store/NAME)")
-    p.add_argument("--schedule", default="varuna", choices=["varuna", "gpipe", "1f1b"],
+    p.add_argument("--schedule", default="varuna", choices=list(SCHEDULES),
                    help="pipeline schedule (default varuna)")
     p.add_argument("--no-import-check", action="store_true",
                    help="do not refuse a script whose imports are not installed on this machine (they are on the VMs)")
@@ -316,32 +317,72 @@ def _add_ring(sub: argparse._SubParsersAction) -> None:
 # --- report (varunad.report) ---------------------------------------------------------------------
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from varunad.report import pictures
+
+    given = [name for name, on in (("JOB", args.job), ("--from", args.from_dir), ("--traces", args.traces)) if on]
+    if len(given) != 1:
+        print("varunactl report: give one of JOB, --from DIR or --traces PATH"
+              + (f", not {' and '.join(given)}" if given else ""), file=sys.stderr)
+        return 2
+    try:
+        if args.traces:
+            print(pictures.draw_traces(args.traces, Path(args.out or ".") / "timeline.png", args.step))
+            return 0
+        if args.from_dir:
+            drawn, notes = pictures.draw_report(args.from_dir, args.out)
+            out = args.out or args.from_dir
+            print("\n".join([f"drew     {', '.join(drawn) or 'nothing'} into {out}/"]
+                            + [f"note     {n}" for n in notes]))
+            return 0
+        return _report_job(args, pictures)
+    except pictures.NoMatplotlib as exc:
+        print(f"varunactl report: {exc}", file=sys.stderr)
+        return 1
+
+
+def _report_job(args: argparse.Namespace, pictures) -> int:
+    """JOB's report: its data from etcd and the job's store into DIR, then the pictures drawn from it."""
     from varunad import ctl, report
     from varunad.prices import load_prices
 
     prices = load_prices(args.prices)  # a bad price file is refused before etcd is asked anything
     out = args.out or f"{args.job}-report"
 
-    async def go(store) -> int:
+    async def go(store) -> dict:
         inputs = await report.collect(store, _keys(args), args.job, store_dir=args.store)
-        doc = report.build_report(inputs, out, prices)
-        print(ctl.dumps(doc) if args.json else report.format_report(doc) + f"written to {out}/")
-        return 0
+        return report.build_report(inputs, out, prices)
 
-    return _run(args, go)
+    doc = _run(args, go)
+    try:
+        drawn, notes = pictures.draw_report(out)
+    except pictures.NoMatplotlib as exc:   # the data stands; say what is missing for the pictures
+        print(ctl.dumps(doc) if args.json else report.format_report(doc).rstrip("\n"))
+        print(f"varunactl report: {exc} (the report's data is in {out}/)", file=sys.stderr)
+        return 1
+    if args.json:
+        print(ctl.dumps(doc | {"pictures": drawn, "picture_notes": notes}))
+    else:
+        print(report.format_report(doc), end="")
+        print("\n".join([f"pictures {', '.join(drawn) or 'none'}"] + [f"note     {n}" for n in notes]
+                        + [f"written to {out}/"]))
+    return 0
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "report", help="pictures and cost of a job",
-        description="Write JOB's report into DIR: loss.png (loss per step, morphs marked), timeline.png and "
-                    "trace.json (one measured step: a row per worker, forward/recompute/backward/all-reduce; "
-                    "open the trace in Perfetto), timeline_predicted.png and trace_predicted.json (the "
-                    "simulator's replay of the plan), cost.json (device-hours, cost at spot and on-demand prices, "
-                    "samples per dollar, time lost to morphs) and report.json; print the summary. The leader "
-                    "writes the same into <job store>/report/ when a job ends.")
-    p.add_argument("job", metavar="JOB")
-    p.add_argument("--out", metavar="DIR", help="directory to write into (default ./JOB-report)")
+        description="Write JOB's report into DIR and print its summary. Data: loss.json, trace.json (one measured "
+                    "step of every worker; open it in Perfetto), trace_predicted.json (the simulator's replay of "
+                    "the plan), cost.json (device-hours, cost at spot and on-demand prices, samples per dollar, "
+                    "time lost to morphs), report.json and report.txt; the leader writes the same into "
+                    "<job store>/report/ when a job ends. Pictures, drawn with matplotlib (pip install "
+                    "'varunad[report]'): loss.png (loss per step, morphs marked, redone steps shaded), "
+                    "timeline.png and timeline_predicted.png (a row per worker: forward, recompute, backward, "
+                    "send, receive, all-reduce), throughput.png (samples/s and P x D over time). --from draws "
+                    "the pictures of a report directory without etcd; --traces draws workers' trace files.")
+    p.add_argument("job", metavar="JOB", nargs="?", help="the job (not with --from or --traces)")
+    p.add_argument("--out", metavar="DIR", help="directory to write into (default ./JOB-report; with --from: the "
+                                                "report directory itself; with --traces: .)")
     p.add_argument("--prices", metavar="FILE",
                    help='JSON price table overriding the built-in one per device kind: '
                         '{"cpu": {"spot": 0.18, "on_demand": 0.34}, ...} in $ per device-hour '
@@ -349,7 +390,22 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", metavar="DIR",
                    help="the job's store, where its traces are (default: as the leader recorded it)")
     p.add_argument("--json", action="store_true", help="print report.json instead of the summary")
+    p.add_argument("--from", dest="from_dir", metavar="DIR",
+                   help="draw the pictures of the report in DIR (e.g. <job store>/report/, which the leader wrote)")
+    p.add_argument("--traces", metavar="PATH", nargs="+",
+                   help="draw workers' trace files (a --trace-dir directory or its .json files) as DIR/timeline.png")
+    p.add_argument("--step", type=_trace_step, default="last", metavar="N|last|all",
+                   help="with --traces: the step to draw (default last)")
     p.set_defaults(handler=_cmd_report)
+
+
+def _trace_step(text: str) -> int | str | None:
+    if text in ("last", "all"):
+        return None if text == "all" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step number, 'last' or 'all', got {text!r}") from None
 
 
 # --- dispatcher -----------------------------------------------------------------------------------
@@ -406,6 +462,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.daemon_args is not None:
                 parser.error(f"up: unexpected argument {args.daemon_args!r}; varunad flags go after --")
             args.daemon_args = daemon_args
+        if args.command != "up":
+            # gRPC's C core would print its TLS errors on stderr before varunactl's one line that
+            # says what to fix (set before grpc is imported; the daemons `up` starts keep them)
+            os.environ.setdefault("GRPC_VERBOSITY", "NONE")
         if args.etcd is None:
             from varunad.local import default_etcd
             args.etcd = default_etcd()

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from varunad.store import StoreConfigError, parse_endpoints
 
-__all__ = ["ConfigError", "DaemonConfig", "load_config", "parse_env_file", "build_parser", "ENV_PREFIX"]
+__all__ = ["DaemonConfigError", "DaemonConfig", "load_config", "parse_env_file", "build_parser", "ENV_PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ ENV_PREFIX = "VARUNAD_"
 _NAME_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 
 
-class ConfigError(ValueError):
+class DaemonConfigError(ValueError):
     """A setting cannot be used; the message says which and what to change."""
 
 
@@ -139,45 +139,45 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         if not self.etcd:
-            raise ConfigError("no etcd endpoint: pass --etcd host:port[,host:port] or set VARUNAD_ETCD")
+            raise DaemonConfigError("no etcd endpoint: pass --etcd host:port[,host:port] or set VARUNAD_ETCD")
         if not _NAME_RE.fullmatch(self.name):
-            raise ConfigError(f"--name {self.name!r} must be 1..128 letters, digits or . _ - : @")
+            raise DaemonConfigError(f"--name {self.name!r} must be 1..128 letters, digits or . _ - : @")
         if not self.store:
-            raise ConfigError("no checkpoint store: pass --store DIR (a directory every VM mounts)")
+            raise DaemonConfigError("no checkpoint store: pass --store DIR (a directory every VM mounts)")
         if not (self.root.startswith("/") and self.root.endswith("/")):
-            raise ConfigError(f"--root {self.root!r} must start and end with '/'")
+            raise DaemonConfigError(f"--root {self.root!r} must start and end with '/'")
         if self.plaintext == bool(self.curve_keys):
-            raise ConfigError("choose ZeroMQ security: --curve-keys DIR (the fleet's keys) or --plaintext "
+            raise DaemonConfigError("choose ZeroMQ security: --curve-keys DIR (the fleet's keys) or --plaintext "
                               "(development only)")
         if self.ttl < 2:
-            raise ConfigError(f"--ttl {self.ttl} is below etcd's minimum lease of 2 s")
+            raise DaemonConfigError(f"--ttl {self.ttl} is below etcd's minimum lease of 2 s")
         for name in ("slots", "port", "worker_port_base", "memory", "threads", "max_restarts", "metrics_port"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
+                raise DaemonConfigError(f"--{name.replace('_', '-')} must not be negative")
         if self.keep_jobs < 1:
-            raise ConfigError(f"--keep-jobs {self.keep_jobs} must be at least 1 (the running job's files stay)")
+            raise DaemonConfigError(f"--keep-jobs {self.keep_jobs} must be at least 1 (the running job's files stay)")
         for name in ("stop_grace", "abort_grace", "debounce", "start_timeout", "progress_interval"):
             if not getattr(self, name) > 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+                raise DaemonConfigError(f"--{name.replace('_', '-')} must be positive")
         if self.metrics_port > 65535:
-            raise ConfigError(f"--metrics-port {self.metrics_port} is not a TCP port (0 turns metrics off)")
+            raise DaemonConfigError(f"--metrics-port {self.metrics_port} is not a TCP port (0 turns metrics off)")
         if self.abort_grace >= self.stop_grace:
-            raise ConfigError(f"--abort-grace {self.abort_grace} must be shorter than --stop-grace {self.stop_grace}")
+            raise DaemonConfigError(f"--abort-grace {self.abort_grace} must be shorter than --stop-grace {self.stop_grace}")
         if self.scale_up_threshold < 0:
-            raise ConfigError("--scale-up-threshold must be >= 0 (a fraction: 0.1 means 10% faster)")
+            raise DaemonConfigError("--scale-up-threshold must be >= 0 (a fraction: 0.1 means 10% faster)")
         if self.calibrate not in ("uniform", "profile"):
-            raise ConfigError(f"--calibrate must be uniform or profile, got {self.calibrate!r}")
+            raise DaemonConfigError(f"--calibrate must be uniform or profile, got {self.calibrate!r}")
         if (self.etcd_cert is None) != (self.etcd_key is None):
-            raise ConfigError("--etcd-cert and --etcd-key go together")
+            raise DaemonConfigError("--etcd-cert and --etcd-key go together")
         if (self.etcd_user is None) != (self.etcd_password is None):
-            raise ConfigError("--etcd-user needs VARUNAD_ETCD_PASSWORD (and the other way round)")
+            raise DaemonConfigError("--etcd-user needs VARUNAD_ETCD_PASSWORD (and the other way round)")
 
     def with_timing(self) -> DaemonConfig:
         """Fill the derived timing defaults and enforce the rules (lowering retry_timeout if needed)."""
         loop_wait = self.loop_wait or self.ttl / 5
         retry = self.retry_timeout or min(3.0, self.ttl / 4)
         if not 0 < loop_wait < self.ttl:
-            raise ConfigError(f"--loop-wait {loop_wait} must be positive and below --ttl {self.ttl}")
+            raise DaemonConfigError(f"--loop-wait {loop_wait} must be positive and below --ttl {self.ttl}")
         if loop_wait + 2 * retry > self.ttl:
             lowered = (self.ttl - loop_wait) / 2
             log.warning("loop_wait %.2fs + 2 x retry_timeout %.2fs exceeds ttl %.2fs; lowering retry_timeout to "
@@ -215,7 +215,7 @@ def _convert(name: str, text: str) -> Any:
         if kind == "float":
             return float(text)
     except (KeyError, ValueError):
-        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={text!r} is not a valid {kind}") from None
+        raise DaemonConfigError(f"{ENV_PREFIX}{name.upper()}={text!r} is not a valid {kind}") from None
     return text
 
 
@@ -225,7 +225,7 @@ def parse_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
-        raise ConfigError(f"cannot read env file {path}: {exc.strerror or exc}") from None
+        raise DaemonConfigError(f"cannot read env file {path}: {exc.strerror or exc}") from None
     for number, raw in enumerate(lines, 1):
         line = raw.strip()
         if not line or line.startswith(("#", ";")):
@@ -233,7 +233,7 @@ def parse_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
         key, sep, value = line.partition("=")
         key = key.strip()
         if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise ConfigError(f"{path}:{number}: expected KEY=VALUE, got {raw!r}")
+            raise DaemonConfigError(f"{path}:{number}: expected KEY=VALUE, got {raw!r}")
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
             value = value[1:-1]
@@ -352,7 +352,7 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         if name in known and value is not None:
             values[name] = value
     if "etcd" not in values:
-        raise ConfigError("no etcd endpoint: pass --etcd host:port[,host:port] or set VARUNAD_ETCD")
+        raise DaemonConfigError("no etcd endpoint: pass --etcd host:port[,host:port] or set VARUNAD_ETCD")
     if values.get("curve_keys") and values.get("plaintext"):
         # the environment may ask for one and a flag for the other: the flag wins
         if ns.plaintext:
@@ -362,5 +362,5 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     try:
         config = DaemonConfig(**values)
     except TypeError as exc:
-        raise ConfigError(str(exc)) from None
+        raise DaemonConfigError(str(exc)) from None
     return config.with_timing()

@@ -19,11 +19,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 from varunad.facts import parse_member
-from varunad.fleet import read_newest
+from varunad.fleet import read_newest, read_plan
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import BundleError, JobSpec, JobSpecError, JobState, bundle_digest, pack_bundle
 from varunad.records import Progress, decode_history, epoch_ranges, merge_history, merge_spans
-from varunad.store import EtcdStore, Store, StoreError
+from varunad.store import EtcdStore, Store, StoreAuthError, StoreConfigError, StoreError, StoreUnavailable
 
 __all__ = ["CtlError", "run", "check_bundle", "build_spec", "submit", "plan_lines", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
            "print_job", "print_fleet", "dumps"]
@@ -36,11 +36,54 @@ class CtlError(Exception):
 def _unreachable(etcd: str, exc: Exception, timeout: float) -> CtlError:
     """One line for "nothing answers there": what to do, not the gRPC client's paragraph."""
     text = str(exc)
-    why = ("connection refused" if "refused" in text.lower() else
+    why = ("connection refused" if "connection refused" in text.lower() else
            f"no answer within {timeout:g}s" if "deadline" in text.lower() or "timed out" in text.lower() else
            text.splitlines()[0][:80] if text else type(exc).__name__)
     return CtlError(f"cannot reach etcd at {etcd} ({why}): no ring is up here? start one with `varunactl up N`, "
                     f"or point --etcd HOST:PORT (or $VARUNAD_ETCD) at your fleet's etcd")
+
+
+# EtcdStore's TLS options and the flag (and variable) that sets each
+_TLS_FLAGS = {"ca_file": "--etcd-ca (VARUNAD_ETCD_CA)", "cert_file": "--etcd-cert (VARUNAD_ETCD_CERT)",
+              "key_file": "--etcd-key (VARUNAD_ETCD_KEY)"}
+_USER_FLAGS = "--etcd-user (VARUNAD_ETCD_USER) and VARUNAD_ETCD_PASSWORD"
+
+
+def _etcd_failed(etcd: str, exc: StoreError, timeout: float, options: dict[str, Any]) -> CtlError:
+    """One line for a failed etcd request that names the option to fix: a TLS file that cannot be
+    read, a TLS handshake etcd or we refused, a wrong user or password, a role without the key
+    root; anything else is "cannot reach" (:func:`_unreachable`)."""
+    text = getattr(exc, "reason", str(exc))
+    user = options.get("user")
+    if isinstance(exc, StoreConfigError):
+        for option, flag in _TLS_FLAGS.items():
+            path = options.get(option)
+            if path and str(path) in text:
+                why = getattr(exc.__cause__, "strerror", None) or text
+                return CtlError(f"cannot read {flag} file {path} ({why}): fix the path or the file's permissions")
+        return CtlError(f"etcd options: {text}")
+    if isinstance(exc, StoreAuthError):
+        if "user name is empty" in text:
+            return CtlError(f"etcd at {etcd} requires a user (authentication is on): pass {_USER_FLAGS}")
+        if "authentication failed" in text or "invalid auth token" in text:
+            return CtlError(f"etcd at {etcd} refused user {user!r} and its password: check {_USER_FLAGS}")
+        if "permission denied" in text:
+            return CtlError(f"etcd at {etcd} denied user {user!r} access to {options.get('probe_key')!r} (permission "
+                            "denied): pass the --root (VARUNAD_ROOT) its role is granted, or grant the role that prefix")
+        return CtlError(f"etcd at {etcd} refused the request ({text.splitlines()[0][:120]}): check {_USER_FLAGS}")
+    if isinstance(exc, StoreUnavailable):
+        tls = options.get("ca_file") or options.get("cert_file")
+        if "CERTIFICATE_VERIFY_FAILED" in text:
+            return CtlError(f"etcd at {etcd}: its TLS certificate is not signed by {options.get('ca_file')}: pass the "
+                            f"CA that signed it with {_TLS_FLAGS['ca_file']}")
+        if tls and ("TSI_" in text or "handshake" in text.lower() or "BAD_CERTIFICATE" in text):
+            return CtlError(f"etcd at {etcd} refused the TLS handshake: it may want a client certificate; pass "
+                            f"{_TLS_FLAGS['cert_file']} and {_TLS_FLAGS['key_file']}, signed by a CA etcd trusts")
+        if not tls and "socket closed" in text.lower():
+            return CtlError(f"etcd at {etcd} closed a plaintext connection: it speaks TLS? pass "
+                            f"{_TLS_FLAGS['ca_file']} (and {_TLS_FLAGS['cert_file']}, {_TLS_FLAGS['key_file']} if it "
+                            "asks for client certificates)")
+    return _unreachable(etcd, exc, timeout)
 
 
 async def _open(etcd: str, timeout: float, **options: Any) -> Store:
@@ -49,7 +92,7 @@ async def _open(etcd: str, timeout: float, **options: Any) -> Store:
         await store.connect()
         return store
     except StoreError as exc:
-        raise _unreachable(etcd, exc, timeout) from None
+        raise _etcd_failed(etcd, exc, timeout, options) from None
 
 
 def run(etcd: str, timeout: float, fn: Callable[[Store], Awaitable[int]], **options: Any) -> int:
@@ -60,7 +103,7 @@ def run(etcd: str, timeout: float, fn: Callable[[Store], Awaitable[int]], **opti
         try:
             return await fn(store)
         except StoreError as exc:
-            raise _unreachable(etcd, exc, timeout) from None
+            raise _etcd_failed(etcd, exc, timeout, options) from None
         finally:
             await store.close()
 
@@ -261,14 +304,9 @@ async def _members(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
 
 async def fleet_status(store: Store, keys: FleetKeys) -> dict[str, Any]:
     leader = await store.get(keys.leader)
-    plan = await store.get(keys.plan)
-    plan_doc = None
-    if plan is not None:
-        try:
-            plan_doc = json.loads(plan.value)
-            plan_doc["epoch"] = plan.mod_revision
-        except ValueError:
-            plan_doc = {"error": "unreadable plan"}
+    # the plan the fleet follows: a value no leader wrote (garbage, a forgery) is not shown as it
+    plan, epoch = await read_plan(store, keys, timeout=None)
+    plan_doc = None if plan is None else {**json.loads(plan.encode()), "epoch": epoch}
     return {"leader": leader.value.decode(errors="replace") if leader else None,
             "members": await _members(store, keys), "plan": plan_doc, "jobs": await _jobs(store, keys)}
 

@@ -6,7 +6,8 @@ One asyncio loop, no threads of its own. Tasks:
 * the control server (``varunad.peers``): assignments and stop requests from the leader, pings;
 * the plan follower: watches ``plan`` and applies each new epoch (start, stop or clear workers);
   a pushed Assignment only makes it read the plan at once: etcd holds the truth;
-* the supervisor (``varunad.supervisor``): workers, their control socket, reports to etcd;
+* the supervisor (``varunad.supervisor``): workers and their control socket; its reporter (``varunad.reporter``)
+  writes what they did to etcd;
 * the leader (``varunad.leader``), only while this daemon leads.
 * with ``--metrics-port``, the Prometheus endpoint (``varunad.metrics``), served from this loop;
 * the registration guard: the member key written again if someone overwrites or deletes it.
@@ -47,14 +48,14 @@ from protocol.security import Security, SecurityConfig
 from trainer.calibration import Calibration
 
 from varunad import schemas
-from varunad.config import ConfigError, DaemonConfig, build_parser, load_config
+from varunad.config import DaemonConfig, DaemonConfigError, build_parser, load_config
 from varunad.election import Election, ElectionState
 from varunad.facts import (DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, gpu_count,
                            is_local_address, version)
 from varunad.fleet import read_plan
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import BUNDLES, job_dir, prune_jobs
-from varunad.jobs import BundleError, JobSpec, JobSpecError, job_store, model_fingerprint, unpack_bundle
+from varunad.jobs import BundleError, JobSpec, JobSpecError, script_fingerprint, unpack_bundle
 from varunad.leader import Leader
 from varunad.links import LinkProber
 from varunad.membership import Membership, NameInUse, read_members
@@ -180,7 +181,7 @@ class Daemon:
         self._tasks = [loop.create_task(self._keep_running(name, run), name=name) for name, run in (
             ("election", self.election.run), ("control-server", self._serve),
             ("plan-follower", self._follow_plan), ("worker-socket", self.supervisor.serve),
-            ("reports", self.supervisor.report_loop), ("link-prober", prober.run),
+            ("reports", self.supervisor.reporter.loop), ("link-prober", prober.run),
             ("registration", self.membership.guard_key),
         )]
         notice = loop.create_task(self._notice.wait())
@@ -317,12 +318,9 @@ class Daemon:
                     if event is None:
                         await self._read_plan("periodic check")  # a silent watch (frozen etcd) is not trusted
                     elif event.kind == "put":
-                        try:
-                            doc = PlanDoc.decode(event.value)
-                        except ValueError as exc:  # not a leader's: the plan in force stays
-                            schemas.reject("plan", f"{self.keys.plan}@{event.revision}", exc)
-                            continue
-                        await self._apply(doc, event.revision)
+                        # read back, not taken from the event: read_plan checks who wrote it (a
+                        # plan no leader wrote is skipped and the plan in force stays)
+                        await self._read_plan(f"a put at revision {event.revision}")
             except StoreError as exc:
                 log.debug("%s: plan watch broke (%s); watching again", self.name, exc)
                 await asyncio.sleep(min(1.0, self.config.loop_wait))
@@ -373,10 +371,7 @@ class Daemon:
                            f"{self.name} could not get the job's files: {exc}")
             return
         await self.prober.stop(f"{doc.job} epoch {epoch} starts here")   # a probe never runs beside a step
-        await sup.start_epoch(doc, epoch, member=self.membership.member, script=script, args=list(spec.args),
-                              store_dir=job_store(spec, self.config.store), batch_size=spec.batch_size,
-                              steps=spec.steps, checkpoint_every=spec.checkpoint_every,
-                              keep_checkpoints=spec.keep_checkpoints)
+        await sup.start_epoch(doc, epoch, spec, script)
 
     async def _start_profile(self, doc: PlanDoc, epoch: int) -> None:
         if not self._planned_for_me(doc):
@@ -386,13 +381,11 @@ class Daemon:
         except (StoreError, JobSpecError) as exc:
             self.supervisor.fail_epoch(doc.job or "", epoch, [0], f"{self.name} could not get the job's files: {exc}")
             return
-        out = Path(self.config.state_dir) / "calibration" / f"{model_fingerprint(spec)}.json"
+        out = Path(self.config.state_dir) / "calibration" / f"{script_fingerprint(spec)}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         log.info("%s: calibrating the model of %s (writing %s)", self.name, spec.job, out)
         await self.prober.stop(f"calibrating {spec.job} here")
-        await self.supervisor.start_profile(doc, epoch, member=self.membership.member, script=script,
-                                            args=list(spec.args), batch_size=spec.batch_size, steps=spec.steps,
-                                            out_path=str(out))
+        await self.supervisor.start_profile(doc, epoch, spec, script, str(out))
 
     async def _after_worker(self, worker) -> None:
         """A calibration run that exited 0 has written its file: store it for the leader."""
@@ -404,7 +397,7 @@ class Daemon:
             kind = self.membership.member.device_kind
             if cal.device_kind != kind:
                 cal = dataclasses.replace(cal, device_kind=kind)
-            await self.store.put(self.keys.calibration_entry(model_fingerprint(spec), kind), cal.to_bytes(),
+            await self.store.put(self.keys.calibration_entry(script_fingerprint(spec), kind), cal.to_bytes(),
                                  timeout=self.config.retry_timeout)
             log.info("%s: stored the calibration of %s for %s", self.name, spec.job, kind)
         except (OSError, ValueError, KeyError, StoreError) as exc:
@@ -498,7 +491,7 @@ class Daemon:
             if not await sup.wait_all_exited(self.config.notice_timeout):
                 await sup.kill_all("they did not stop within the notice timeout")
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(sup.flush(), 2 * t)
+                await asyncio.wait_for(sup.reporter.flush(), 2 * t)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -545,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         config = load_config(args, parser=parser)
-    except ConfigError as exc:
+    except DaemonConfigError as exc:
         print(f"varunad: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level, stream=sys.stderr,

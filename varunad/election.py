@@ -6,8 +6,12 @@
   moment etcd may expire the lease, so a leader whose renewals fail stops acting as leader
   before anyone else can be elected. No wall clock is involved.
 * Write as leader only through a transaction guarded by the leader key still holding this
-  member's name *and term* (the key's create revision). A deposed leader, even one whose own
-  sense of time is wrong, cannot overwrite the plan of its successor.
+  member's name *and term* (the key's create revision, also its mod revision: the key is never
+  rewritten, so its lease cannot have changed either). A deposed leader, even one whose own sense
+  of time is wrong, cannot overwrite the plan of its successor.
+* The plan is written with a :class:`PlanWriter` record (name, term, lease) at ``plan-writer`` in
+  that same transaction, so a reader can tell a leader's plan from one put by anyone else
+  (``varunad.fleet.read_plan`` checks it against the leader key).
 * Non-leaders watch the leader key and contend as soon as it is deleted or expires.
 
 Every cycle decides from one read of the leader key and records an immutable
@@ -18,15 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from varunad import schemas
 from varunad.keys import Keys
 from varunad.membership import Membership
 from varunad.store import Key, KeyValue, Store, StoreError, Value, Watch
 
-__all__ = ["Role", "ElectionState", "Election", "NotLeader"]
+__all__ = ["Role", "ElectionState", "Election", "NotLeader", "PlanWriter"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +64,35 @@ class ElectionState:
         if self.role is Role.LEADER:
             return f"{self.name} leads (term {self.term}) because {self.reason}."
         return f"{self.name} follows {self.leader or 'no one'} because {self.reason}."
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanWriter:
+    """Who wrote the plan: the leader's name, its term (the leader key's create revision) and the
+    lease the leader key was on. Written at ``plan-writer`` in the plan's own transaction, so both
+    keys have the same mod revision; a plan put by anyone else (``etcdctl put .../plan ...``, even
+    a copy of a real plan) has no record of its revision."""
+
+    name: str
+    term: int
+    lease: int
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> PlanWriter:
+        try:
+            doc = json.loads(data)
+            schemas.check(cls, doc, "plan-writer")
+        except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError; bytes that are no text too
+            raise ValueError(f"plan-writer record is malformed: {exc}") from None
+        return cls(name=doc["name"], term=doc["term"], lease=doc["lease"])
+
+    def held(self, leader: KeyValue | None) -> bool:
+        """Whether ``leader`` (the leader key as read, at some revision) is this writer's leadership."""
+        return (leader is not None and leader.value == self.name.encode() and leader.create_revision == self.term
+                and leader.lease == self.lease)
 
 
 class Election:
@@ -276,18 +311,33 @@ class Election:
         (another member leads now). StoreError when etcd did not answer: the write may or may
         not have happened, and this member may still lead; read the key back to know.
         """
+        return await self._write(key, value)
+
+    async def write_plan(self, value: Value) -> int:
+        """Write the plan and its :class:`PlanWriter` record in one guarded transaction; returns
+        the epoch. Raises as :meth:`write_as_leader`."""
+        return await self._write(self.keys.plan, value, plan_writer=True)
+
+    async def _write(self, key: Key, value: Value, *, plan_writer: bool = False) -> int:
+        what = repr(key)
         state = self.state
         if not state.is_leader:
-            raise NotLeader(f"{self.name} will not write {key!r}: {state.describe()}",
+            raise NotLeader(f"{self.name} will not write {what}: {state.describe()}",
                             hint="only the leader writes; followers read the plan from etcd")
-        revision = await self.store.put_if(
-            key, value, guard_key=self.keys.leader, guard_value=self.name,
-            guard_create_revision=state.term, timeout=min(self.loop_wait, self._time_left()),
+        items = [(key, value)]
+        if plan_writer:
+            writer = PlanWriter(name=self.name, term=state.term or 0, lease=self._lease_id or 0)
+            items.append((self.keys.plan_writer, writer.encode()))
+        # mod revision == term: the leader key was not rewritten since this member created it
+        revision = await self.store.put_all_if(
+            items, guard_key=self.keys.leader, guard_value=self.name,
+            guard_create_revision=state.term, guard_mod_revision=state.term,
+            timeout=min(self.loop_wait, self._time_left()),
         )
         if revision is None:
             self._decide(Role.FOLLOWER, None, None,
                          f"etcd refused a write guarded by my term {state.term}, so my leadership ended")
-            raise NotLeader(f"{self.name} was deposed; {key!r} was not written",
+            raise NotLeader(f"{self.name} was deposed; {what} was not written",
                             hint="the new leader writes the next plan")
         return revision
 

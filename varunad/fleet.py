@@ -8,17 +8,18 @@ spec that is wrong fails that job; a garbled member or report is logged and left
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from varunad import schemas
+from varunad.election import PlanWriter
 from varunad.facts import DaemonMember, parse_member
 from varunad.fleetkeys import FleetKeys
 from varunad.jobs import JobSpec, JobSpecError, JobState
 from varunad.plans import PlanDoc
 from varunad.records import WorkerReport
-from varunad.store import KeyValue, Store, StoreError
+from varunad.store import KeyValue, Store, StoreError, WatchCompacted
 
 __all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest", "forget_progress"]
 
@@ -116,24 +117,66 @@ async def read_fleet(store: Store, keys: FleetKeys, *, timeout: float) -> FleetS
                          tuple(notes))
 
 
-async def read_plan(store: Store, keys: FleetKeys, *, timeout: float) -> tuple[PlanDoc | None, int]:
-    """The newest plan that parses and its epoch; (None, 0) when there is none.
+async def read_plan(store: Store, keys: FleetKeys, *, timeout: float | None) -> tuple[PlanDoc | None, int]:
+    """The newest plan a leader wrote and its epoch; (None, 0) when there is none.
 
-    A value that does not parse was not written by a leader (leaders write through
-    ``PlanDoc.encode``): it is reported and skipped, and the plan in force stays the one before
-    it, read from etcd's history. So garbage at ``plan`` neither stops the job nor makes the
-    leader re-plan it (which would kill its workers without a checkpoint).
+    A value that does not parse, or that no leader wrote (no :class:`PlanWriter` record of its
+    revision, or one naming someone who did not hold the leader key then), is reported, counted
+    and skipped: the plan in force stays the one before it, read from etcd's history. So garbage
+    or a forged plan at ``plan`` neither stops the job nor makes the leader re-plan it (which
+    would kill its workers without a checkpoint).
     """
-    return await read_newest(store, keys.plan, PlanDoc.decode, "plan", timeout=timeout)
+    listing = await store.get_prefix(keys.plan, timeout=timeout)  # the plan and its writer, at one revision
+    leader = await store.get(keys.leader, timeout=timeout)
+    written = listing.get(keys.plan_writer)
+
+    async def forged(kv: KeyValue) -> str | None:
+        return await _not_a_leaders(store, keys, kv.mod_revision, written, leader, timeout=timeout)
+
+    return await read_newest(store, keys.plan, PlanDoc.decode, "plan", timeout=timeout,
+                             kv=listing.get(keys.plan), check=forged)
+
+
+async def _not_a_leaders(store: Store, keys: FleetKeys, revision: int, written: KeyValue | None,
+                         leader: KeyValue | None, *, timeout: float | None) -> str | None:
+    """Why the plan written at ``revision`` is no leader's; None when a leader wrote it.
+
+    ``written`` and ``leader``: the plan-writer record and the leader key as read now. A leader
+    writes its record in the plan's transaction, so the record of a plan's revision was modified
+    at that very revision. The leader named there must have held the leader key (name, term and
+    lease) at that revision: now, if the key has not changed since, else in etcd's history (a
+    plan of an earlier leader stays in force until the next leader writes one)."""
+    if written is None or written.mod_revision < revision:
+        return "no plan-writer record was written with it, so no leader wrote it"
+    try:
+        if written.mod_revision > revision:
+            written = await store.get(keys.plan_writer, timeout=timeout, revision=revision)
+            if written is None or written.mod_revision != revision:
+                return "no plan-writer record was written with it, so no leader wrote it"
+        writer = PlanWriter.decode(written.value)
+        if writer.held(leader) and leader is not None and leader.mod_revision <= revision:
+            return None
+        if writer.held(await store.get(keys.leader, timeout=timeout, revision=revision)):
+            return None
+    except WatchCompacted:
+        # History before the compaction is gone; a record of the plan's own revision still says
+        # one transaction wrote both, which only the leader's guarded write does.
+        return None
+    except ValueError as exc:
+        return str(exc)
+    return (f"its writer {writer.name} (term {writer.term}, lease {writer.lease:x}) did not hold the leader key "
+            f"at revision {revision}")
 
 
 async def read_newest(store: Store, key: str, decode: Callable[[bytes], T], kind: str, *, timeout: float | None,
-                      kv: KeyValue | None | bool = True) -> tuple[T | None, int]:
+                      kv: KeyValue | None | bool = True,
+                      check: Callable[[KeyValue], Awaitable[str | None]] | None = None) -> tuple[T | None, int]:
     """The newest value of ``key`` that ``decode`` accepts and its mod revision; (None, 0) if none.
 
     For documents only the leader writes (the plan, job states): one that does not parse is no
     leader's, so it is reported and the one before it, from etcd's history, stays in force.
-    ``kv``: the key as already read (None: absent), to save a read.
+    ``kv``: the key as already read (None: absent), to save a read. ``check``: why a value that
+    parses is still not to be trusted (None: it is), for the same walk back.
     """
     if kv is True:
         kv = await store.get(key, timeout=timeout)
@@ -141,7 +184,11 @@ async def read_newest(store: Store, key: str, decode: Callable[[bytes], T], kind
         if kv is None or kv is False:
             return None, 0
         try:
-            return decode(kv.value), kv.mod_revision
+            value = decode(kv.value)
+            why = None if check is None else await check(kv)
+            if why is None:
+                return value, kv.mod_revision
+            schemas.reject(kind, f"{key}@{kv.mod_revision}", why)
         except ValueError as exc:
             schemas.reject(kind, f"{key}@{kv.mod_revision}", exc)
         if kv.mod_revision <= 1:

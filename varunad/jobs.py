@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from trainer.schedule import SCHEDULES  # pure Python: the one list of schedule names
 from varunad import schemas
 
 __all__ = [
@@ -36,14 +37,13 @@ __all__ = [
     "pack_bundle",
     "unpack_bundle",
     "bundle_digest",
-    "model_fingerprint",
+    "script_fingerprint",
     "job_store",
     "job_trace_dir",
 ]
 
 STATES = ("queued", "running", "morphing", "done", "failed", "cancelled")
 TERMINAL = frozenset({"done", "failed", "cancelled"})
-SCHEDULES = ("varuna", "gpipe", "1f1b")
 
 MAX_BUNDLE_BYTES = 1 << 20  # zipped; etcd refuses requests over 1.5 MiB by default
 MAX_UNPACKED_BYTES = 64 << 20
@@ -170,8 +170,10 @@ def job_trace_dir(store: str, epoch: int) -> str | None:
     return os.path.join(store, "traces", f"epoch{epoch}")
 
 
-def model_fingerprint(spec: JobSpec) -> str:
-    """Key of the job's calibration in etcd: same bundle and arguments, same model."""
+def script_fingerprint(spec: JobSpec) -> str:
+    """Key of the job's calibration in etcd: a digest of the bundle and the arguments (same script,
+    same model), not of the model itself, which the daemon never loads (that is
+    `trainer.profiler.model_fingerprint`)."""
     h = hashlib.sha256(spec.bundle_digest.encode())
     h.update(json.dumps([spec.script, list(spec.args)]).encode())
     return h.hexdigest()[:16]

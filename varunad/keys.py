@@ -5,6 +5,7 @@ Layout under a root prefix (default ``/varunad/``)::
     members/<name>                          one per live daemon, attached to its lease
     leader                                  name of the leader, attached to the leader's lease
     plan                                    the current plan; its mod revision is the plan epoch
+    plan-writer                             who wrote it (leader, term, lease), in the plan's transaction
     config                                  cluster-wide settings (optional)
     jobs/<id>                               job specs submitted by varunactl
     calibration/<fingerprint>/<device kind> calibrated cut-point costs
@@ -22,6 +23,7 @@ __all__ = [
     "MEMBERS",
     "LEADER",
     "PLAN",
+    "PLAN_WRITER",
     "CONFIG",
     "JOBS",
     "CALIBRATION",
@@ -37,6 +39,7 @@ DEFAULT_ROOT = "/varunad/"
 MEMBERS = "members/"
 LEADER = "leader"
 PLAN = "plan"
+PLAN_WRITER = "plan-writer"
 CONFIG = "config"
 JOBS = "jobs/"
 CALIBRATION = "calibration/"
@@ -97,6 +100,10 @@ class Keys:
     @property
     def plan(self) -> str:
         return self.root + PLAN
+
+    @property
+    def plan_writer(self) -> str:
+        return self.root + PLAN_WRITER
 
     @property
     def config(self) -> str:

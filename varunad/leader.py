@@ -4,7 +4,8 @@
 when it first saw an epoch): it returns one ``Decision`` whose ``sentence`` says what and why.
 ``Leader`` runs the loop (watch members, jobs, cancel requests, worker reports and the plan;
 debounce; read a snapshot; decide; act) while this daemon holds leadership. Every write it makes
-goes through ``Election.write_as_leader``, so a deposed leader changes nothing.
+goes through ``Election.write_as_leader`` (the plan through ``write_plan``, with its writer record), so
+a deposed leader changes nothing.
 
 A morph has two phases. First a ``stop`` plan (new epoch) asks the old epoch's workers to stop,
 after a checkpoint when every member of the old plan is alive (a member that left cannot
@@ -36,7 +37,7 @@ from varunad.failures import cause as failure_cause, classify
 from varunad.fleet import FleetSnapshot, JobEntry, forget_progress, read_fleet, read_newest
 from varunad.fleetkeys import FleetKeys
 from varunad.outage import judge_members
-from varunad.jobs import JobSpec, JobState, MorphEvent, job_store, model_fingerprint
+from varunad.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
 from varunad.links import LinkSurvey, apply_links
 from varunad.metrics import DaemonMetrics
 from varunad.peers import PeerClients
@@ -375,7 +376,7 @@ class Leader:
         if d.action in ("nothing", "wait"):
             return False
         if d.action == "idle":
-            await self.election.write_as_leader(self.keys.plan, PlanDoc.idle(d.reason).encode())
+            await self.election.write_plan(PlanDoc.idle(d.reason).encode())
             return True
         assert d.job is not None
         if d.action == "fail":
@@ -423,18 +424,19 @@ class Leader:
         state = await self._state(job)
         await self._put_state(state.but(state=outcome, reason=reason, error=error, finished_at=time.time()))
         if snap.plan is not None and snap.plan.job == job and snap.plan.kind != "idle":
-            await self.election.write_as_leader(self.keys.plan, PlanDoc.idle(f"{job} is {outcome}").encode())
+            await self.election.write_plan(PlanDoc.idle(f"{job} is {outcome}").encode())
         log.info("leader: job %s is %s: %s", job, outcome, reason)
         entry = snap.entry(job)
         if state.epochs and entry is not None and entry.spec is not None:
             self._write_report(job, state.store or job_store(entry.spec, self.config.store))
 
     def _write_report(self, job: str, store_dir: str) -> None:
-        """Draw the job's pictures and cost into its store, in the background: the report reads
-        etcd and files and renders PNGs, none of which may hold up the loop or fail the job
-        (write_end_of_job_report logs its own failures)."""
+        """Record the job's report data (losses, morphs, traces, cost) into its store, in the
+        background: the report reads etcd and files, none of which may hold up the loop or fail
+        the job (write_end_of_job_report logs its own failures). `varunactl report` draws the
+        pictures from it: no plotting library in the daemon."""
         try:
-            from varunad.report import write_end_of_job_report  # numpy rendering: loaded when first needed
+            from varunad.report import write_end_of_job_report  # loaded when first needed
         except Exception as exc:  # a broken report must not break the leader
             log.warning("leader: no report for %s: %s", job, exc)
             return
@@ -456,8 +458,8 @@ class Leader:
     async def _write_stop(self, snap: FleetSnapshot, job: str, epoch: int, *, checkpoint: bool, reason: str) -> None:
         # Without a checkpoint the epoch is broken (a member lost, a worker failed, a cancel): no
         # worker can reach another step boundary, so daemons kill them at once (kill=True).
-        await self.election.write_as_leader(
-            self.keys.plan, PlanDoc.stop(job, epoch, checkpoint=checkpoint, reason=reason, kill=not checkpoint).encode())
+        await self.election.write_plan(
+            PlanDoc.stop(job, epoch, checkpoint=checkpoint, reason=reason, kill=not checkpoint).encode())
         msg = StopWorkers(job=job, epoch=epoch, reason=reason[:1000], checkpoint=checkpoint)
         for name, (member, _) in snap.members.items():
             await self.clients.send(name, member.endpoint, msg)
@@ -567,7 +569,7 @@ class Leader:
 
     async def _calibrations(self, spec: JobSpec, kinds: list[str]) -> tuple[dict[str, Calibration], bool, list[str]]:
         """(calibrations, all measured?, kinds still missing). The one place that picks the fallback."""
-        fp = model_fingerprint(spec)
+        fp = script_fingerprint(spec)
         listing = await self.store.get_prefix(self.keys.calibration_of(fp), timeout=self.t)
         stored = {kv.key.rsplit("/", 1)[-1]: kv.value for kv in listing}
         found, missing = calibrations_for(spec, kinds, stored)
@@ -601,7 +603,7 @@ class Leader:
             if rec is not None and rec.outcome in ("failed", "killed"):
                 log.warning("leader: calibrating %s failed (%s); planning without a measured calibration",
                             job, error_summary(rec.error) or rec.outcome)
-                self.memory.profile_failed.add(model_fingerprint(spec))
+                self.memory.profile_failed.add(script_fingerprint(spec))
         members = await self._candidates(snap)
         kinds = sorted({m.device_kind for m, _ in members})
         cals: dict[str, Calibration] = {}
@@ -635,7 +637,7 @@ class Leader:
                 log.info("leader: %s is %s", job, why)
             return False
         self.memory.waiting.pop(job, None)
-        epoch = await self.election.write_as_leader(self.keys.plan, doc.encode())
+        epoch = await self.election.write_plan(doc.encode())
         planned_at = time.time()
         self.memory.epoch_seen[epoch] = self.clock()
         morphs = state.morphs
@@ -668,7 +670,7 @@ class Leader:
         member = next(m for m, _ in members if m.device_kind == missing[0])
         doc = PlanDoc(kind="profile", job=spec.job, reason=f"calibrating {missing[0]} on {member.name}",
                       profile_member=member.name, incarnations={member.name: snap.members[member.name][1]})
-        await self.election.write_as_leader(self.keys.plan, doc.encode())
+        await self.election.write_plan(doc.encode())
         await self._put_state(state.but(reason=doc.reason))
         return True
 

@@ -36,6 +36,7 @@ DOCUMENTS: dict[str, tuple[str, str]] = {
     "member": ("members/<name>", "varunad.facts:DaemonMember"),
     "leader": ("leader", "member name (text) on the leader's member lease"),
     "plan": ("plan", "varunad.plans:PlanDoc"),
+    "plan-writer": ("plan-writer", "varunad.election:PlanWriter"),
     "job": ("jobs/<job>", "varunad.jobs:JobSpec"),
     "state": ("state/<job>", "varunad.jobs:JobState"),
     "report": ("workers/<member>", "varunad.records:WorkerReport"),

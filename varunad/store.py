@@ -316,6 +316,21 @@ class Store(abc.ABC):
     ) -> int | None: ...
 
     @abc.abstractmethod
+    async def put_all_if(
+        self,
+        items: Sequence[tuple[Key, Value]],
+        *,
+        guard_key: Key,
+        guard_value: Value,
+        guard_create_revision: int | None = None,
+        guard_mod_revision: int | None = None,
+        timeout: float | None = None,
+    ) -> int | None:
+        """Put every (key, value) in one transaction, only while ``guard_key`` holds ``guard_value``
+        (and, if given, was created / last modified at those revisions); the write's revision, or
+        None when the guard did not hold and nothing was written."""
+
+    @abc.abstractmethod
     async def compare_and_swap(
         self,
         key: Key,
@@ -925,6 +940,31 @@ class EtcdStore(Store):
             f"put {key!r} guarded by {guard_key!r}",
             compare,
             [_tx.Put(_encode(key), _encode(value), lease=_lease_id(lease))],
+            timeout,
+        )
+
+    async def put_all_if(
+        self,
+        items: Sequence[tuple[Key, Value]],
+        *,
+        guard_key: Key,
+        guard_value: Value,
+        guard_create_revision: int | None = None,
+        guard_mod_revision: int | None = None,
+        timeout: float | None = None,
+    ) -> int | None:
+        if not items:
+            raise ValueError("put_all_if needs at least one key to write")
+        g = _encode(guard_key)
+        compare = [_tx.Value(g) == _encode(guard_value)]
+        if guard_create_revision is not None:
+            compare.append(_tx.Create(g) == guard_create_revision)
+        if guard_mod_revision is not None:
+            compare.append(_tx.Mod(g) == guard_mod_revision)
+        return await self._txn(
+            f"put {', '.join(repr(k) for k, _ in items)} guarded by {guard_key!r}",
+            compare,
+            [_tx.Put(_encode(k), _encode(v)) for k, v in items],
             timeout,
         )
 

@@ -1,7 +1,7 @@
-"""Worker supervision: start this daemon's trainer workers, hear from them, stop them, report to etcd.
+"""Worker supervision: start this daemon's trainer workers, hear from them, stop them.
 
 One worker per assigned slot: ``python script.py args`` in the job's unpacked bundle, with the
-``trainer.env.Assignment`` of its rank in the environment (the local launcher's entry point).
+``trainer.env.WorkerAssignment`` of its rank in the environment (the local launcher's entry point).
 Each worker
 
 * runs in its own session (so its process group can be signalled as one) and dies with the
@@ -15,8 +15,8 @@ Each worker
 
 A stop request gives the workers a grace period (``stop_grace`` with a checkpoint,
 ``abort_grace`` without: a worker blocked on a dead peer never reaches a step boundary), then
-the daemon SIGKILLs their process groups. Outcomes and progress go to etcd (``varunad.records``),
-the report at once, progress and loss history throttled, logs in chunks.
+the daemon SIGKILLs their process groups. What the workers did goes to etcd through
+``varunad.reporter`` (the report at once, progress and loss history throttled, logs in chunks).
 """
 
 from __future__ import annotations
@@ -41,35 +41,31 @@ import zmq.asyncio
 from protocol.errors import ProtocolError
 from protocol.messages import CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
 from trainer.control import STOPPED_EXIT_CODE
-from trainer.env import Assignment as WorkerAssignment
+from trainer.env import WorkerAssignment
 from trainer.launch import worker_environment as launch_environment
 from trainer.netaddr import numeric_address
 
 from varunad.config import DaemonConfig
 from varunad.control_channel import TOKEN_ENV, ControlChannel, control_identity, new_token
-from varunad.fencing import put_for_epoch
 from varunad.facts import DaemonMember, PortReservation, gpu_count
 from varunad.fleetkeys import FleetKeys
 from varunad.housekeeping import LOGS, STAGING, job_dir
-from varunad.jobs import job_trace_dir
+from varunad.jobs import JobSpec, job_store, job_trace_dir
 from varunad.membership import Membership
 from varunad.metrics import DaemonMetrics
 from varunad.plans import PlanDoc
-from varunad.records import Progress, WorkerRecord, WorkerReport, encode_history
-from varunad.store import Store, StoreError
+from varunad.records import Progress, WorkerRecord, WorkerReport
+from varunad.reporter import Reporter
+from varunad.store import Store
 
 __all__ = ["Supervisor", "STOPPED_EXIT_CODE", "worker_environment"]
 
 log = logging.getLogger(__name__)
 
 _TAIL_BYTES = 4096
-_LOG_CHUNK = 64 * 1024
-_LOG_CHUNKS_KEPT = 64
-_HISTORY_CAP = 20000
 # Steps each worker traces (trainer.varuna stops recording after them): enough for a warm-up
 # step plus a few steady ones for the end-of-job timeline, small enough to cost nothing.
 _TRACE_STEPS = 5
-_REFUSAL = b"skipping checkpoint"  # what trainer.ckpt_store logs for a checkpoint that does not verify
 
 # Resolved before any fork: the child of a fork may only call what is already loaded.
 try:
@@ -108,7 +104,9 @@ def _tail(path: Path, size: int = _TAIL_BYTES) -> str:
 
 
 @dataclass(eq=False)
-class _Worker:
+class _SupervisedWorker:
+    """One worker process this daemon started for a job's epoch, and what it reported."""
+
     job: str
     epoch: int
     rank: int
@@ -146,7 +144,7 @@ class _Worker:
 
 
 class Supervisor:
-    """This daemon's workers of one epoch at a time, and everything it reports about them."""
+    """This daemon's workers of one epoch at a time; `reporter` writes what they did to etcd."""
 
     def __init__(
         self,
@@ -162,8 +160,6 @@ class Supervisor:
         metrics: DaemonMetrics | None = None,
     ) -> None:
         self.config = config
-        self.store = store
-        self.keys = keys
         self.membership = membership
         self.ports = ports
         self.security_env = dict(security_env)
@@ -186,31 +182,22 @@ class Supervisor:
         self.sock.bind(self.channel.endpoint)
         self.control_endpoint = self.channel.endpoint
         log.info("%s: worker control socket at %s", self.name, self.control_endpoint)
-        self.workers: dict[int, _Worker] = {}
+        self.workers: dict[int, _SupervisedWorker] = {}
         self.job: str | None = None
         self.epoch = 0
         self.epoch_started_at = 0.0
         self.first_step_at = 0.0
-        self._progress: dict[int, Progress] = {}
-        self._progress_written: dict[int, Progress] = {}
-        self._history: dict[tuple[str, int], dict[int, float]] = {}
-        self._history_span: dict[tuple[str, int], tuple[float, float]] = {}
-        self._history_dirty: set[tuple[str, int]] = set()
-        self._report_dirty = True
-        self._report_lease: int | None = None
-        self._wake = asyncio.Event()
+        self.reporter = Reporter(config=config, store=store, keys=keys, membership=membership, report=self.report,
+                                 workers=lambda: list(self.workers.values()))
         self._exited = asyncio.Event()
         self._exited.set()
-        self._log_seq = time.time_ns() // 1000
-        self._log_chunks: dict[str, list[str]] = {}  # job -> chunk keys this daemon wrote, oldest first
-        self._on_exit: list[Callable[[_Worker], Any]] = []
-        self._notes: dict[str, list[str]] = {}  # job -> checkpoint refusals its workers logged here
+        self._on_exit: list[Callable[[_SupervisedWorker], Any]] = []
         self._step_interval: dict[int, float] = {}  # rank -> seconds between its last two reports
         self.dropped = 0
 
     # -- the epoch's workers -------------------------------------------------------------------------
 
-    def alive(self) -> list[_Worker]:
+    def alive(self) -> list[_SupervisedWorker]:
         return [w for w in self.workers.values() if w.alive]
 
     def report(self) -> WorkerReport:
@@ -230,11 +217,12 @@ class Supervisor:
         except TimeoutError:
             return False
 
-    async def start_epoch(self, doc: PlanDoc, epoch: int, *, member: DaemonMember, script: Path, args: list[str],
-                          store_dir: str, batch_size: int, steps: int, checkpoint_every: int,
-                          keep_checkpoints: int) -> None:
-        """Start a worker for each slot ``doc`` gives this member (after ending any older ones)."""
+    async def start_epoch(self, doc: PlanDoc, epoch: int, spec: JobSpec, script: Path) -> None:
+        """Start a worker for each slot ``doc`` gives this member (after ending any older ones):
+        ``script`` (the job's unpacked entry point) with ``spec``'s arguments and settings."""
         await self.kill_all("a newer plan replaces them")
+        member = self.membership.member
+        store_dir = job_store(spec, self.config.store)
         mine = doc.slots_on(self.name)
         self._begin(doc.job or "", epoch)
         self.metrics.begin_epoch({s.rank: s.stage for s in mine}, doc.job or "")
@@ -248,28 +236,28 @@ class Supervisor:
                 job=doc.job or "", epoch=epoch, cuts=list(doc.cuts), schedule=doc.schedule, threads=threads,
                 recompute=list(doc.recompute) or None,
                 store=store_dir, device=self._device(member, s.slot), control=self.control_endpoint,
-                checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume="latest",
-                batch_size=batch_size, micro_batch_size=doc.micro_batch_size, steps=steps,
+                checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints, resume="latest",
+                batch_size=spec.batch_size, micro_batch_size=doc.micro_batch_size, steps=spec.steps,
                 trace_dir=job_trace_dir(store_dir, epoch),
                 checkpoint_tmpdir=str(self._staging_dir(doc.job or "")) if self.config.stage_checkpoints else None,
                 bind_address=self.bind_address,
             )
             ports = [member.worker_ports[s.slot]] + ([member.rendezvous_port] if s.rank == 0 else [])
             token = new_token()
-            await self._spawn(_Worker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot, token=token,
+            await self._spawn(_SupervisedWorker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot, token=token,
                                       log_path=self._log_path(doc.job or "", epoch, s.rank), ports=tuple(ports)),
-                              script, args, worker_environment(assignment, extra={**extra, TOKEN_ENV: token}))
+                              script, list(spec.args), worker_environment(assignment, extra={**extra, TOKEN_ENV: token}))
         log.info("%s: started %d worker(s) of %s epoch %d (%s, ranks %s)", self.name, len(mine), doc.job, epoch,
                  doc.shape, [s.rank for s in mine])
 
-    async def start_profile(self, doc: PlanDoc, epoch: int, *, member: DaemonMember, script: Path, args: list[str],
-                            batch_size: int, steps: int, out_path: str) -> None:
+    async def start_profile(self, doc: PlanDoc, epoch: int, spec: JobSpec, script: Path, out_path: str) -> None:
         """Run the script once on slot 0 with VARUNA_PROFILE: it writes the calibration and exits 0.
 
         It measures what a training worker of this host will see: as many torch threads, and on a
         CPU host whose slots share the cores, all of them busy at once (the profiler forks one
         process per slot; that needs one thread each, else the lone slot is measured)."""
         await self.kill_all("a newer plan replaces them")
+        member = self.membership.member
         self._begin(doc.job or "", epoch)
         self.metrics.begin_epoch({0: 0}, doc.job or "")
         threads = self._threads(member)
@@ -281,27 +269,27 @@ class Supervisor:
         assignment = WorkerAssignment(
             rank=0, stage_to_rank={0: [0]}, endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
             job=doc.job or "", epoch=epoch, threads=threads,
-            device=self._device(member, 0), control=self.control_endpoint, batch_size=batch_size, steps=steps,
+            device=self._device(member, 0), control=self.control_endpoint, batch_size=spec.batch_size, steps=spec.steps,
             profile=out_path, profile_slots=busy_slots, bind_address=self.bind_address,
         )
         with contextlib.suppress(FileNotFoundError):
             os.unlink(out_path)
         token = new_token()
-        worker = _Worker(job=doc.job or "", epoch=epoch, rank=0, slot=0, profile_path=out_path, token=token,
+        worker = _SupervisedWorker(job=doc.job or "", epoch=epoch, rank=0, slot=0, profile_path=out_path, token=token,
                          log_path=self._log_path(doc.job or "", epoch, 0),
                          ports=(member.worker_ports[0], member.rendezvous_port))
-        await self._spawn(worker, script, args, worker_environment(assignment, extra={**self.security_env,
+        await self._spawn(worker, script, list(spec.args), worker_environment(assignment, extra={**self.security_env,
                                                                                     TOKEN_ENV: token}))
 
     def fail_epoch(self, job: str, epoch: int, ranks: list[int], error: str) -> None:
         """Report ``ranks`` of an epoch this daemon could not even start as failed, with ``error``."""
         self._begin(job, epoch)
         for rank in ranks:
-            self.workers[rank] = _Worker(job=job, epoch=epoch, rank=rank, slot=0, outcome="failed", error=error,
+            self.workers[rank] = _SupervisedWorker(job=job, epoch=epoch, rank=rank, slot=0, outcome="failed", error=error,
                                          log_path=self._log_path(job, epoch, rank))
-        self._mark_report()
+        self.reporter.mark()
 
-    def on_exit(self, callback: Callable[[_Worker], Any]) -> None:
+    def on_exit(self, callback: Callable[[_SupervisedWorker], Any]) -> None:
         """Call ``callback(worker)`` (may be async) when a worker has exited, before reporting it."""
         self._on_exit.append(callback)
 
@@ -323,10 +311,9 @@ class Supervisor:
         self.job, self.epoch = job, epoch
         self.epoch_started_at = time.time()
         self.first_step_at = 0.0
-        self._progress.clear()
-        self._report_dirty = True
+        self.reporter.begin_epoch()
 
-    async def _spawn(self, w: _Worker, script: Path, args: list[str], env: dict[str, str]) -> None:
+    async def _spawn(self, w: _SupervisedWorker, script: Path, args: list[str], env: dict[str, str]) -> None:
         w.log_path.parent.mkdir(parents=True, exist_ok=True)
         for port in w.ports:
             self.ports.release(port)
@@ -346,10 +333,10 @@ class Supervisor:
                 self._after_exit(w)
                 return
         w.outcome = "running"
-        self._mark_report()
+        self.reporter.mark()
         w.wait_task = asyncio.get_running_loop().create_task(self._wait(w), name=f"worker-{w.job}-e{w.epoch}-r{w.rank}")
 
-    async def _wait(self, w: _Worker) -> None:
+    async def _wait(self, w: _SupervisedWorker) -> None:
         assert w.proc is not None
         code = await w.proc.wait()
         w.exit_code = code
@@ -376,13 +363,13 @@ class Supervisor:
                 log.exception("%s: exit callback failed", self.name)
         self._after_exit(w)
 
-    def _after_exit(self, w: _Worker) -> None:
+    def _after_exit(self, w: _SupervisedWorker) -> None:
         for port in w.ports:
             self.ports.reacquire(port)
         level = logging.WARNING if w.outcome == "failed" else logging.INFO
         log.log(level, "%s: worker rank %d of %s epoch %d: %s (exit code %s)%s", self.name, w.rank, w.job, w.epoch,
                 w.outcome, w.exit_code, ("\n" + w.error) if w.outcome == "failed" else "")
-        self._mark_report()
+        self.reporter.mark()
         if not self.alive():
             self._exited.set()
 
@@ -422,7 +409,7 @@ class Supervisor:
             if w.job == job and w.epoch == epoch:
                 self._deliver(w, CheckpointNow(job=job, epoch=epoch, reason=str(reason)[:1000]))
 
-    async def _kill_after(self, w: _Worker, grace: float) -> None:
+    async def _kill_after(self, w: _SupervisedWorker, grace: float) -> None:
         await asyncio.sleep(grace)
         if w.alive and w.proc is not None:
             log.warning("%s: rank %d of %s epoch %d did not stop within %.0fs; SIGKILL", self.name, w.rank, w.job,
@@ -436,23 +423,22 @@ class Supervisor:
         (at least ``limit``/3, at most ``limit`` seconds)."""
         now = time.time()
         for w in self.alive():
-            p = self._progress.get(w.rank)
+            p = self.reporter.progress.get(w.rank)
             if p is not None and now - p.at <= min(limit, max(limit / 3, 2 * self._step_interval.get(w.rank, 0.0))):
                 return True
         return False
 
-    def fence(self, reason: str) -> list[_Worker]:
+    def fence(self, reason: str) -> list[_SupervisedWorker]:
         """This daemon lost etcd for longer than its lease: its workers can be in no valid epoch
         any more (the fleet may have planned without them). Kill them now, and drop the progress
         not yet written: it belongs to an epoch that may be over."""
         killed = self.kill_now()
-        self._progress.clear()
-        self._progress_written.clear()
+        self.reporter.forget_progress()
         if killed:
             log.warning("%s: killed %d worker(s): %s", self.name, len(killed), reason)
         return killed
 
-    def kill_now(self) -> list[_Worker]:
+    def kill_now(self) -> list[_SupervisedWorker]:
         """SIGKILL every live worker's process group; returns them."""
         alive = self.alive()
         for w in alive:
@@ -469,14 +455,14 @@ class Supervisor:
             log.warning("%s: killed %d worker(s): %s", self.name, len(alive), reason)
             await self.wait_all_exited(10.0)
 
-    def _deliver(self, w: _Worker, msg: Any) -> None:
+    def _deliver(self, w: _SupervisedWorker, msg: Any) -> None:
         data = msg if isinstance(msg, bytes) else encode(msg)
         if not w.connected:
             w.pending.append(data)  # sent when the worker first speaks (after its first step)
             return
         self._send(w, data)
 
-    def _send(self, w: _Worker, data: bytes) -> None:
+    def _send(self, w: _SupervisedWorker, data: bytes) -> None:
         # An asyncio socket reports a failed send in the returned future, never by raising here
         # (an `except zmq.ZMQError` around it never fired): look at the future, and keep a message
         # that could not go for the worker's next message.
@@ -492,7 +478,7 @@ class Supervisor:
 
         fut.add_done_callback(sent)
 
-    def _undelivered(self, w: _Worker, data: bytes) -> None:
+    def _undelivered(self, w: _SupervisedWorker, data: bytes) -> None:
         if w.alive and data not in w.pending:
             log.debug("%s: a request to rank %d was not delivered; sending it with the next reply", self.name, w.rank)
             w.connected = False
@@ -535,7 +521,7 @@ class Supervisor:
                 self.metrics.worker_checkpointed(job=msg.job, stalled_s=msg.stalled_s)
                 log.info("%s: rank %d checkpointed step %d of %s (training stood still %.2fs for it)", self.name,
                          msg.rank, msg.step, msg.job, msg.stalled_s)
-                self._wake.set()  # flush the history now: the next epoch resumes from here
+                self.reporter.flush_soon()  # the history now: the next epoch resumes from here
 
     def _drop(self, why: str) -> None:
         self.dropped += 1
@@ -544,124 +530,23 @@ class Supervisor:
             log.warning("%s: dropped a malformed message on the worker socket (%d so far): %s",
                         self.name, self.dropped, why)
 
-    def _on_progress(self, w: _Worker, msg: WorkerProgress) -> None:
+    def _on_progress(self, w: _SupervisedWorker, msg: WorkerProgress) -> None:
         now = time.time()
         reports_job = w.rank == min(self.workers)   # the lowest local rank speaks for the job
         if w.step < 0 and not self.first_step_at:
             self.first_step_at = now
-            self._mark_report()
+            self.reporter.mark()
         w.step = max(w.step, msg.step)
-        last = self._progress.get(w.rank)
+        last = self.reporter.progress.get(w.rank)
         if last is not None and last.epoch == msg.epoch:
             self._step_interval[w.rank] = now - last.at
-        self._progress[w.rank] = Progress(job=msg.job, epoch=msg.epoch, rank=msg.rank, step=msg.step, loss=msg.loss,
-                                          samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
-                                          member=self.name, at=now)
+        self.reporter.record_progress(Progress(job=msg.job, epoch=msg.epoch, rank=msg.rank, step=msg.step,
+                                               loss=msg.loss, samples_per_s=msg.samples_per_s,
+                                               busy_fraction=msg.busy_fraction, member=self.name, at=now),
+                                      reports_job=reports_job)
         self.metrics.worker_progress(job=msg.job, rank=msg.rank, step=msg.step, loss=msg.loss,
                                      samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
                                      reports_job=reports_job)
-        if reports_job:
-            key = (msg.job, msg.epoch)
-            hist = self._history.setdefault(key, {})
-            if len(hist) < _HISTORY_CAP:
-                hist[msg.step] = msg.loss
-            self._history_span[key] = (self._history_span.get(key, (now, now))[0], now)
-            self._history_dirty.add(key)
-
-    # -- reporting to etcd ---------------------------------------------------------------------------
-
-    def _mark_report(self) -> None:
-        self._report_dirty = True
-        self._wake.set()
-
-    async def report_loop(self) -> None:
-        """Write what changed: the report at once, the rest every progress_interval."""
-        last_periodic = 0.0
-        loop = asyncio.get_running_loop()
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.progress_interval):
-                    await self._wake.wait()
-            self._wake.clear()
-            await self.flush(periodic=loop.time() - last_periodic >= self.config.progress_interval)
-            if loop.time() - last_periodic >= self.config.progress_interval:
-                last_periodic = loop.time()
-
-    async def flush(self, *, periodic: bool = True) -> bool:
-        """Write pending records; False if etcd refused or did not answer (they stay pending)."""
-        ok = True
-        t = self.config.retry_timeout
-        lease = self.membership.lease
-        try:
-            if lease is not None and (self._report_dirty or lease.id != self._report_lease):
-                self._report_dirty = False
-                try:
-                    await self.store.put(self.keys.workers_of(self.name), self.report().encode(), lease=lease,
-                                         timeout=t)
-                    self._report_lease = lease.id
-                except BaseException:
-                    self._report_dirty = True
-                    raise
-            for key in list(self._history_dirty):
-                job, epoch = key
-                self._history_dirty.discard(key)
-                try:
-                    await self.store.put(self.keys.history_entry(job, epoch, self.name),
-                                         encode_history(self._history[key].items(), self._history_span.get(key)),
-                                         timeout=t)
-                except BaseException:
-                    self._history_dirty.add(key)
-                    raise
-            if periodic:
-                for rank, p in list(self._progress.items()):
-                    if self._progress_written.get(rank) != p:
-                        await put_for_epoch(self.store, self.keys.progress_entry(p.job, rank), p.encode(),
-                                            epoch=p.epoch, timeout=t)
-                        self._progress_written[rank] = p
-                await self._ship_logs(t)
-        except StoreError as exc:
-            ok = False
-            log.debug("%s: could not write reports to etcd yet: %s", self.name, exc)
-        return ok
-
-    async def _ship_logs(self, timeout: float) -> None:
-        for w in list(self.workers.values()):
-            try:
-                with open(w.log_path, "rb") as f:
-                    f.seek(w.log_offset)
-                    data = f.read(_LOG_CHUNK)
-            except OSError:
-                continue
-            if not data:
-                continue
-            if len(data) == _LOG_CHUNK and b"\n" in data:
-                data = data[: data.rindex(b"\n") + 1]  # whole lines only
-            await self._note_refusals(w, data, timeout)
-            prefix = f"[{self.name} e{w.epoch} r{w.rank}] ".encode()
-            text = b"".join(prefix + line for line in data.splitlines(keepends=True))
-            self._log_seq = max(self._log_seq + 1, time.time_ns() // 1000)
-            key = self.keys.log_chunk(w.job, self.name, self._log_seq)
-            await self.store.put(key, text, timeout=timeout)
-            w.log_offset += len(data)
-            chunks = self._log_chunks.setdefault(w.job, [])
-            chunks.append(key)
-            while len(chunks) > _LOG_CHUNKS_KEPT:
-                await self.store.delete(chunks.pop(0), timeout=timeout)
-
-    async def _note_refusals(self, w: _Worker, data: bytes, timeout: float) -> None:
-        """A worker that skipped a corrupt checkpoint (trainer.ckpt_store: "skipping checkpoint N:
-        ...") resumed from an older one and redoes steps: say so in this daemon's log and in etcd
-        (``notes/<job>/<member>``, shown by status), not only in the worker's own output."""
-        found = [line.decode("utf-8", "replace").strip() for line in data.splitlines() if _REFUSAL in line]
-        if not found:
-            return
-        notes = self._notes.setdefault(w.job, [])
-        for line in found:
-            text = line[line.index(_REFUSAL.decode()):][:500]
-            log.warning("%s: rank %d of %s epoch %d refused a checkpoint: %s", self.name, w.rank, w.job, w.epoch, text)
-            notes.append(f"epoch {w.epoch} rank {w.rank} on {self.name}: {text}")
-        del notes[:-10]
-        await self.store.put(self.keys.note_entry(w.job, self.name), json.dumps(notes).encode(), timeout=timeout)
 
     def close(self) -> None:
         self.sock.close(0)

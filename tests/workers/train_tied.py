@@ -23,7 +23,7 @@ from torch import nn
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import TextDataset
-from trainer.env import Assignment
+from trainer.env import WorkerAssignment
 from trainer.models.gpt import GPT, GPTConfig
 
 STYLES = ("module", "shared")
@@ -88,7 +88,7 @@ def train(style: str, schedule: str, resume_from: str | None = None) -> None:
     varuna.close()
 
 
-a = Assignment.from_env()
+a = WorkerAssignment.from_env()
 dist.init_process_group("gloo", init_method=a.dist_url, rank=a.rank, world_size=a.world_size,
                         timeout=timedelta(seconds=120))
 schedules = args.schedules.split(",")

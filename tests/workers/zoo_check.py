@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zoo  # noqa: E402
 
 from trainer import Varuna  # noqa: E402
-from trainer.env import Assignment  # noqa: E402
+from trainer.env import WorkerAssignment  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -27,7 +27,7 @@ p.add_argument("--checkpoint-at", type=int, default=None)
 p.add_argument("--resume", type=int, default=None)
 args = p.parse_args()
 
-a = Assignment.from_env()
+a = WorkerAssignment.from_env()
 # One process group for all the models: each Varuna finds it initialised and leaves it alone.
 dist.init_process_group("gloo", init_method=a.dist_url, rank=a.rank, world_size=a.world_size,
                         timeout=timedelta(seconds=120))
