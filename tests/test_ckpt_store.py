@@ -1,4 +1,4 @@
-"""trainer.ckpt_store: atomic files, manifests as commit records, finding, pruning, copying."""
+"""trainer.checkpoint.store: atomic files, manifests as commit records, finding, pruning, copying."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer import ckpt_store as cs
+from trainer.checkpoint import store as cs
 from trainer.errors import CheckpointError
-from trainer.ckpt_store import (
+from trainer.checkpoint.store import (
     MANIFEST,
     FileEntry,
     checkpoint_dir,
@@ -196,7 +196,7 @@ def test_truncated_file_is_named(tmp_path):
 
 
 def test_no_complete_checkpoint_says_what_is_wrong_with_the_newest(tmp_path):
-    from trainer.checkpointing import _why_none
+    from trainer.checkpoint.contents import _why_none
 
     assert _why_none(str(tmp_path), True) == ""   # an empty store: nothing to explain
     d = _save(tmp_path, 5)
@@ -487,7 +487,7 @@ def _staged(tmp_path, rank: int, it: int = 7) -> tuple[str, list]:
 
 
 def test_staged_upload_commits_once_every_writer_has_its_files_in(tmp_path):
-    from trainer.checkpointing import Upload
+    from trainer.checkpoint.contents import Upload
     store = str(tmp_path / "store")
     final = cs.checkpoint_dir(store, 7)
     stage0, files0 = _staged(tmp_path, 0)
@@ -505,7 +505,7 @@ def test_staged_upload_commits_once_every_writer_has_its_files_in(tmp_path):
 
 
 def test_staged_upload_without_all_writers_stays_incomplete(tmp_path):
-    from trainer.checkpointing import Upload
+    from trainer.checkpoint.contents import Upload
     store = str(tmp_path / "store")
     stage0, files0 = _staged(tmp_path, 0)
     up = Upload(stage0, cs.checkpoint_dir(store, 7), files0, iteration=7, token="ef" * 8, rank=0, world=2,
@@ -552,7 +552,7 @@ def test_a_checkpoint_an_older_epoch_commits_past_a_newer_epochs_start_is_never_
 
 
 def test_a_staged_upload_of_a_superseded_epoch_copies_nothing(tmp_path):
-    from trainer.checkpointing import Upload
+    from trainer.checkpoint.contents import Upload
     store = str(tmp_path / "store")
     cs.write_epoch_fence(store, 8, 3)
     stage0, files0 = _staged(tmp_path, 0)

@@ -16,8 +16,8 @@ from reference import reference_run
 from ring import Ring
 from test_metrics import metric_types, sample_value, scrape, scrape_when
 from trainer.launch import free_ports
-from varunad.metrics import METRIC_NAMES
-from varunad.plans import PlanDoc
+from varunad.node.metrics import METRIC_NAMES
+from varunad.control.plans import PlanDoc
 
 pytestmark = pytest.mark.slow
 

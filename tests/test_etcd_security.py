@@ -18,8 +18,8 @@ import pytest
 from etcd_server import EtcdServer, make_pki
 from ring import REPO
 
-from varunad.fleetkeys import FleetKeys
-from varunad.store import EtcdStore, StoreAuthError
+from varunad.store.fleetkeys import FleetKeys
+from varunad.store.etcd import EtcdStore, StoreAuthError
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _varunactl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "varunad.cli", "--root", ROOT, "--timeout", "5", *args],
+    return subprocess.run([sys.executable, "-m", "varunad.ctl.cli", "--root", ROOT, "--timeout", "5", *args],
                           capture_output=True, text=True, cwd=str(REPO), env=env, timeout=60)
 
 
@@ -71,7 +71,7 @@ async def test_a_daemon_whose_user_may_only_touch_the_prefix_joins(tmp_path):
         async with EtcdStore(server.endpoint, user="fleet", password="fleetpw", probe_key=ROOT) as store:
             with pytest.raises(StoreAuthError):
                 await store.get("/elsewhere")
-        cmd = [sys.executable, "-m", "varunad.daemon", "--etcd", server.endpoint, "--name", "vm1", "--root", ROOT,
+        cmd = [sys.executable, "-m", "varunad.node.daemon", "--etcd", server.endpoint, "--name", "vm1", "--root", ROOT,
                "--advertise", "127.0.0.1", "--slots", "1", "--store", str(tmp_path / "store"), "--state-dir",
                str(tmp_path / "state"), "--ttl", "2", "--plaintext", "--etcd-user", "fleet", "--log-level", "INFO"]
         log = tmp_path / "vm1.log"

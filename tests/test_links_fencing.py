@@ -1,4 +1,4 @@
-"""Epoch-guarded writes (varunad.fencing) against a real etcd, and measured links in plans (varunad.links)."""
+"""Epoch-guarded writes (varunad.cluster.fencing) against a real etcd, and measured links in plans (varunad.control.links)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from trainer.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
-from varunad.facts import DaemonMember, PortReservation
-from varunad.fencing import put_for_epoch
-from varunad.fleetkeys import FleetKeys
-from varunad.links import LinkMeasurement, LinkProber, LinkSurvey, ProbeRequest, apply_links, read_links
-from varunad.store import EtcdStore
+from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
+from varunad.cluster.facts import DaemonMember, PortReservation
+from varunad.cluster.fencing import put_for_epoch
+from varunad.store.fleetkeys import FleetKeys
+from varunad.control.links import LinkMeasurement, LinkProber, LinkSurvey, ProbeRequest, apply_links, read_links
+from varunad.store.etcd import EtcdStore
 
 
 async def test_an_old_epoch_never_overwrites_a_newer_record(etcd, etcd_root):

@@ -1,4 +1,4 @@
-"""Prometheus metrics (varunad.metrics): the registry and its exposition, the asyncio endpoint, and
+"""Prometheus metrics (varunad.node.metrics): the registry and its exposition, the asyncio endpoint, and
 a daemon that cannot serve them (tests/test_daemon_single.py scrapes a real daemon running a job)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 from ring import Ring
 from trainer.launch import free_ports
-from varunad.config import DaemonConfigError, load_config
-from varunad.metrics import METRIC_NAMES, DaemonMetrics, MetricsError, serve
+from varunad.node.config import DaemonConfigError, load_config
+from varunad.node.metrics import METRIC_NAMES, DaemonMetrics, MetricsError, serve
 
 
 def sample_value(text: str, sample: str) -> float | None:

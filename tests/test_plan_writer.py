@@ -11,12 +11,12 @@ import pytest
 from etcd_server import poll_until
 from test_election import fleet, leaders, one_leader
 
-from varunad import schemas
-from varunad.election import NotLeader, PlanWriter
-from varunad.fleet import read_fleet, read_plan
-from varunad.fleetkeys import FleetKeys
-from varunad.plans import PlanDoc
-from varunad.store import EtcdStore
+from varunad.store import schemas
+from varunad.cluster.election import NotLeader, PlanWriter
+from varunad.cluster.fleet import read_fleet, read_plan
+from varunad.store.fleetkeys import FleetKeys
+from varunad.control.plans import PlanDoc
+from varunad.store.etcd import EtcdStore
 
 
 async def test_a_forged_well_formed_plan_is_not_followed(etcd, etcd_root, caplog):
@@ -35,7 +35,7 @@ async def test_a_forged_well_formed_plan_is_not_followed(etcd, etcd_root, caplog
             PlanDoc.idle("forged").encode(),                 # etcdctl put .../plan '<a valid plan>'
             (await store.get(keys.plan)).value,              # a byte-for-byte copy of the leader's plan
         ]
-        with caplog.at_level(logging.WARNING, logger="varunad.schemas"):
+        with caplog.at_level(logging.WARNING, logger="varunad.store.schemas"):
             for forged in forgeries:
                 await store.put(keys.plan, forged)
                 # what every follower and the leader read: the leader's plan, at its epoch

@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from trainer.calibration import Calibration, CalibrationError, LinkCost
+from trainer.planning.calibration import Calibration, CalibrationError, LinkCost
 from trainer.data import TextDataset
 from trainer.models.gpt import GPT, GPTConfig
-from trainer.partition import capture_model
+from trainer.graph.partition import capture_model
 from trainer.profiler import Profiler, fit_affine, measure_segments, model_fingerprint, segment_slices
 
 SIZES = [1, 2]

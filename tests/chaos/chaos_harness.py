@@ -1,7 +1,7 @@
 """The chaos suite's scenarios, shared by tests/chaos/ and benchmarks/chaos.py.
 
 Each scenario starts its own etcd (single or 3-member) and a ring of real daemons (``tests/ring.py``:
-``python -m varunad.daemon`` per VM, real workers, loopback), submits a short job of the tiny GPT
+``python -m varunad.node.daemon`` per VM, real workers, loopback), submits a short job of the tiny GPT
 that checkpoints every ``EVERY`` steps, injects one fault while it runs, and returns an
 :class:`Outcome`: whether the job finished, whether its per-step losses equal the plain PyTorch
 loop (``tests/reference.py``, 1e-4 relative), how many steps were redone, how long from the fault
@@ -342,7 +342,7 @@ def freeze_daemon(run: Run) -> None:
 
 
 def corrupt_newest_checkpoint(run: Run) -> None:
-    from trainer.ckpt_store import checkpoint_dir, latest_complete
+    from trainer.checkpoint.store import checkpoint_dir, latest_complete
 
     store = run.ring.store_dir / run.job
     newest = latest_complete(str(store), verify_checksums=False)
@@ -365,7 +365,7 @@ GARBAGE = [b'{"kind":"idle","reason":12345}', b'{"kind":"stop","reason":"x","job
 def garbage_in_etcd(run: Run) -> None:
     """Garbage in every key family the daemons read, well-formed plans no leader wrote, a leader key
     on no lease, a member key overwritten."""
-    from varunad.plans import PlanDoc
+    from varunad.control.plans import PlanDoc
 
     k = run.ring.keys
     job = run.job
