@@ -6,7 +6,7 @@ forward(input_ids, labels) returns the loss, dropout 0. `--quick`: 4 layers, 256
 vocabulary of 8192.
 
 Measured in one process, one after another:
-- capture   trainer.capture.capture_model (torch.export, non-strict, dynamic batch) on a
+- capture   trainer.graph.capture.capture_model (torch.export, non-strict, dynamic batch) on a
             sample batch, and the split of the captured graph into P=4 stages (slice_stages
             at the block boundaries balance would pick for equal blocks)
 - step      forward + backward of one micro-batch (`--micro` sequences of `--seq` tokens):
@@ -34,8 +34,8 @@ import time
 import torch
 from torch import nn
 
-from trainer.capture import capture_model
-from trainer.partition import ACTIVATION, slice_stages
+from trainer.graph.capture import capture_model
+from trainer.graph.partition import ACTIVATION, slice_stages
 
 
 class LossOf(nn.Module):

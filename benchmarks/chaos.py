@@ -4,7 +4,8 @@ The scenarios are tests/chaos/chaos_harness.py's (the same ones tests/chaos/ ass
 of a VM, of the leader, of two VMs at once, SIGTERM to the leader, etcd SIGKILLed and restarted,
 etcd frozen (SIGSTOP) for 3 TTLs, one member of a 3-member etcd lost, its quorum lost briefly, a
 daemon frozen (SIGSTOP of its process group) for 3 TTLs, the newest checkpoint corrupted, garbage
-in every etcd key family, garbage and forged reports on every socket. For each: whether the job
+in every etcd key family and plans no leader wrote, then garbage and forged reports on every socket
+(one run: the epoch must survive them). For each: whether the job
 finished, whether its per-step losses equal the plain PyTorch loop (1e-4), how many steps were
 redone, seconds from the fault to the next new step, and whether anything was left running.
 

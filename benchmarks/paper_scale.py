@@ -39,10 +39,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile  # noqa: E402
-from trainer.planner import Slot, plan  # noqa: E402
-from trainer.schedule import build_table  # noqa: E402
-from trainer.simulator import simulate, stage_costs  # noqa: E402
+from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile  # noqa: E402
+from trainer.planning.planner import Slot, plan  # noqa: E402
+from trainer.planning.schedule import build_table  # noqa: E402
+from trainer.planning.simulator import simulate, stage_costs  # noqa: E402
 
 GiB = 2**30
 LAYERS, H, HEADS, SEQ, VOCAB = 72, 3072, 32, 1024, 50257

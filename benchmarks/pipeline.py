@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.schedule import SCHEDULES  # noqa: E402  (after the path insert)
+from trainer.planning.schedule import SCHEDULES  # noqa: E402  (after the path insert)
 
 __all__ = ["main"]
 
@@ -127,7 +127,7 @@ def _worker(ns) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from trainer import Varuna
-    from trainer.schedule import Kind
+    from trainer.planning.schedule import Kind
 
     batches = _batches(ns.batch)
     m = ns.batch // MICRO

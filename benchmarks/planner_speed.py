@@ -20,8 +20,8 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from paper_scale import GLOBAL_BATCH, GPU_MEMORY, gpt2_8b_calibration  # noqa: E402
 
-from trainer.calibration import Calibration  # noqa: E402
-from trainer.planner import Slot, plan  # noqa: E402
+from trainer.planning.calibration import Calibration  # noqa: E402
+from trainer.planning.planner import Slot, plan  # noqa: E402
 
 
 def slower(cal: Calibration, kind: str, factor: float) -> Calibration:

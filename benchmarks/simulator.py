@@ -52,11 +52,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.calibration import Calibration, LinkCost  # noqa: E402
+from trainer.planning.calibration import Calibration, LinkCost  # noqa: E402
 from trainer.launch import launch  # noqa: E402
 from trainer.models.gpt import GPTConfig  # noqa: E402
-from trainer.schedule import build_table  # noqa: E402
-from trainer.simulator import simulate, stage_costs  # noqa: E402
+from trainer.planning.schedule import build_table  # noqa: E402
+from trainer.planning.simulator import simulate, stage_costs  # noqa: E402
 
 __all__ = ["main", "REFERENCE", "CONFIGS"]
 

@@ -3,15 +3,15 @@
     python3 examples/local_ring.py [--quick] [--daemons 4] [--steps 60] [--dir DIR]
 
 What it does, with the library calls behind `varunactl up`, `submit`, `watch` and `down`:
-starts a private etcd and N daemons on loopback (varunad.local.up), submits
+starts a private etcd and N daemons on loopback (varunad.ctl.local.up), submits
 examples/train_gpt.py on this package's own Python source (shipped, nothing to download), shows
-the job's live progress (varunad.progress), kill -9s one daemon that is not the leader halfway
+the job's live progress (varunad.ctl.progress), kill -9s one daemon that is not the leader halfway
 (a spot VM vanishing: the fleet notices when its lease expires, re-plans and carries on from
 the newest checkpoint with the same global batch), waits until the job is done, saves what
 each daemon's metrics endpoint serves (DIR/metrics/), writes the report (`varunactl report`
 into DIR/report/: the data, and with matplotlib, pip install 'varunad[report]', the pictures
 loss.png, timeline.png, timeline_predicted.png and throughput.png), and stops everything
-(varunad.local.down), also on Ctrl-C or an error. Logs stay under DIR/logs.
+(varunad.ctl.local.down), also on Ctrl-C or an error. Logs stay under DIR/logs.
 
 --quick is the small size CI runs: the tiny GPT, 3 daemons, 240 short steps, a 3 s lease.
 """
@@ -25,8 +25,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from varunad import cli, ctl, local, progress
-from varunad.fleetkeys import FleetKeys
+from varunad.ctl import cli, commands as ctl, local, progress
+from varunad.store.fleetkeys import FleetKeys
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = "gpt"

@@ -14,7 +14,7 @@ import torch
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import ImageDataset
-from trainer.env import job_setting
+from trainer.worker_env import job_setting
 from trainer.models.cnn import CNN, PRESETS, CNNConfig
 
 

@@ -21,7 +21,7 @@ import torch
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import TextDataset, source_corpus
-from trainer.env import job_setting
+from trainer.worker_env import job_setting
 from trainer.models.gpt import GPT, PRESETS, GPTConfig
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import TextDataset
-from trainer.env import job_setting
+from trainer.worker_env import job_setting
 
 SIZES = {  # hidden, layers, heads
     "tiny": (64, 4, 4),

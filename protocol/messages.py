@@ -384,7 +384,7 @@ class Assignment(Message):
     """A plan for one epoch: P = `pipeline_depth` stages x D = `data_depth` replicas.
 
     `cuts` are the P-1 cut-point (marker) indices where stages split, strictly increasing, as
-    `trainer.partition.slice_stages` takes them. `slots` has one entry per rank 0..P*D-1. `dist_url`
+    `trainer.graph.partition.slice_stages` takes them. `slots` has one entry per rank 0..P*D-1. `dist_url`
     is the torch.distributed init_method for this epoch's all-reduce groups. `resume_step` is the
     checkpointed step to load, or None to start from scratch.
     """

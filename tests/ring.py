@@ -1,6 +1,6 @@
 """A ring of real varunad processes on loopback for the daemon tests and the morph benchmark.
 
-Each daemon is ``python -m varunad.daemon`` in its own session (so ``kill -9`` of its process
+Each daemon is ``python -m varunad.node.daemon`` in its own session (so ``kill -9`` of its process
 group is what a vanished VM looks like), with its own state directory and free ports; all share
 one checkpoint store and one etcd. ``Ring.call`` runs a coroutine against etcd on the ring's own
 event loop, so tests poll etcd with bounded waits instead of sleeping.
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from varunad import ctl
-from varunad.fleetkeys import FleetKeys
-from varunad.store import EtcdStore
+from varunad.ctl import commands as ctl
+from varunad.store.fleetkeys import FleetKeys
+from varunad.store.etcd import EtcdStore
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_SCRIPT = REPO / "tests" / "daemon_job" / "train_job.py"
@@ -112,7 +112,7 @@ class Ring:
         n = self._incarnation.get(name, 0) + 1
         self._incarnation[name] = n
         log = self.base / f"{name}.{n}.log"
-        cmd = [sys.executable, "-m", "varunad.daemon", "--etcd", self.etcd, "--name", name, "--advertise", "127.0.0.1",
+        cmd = [sys.executable, "-m", "varunad.node.daemon", "--etcd", self.etcd, "--name", name, "--advertise", "127.0.0.1",
                "--slots", "1", "--store", str(self.store_dir), "--state-dir", str(self.base / name), "--root", self.root,
                "--ttl", str(self.ttl), "--threads", "1", "--log-level", "INFO"]
         cmd += ["--curve-keys", str(self.curve_keys)] if self.curve_keys else ["--plaintext"]
@@ -157,7 +157,7 @@ class Ring:
     def varunactl(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        return subprocess.run([sys.executable, "-m", "varunad.cli", "--etcd", self.etcd, "--root", self.root, *args],
+        return subprocess.run([sys.executable, "-m", "varunad.ctl.cli", "--etcd", self.etcd, "--root", self.root, *args],
                               capture_output=True, text=True, timeout=timeout, cwd=str(REPO), env=env)
 
     def submit(self, job: str, *, steps: int, batch: int = 12, every: int = 3, script_args: tuple[str, ...] = (),
@@ -175,7 +175,7 @@ class Ring:
                          what=f"{job} in {states}")
 
     def wait_checkpoint(self, job: str, at_least: int, timeout: float = 120.0) -> int:
-        from trainer.ckpt_store import latest_complete
+        from trainer.checkpoint.store import latest_complete
 
         store = str(self.store_dir / job)
         return self.poll(lambda: (c := latest_complete(store, verify_checksums=False)) is not None and c >= at_least

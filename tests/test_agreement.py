@@ -1,4 +1,4 @@
-"""The tree the step statistics are summed over (trainer.varuna._stats_tree).
+"""The tree the step statistics are summed over (trainer.engine.varuna._stats_tree).
 
 The sum itself is shown against real workers by test_correctness (the loss every P x D reports
 is the tree's sum) and test_worker_control (checkpoint and stop requests travel in it)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.varuna import _stats_tree
+from trainer.engine.varuna import _stats_tree
 
 
 def _layout(P: int, D: int) -> dict[int, list[int]]:

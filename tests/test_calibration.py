@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from trainer.calibration import (
+from trainer.planning.calibration import (
     SCHEMA_VERSION,
     Calibration,
     CalibrationError,

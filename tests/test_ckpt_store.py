@@ -1,4 +1,4 @@
-"""trainer.ckpt_store: atomic files, manifests as commit records, finding, pruning, copying."""
+"""trainer.checkpoint.store: atomic files, manifests as commit records, finding, pruning, copying."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer import ckpt_store as cs
+from trainer.checkpoint import store as cs
 from trainer.errors import CheckpointError
-from trainer.ckpt_store import (
+from trainer.checkpoint.store import (
     MANIFEST,
     FileEntry,
     checkpoint_dir,
@@ -36,8 +36,8 @@ from trainer.ckpt_store import (
 )
 
 
-def _save(store, it, files=None, *, manifest=True):
-    """A checkpoint with a few small files; returns its directory."""
+def _save(store, it, files=None, *, manifest=True, epoch=None):
+    """A checkpoint with a few small files (written in plan `epoch`); returns its directory."""
     d = checkpoint_dir(str(store), it)
     files = files or {
         "layer_000.pt": {"w": torch.full((4,), float(it))},
@@ -45,7 +45,7 @@ def _save(store, it, files=None, *, manifest=True):
     }
     entries = [write_tensors(d, name, obj) for name, obj in files.items()]
     if manifest:
-        write_manifest(d, entries, {"P": 2, "D": 1, "step": it})
+        write_manifest(d, entries, {"P": 2, "D": 1, "step": it}, epoch=epoch)
     return d
 
 
@@ -196,7 +196,7 @@ def test_truncated_file_is_named(tmp_path):
 
 
 def test_no_complete_checkpoint_says_what_is_wrong_with_the_newest(tmp_path):
-    from trainer.checkpointing import _why_none
+    from trainer.checkpoint.contents import _why_none
 
     assert _why_none(str(tmp_path), True) == ""   # an empty store: nothing to explain
     d = _save(tmp_path, 5)
@@ -487,7 +487,7 @@ def _staged(tmp_path, rank: int, it: int = 7) -> tuple[str, list]:
 
 
 def test_staged_upload_commits_once_every_writer_has_its_files_in(tmp_path):
-    from trainer.checkpointing import Upload
+    from trainer.checkpoint.contents import Upload
     store = str(tmp_path / "store")
     final = cs.checkpoint_dir(store, 7)
     stage0, files0 = _staged(tmp_path, 0)
@@ -505,7 +505,7 @@ def test_staged_upload_commits_once_every_writer_has_its_files_in(tmp_path):
 
 
 def test_staged_upload_without_all_writers_stays_incomplete(tmp_path):
-    from trainer.checkpointing import Upload
+    from trainer.checkpoint.contents import Upload
     store = str(tmp_path / "store")
     stage0, files0 = _staged(tmp_path, 0)
     up = Upload(stage0, cs.checkpoint_dir(store, 7), files0, iteration=7, token="ef" * 8, rank=0, world=2,
@@ -520,3 +520,67 @@ def test_staged_upload_without_all_writers_stays_incomplete(tmp_path):
 def test_writer_records_refuse_a_token_that_could_escape(tmp_path):
     with pytest.raises(ValueError, match="hex"):
         cs.write_writer_record(str(tmp_path / "c"), "../x", 0, [])
+
+
+# --- epoch fences: an old incarnation's late checkpoint -------------------------------------------
+
+def test_a_checkpoint_an_older_epoch_commits_past_a_newer_epochs_start_is_never_loaded(tmp_path):
+    store = str(tmp_path)
+    _save(store, 10, epoch=5)
+    # Epoch 5's VM was cut off; epoch 7 starts on the others from checkpoint 10 and fences the
+    # store. Meanwhile the cut-off incarnation had committed checkpoint 12 (staged, late).
+    _save(store, 12, epoch=5)
+    cs.write_epoch_fence(store, 7, 10)
+    assert latest_complete(store) == 10
+    with pytest.raises(CheckpointError, match="superseded: written under plan epoch 5, after epoch 7 had started "
+                                              "from checkpoint 10"):
+        verify(checkpoint_dir(store, 12))
+    # what it tries to commit from now on is refused
+    with pytest.raises(CheckpointError, match="not writing checkpoint 14"):
+        _save(store, 14, epoch=5)
+    assert not os.path.exists(os.path.join(checkpoint_dir(store, 14), MANIFEST))
+    # epoch 7's own checkpoints stand, and epoch 5's up to the one epoch 7 resumed from
+    _save(store, 11, epoch=7)
+    assert latest_complete(store) == 11
+    assert verify(checkpoint_dir(store, 10))["epoch"] == 5
+    # a later epoch that started from scratch fences every older epoch's checkpoint
+    cs.write_epoch_fence(store, 9, None)
+    assert latest_complete(store) is None
+    # checkpoints written without an epoch (the local launcher) are never fenced
+    _save(store, 30)
+    assert latest_complete(store) == 30
+
+
+def test_a_staged_upload_of_a_superseded_epoch_copies_nothing(tmp_path):
+    from trainer.checkpoint.contents import Upload
+    store = str(tmp_path / "store")
+    cs.write_epoch_fence(store, 8, 3)
+    stage0, files0 = _staged(tmp_path, 0)
+    up = Upload(stage0, cs.checkpoint_dir(store, 7), files0, iteration=7, token="ab" * 8, rank=0, world=1,
+                meta={}, epoch=6)
+    assert up.wait(30)
+    assert isinstance(up.error, CheckpointError) and "superseded" in str(up.error)
+    assert list_checkpoints(store) == []
+    # the same upload in the epoch that fenced the store commits
+    stage0, files0 = _staged(tmp_path, 0)
+    up = Upload(stage0, cs.checkpoint_dir(store, 7), files0, iteration=7, token="ab" * 8, rank=0, world=1,
+                meta={}, epoch=8)
+    assert up.wait(30) and up.error is None
+    assert cs.latest_complete(store) == 7 and cs.verify(cs.checkpoint_dir(store, 7))["epoch"] == 8
+
+
+def test_a_malformed_epoch_fence_or_manifest_epoch_is_named(tmp_path, caplog):
+    store = str(tmp_path)
+    os.makedirs(os.path.join(store, cs.EPOCHS))
+    with open(os.path.join(store, cs.EPOCHS, "9.json"), "w") as f:
+        f.write("{not json")
+    d = _save(store, 4, epoch=3)
+    assert cs.read_epoch_fences(store) == {} and "ignoring epoch fence" in caplog.text
+    assert latest_complete(store) == 4
+    doc = json.loads(open(os.path.join(d, MANIFEST)).read())
+    with open(os.path.join(d, MANIFEST), "w") as f:
+        json.dump({**doc, "epoch": "3"}, f)
+    with pytest.raises(CheckpointError, match="manifest epoch '3'"):
+        verify(d)
+    with pytest.raises(ValueError, match="plan epoch"):
+        cs.write_epoch_fence(store, -1, None)

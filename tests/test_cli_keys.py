@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from protocol.security import load_key_pair, load_public_key
-from varunad.cli import main
+from varunad.ctl.cli import main
 
 
 def test_generate_then_show(tmp_path, capsys):

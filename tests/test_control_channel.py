@@ -16,13 +16,13 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from trainer.control import TOKEN_ENV, ControlClient
-from varunad.config import load_config
-from varunad.facts import PortReservation
-from varunad.fleetkeys import FleetKeys
-from varunad.membership import Membership
-from varunad.store import EtcdStore
-from varunad.supervisor import Supervisor, _SupervisedWorker
+from trainer.engine.control import TOKEN_ENV, ControlClient
+from varunad.node.config import load_config
+from varunad.cluster.facts import PortReservation
+from varunad.store.fleetkeys import FleetKeys
+from varunad.cluster.membership import Membership
+from varunad.store.etcd import EtcdStore
+from varunad.node.supervisor import Supervisor, _SupervisedWorker
 
 from protocol.messages import StopWorkers, WorkerProgress, decode, encode
 from test_membership import make_member

@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from varunad import ctl
-from varunad.fleetkeys import FleetKeys
-from varunad.jobs import JobSpec, JobState, MorphEvent
-from varunad.records import encode_history
-from varunad.store import EtcdStore
+from varunad.ctl import commands as ctl
+from varunad.store.fleetkeys import FleetKeys
+from varunad.control.jobs import JobSpec, JobState, MorphEvent
+from varunad.control.records import encode_history
+from varunad.store.etcd import EtcdStore
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ async def test_a_resumed_epoch_shows_the_step_it_is_at_not_the_highest_reached(e
 def test_output_cut_short_by_a_pipe_is_not_an_error():
     """`varunactl status | head`: the reader closing the pipe early ends varunactl quietly."""
     code = ("import sys\n"
-            "from varunad import cli\n"
+            "from varunad.ctl import cli\n"
             "def flood(args):\n"
             "    for i in range(200000):\n"
             "        print('line', i)\n"
@@ -84,7 +84,7 @@ def test_no_ring_here_is_one_line_naming_up_and_etcd(tmp_path):
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
-    r = subprocess.run([sys.executable, "-m", "varunad.cli", "--etcd", dead, "--timeout", "2", "status"],
+    r = subprocess.run([sys.executable, "-m", "varunad.ctl.cli", "--etcd", dead, "--timeout", "2", "status"],
                        capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"cannot reach etcd at {dead} (connection refused)" in r.stderr

@@ -53,7 +53,7 @@ def ring_etcd():
 def curve_keys(tmp_path_factory):
     d = tmp_path_factory.mktemp("keys")
     for name in NAMES + ["d4", "operator"]:
-        r = subprocess.run([sys.executable, "-m", "varunad.cli", "keys", "generate", "--dir", str(d), "--name", name],
+        r = subprocess.run([sys.executable, "-m", "varunad.ctl.cli", "keys", "generate", "--dir", str(d), "--name", name],
                            capture_output=True, text=True, cwd=str(REPO))
         assert r.returncode == 0, r.stderr
     return d
@@ -133,7 +133,7 @@ def test_submit_refuses_bad_specs_with_a_reason(ring, tmp_path):
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     start = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "varunad.cli", "--etcd", dead, "--timeout", "2", "submit", "--name",
+    r = subprocess.run([sys.executable, "-m", "varunad.ctl.cli", "--etcd", dead, "--timeout", "2", "submit", "--name",
                         "bad", "--batch-size", "12", "--steps", "5", "--checkpoint-every", "50", str(JOB_SCRIPT)],
                        capture_output=True, text=True, cwd=str(REPO), timeout=60)
     assert r.returncode != 0 and "cannot reach etcd" in r.stderr
@@ -143,6 +143,7 @@ def test_submit_refuses_bad_specs_with_a_reason(ring, tmp_path):
     assert ring.call(ring.store.get(ring.keys.job("bad"))) is None
 
 
+@pytest.mark.chaos  # the chaos suite's kill -9 of this kind (tests/chaos/ does not repeat it)
 def test_kill9_of_a_non_leader_morphs_and_the_job_finishes(healthy, reference):
     ring = healthy
     ring.submit("kill-member", steps=STEPS, script_args=SLEEP)
@@ -163,6 +164,12 @@ def test_kill9_of_a_non_leader_morphs_and_the_job_finishes(healthy, reference):
     assert lost and lost[0]["reason"].startswith(f"{victim} was lost ("), st["morphs"]
     assert "re-planning on the VMs left" in lost[0]["reason"] and "[rank" not in lost[0]["reason"], lost[0]
     assert lost[0]["cause"] == f"{victim} was lost" and not lost[0]["restart"]
+    # the epoch after the loss fenced the store where it resumed, and wrote its epoch into its checkpoints
+    # (so nothing the lost epoch's workers committed after that could be loaded: trainer.checkpoint.store)
+    from trainer.checkpoint.store import checkpoint_dir, read_epoch_fences, verify
+    store = str(ring.store_dir / "kill-member")
+    assert read_epoch_fences(store).get(st["epoch"], -1) >= 6, read_epoch_fences(store)
+    assert verify(checkpoint_dir(store, STEPS))["epoch"] == st["epoch"]
     # the status command a user runs says the same
     r = ring.varunactl("status", "kill-member", "--json")
     assert r.returncode == 0, r.stderr
@@ -174,6 +181,7 @@ def test_kill9_of_a_non_leader_morphs_and_the_job_finishes(healthy, reference):
     assert text.returncode == 0 and f": {victim} was lost (" in text.stdout, text.stdout
 
 
+@pytest.mark.chaos  # the chaos suite's kill -9 of this kind (tests/chaos/ does not repeat it)
 def test_kill9_of_the_leader_elects_another_within_a_ttl_and_the_job_finishes(healthy, reference):
     ring = healthy
     ring.submit("kill-leader", steps=STEPS, script_args=SLEEP)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from varunad.config import load_config, parse_env_file
+from varunad.node.config import load_config, parse_env_file
 
 SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
 UNIT = SYSTEMD / "varunad.service"
@@ -68,7 +68,7 @@ def test_systemd_analyze_verify(tmp_path):
                     "test_unit_has_the_settings_a_preemptible_vm_needs")
     # verify insists that ExecStart exists: point it at this environment's varunad
     exe = shutil.which("varunad")
-    exec_start = str(Path(exe).resolve()) if exe else f"{sys.executable} -m varunad.daemon"
+    exec_start = str(Path(exe).resolve()) if exe else f"{sys.executable} -m varunad.node.daemon"
     text = UNIT.read_text()
     text = re.sub(r"^ExecStart=.*$", f"ExecStart={exec_start}", text, flags=re.M)
     text = re.sub(r"^EnvironmentFile=.*$", f"EnvironmentFile={ENV}", text, flags=re.M)

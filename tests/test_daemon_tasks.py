@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 import logging
 
-from varunad.config import load_config
-from varunad.daemon import Daemon
+from varunad.node.config import load_config
+from varunad.node.daemon import Daemon
 
 
 async def test_a_failing_task_is_restarted_and_counted(tmp_path, caplog):

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from varunad.config import DaemonConfigError, load_config, parse_env_file
-from varunad.facts import DaemonMember, detect_device_kind, detect_memory, gpu_count, gpu_models
-from varunad.fleet import FleetSnapshot, JobEntry
-from varunad.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_digest, script_fingerprint, pack_bundle,
+from varunad.node.config import DaemonConfigError, load_config, parse_env_file
+from varunad.cluster.facts import DaemonMember, detect_device_kind, detect_memory, gpu_count, gpu_models
+from varunad.cluster.fleet import FleetSnapshot, JobEntry
+from varunad.control.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_digest, script_fingerprint, pack_bundle,
                           unpack_bundle)
-from varunad.leader import LeaderMemory, decide, error_summary
-from varunad.plans import PlanDoc, make_plan, uniform_calibration
-from varunad.housekeeping import LOGS, job_dir, prune_jobs
-from varunad.records import (WorkerRecord, WorkerReport, decode_history, encode_history, epoch_ranges,
+from varunad.control.leader import LeaderMemory, decide, error_summary
+from varunad.control.plans import PlanDoc, make_plan, uniform_calibration
+from varunad.node.housekeeping import LOGS, job_dir, prune_jobs
+from varunad.control.records import (WorkerRecord, WorkerReport, decode_history, encode_history, epoch_ranges,
                              merge_history, merge_spans)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,13 +40,13 @@ def test_config_defaults_follow_the_ttl():
 
 
 def test_advertise_defaults_to_the_route_to_etcd_and_check_prints_the_settings(tmp_path):
-    from varunad.config import route_address
+    from varunad.node.config import route_address
 
     assert load_config(BASE, environ={}).advertise == "127.0.0.1"   # etcd on loopback: the loopback route
     assert route_address("http://127.0.0.1:2379,10.9.9.9:2379") == "127.0.0.1"   # the first endpoint's
     assert route_address("etcd.invalid:2379") == "127.0.0.1"   # unresolvable: a safe default
     assert load_config([*BASE, "--advertise", "10.0.0.7"], environ={}).advertise == "10.0.0.7"
-    daemon = [sys.executable, "-m", "varunad.daemon"]
+    daemon = [sys.executable, "-m", "varunad.node.daemon"]
     r = subprocess.run([*daemon, *BASE, "--advertise", "10.0.0.7", "--check"], capture_output=True, text=True,
                        timeout=60, cwd=REPO)
     assert r.returncode == 0 and "advertise=10.0.0.7" in r.stdout.splitlines(), r.stdout + r.stderr
@@ -119,16 +119,16 @@ def test_housekeeping_keeps_the_most_recently_used_jobs(tmp_path):
 
 def test_varunad_help_and_errors():
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "-m", "varunad.daemon", "--help"], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-m", "varunad.node.daemon", "--help"], capture_output=True, text=True, env=env,
                        cwd=str(REPO), timeout=60)
     assert r.returncode == 0 and "SIGTERM" in r.stdout and "VARUNAD_" in r.stdout and "--curve-keys" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "varunad.daemon", "--store", "/tmp/x", "--plaintext"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "varunad.node.daemon", "--store", "/tmp/x", "--plaintext"], capture_output=True,
                        text=True, env=env, cwd=str(REPO), timeout=60)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "no etcd endpoint" in r.stderr
 
 
 def test_the_daemon_never_imports_torch():
-    code = ("import sys, varunad.daemon, varunad.leader, varunad.supervisor, varunad.cli, varunad.ctl; "
+    code = ("import sys, varunad.node.daemon, varunad.control.leader, varunad.node.supervisor, varunad.ctl.cli, varunad.ctl.commands; "
             "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO), timeout=60)
     assert r.stdout.strip() == "False", r.stderr
@@ -220,7 +220,7 @@ def member(name: str, *, lease_ports: int = 0, draining: bool = False, slots: in
     return DaemonMember(name=name, host=f"10.0.0.{name[-1]}", endpoint=f"tcp://10.0.0.{name[-1]}:{base}", slots=slots,
                         device_kind="cpu", memory_bytes=2**30, version="0.1.0", started_at=0.0,
                         worker_ports=tuple(range(base + 1, base + 1 + slots)), rendezvous_port=base + 9,
-                        draining=draining)
+                        probe_ports=(base + 7, base + 8), draining=draining)
 
 
 def test_a_failed_workers_error_is_summed_up_by_the_exception_that_ended_it():
@@ -258,7 +258,7 @@ def test_device_kinds_tell_apart_gpu_models_and_shared_cpu_hosts(tmp_path, caplo
     assert detect_device_kind(2, gpus=2, models=gpu_models(str(tmp_path))) == "NVIDIA A100-SXM4-80GB"
     assert detect_device_kind(1, gpus=1, models=["Odd/Name GPU"]) == "Odd-Name GPU"   # a key component
     assert detect_device_kind(1, gpus=1, models=[]) == "cuda"                            # no driver file
-    with caplog.at_level(logging.WARNING, logger="varunad.facts"):
+    with caplog.at_level(logging.WARNING, logger="varunad.cluster.facts"):
         assert detect_device_kind(2, gpus=2, models=["Tesla T4", "NVIDIA A100"]) == "cuda"
     assert "mixes GPU models" in caplog.text
     # CPU slots of one host share its cores: a slot of a busy 4-slot host is a kind of its own.
@@ -289,13 +289,18 @@ def test_a_gpu_slot_gets_the_smallest_gpus_memory(tmp_path, monkeypatch):
 
 
 def test_member_facts_round_trip_and_old_readers_ignore_them():
-    from varunad.membership import Member
+    from varunad.cluster.membership import Member
 
     m = member("d1", slots=2)
     assert DaemonMember.decode(m.encode()) == m
     assert Member.decode(m.encode()).name == "d1"
     with pytest.raises(ValueError, match="worker ports"):
         DaemonMember(**{**json.loads(m.encode()), "worker_ports": [1]})
+    # a link probe's ports are its own: never a worker's stream port or the job's rendezvous
+    with pytest.raises(ValueError, match="overlap"):
+        DaemonMember(**{**json.loads(m.encode()), "probe_ports": [m.worker_ports[0], 30000]})
+    with pytest.raises(ValueError, match="two TCP ports"):
+        DaemonMember(**{**json.loads(m.encode()), "probe_ports": [30000]})
 
 
 def test_make_plan_places_ranks_and_the_rendezvous_on_rank_0():
@@ -446,7 +451,7 @@ def test_history_entries_carry_their_span_and_refuse_a_bad_one():
 
 
 def test_failures_that_cannot_go_away_fail_at_once_transient_ones_are_retried():
-    from varunad.failures import cause, classify
+    from varunad.control.failures import cause, classify
 
     config = "rank 0 on vm1 exited with code 1: trainer.errors.ConfigError: batch 64 vs 32 (pass the job's)"
     assert cause(config) == "ConfigError: batch 64 vs 32 (pass the job's)"

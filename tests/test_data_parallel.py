@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.data_parallel import GradReducer
+from trainer.engine.data_parallel import GradReducer
 from trainer.launch import free_ports
 
 VOCAB, WIDTH = 7, 5

@@ -1,4 +1,4 @@
-"""varunad.election against a real etcd: one leader, failover within a TTL, fencing."""
+"""varunad.cluster.election against a real etcd: one leader, failover within a TTL, fencing."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from etcd_server import poll_until
 from test_membership import make_member
 
-from varunad.election import Election, NotLeader, Role
-from varunad.keys import Keys
-from varunad.membership import Membership
-from varunad.store import EtcdStore
+from varunad.cluster.election import Election, NotLeader, Role
+from varunad.store.keys import Keys
+from varunad.cluster.membership import Membership
+from varunad.store.etcd import EtcdStore
 
 TTL = 2.0
 MARGIN = 3.0  # generous: etcd's expiry check (500 ms), a watch round trip, a loaded CI host

@@ -18,8 +18,8 @@ import pytest
 from etcd_server import EtcdServer, make_pki
 from ring import REPO
 
-from varunad.fleetkeys import FleetKeys
-from varunad.store import EtcdStore, StoreAuthError
+from varunad.store.fleetkeys import FleetKeys
+from varunad.store.etcd import EtcdStore, StoreAuthError
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _varunactl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "varunad.cli", "--root", ROOT, "--timeout", "5", *args],
+    return subprocess.run([sys.executable, "-m", "varunad.ctl.cli", "--root", ROOT, "--timeout", "5", *args],
                           capture_output=True, text=True, cwd=str(REPO), env=env, timeout=60)
 
 
@@ -71,7 +71,7 @@ async def test_a_daemon_whose_user_may_only_touch_the_prefix_joins(tmp_path):
         async with EtcdStore(server.endpoint, user="fleet", password="fleetpw", probe_key=ROOT) as store:
             with pytest.raises(StoreAuthError):
                 await store.get("/elsewhere")
-        cmd = [sys.executable, "-m", "varunad.daemon", "--etcd", server.endpoint, "--name", "vm1", "--root", ROOT,
+        cmd = [sys.executable, "-m", "varunad.node.daemon", "--etcd", server.endpoint, "--name", "vm1", "--root", ROOT,
                "--advertise", "127.0.0.1", "--slots", "1", "--store", str(tmp_path / "store"), "--state-dir",
                str(tmp_path / "state"), "--ttl", "2", "--plaintext", "--etcd-user", "fleet", "--log-level", "INFO"]
         log = tmp_path / "vm1.log"
@@ -97,6 +97,18 @@ async def test_a_daemon_whose_user_may_only_touch_the_prefix_joins(tmp_path):
             # without the password varunactl says what is missing, in one line
             r = _varunactl("nodes", env=_env(VARUNAD_ETCD=server.endpoint, VARUNAD_ETCD_USER="fleet"))
             assert r.returncode != 0 and "VARUNAD_ETCD_PASSWORD" in r.stderr
+            # what etcd refused, and the option to fix, in one line (it said "connection refused")
+            refused = {
+                "refused user 'fleet' and its password: check --etcd-user": ("--etcd-user", "fleet", "nodes"),
+                "requires a user (authentication is on): pass --etcd-user": ("nodes",),
+                "denied user 'fleet' access to '/other/' (permission denied): pass the --root":
+                    ("--etcd-user", "fleet", "--root", "/other/", "status"),
+            }
+            for said, args in refused.items():
+                password = "fleetpw" if "--root" in args else "wrong"
+                r = _varunactl(*args, env=_env(VARUNAD_ETCD=server.endpoint, VARUNAD_ETCD_PASSWORD=password)
+                               if "--etcd-user" in args else _env(VARUNAD_ETCD=server.endpoint))
+                assert r.returncode == 1 and said in r.stderr and len(r.stderr.splitlines()) == 1, (args, r.stderr)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
@@ -112,5 +124,15 @@ def test_varunactl_speaks_tls_with_a_client_certificate(tmp_path):
         env = _env(VARUNAD_ETCD=server.endpoint, VARUNAD_ETCD_CA=str(pki.ca), VARUNAD_ETCD_CERT=str(pki.client_cert),
                    VARUNAD_ETCD_KEY=str(pki.client_key))
         assert _varunactl("nodes", env=env).returncode == 0
-        r = _varunactl("--etcd", server.endpoint, "nodes", env=_env())   # plaintext to a TLS etcd
-        assert r.returncode != 0 and "etcd" in r.stderr
+        # each TLS mistake is one line naming the option to fix (gRPC's own log lines are not shown)
+        mistakes = {
+            "closed a plaintext connection: it speaks TLS? pass --etcd-ca": (),   # plaintext to a TLS etcd
+            f"cannot read --etcd-ca (VARUNAD_ETCD_CA) file {tmp_path / 'nope.pem'} (No such file or directory)":
+                ("--etcd-ca", str(tmp_path / "nope.pem")),
+            "refused the TLS handshake: it may want a client certificate; pass --etcd-cert": ("--etcd-ca", str(pki.ca)),
+            "its TLS certificate is not signed by": ("--etcd-ca", str(pki.client_cert), "--etcd-cert",
+                                                      str(pki.client_cert), "--etcd-key", str(pki.client_key)),
+        }
+        for said, args in mistakes.items():
+            r = _varunactl("--etcd", server.endpoint, *args, "nodes", env=_env())
+            assert r.returncode == 1 and said in r.stderr and len(r.stderr.splitlines()) == 1, (args, r.stderr)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 
-from varunad.fleet import forget_progress, read_fleet
-from varunad.fleetkeys import FleetKeys
-from varunad.records import Progress
-from varunad.store import EtcdStore
+from varunad.cluster.fleet import forget_progress, read_fleet
+from varunad.store.fleetkeys import FleetKeys
+from varunad.control.records import Progress
+from varunad.store.etcd import EtcdStore
 
 
 async def test_progress_of_ranks_a_shrunk_plan_dropped_is_forgotten(etcd, etcd_root):

@@ -340,7 +340,7 @@ def test_header_caches_are_bounded(inproc):
 def test_peer_channel_drops_stale_epochs_and_times_out(ctx):
     import time
 
-    from trainer.comm import PeerChannel
+    from trainer.engine.comm import PeerChannel
     from trainer.errors import WorkerError
 
     port = random.randrange(20000, 60000)
@@ -376,7 +376,7 @@ def test_peer_channel_drops_stale_epochs_and_times_out(ctx):
 def test_peer_channels_exchange_step_statistics_with_any_worker():
     # Stage 2 is no neighbour of stage 0; its statistics reach it anyway, named by its rank, and
     # wait in the early queue while stage 0 waits for something else.
-    from trainer.comm import PeerChannel
+    from trainer.engine.comm import PeerChannel
     from trainer.launch import free_ports
 
     eps = [f"tcp://127.0.0.1:{p}" for p in free_ports(3)]

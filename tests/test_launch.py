@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import trainer.launch as launch_mod
-from trainer.env import WorkerAssignment
+from trainer.worker_env import WorkerAssignment
 from trainer.errors import ConfigError
 from trainer.launch import launch, plan_assignments
 
 _ROOT = Path(launch_mod.__file__).resolve().parent.parent
 
-# Worker scripts read the environment directly (not through trainer.env) so that they start
+# Worker scripts read the environment directly (not through trainer.worker_env) so that they start
 # in a fraction of a second: these tests are about processes, not about the engine.
 _PRINT_ASSIGNMENT = """
     import json, os, sys

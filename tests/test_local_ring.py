@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from test_trace import png_size
-from varunad import cli, local, progress
-from varunad.metrics import METRIC_NAMES
+from varunad.ctl import cli, local, progress
+from varunad.node.metrics import METRIC_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,7 +184,7 @@ def _survivors(ring: local.Ring) -> list[str]:
 
 
 def _varunactl(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "varunad.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "varunad.ctl.cli", *args], capture_output=True, text=True, env=env,
                           timeout=60, cwd=REPO)
 
 

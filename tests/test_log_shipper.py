@@ -1,4 +1,4 @@
-"""varunad.log_shipper against a real etcd: worker output shipped in prefixed chunks, refusals noted."""
+"""varunad.node.log_shipper against a real etcd: worker output shipped in prefixed chunks, refusals noted."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from varunad import log_shipper
-from varunad.fleetkeys import FleetKeys
-from varunad.log_shipper import LogShipper
-from varunad.store import EtcdStore
+from varunad.node import log_shipper
+from varunad.store.fleetkeys import FleetKeys
+from varunad.node.log_shipper import LogShipper
+from varunad.store.etcd import EtcdStore
 
 
 @dataclass

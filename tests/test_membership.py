@@ -1,4 +1,4 @@
-"""varunad.membership against a real etcd: registration, keepalive, expiry, leave."""
+"""varunad.cluster.membership against a real etcd: registration, keepalive, expiry, leave."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 import pytest
 from etcd_server import poll_until
 
-from varunad.keys import Keys
-from varunad.membership import Member, Membership, NameInUse, read_members
-from varunad.store import EtcdStore
+from varunad.store.keys import Keys
+from varunad.cluster.membership import Member, Membership, NameInUse, read_members
+from varunad.store.etcd import EtcdStore
 
 TTL = 2.0
 MARGIN = 2.5  # etcd checks expiry every 500 ms; loaded CI machines are slower still

@@ -1,5 +1,5 @@
-"""Prometheus metrics (varunad.metrics): the registry and its exposition, the asyncio endpoint, and
-a real daemon started with --metrics-port serving every documented name while it runs a job."""
+"""Prometheus metrics (varunad.node.metrics): the registry and its exposition, the asyncio endpoint, and
+a daemon that cannot serve them (tests/test_daemon_single.py scrapes a real daemon running a job)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ import pytest
 
 from ring import Ring
 from trainer.launch import free_ports
-from varunad.config import DaemonConfigError, load_config
-from varunad.metrics import METRIC_NAMES, DaemonMetrics, MetricsError, serve
+from varunad.node.config import DaemonConfigError, load_config
+from varunad.node.metrics import METRIC_NAMES, DaemonMetrics, MetricsError, serve
 
 
-def _value(text: str, sample: str) -> float | None:
+def sample_value(text: str, sample: str) -> float | None:
     """The value of one sample line (``name{labels}`` exactly as exposed), or None."""
     m = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.M)
     return None if m is None else float(m.group(1))
 
 
-def _types(text: str) -> set[str]:
+def metric_types(text: str) -> set[str]:
     return set(re.findall(r"^# TYPE (\S+) ", text, re.M))
 
 
@@ -41,18 +41,18 @@ async def test_exposition_holds_every_documented_name_and_the_values_set():
     m.worker_progress(job="gpt", rank=4, step=7, loss=2.5, samples_per_s=96.0, busy_fraction=0.75, reports_job=True)
     m.worker_progress(job="gpt", rank=5, step=7, loss=9.0, samples_per_s=1.0, busy_fraction=0.5, reports_job=False)
     text = (await m.exposition()).decode()
-    assert set(METRIC_NAMES) <= _types(text)
+    assert set(METRIC_NAMES) <= metric_types(text)
     for sample, value in (("varunad_members", 3), ("varunad_leader", 1), ("varunad_plan_epoch", 42),
                           ("varunad_workers", 2), ("varunad_morphs_total", 1), ('varunad_job_step{job="gpt"}', 7),
                           ('varunad_job_loss{job="gpt"}', 2.5), ('varunad_samples_per_second{job="gpt"}', 96.0),
                           ('varunad_stage_busy_fraction{job="gpt",rank="4",stage="1"}', 0.75),
                           ('varunad_stage_busy_fraction{job="gpt",rank="5",stage="1"}', 0.5)):
-        assert _value(text, sample) == value, sample
+        assert sample_value(text, sample) == value, sample
     m.begin_epoch({0: 0})  # ranks move between stages: old busy fractions go, the job's last step stays
     text = (await m.exposition()).decode()
-    assert "varunad_stage_busy_fraction{" not in text and _value(text, 'varunad_job_step{job="gpt"}') == 7
+    assert "varunad_stage_busy_fraction{" not in text and sample_value(text, 'varunad_job_step{job="gpt"}') == 7
     m.begin_epoch({0: 0}, "gpt")  # the same job's next epoch: its figures stay until new ones arrive
-    assert _value((await m.exposition()).decode(), 'varunad_job_step{job="gpt"}') == 7
+    assert sample_value((await m.exposition()).decode(), 'varunad_job_step{job="gpt"}') == 7
     m.begin_epoch({0: 0}, "bert")  # another job here: the old one's figures are no longer served
     text = (await m.exposition()).decode()
     assert 'job="gpt"' not in text.replace('varunad_checkpoint_seconds', '')
@@ -68,9 +68,9 @@ async def test_checkpoint_seconds_are_the_stall_the_worker_reports():
     m.worker_checkpointed(job="j", stalled_s=0.07)
     m.worker_checkpointed(job="j", stalled_s=0.01)
     text = (await m.exposition()).decode()
-    assert _value(text, 'varunad_checkpoint_seconds_count{job="j"}') == 2
-    assert _value(text, 'varunad_checkpoint_seconds_bucket{job="j",le="0.05"}') == 1
-    assert _value(text, 'varunad_checkpoint_seconds_sum{job="j"}') == pytest.approx(0.08)
+    assert sample_value(text, 'varunad_checkpoint_seconds_count{job="j"}') == 2
+    assert sample_value(text, 'varunad_checkpoint_seconds_bucket{job="j",le="0.05"}') == 1
+    assert sample_value(text, 'varunad_checkpoint_seconds_sum{job="j"}') == pytest.approx(0.08)
 
 
 async def test_the_endpoint_answers_get_metrics_and_refreshes_first():
@@ -117,49 +117,25 @@ def test_metrics_port_option():
 
 # -- a real daemon ------------------------------------------------------------------------------------
 
-def _scrape(port: int) -> str:
+def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
         return r.read().decode()
 
 
-@pytest.mark.slow
-def test_a_daemon_serves_the_documented_metrics_while_it_runs_a_job(tmp_path, etcd, etcd_root):
-    port = free_ports(1)[0]
-    ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=10.0)
-    try:
-        d = ring.start("metered", "--calibrate", "uniform", "--metrics-port", str(port))
-        ring.wait_members(["metered"])
-        assert ring.poll(ring.leader, timeout=20, what="a leader") == "metered"
+def scrape_when(ring: Ring, port: int, check) -> str:
+    """The first scrape of ``port`` for which ``check(text)`` holds (the daemon may not serve yet)."""
+    def attempt():
+        try:
+            text = scrape(port)
+        except (urllib.error.URLError, ConnectionError):
+            return None
+        return check(text) and text
+    return ring.poll(attempt, timeout=60, what="a scrape that passes")
 
-        def scrape_when(check) -> str:
-            def attempt():
-                try:
-                    text = _scrape(port)
-                except (urllib.error.URLError, ConnectionError):
-                    return None
-                return check(text) and text
-            return ring.poll(attempt, timeout=60, what="a scrape that passes")
 
-        text = scrape_when(lambda t: _value(t, "varunad_leader") == 1)
-        assert set(METRIC_NAMES) <= _types(text), sorted(set(METRIC_NAMES) - _types(text))
-        assert _value(text, "varunad_members") == 1 and _value(text, "varunad_workers") == 0
-
-        ring.submit("metered-job", steps=6, every=2)
-        st = ring.wait_state("metered-job", ("done", "failed"), timeout=120)
-        assert st["state"] == "done", st
-        text = _scrape(port)
-        job = '{job="metered-job"}'
-        assert _value(text, f"varunad_job_step{job}") == 5
-        loss = _value(text, f"varunad_job_loss{job}")
-        assert loss is not None and abs(loss - st["loss_history"][-1][1]) < 1e-6
-        assert _value(text, f"varunad_samples_per_second{job}") > 0
-        assert re.search(r'^varunad_stage_busy_fraction\{job="metered-job",rank="0",stage="0"\} ', text, re.M)
-        assert _value(text, f"varunad_checkpoint_seconds_count{job}") >= 3  # after steps 2, 4 and 6
-        assert _value(text, "varunad_plan_epoch") > 0 and _value(text, "varunad_morphs_total") == 0
-        assert "serving Prometheus metrics on 127.0.0.1" in d.log_text()
-    finally:
-        ring.close()
+# A daemon serving every documented metric while it runs a job: tests/test_daemon_single.py's first
+# test (one daemon start for both).
 
 
 def test_a_taken_metrics_port_is_a_clear_startup_error(tmp_path, etcd, etcd_root):

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from trainer.capture import capture_model
-from trainer.cutpoint import CutPoint
+from trainer.graph.capture import capture_model
+from trainer.graph.cutpoint import CutPoint
 from trainer.data import GlobalBatches, ImageDataset, TextDataset
 from trainer.errors import ConfigError
 from trainer.models.cnn import CNN, CNNConfig

@@ -1,11 +1,11 @@
 """An etcd outage is not a VM loss (issue 17, item 4): the leader's decision after every lease
-lapsed at once, from the fleet's snapshot alone (varunad.outage, through leader.decide)."""
+lapsed at once, from the fleet's snapshot alone (varunad.control.outage, through leader.decide)."""
 
 from __future__ import annotations
 
 from test_daemon_units import member, reports_for, run_plan, running, snapshot
 
-from varunad.leader import LeaderMemory, decide
+from varunad.control.leader import LeaderMemory, decide
 
 
 def d(snap, *, now=100.0, outage_until=0.0):

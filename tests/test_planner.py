@@ -11,10 +11,10 @@ import re
 
 import pytest
 
-from trainer.calibration import Calibration, LinkCost
-from trainer.planner import Plan, PlanError, Slot, StagePlan, plan
-from trainer.schedule import validate
-from trainer.simulator import simulate, stage_costs
+from trainer.planning.calibration import Calibration, LinkCost
+from trainer.planning.planner import Plan, PlanError, Slot, StagePlan, plan
+from trainer.planning.schedule import validate
+from trainer.planning.simulator import simulate, stage_costs
 
 GiB = 2**30
 FREE = {"intra": LinkCost(0.0, 1e18), "inter": LinkCost(0.0, 1e18)}

@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from trainer.calibration import Calibration, CalibrationError, LinkCost
+from trainer.planning.calibration import Calibration, CalibrationError, LinkCost
 from trainer.data import TextDataset
 from trainer.models.gpt import GPT, GPTConfig
-from trainer.partition import capture_model
+from trainer.graph.partition import capture_model
 from trainer.profiler import (
     IN_FLIGHT,
     Profiler,
@@ -285,8 +285,8 @@ def test_a_calibration_run_profiles_with_the_scripts_optimizer(tmp_path, caplog)
     holding the whole model, and set_optimizer profiles with that optimizer, then ends the script.
     SGD with momentum keeps one buffer per parameter, where the profiler's stand-in (AdamW) keeps
     two: the state bytes show which optimizer was stepped."""
-    from trainer.env import WorkerAssignment
-    from trainer.varuna import Varuna
+    from trainer.engine.varuna import Varuna
+    from trainer.worker_env import WorkerAssignment
 
     model, data = _tiny(n_layer=2)
     out = tmp_path / "calibration.json"

@@ -15,14 +15,14 @@ import pytest
 
 from ring import Ring
 from test_trace import png_size
-from trainer.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
-from trainer.schedule import build_table
-from trainer.simulator import simulate, stage_costs
-from trainer.trace import CATEGORIES, TraceRecorder, trace_path
-from varunad.cli import main as varunactl
-from varunad.fleetkeys import FleetKeys
-from varunad.jobs import JobSpec, JobState, MorphEvent
-from varunad.prices import DEFAULT_PRICES, DevicePrice, PriceError, load_prices, price_of
+from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
+from trainer.planning.schedule import build_table
+from trainer.planning.simulator import simulate, stage_costs
+from trainer.engine.trace import CATEGORIES, TraceRecorder, trace_path
+from varunad.ctl.cli import main as varunactl
+from varunad.store.fleetkeys import FleetKeys
+from varunad.control.jobs import JobSpec, JobState, MorphEvent
+from varunad.report.prices import DEFAULT_PRICES, DevicePrice, PriceError, load_prices, price_of
 from varunad.report import (
     DATA_FILES,
     PICTURES,
@@ -36,9 +36,9 @@ from varunad.report import (
     run_intervals,
 )
 from varunad.report.cost import cost_lines
-from varunad.records import encode_history
+from varunad.control.records import encode_history
 from varunad.report.pictures import EXTRA, draw_report
-from varunad.store import EtcdStore
+from varunad.store.etcd import EtcdStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -436,8 +436,8 @@ def test_every_picture_is_a_png_drawn_from_the_data_also_with_varunactl_report_f
 _WITHOUT_MATPLOTLIB = """
 import sys
 sys.modules["matplotlib"] = None   # as if it were not installed: importing it raises ModuleNotFoundError
-import varunad.leader, varunad.report   # the daemon's side: records the data, draws nothing
-from varunad.cli import main
+import varunad.control.leader, varunad.report   # the daemon's side: records the data, draws nothing
+from varunad.ctl.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

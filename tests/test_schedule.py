@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.schedule import (
+from trainer.planning.schedule import (
     SCHEDULES,
     STASH_RULES,
     Action,
@@ -229,7 +229,7 @@ def test_the_memory_rule_refuses_bad_input():
 
 
 def test_varuna_is_deterministic():
-    from trainer.schedule import _varuna_orders
+    from trainer.planning.schedule import _varuna_orders
 
     first = build_table("varuna", 5, 9)
     _varuna_orders.cache_clear()

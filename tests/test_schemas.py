@@ -15,15 +15,15 @@ from etcd_server import poll_until
 from test_election import Node, fleet, one_leader
 from test_membership import make_member
 
-from varunad import schemas
-from varunad.fleet import read_plan
-from varunad.fleetkeys import FleetKeys
-from varunad.jobs import JobSpecError, JobState
-from varunad.keys import Keys
-from varunad.membership import Member, Membership
-from varunad.plans import PlanDoc
-from varunad.records import Progress, WorkerReport
-from varunad.store import EtcdStore
+from varunad.store import schemas
+from varunad.cluster.fleet import read_plan
+from varunad.store.fleetkeys import FleetKeys
+from varunad.control.jobs import JobSpecError, JobState
+from varunad.store.keys import Keys
+from varunad.cluster.membership import Member, Membership
+from varunad.control.plans import PlanDoc
+from varunad.control.records import Progress, WorkerReport
+from varunad.store.etcd import EtcdStore
 
 # The values the chaos run wrote (issue 17, item 1), and more of the same kind.
 BAD_PLANS = [
@@ -79,7 +79,7 @@ def test_rejections_are_counted_and_logged_once(caplog):
     seen = []
     schemas.on_reject(seen.append)
     before = schemas.rejected().get("plan", 0)
-    with caplog.at_level(logging.WARNING, logger="varunad.schemas"):
+    with caplog.at_level(logging.WARNING, logger="varunad.store.schemas"):
         for _ in range(50):
             schemas.reject("plan", "/t/plan@99", "plan is malformed: x")
     assert schemas.rejected()["plan"] == before + 50
@@ -89,14 +89,15 @@ def test_rejections_are_counted_and_logged_once(caplog):
 
 async def test_a_garbage_plan_leaves_the_previous_one_in_force(etcd, etcd_root):
     keys = FleetKeys(etcd_root)
-    async with EtcdStore(etcd.endpoint) as store:
+    async with fleet(etcd.endpoint, keys, ["a"]) as nodes, EtcdStore(etcd.endpoint) as store:
+        leader = await one_leader(nodes, timeout=10.0)
         good = PlanDoc.stop("j", 7, checkpoint=True, reason="a real one")
-        rev = await store.put(keys.plan, good.encode())
+        rev = await leader.election.write_plan(good.encode())
         for value in BAD_PLANS[:3]:
             await store.put(keys.plan, value)
         doc, epoch = await read_plan(store, keys, timeout=3.0)
         assert (doc, epoch) == (good, rev)
-        later = await store.put(keys.plan, PlanDoc.idle("next").encode())
+        later = await leader.election.write_plan(PlanDoc.idle("next").encode())
         assert await read_plan(store, keys, timeout=3.0) == (PlanDoc.idle("next"), later)
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from ring import JOB_SCRIPT, Ring
 
-from varunad.jobs import JobSpec
-from varunad.signing import AllowList, Signature, SigningError, generate_submit_key, sign_spec
+from varunad.control.jobs import JobSpec
+from varunad.node.signing import AllowList, Signature, SigningError, generate_submit_key, sign_spec
 
 SPEC = JobSpec(job="j", script="train.py", batch_size=4, steps=2, checkpoint_every=1, bundle_digest="a" * 64,
                bundle_bytes=10)

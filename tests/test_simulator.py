@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.calibration import Calibration, LinkCost, TiedWeights
-from trainer.schedule import SCHEDULES, Action, ScheduleError, build_table
-from trainer.simulator import SimulationError, StageCost, Transfer, simulate, stage_costs
+from trainer.planning.calibration import Calibration, LinkCost, TiedWeights
+from trainer.planning.schedule import SCHEDULES, Action, ScheduleError, build_table
+from trainer.planning.simulator import SimulationError, StageCost, Transfer, simulate, stage_costs
 
 F, B = 1.0, 2.0
 

@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer import Varuna
-from trainer.checkpointing import _optimizer_state_on
-from trainer.ckpt_store import checkpoint_dir, read_tensors, verify
+from trainer.checkpoint.contents import _optimizer_state_on
+from trainer.checkpoint.store import checkpoint_dir, read_tensors, verify
 
 
 class Normed(nn.Module):

@@ -1,4 +1,4 @@
-"""varunad.store against a real etcd (no mocks), plus the key layout of varunad.keys."""
+"""varunad.store.etcd against a real etcd (no mocks), plus the key layout of varunad.store.keys."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 from etcd_server import EtcdServer, make_pki, poll_until
 
-from varunad.keys import Keys
-from varunad.store import (
+from varunad.store.keys import Keys
+from varunad.store.etcd import (
     DELETE,
     PUT,
     EtcdStore,
@@ -287,7 +287,7 @@ async def test_user_password_auth_and_expired_tokens(etcd_root, caplog):
         async with EtcdStore(server.endpoint, timeout=1.0, user="root", password="secret") as store:
             await store.put(etcd_root + "k", "1")
             await asyncio.sleep(2.5)  # idle: the token expires (time must pass; nothing to wait on)
-            with caplog.at_level("INFO", logger="varunad.store"):
+            with caplog.at_level("INFO", logger="varunad.store.etcd"):
                 assert await store.put(etcd_root + "k", "2")
             assert "invalid auth token" in caplog.text and "authenticating again" in caplog.text
             assert (await store.get(etcd_root + "k")).value == b"2"

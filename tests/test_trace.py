@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.trace import NullRecorder, TraceRecorder, recorder_for, trace_path
-from varunad.cli import main as varunactl
+from trainer.engine.trace import NullRecorder, TraceRecorder, recorder_for, trace_path
+from varunad.ctl.cli import main as varunactl
 from varunad.report.traces import load_events, select_step
 
 

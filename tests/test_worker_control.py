@@ -16,8 +16,8 @@ import zmq
 
 from protocol.messages import StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
 from reference import reference_run
-from trainer.ckpt_store import latest_complete, verify
-from trainer.control import STOPPED_EXIT_CODE
+from trainer.checkpoint.store import latest_complete, verify
+from trainer.engine.control import STOPPED_EXIT_CODE
 from trainer.launch import launch
 
 WORKER = Path(__file__).parent / "workers" / "train_check.py"

@@ -2,7 +2,7 @@
 
     from trainer import CutPoint, Varuna, GlobalBatches
 
-Names are imported on first use: the daemon imports trainer.planner and trainer.simulator,
+Names are imported on first use: the daemon imports trainer.planning.planner and trainer.planning.simulator,
 which need no torch, and must not pay for (or depend on) torch to do so.
 """
 
@@ -12,8 +12,8 @@ __all__ = ["CutPoint", "Varuna", "GlobalBatches", "Profiler", "VarunaError", "Co
            "CheckpointError", "WorkerError"]
 
 _HOME = {
-    "CutPoint": "trainer.cutpoint",
-    "Varuna": "trainer.varuna",
+    "CutPoint": "trainer.graph.cutpoint",
+    "Varuna": "trainer.engine.varuna",
     "GlobalBatches": "trainer.data",
     "Profiler": "trainer.profiler",
     "VarunaError": "trainer.errors",

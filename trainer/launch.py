@@ -2,7 +2,7 @@
 
     python -m trainer.launch --stages 2 --replicas 2 examples/train_gpt.py --steps 20
 
-Each worker is `python script.py [args]` with its `trainer.env.WorkerAssignment` in the
+Each worker is `python script.py [args]` with its `trainer.worker_env.WorkerAssignment` in the
 environment: rank = replica * P + stage, one ZeroMQ endpoint per rank on a free loopback port,
 one torch.distributed rendezvous URL for all. The cores are shared out evenly (OMP/MKL and
 VARUNA_THREADS). Output lines are prefixed with `[s<stage>r<replica>]`.
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import trainer
-from trainer.env import WorkerAssignment
+from trainer.worker_env import WorkerAssignment
 from trainer.errors import ConfigError
-from trainer.schedule import SCHEDULES
+from trainer.planning.schedule import SCHEDULES
 
 __all__ = ["LaunchResult", "launch", "plan_assignments", "main"]
 
@@ -427,7 +427,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a Varuna training script as P pipeline stages x D data-parallel replicas\n"
                     "of local worker processes. Rank = replica * P + stage; each worker finds its\n"
-                    "assignment in VARUNA_* environment variables (see trainer/env.py). Output\n"
+                    "assignment in VARUNA_* environment variables (see trainer/worker_env.py). Output\n"
                     "lines are prefixed [s<stage>r<replica>]. If a worker fails, the others are\n"
                     "stopped; Ctrl-C stops them all.",
         epilog="examples:\n"

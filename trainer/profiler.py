@@ -84,7 +84,7 @@ import torch
 from torch import fx, nn
 
 from protocol.frames import CHUNK_BYTES
-from trainer.calibration import (
+from trainer.planning.calibration import (
     LINK_KINDS,
     Calibration,
     CalibrationError,
@@ -95,8 +95,8 @@ from trainer.calibration import (
 )
 from trainer.errors import ConfigError, VarunaError
 from trainer.launch import free_ports
-from trainer.partition import ACTIVATION, StageSlice, TracedModel, capture_model, slice_stages
-from trainer.precision import Precision, autocast
+from trainer.graph.partition import ACTIVATION, StageSlice, TracedModel, capture_model, slice_stages
+from trainer.engine.precision import Precision, autocast
 
 __all__ = [
     "ProfilerError",
@@ -413,7 +413,7 @@ def _engine_step(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimize
     """What the engine's STEP does for these parameters besides its all-reduces: the squared
     gradient norms (the engine's own function, so the two cannot drift apart), the finiteness
     check on their sum, then the optimizer's step."""
-    from trainer.varuna import _squared_norms   # the engine imports the profiler lazily too
+    from trainer.engine.varuna import _squared_norms   # the engine imports the profiler lazily too
 
     math.isfinite(sum(_squared_norms([p.grad for p in params if p.grad is not None])))
     optimizer.step()
@@ -624,8 +624,8 @@ def _network_main(argv: Sequence[str]) -> None:
 def _network_measure(rank, ports, sizes, ar_sizes, repeats, warmup) -> dict[str, list[float]]:
     import torch.distributed as dist
 
-    from trainer.comm import PeerChannel
-    from trainer.netaddr import bound_gloo_backend
+    from trainer.engine.comm import PeerChannel
+    from trainer.net.netaddr import bound_gloo_backend
 
     ep = [f"tcp://127.0.0.1:{p}" for p in ports[:2]]
     chan = PeerChannel(bind=ep[rank], prev=ep[0] if rank else None, nxt=None if rank else ep[1],
@@ -682,10 +682,10 @@ def _network_measure(rank, ports, sizes, ar_sizes, repeats, warmup) -> dict[str,
 
     # The engine's own reduction (GradReducer: flat buckets, concatenated, summed, written back),
     # over gradients of layer-sized parameters, so that its copies and bucketing are timed too.
-    from trainer.data_parallel import GradReducer
+    from trainer.engine.data_parallel import GradReducer
 
     store = dist.TCPStore("127.0.0.1", ports[2], 2, rank == 0, timeout=timedelta(seconds=60))
-    # bound to loopback: the host name's address may need a DNS lookup (trainer.netaddr)
+    # bound to loopback: the host name's address may need a DNS lookup (trainer.net.netaddr)
     dist.init_process_group(bound_gloo_backend("127.0.0.1"), store=store, rank=rank, world_size=2)
     try:
         ar: list[float] = []

@@ -1,7 +1,7 @@
 """The chaos suite's scenarios, shared by tests/chaos/ and benchmarks/chaos.py.
 
 Each scenario starts its own etcd (single or 3-member) and a ring of real daemons (``tests/ring.py``:
-``python -m varunad.daemon`` per VM, real workers, loopback), submits a short job of the tiny GPT
+``python -m varunad.node.daemon`` per VM, real workers, loopback), submits a short job of the tiny GPT
 that checkpoints every ``EVERY`` steps, injects one fault while it runs, and returns an
 :class:`Outcome`: whether the job finished, whether its per-step losses equal the plain PyTorch
 loop (``tests/reference.py``, 1e-4 relative), how many steps were redone, how long from the fault
@@ -342,7 +342,7 @@ def freeze_daemon(run: Run) -> None:
 
 
 def corrupt_newest_checkpoint(run: Run) -> None:
-    from trainer.ckpt_store import checkpoint_dir, latest_complete
+    from trainer.checkpoint.store import checkpoint_dir, latest_complete
 
     store = run.ring.store_dir / run.job
     newest = latest_complete(str(store), verify_checksums=False)
@@ -363,12 +363,21 @@ GARBAGE = [b'{"kind":"idle","reason":12345}', b'{"kind":"stop","reason":"x","job
 
 
 def garbage_in_etcd(run: Run) -> None:
-    """Garbage in every key family the daemons read, a leader key on no lease, a member key overwritten."""
+    """Garbage in every key family the daemons read, well-formed plans no leader wrote, a leader key
+    on no lease, a member key overwritten."""
+    from varunad.control.plans import PlanDoc
+
     k = run.ring.keys
     job = run.job
     victim = next(m for m in run.plan_members() if m != run.leader())
     for value in GARBAGE:
         run.put(k.plan, value)
+    # etcdctl put of a plan that parses: a copy of the one in force (a new epoch of the same plan)
+    # and a stop that kills the workers. Neither is the leader's, so the epoch goes on (before,
+    # the workers were stopped and the job planned again: the epoch jumped 11 -> 81, 27 s lost).
+    epoch = run.status()["epoch"]
+    run.put(k.plan, run.ring.call(run.ring.store.get(k.plan, revision=epoch)).value)
+    run.put(k.plan, PlanDoc.stop(job, epoch, checkpoint=False, reason="forged", kill=True).encode())
     junk = [k.members + "junk", k.member(victim), k.workers + "junk", k.workers_of(victim), k.state(job),
             k.states + "junk", k.jobs + "junk", k.cancels + "junk/x", k.progress_entry(job, 0),
             k.history_entry(job, 1, "junk"), k.calibration_entry("fp", "cpu"), k.config, k.root + "bundles/junk"]
@@ -384,6 +393,12 @@ def garbage_in_etcd(run: Run) -> None:
     # its owner's: it is back under its lease at once
     run.ring.poll(lambda: run.ring.call(run.ring.store.get(k.member(victim))).lease != 0, timeout=10,
                   what=f"{victim}'s member key back on its lease")
+
+
+def garbage_everywhere(run: Run) -> None:
+    """Both garbage faults in one run, one after the other: the etcd keys, then the sockets."""
+    garbage_in_etcd(run)
+    garbage_on_sockets(run)
 
 
 def garbage_on_sockets(run: Run) -> None:
@@ -420,6 +435,7 @@ def garbage_on_sockets(run: Run) -> None:
 
 
 SCENARIOS: dict[str, dict[str, Any]] = {
+    # (tests/chaos/ runs these two as tests/test_daemon_ring.py's kill -9 tests, marked chaos)
     "kill9-vm": dict(fault=kill9_member),
     "kill9-leader": dict(fault=kill9_leader),
     "kill9-two-vms": dict(fault=kill9_two, names=("vm1", "vm2", "vm3", "vm4")),
@@ -436,9 +452,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "frozen-daemon": dict(fault=freeze_daemon, flags=("--scale-up-threshold", "1000")),
     # checkpoints at 4 and 8, the one at 8 corrupted: the resume loads 4, so up to two intervals are redone
     "corrupt-checkpoint": dict(fault=corrupt_newest_checkpoint, steps=18, fault_at=9, max_redone=2 * EVERY),
-    "garbage-in-etcd": dict(fault=garbage_in_etcd),
-    "garbage-on-sockets": dict(fault=garbage_on_sockets),
+    # garbage in every etcd key family and forged plans, then on every socket: one job for both;
+    # no fault here costs the running epoch
+    "garbage-etcd-sockets": dict(fault=garbage_everywhere, keep_epoch=True),
 }
+
+# Scenarios tests/chaos/ leaves to another test that injects the same fault (one run per fault in CI).
+ELSEWHERE = {"kill9-vm": "tests/test_daemon_ring.py::test_kill9_of_a_non_leader_morphs_and_the_job_finishes",
+             "kill9-leader": "tests/test_daemon_ring.py::test_kill9_of_the_leader_elects_another_within_a_ttl_and_the_job_finishes"}
 
 
 def run_named(name: str, base: Path, **overrides: Any) -> Outcome:

@@ -22,7 +22,7 @@ p.add_argument("--script-batch", type=int, default=None, help="pass this global 
 args = p.parse_args()
 
 if os.environ.get("VARUNA_PROFILE"):
-    from trainer.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
+    from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
 
     # Five equal segments (the tiny GPT has four cut points) whose weights and optimizer state
     # take 300 MB each: a daemon started with --memory 1073741824 cannot hold the whole model,
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from trainer import GlobalBatches, Varuna  # noqa: E402
 from trainer.data import TextDataset  # noqa: E402
-from trainer.env import job_setting  # noqa: E402
+from trainer.worker_env import job_setting  # noqa: E402
 from trainer.models.gpt import GPT, GPTConfig  # noqa: E402
 
 steps = job_setting("steps", 5)

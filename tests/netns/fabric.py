@@ -157,7 +157,7 @@ class Fabric:
         n = self._incarnation.get(name, 0) + 1
         self._incarnation[name] = n
         log = self.base / f"{name}.{n}.log"
-        daemon = [sys.executable, "-m", "varunad.daemon", "--etcd", self.etcd.endpoint,
+        daemon = [sys.executable, "-m", "varunad.node.daemon", "--etcd", self.etcd.endpoint,
                   "--state-dir", str(self.base / name), "--log-level", "INFO", *args]
         script = f"hostname {name} && exec " + " ".join(_quote(a) for a in daemon)
         env = dict(os.environ)

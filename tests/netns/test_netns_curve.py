@@ -23,7 +23,7 @@ if _WHY is not None:
 def curve_keys(tmp_path_factory):
     d = tmp_path_factory.mktemp("keys")
     for name in [f"vm{i}" for i in range(1, N + 1)]:
-        r = subprocess.run([sys.executable, "-m", "varunad.cli", "keys", "generate", "--dir", str(d), "--name", name],
+        r = subprocess.run([sys.executable, "-m", "varunad.ctl.cli", "keys", "generate", "--dir", str(d), "--name", name],
                            capture_output=True, text=True, cwd=str(REPO))
         assert r.returncode == 0, r.stderr
     return d

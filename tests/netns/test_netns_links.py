@@ -17,10 +17,7 @@ import pytest
 from fabric import Fabric, unavailable_reason
 from linkrun import FabricRing, run_once, table
 
-# Deselected by default (pyproject's addopts): about one run in three, a link probe fails (its
-# rendezvous refused by the other namespace) and the job's worker then cannot bind the daemon's
-# rendezvous port ("Address already in use"), so the job fails. Open bug, issue 18.
-pytestmark = [pytest.mark.slow, pytest.mark.known_bug]
+pytestmark = pytest.mark.slow
 
 _WHY = unavailable_reason()
 if _WHY is not None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer import GlobalBatches, Varuna
-from trainer.env import job_setting
+from trainer.worker_env import job_setting
 
 p = argparse.ArgumentParser()
 p.add_argument("--width", type=int, default=512)

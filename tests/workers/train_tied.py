@@ -23,7 +23,7 @@ from torch import nn
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import TextDataset
-from trainer.env import WorkerAssignment
+from trainer.worker_env import WorkerAssignment
 from trainer.models.gpt import GPT, GPTConfig
 
 STYLES = ("module", "shared")

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zoo  # noqa: E402
 
 from trainer import Varuna  # noqa: E402
-from trainer.env import WorkerAssignment  # noqa: E402
+from trainer.worker_env import WorkerAssignment  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.cutpoint import CutPoint
+from trainer.graph.cutpoint import CutPoint
 from trainer.errors import ConfigError
 
 __all__ = ["GPTConfig", "GPT", "PRESETS"]

@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from varunad.jobs import JobState
-from varunad.prices import DevicePrice, price_of
-from varunad.records import stall_before
+from varunad.control.jobs import JobState
+from varunad.report.prices import DevicePrice, price_of
+from varunad.control.records import stall_before
 
 __all__ = ["Interval", "run_intervals", "morph_losses", "cost_report", "cost_lines", "plural", "restarts_text"]
 

@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from varunad.ctl import job_status, plan_lines
-from varunad.fleetkeys import FleetKeys
-from varunad.jobs import JobSpec, JobState, script_fingerprint
-from varunad.prices import DevicePrice, load_prices
+from varunad.ctl.commands import job_status, plan_lines
+from varunad.store.fleetkeys import FleetKeys
+from varunad.control.jobs import JobSpec, JobState, script_fingerprint
+from varunad.report.prices import DevicePrice, load_prices
 from varunad.report.cost import Interval, cost_lines, cost_report, morph_losses, plural, run_intervals
 from varunad.report.traces import MeasuredStep, Missing, chrome_trace, pick_measured_step, predict, stage_meta
-from varunad.store import Store
+from varunad.store.etcd import Store
 
 __all__ = ["DATA_FILES", "PICTURES", "ReportInputs", "collect", "build_report", "format_report",
            "write_end_of_job_report"]
@@ -55,7 +55,7 @@ _HISTORY_GRACE_S = 1.0  # daemons write the last loss history just after the wor
 class ReportInputs:
     spec: JobSpec
     state: JobState
-    status: dict[str, Any]  # varunad.ctl.job_status: loss history, epoch step ranges, ...
+    status: dict[str, Any]  # varunad.ctl.commands.job_status: loss history, epoch step ranges, ...
     calibrations: dict[str, bytes]  # device kind -> the stored calibration of the job's model
     store_dir: str | None
     now: float

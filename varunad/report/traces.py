@@ -1,7 +1,7 @@
 """Chrome traces in a report: the measured step, the simulator's prediction, and reading trace files.
 
 The workers under a daemon trace their first steps of each epoch into
-``<job store>/traces/epoch<E>/trace-rank*.json`` (trainer.trace). The report keeps one step of
+``<job store>/traces/epoch<E>/trace-rank*.json`` (trainer.engine.trace). The report keeps one step of
 them as trace.json (every worker, one file: open it in Perfetto) and the simulator's replay of
 the plan as trace_predicted.json; `varunad.report.draw` draws both as timelines. Plain JSON and
 numpy only: no torch, no matplotlib.
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.calibration import Calibration
-from trainer.schedule import build_table
-from trainer.simulator import simulate, stage_costs
+from trainer.planning.calibration import Calibration
+from trainer.planning.schedule import build_table
+from trainer.planning.simulator import simulate, stage_costs
 
 __all__ = ["Missing", "MeasuredStep", "pick_measured_step", "chrome_trace", "stage_meta", "predict",
            "load_events", "select_step"]

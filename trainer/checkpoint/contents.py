@@ -1,0 +1,317 @@
+"""What a Varuna checkpoint holds, per layer (DESIGN idea 2); `ckpt_store` does the file work.
+
+Every tensor is saved under its name in the user's model, in the file of the layer (cut-point
+segment) that first uses it, together with its optimizer state. The manifest's `index` maps
+each name to its file, so a worker of any later plan reads only the files of its own layers.
+Per-worker facts that do not depend on the plan (iteration, loss scale, learning-rate schedule,
+optimizer hyperparameters, RNG) go into `meta.pt`, written by rank 0.
+
+Staged checkpoints (a `tmpdir`, as in Varuna's API): each worker writes its files to a local
+directory, which takes the state as it is now, and a background thread copies them into the
+store while training goes on. No collective can run in that thread (it would interleave with
+the training's own), so completion travels through the store: each worker, once its files are
+in place, writes a record naming them (`ckpt_store.write_writer_record`); rank 0's thread
+waits for all of them and only then writes the manifest. Until then the checkpoint is
+incomplete and never loaded. One staged checkpoint is in flight at a time; the next one, an
+on-demand one and `close` wait for it.
+
+Under the daemon every checkpoint carries the plan epoch it was written in, and rank 0 of an
+epoch fences the store when it chooses where to resume (`resume_point`): a checkpoint an older
+epoch commits past that point, a cut-off incarnation's late write, is refused and never loaded
+(`ckpt_store.superseded`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import shutil
+import threading
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.checkpoint import store as ckpt_store
+from trainer.errors import CheckpointError
+
+__all__ = ["save", "load", "agree", "resume_point", "Upload"]
+
+log = logging.getLogger("varuna.checkpoint")
+
+META = "meta.pt"
+
+
+def _my_files(v) -> dict[str, dict]:
+    """The files this worker writes: its stage is the lowest owner of their tensors; with
+    D replicas, replica 0 writes all of them (or, sharded, every D-th file each)."""
+    layout = v.layout
+    all_files = sorted(set(layout.files.values()))
+    files: dict[str, dict] = {}
+    for name, t in v._named.items():
+        if layout.writer_stage(name) != v.stage:
+            continue
+        fname = layout.files[name]
+        writer = all_files.index(fname) % v.data_depth if v._shard_checkpoint else 0
+        if writer != v.replica:
+            continue
+        content = files.setdefault(fname, {"params": {}, "buffers": {}, "optim": {}})
+        if isinstance(t, nn.Parameter):
+            content["params"][name] = t.detach().cpu()
+            state = v.optimizer.state.get(t) if v.optimizer is not None else None
+            if state:
+                content["optim"][name] = {k: (s.detach().cpu() if torch.is_tensor(s) else s)
+                                          for k, s in state.items()}
+        else:
+            content["buffers"][name] = t.detach().cpu()
+    return files
+
+
+def _meta(v, iteration: int) -> dict:
+    groups = []
+    if v.optimizer is not None:
+        for g in v.optimizer.param_groups:
+            groups.append({k: val for k, val in g.items() if k != "params"})
+    return {
+        "iteration": iteration,
+        "scaler": v.scaler.state_dict(),
+        "param_groups": groups,
+        "lr_scheduler": v.lr_scheduler.state_dict() if v.lr_scheduler is not None else None,
+        "rng": torch.get_rng_state(),
+        # dropout on a GPU draws from the device's generator, not the CPU's
+        "cuda_rng": torch.cuda.get_rng_state(v.device) if v.device.type == "cuda" else None,
+    }
+
+
+def _epoch(v) -> int | None:
+    """The plan epoch this worker runs in (None outside the daemon: its checkpoints are not fenced)."""
+    return v.assignment.epoch or None
+
+
+def resume_point(v, store: str) -> int | None:
+    """The newest complete checkpoint to resume from (None: none), agreed by every rank; rank 0
+    fences the store with it first, so that nothing an older epoch commits later is loaded."""
+    def choose() -> int | None:
+        newest = ckpt_store.latest_complete(store)
+        if _epoch(v) is not None:
+            ckpt_store.write_epoch_fence(store, _epoch(v), newest)
+        return newest
+    return agree(v, choose)
+
+
+def save(v, store: str, iteration: int, *, tmpdir: str | None = None, shard: bool = False) -> str:
+    """Write checkpoint `iteration`; collective. With `tmpdir`, stage it there and leave the copy
+    into the store to a background `Upload` (held in `v._upload`); else write it in place.
+    Refused (CheckpointError on every rank) when a newer epoch has fenced it out."""
+    start = time.perf_counter()
+    v._shard_checkpoint = shard
+    final_dir = ckpt_store.checkpoint_dir(store, iteration)
+    epoch = _epoch(v)
+
+    def not_superseded(then):
+        ckpt_store.refuse_superseded(store, epoch, iteration)
+        return then()
+
+    if tmpdir:
+        # The same name from every rank; a record of an earlier, dead run is never counted.
+        token = agree(v, lambda: not_superseded(lambda: uuid.uuid4().hex))
+        # per rank: the workers of a VM share the tmpdir, and each removes its own when copied
+        stage_dir = ckpt_store.checkpoint_dir(os.path.join(tmpdir, f"rank{v.rank}"), iteration)
+        entries = _write_mine(v, stage_dir, iteration)
+        stalled = time.perf_counter() - start
+        v._upload = Upload(stage_dir, final_dir, entries, iteration=iteration, token=token, rank=v.rank,
+                           world=v.assignment.world_size, meta=_manifest_meta(v) if v.rank == 0 else None,
+                           stalled_s=stalled, epoch=epoch)
+        log.info("rank %d: checkpoint %d staged in %s in %.2fs; copying it to %s in the background", v.rank,
+                 iteration, stage_dir, stalled, final_dir)
+        return final_dir
+    if epoch is not None:
+        agree(v, lambda: not_superseded(lambda: None))
+    entries = _write_mine(v, final_dir, iteration)
+    gathered: list[list | None] = [None] * v.assignment.world_size
+    dist.all_gather_object(gathered, entries)
+    if v.rank == 0:
+        ckpt_store.write_manifest(final_dir, [e for es in gathered for e in es], _manifest_meta(v),
+                                  iteration=iteration, epoch=epoch)
+    dist.barrier()
+    log.info("rank %d: checkpoint %d written to %s in %.2fs", v.rank, iteration, final_dir,
+             time.perf_counter() - start)
+    return final_dir
+
+
+def _write_mine(v, directory: str, iteration: int) -> list[ckpt_store.FileEntry]:
+    entries = [ckpt_store.write_tensors(directory, fname, content) for fname, content in sorted(_my_files(v).items())]
+    if v.rank == 0:
+        entries.append(ckpt_store.write_tensors(directory, META, _meta(v, iteration)))
+    return entries
+
+
+def _manifest_meta(v) -> dict:
+    return {"P": v.pipeline_depth, "D": v.data_depth, "cuts": list(v.cuts),
+            "index": dict(sorted(v.layout.files.items()))}
+
+
+# Rank 0 gives the other workers this long to put their files in place before it leaves the
+# checkpoint incomplete (they copy as fast as the store takes it; a dead one never will).
+COMMIT_TIMEOUT_S = float(os.environ.get("VARUNA_CHECKPOINT_COMMIT_TIMEOUT", "1800"))
+
+
+class Upload:
+    """One staged checkpoint on its way into the store, in a daemon thread (see the module doc)."""
+
+    def __init__(self, stage_dir: str, final_dir: str, entries: list[ckpt_store.FileEntry], *, iteration: int,
+                 token: str, rank: int, world: int, meta: dict | None, timeout_s: float = COMMIT_TIMEOUT_S,
+                 stalled_s: float = 0.0, epoch: int | None = None) -> None:
+        self.iteration, self.final_dir, self.epoch = iteration, final_dir, epoch
+        self.stalled_s = stalled_s   # what staging cost the training thread
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(stage_dir, entries, token, rank, world, meta, timeout_s),
+            name=f"varuna-upload-{iteration}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the upload has ended (its error, if any, is in `error`)."""
+        self._thread.join(timeout)
+        return self.done()
+
+    def _run(self, stage_dir, entries, token, rank, world, meta, timeout_s) -> None:
+        start = time.perf_counter()
+        try:
+            # a newer epoch may have started while this one staged: then not a file is copied
+            ckpt_store.refuse_superseded(posixpath.dirname(self.final_dir.rstrip("/")), self.epoch, self.iteration)
+            for e in entries:
+                ckpt_store.copy_file(stage_dir, self.final_dir, e)
+            ckpt_store.write_writer_record(self.final_dir, token, rank, entries)
+            if meta is not None:
+                self._commit(token, world, meta, timeout_s)
+            log.info("rank %d: checkpoint %d copied to %s in %.2fs", rank, self.iteration, self.final_dir,
+                     time.perf_counter() - start)
+        except BaseException as exc:   # kept for the training thread, which raises or logs it
+            self.error = exc
+            log.error("rank %d: staged checkpoint %d did not reach %s: %s", rank, self.iteration,
+                      self.final_dir, exc)
+        finally:
+            shutil.rmtree(stage_dir, ignore_errors=True)
+
+    def _commit(self, token: str, world: int, meta: dict, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            records = ckpt_store.read_writer_records(self.final_dir, token)
+            if set(range(world)) <= set(records):
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(records))
+                raise CheckpointError(f"checkpoint {self.iteration}: ranks {missing} did not finish copying "
+                                      f"their files into {self.final_dir}; it stays incomplete",
+                                      hint="a worker died or the store is too slow; the previous checkpoint "
+                                           "is the one a resume loads")
+            time.sleep(0.1)
+        ckpt_store.write_manifest(self.final_dir, [e for r in sorted(records) for e in records[r]], meta,
+                                  iteration=self.iteration, epoch=self.epoch)
+
+
+def agree(v, fn):
+    """Run `fn` on rank 0 and hand every rank its result, or the same exception."""
+    box: list[object] = [None]
+    if v.rank == 0:
+        try:
+            box[0] = fn()
+        except Exception as exc:   # every rank must raise it, not only rank 0
+            box[0] = exc
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
+def load(v, store: str, iteration: int | None, *, check_complete: bool = True) -> int:
+    start = time.perf_counter()
+    if iteration is None:
+        iteration = agree(v, lambda: ckpt_store.latest_complete(store, verify_checksums=check_complete))
+        if iteration is None:
+            raise CheckpointError(f"no complete checkpoint in {store}{_why_none(store, check_complete)}",
+                                  hint="train from scratch, or point global_store at the job's store")
+    ckpt_dir = ckpt_store.checkpoint_dir(store, iteration)
+    manifest = agree(v, lambda: ckpt_store.verify(ckpt_dir, checksums=check_complete))
+    index = manifest["meta"]["index"]
+    group_of = {id(q): g for g in v.optimizer.param_groups for q in g["params"]} if v.optimizer is not None else {}
+    missing = sorted(n for n in v._named if n not in index)
+    if missing:
+        raise CheckpointError(f"checkpoint {iteration} has no {missing[:5]}",
+                              hint="it was written by a different model")
+    for fname in sorted({index[n] for n in v._named}):
+        content = ckpt_store.read_tensors(ckpt_dir, fname)
+        for kind in ("params", "buffers"):
+            for name, saved in content.get(kind, {}).items():
+                if name in v._named:
+                    _copy_into(v._named[name], saved, name, iteration)
+        if v.optimizer is not None:
+            for name, state in content.get("optim", {}).items():
+                if name in v._named:
+                    p = v._named[name]
+                    v.optimizer.state[p] = _optimizer_state_on(group_of.get(id(p), {}), p, state)
+    meta = ckpt_store.read_tensors(ckpt_dir, META)
+    _restore_meta(v, meta, iteration)
+    dist.barrier()
+    log.info("rank %d: loaded checkpoint %d (written by %sx%s) in %.2fs", v.rank, iteration,
+             manifest["meta"].get("P"), manifest["meta"].get("D"), time.perf_counter() - start)
+    return iteration
+
+
+def _optimizer_state_on(group: dict, p: torch.Tensor, state: dict) -> dict:
+    """`state` placed as the optimizer (whose parameter group of `p` is `group`) keeps it: tensors
+    on the parameter's device, except a scalar 'step', which torch's optimizers keep on the CPU
+    unless fused or capturable (on a GPU it would cost a device sync per parameter per step)."""
+    step_on_device = bool(group.get("fused") or group.get("capturable"))
+
+    def place(k, s):
+        if not torch.is_tensor(s):
+            return s
+        if k == "step" and s.dim() == 0 and not step_on_device:
+            return s.to("cpu")
+        return s.to(p.device)
+
+    return {k: place(k, s) for k, s in state.items()}
+
+
+def _why_none(store: str, checksums: bool) -> str:
+    """What is wrong with the newest of the checkpoints there, if there are any."""
+    found = ckpt_store.list_checkpoints(store)
+    if not found:
+        return ""
+    try:
+        ckpt_store.verify(ckpt_store.checkpoint_dir(store, found[-1]), checksums=checksums)
+    except CheckpointError as exc:
+        return f" ({len(found)} there, none complete; the newest, {found[-1]}: {exc})"
+    return ""
+
+
+def _copy_into(t: torch.Tensor, saved: torch.Tensor, name: str, iteration: int) -> None:
+    if saved.shape != t.shape:
+        raise CheckpointError(f"checkpoint {iteration}: {name} has shape {tuple(saved.shape)}, "
+                              f"the model's is {tuple(t.shape)}", hint="it was written by a different model")
+    with torch.no_grad():
+        t.copy_(saved)
+
+
+def _restore_meta(v, meta: dict, iteration: int) -> None:
+    if v.optimizer is not None and meta["param_groups"]:
+        if len(meta["param_groups"]) != len(v.optimizer.param_groups):
+            raise CheckpointError(f"checkpoint {iteration} has {len(meta['param_groups'])} optimizer "
+                                  f"parameter groups, this optimizer {len(v.optimizer.param_groups)}")
+        for group, saved in zip(v.optimizer.param_groups, meta["param_groups"]):
+            group.update(saved)
+    if v.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        v.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    v.scaler.load_state_dict(meta["scaler"])
+    torch.set_rng_state(meta["rng"])
+    if v.device.type == "cuda" and meta.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(meta["cuda_rng"], v.device)
+    v.iteration = int(meta["iteration"])

@@ -1,0 +1,71 @@
+"""The daemon's calibration run (VARUNA_PROFILE=path): the job's own script, started once, builds
+its `Varuna` object and hands it the optimizer; the model is then profiled on the device its
+workers will train on, the calibration written, and the script ended before any training.
+
+The profile waits for `set_optimizer` because the optimizer's step is part of every step the
+planner estimates: timed with a stand-in (AdamW) it was several times a plain SGD step's cost for
+a job that trains with SGD, and the optimizer's state bytes were guessed instead of measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from trainer.worker_env import WorkerAssignment
+from trainer.engine.precision import Precision
+
+__all__ = ["CalibrationRun", "profile_sizes"]
+
+log = logging.getLogger("varuna")
+
+
+def profile_sizes(batch_size: int, chunk_size: int) -> list[int]:
+    """The micro-batch sizes to measure: powers of two up to the batch (capped by
+    VARUNA_PROFILE_MAX_MICRO_BATCH, 64 by default), and the script's own chunk size."""
+    limit = max(1, min(batch_size, int(os.environ.get("VARUNA_PROFILE_MAX_MICRO_BATCH", "64"))))
+    return sorted({1 << k for k in range(limit.bit_length()) if 1 << k <= limit} | {min(chunk_size, limit)})
+
+
+class CalibrationRun:
+    """What a calibration run needs until the script hands over its optimizer."""
+
+    def __init__(self, model: nn.Module, get_batch_fn: Callable[..., Mapping[str, torch.Tensor]],
+                 assignment: WorkerAssignment, batch_size: int, chunk_size: int, precision: Precision,
+                 device: torch.device) -> None:
+        self.model, self.get_batch_fn, self.assignment = model, get_batch_fn, assignment
+        self.sizes = profile_sizes(batch_size, chunk_size)
+        self.precision, self.device = precision, device
+        self.started = False
+
+    def run(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Profile (the optimizer's class and settings time the STEP; None: the profiler's
+        default), write the calibration to VARUNA_PROFILE's path and end the script."""
+        from trainer.profiler import Profiler   # only calibration runs pay for the profiler
+
+        self.started = True
+        a = self.assignment
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        profiler = Profiler(self.model, self.get_batch_fn, device=self.device,
+                            out_folder=os.path.dirname(os.path.abspath(a.profile)),
+                            gpus_per_node=a.profile_slots, precision=self.precision)
+        if optimizer is not None:
+            profiler.set_optimizer(optimizer)
+        calibration = profiler.profile_all(self.sizes)
+        calibration.save(a.profile)
+        log.warning("calibration of %s (optimizer %s) written to %s; exiting (VARUNA_PROFILE run)",
+                    profiler.fingerprint, type(optimizer).__name__ if optimizer is not None else "default",
+                    a.profile)
+        raise SystemExit(0)
+
+    def check_done(self) -> None:
+        """At exit: say why no calibration was written if the script never set its optimizer."""
+        if not self.started:
+            log.error("the script ended before Varuna.set_optimizer(): a calibration run (VARUNA_PROFILE) "
+                      "profiles the model once the optimizer is set, so none was written to %s",
+                      self.assignment.profile)

@@ -1,0 +1,116 @@
+"""A worker's line to the daemon that started it: progress out, checkpoint/stop requests in.
+
+Requests are only *noted* here. They take effect at a step boundary that every worker of the
+job agrees on: the flags ride in the step's one world all-reduce (see Varuna._optimizer_step),
+so all P x D workers checkpoint or stop after the same step, or none does. SIGTERM (a spot
+VM's preemption notice, or systemd stopping the unit) counts as "checkpoint, then stop".
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+
+import zmq
+
+from protocol.errors import ProtocolError
+from protocol.messages import CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
+
+__all__ = ["ControlClient", "StopRequested", "STOPPED_EXIT_CODE", "TOKEN_ENV", "control_identity"]
+
+log = logging.getLogger("varuna.control")
+
+# EX_TEMPFAIL: the worker stopped because it was asked to, not because it failed.
+STOPPED_EXIT_CODE = 75
+
+# The secret the daemon drew for this worker (varunad.node.control_channel): part of its identity on
+# the control socket, so that no other local process can speak for it.
+TOKEN_ENV = "VARUNA_CONTROL_TOKEN"
+
+
+def control_identity(rank: int, token: str = "") -> bytes:
+    return (f"rank-{rank}-{token}" if token else f"rank-{rank}").encode()
+
+
+class StopRequested(SystemExit):
+    """Raised by Varuna.step after the agreed stop; exits the script with STOPPED_EXIT_CODE."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(STOPPED_EXIT_CODE)
+        self.step = step
+
+
+class ControlClient:
+    def __init__(self, endpoint: str | None, *, job: str, epoch: int, rank: int) -> None:
+        self.job, self.epoch, self.rank = job, epoch, rank
+        self.checkpoint_requested = False
+        self.stop_requested = False
+        self._sock = None
+        if endpoint:
+            self._sock = zmq.Context.instance().socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.IDENTITY, control_identity(rank, os.environ.get(TOKEN_ENV, "")))
+            self._sock.setsockopt(zmq.LINGER, 1000)
+            self._sock.connect(endpoint)
+        self._install_sigterm()
+
+    def _install_sigterm(self) -> None:
+        try:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:   # not the main thread: the embedding program handles signals
+            pass
+
+    def _on_sigterm(self, signum, frame) -> None:
+        log.warning("rank %d: SIGTERM: will checkpoint and stop at the next step boundary", self.rank)
+        self.checkpoint_requested = self.stop_requested = True
+
+    def poll(self) -> None:
+        """Take in every request waiting on the socket (never blocks)."""
+        if self._sock is None:
+            return
+        while self._sock.poll(0):
+            data = self._sock.recv()
+            try:
+                msg = decode(data)
+            except ProtocolError as exc:
+                log.warning("rank %d dropped a malformed control message: %s", self.rank, exc)
+                continue
+            if getattr(msg, "job", None) != self.job or getattr(msg, "epoch", None) != self.epoch:
+                log.info("rank %d ignored %s for job %s epoch %s", self.rank, type(msg).__name__,
+                         getattr(msg, "job", "?"), getattr(msg, "epoch", "?"))
+                continue
+            if isinstance(msg, CheckpointNow):
+                self.checkpoint_requested = True
+            elif isinstance(msg, StopWorkers):
+                self.stop_requested = True
+                self.checkpoint_requested |= msg.checkpoint
+            else:
+                log.warning("rank %d ignored unexpected %s", self.rank, type(msg).__name__)
+
+    def clear(self) -> None:
+        self.checkpoint_requested = False
+
+    def progress(self, step: int, loss: float, samples_per_s: float, busy_fraction: float) -> None:
+        if not (math.isfinite(loss) and math.isfinite(samples_per_s) and math.isfinite(busy_fraction)):
+            return   # an overflowed fp16 step or a zero-length timing: nothing worth reporting
+        self._send(WorkerProgress(job=self.job, epoch=self.epoch, rank=self.rank, step=step, loss=loss,
+                                  samples_per_s=max(0.0, samples_per_s),
+                                  busy_fraction=min(1.0, max(0.0, busy_fraction))))
+
+    def checkpointed(self, step: int, path: str, stalled_s: float) -> None:
+        self._send(WorkerCheckpointed(job=self.job, epoch=self.epoch, rank=self.rank, step=step, path=path,
+                                      stalled_s=max(0.0, stalled_s)))
+
+    def _send(self, msg) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:   # the daemon is gone or slow; progress is best effort
+            log.debug("rank %d: control socket full, dropped %s", self.rank, type(msg).__name__)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -1,0 +1,179 @@
+"""The one interpreter of schedule tables: runs a stage's action list for one mini-batch.
+
+The simulator replays the same lists with calibrated costs (DESIGN idea 1), so this module
+must not reorder or add work: every action in the list is executed, in order, and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from trainer.engine.comm import PeerChannel
+from trainer.errors import ConfigError
+from trainer.graph.partition import ACTIVATION
+from trainer.engine.precision import Precision, autocast
+from trainer.planning.schedule import Action, Kind
+
+__all__ = ["StageExecutor"]
+
+_CATEGORY = {
+    Kind.FORWARD: "forward", Kind.RECOMPUTE: "recompute", Kind.BACKWARD: "backward",
+    Kind.RECV_ACT: "recv", Kind.RECV_GRAD: "recv", Kind.SEND_ACT: "send", Kind.SEND_GRAD: "send",
+    Kind.ALLREDUCE: "allreduce", Kind.STEP: "optimizer",
+}
+
+
+class StageExecutor:
+    """Runs one stage's actions. Holds per-micro-batch state only while a step runs."""
+
+    def __init__(self, module: nn.Module, *, stage: int, stages: int, takes_activation: bool,
+                 channel: PeerChannel | None, device: torch.device, precision: Precision,
+                 recorder=None) -> None:
+        self.module, self.stage, self.stages = module, stage, stages
+        self.last = stage == stages - 1
+        self.takes_activation = takes_activation
+        self.channel, self.device, self.precision = channel, device, precision
+        self.recorder = recorder
+        self._on_cpu = device.type == "cpu"   # received tensors are CPU tensors already
+
+    def run(self, actions: Sequence[Action], micro_inputs: Sequence[Mapping[str, torch.Tensor]],
+            weights: Sequence[float], *, loss_scale: float = 1.0, training: bool = True,
+            handlers: Mapping[Kind, Callable[[], None]] | None = None,
+            before_last_backward: Callable[[], None] | None = None) -> float:
+        """Execute `actions`; return this stage's sum of weighted micro-batch losses (0 unless last).
+        `before_last_backward` runs just before the final BACKWARD (to overlap gradient reduction)."""
+        self._inputs, self._weights, self._scale = micro_inputs, weights, loss_scale
+        self._training = training
+        self._act: dict[int, torch.Tensor] = {}
+        self._stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._rng: dict[int, tuple] = {}
+        self._grad_out: dict[int, torch.Tensor] = {}
+        self._grad_in: dict[int, torch.Tensor] = {}
+        self._outbox: dict[int, torch.Tensor] = {}
+        self._losses: list[torch.Tensor] = []
+        # A micro-batch recomputed later keeps no graph from its first forward.
+        self._recompute_set = {a.micro_batch for a in actions if a.kind is Kind.RECOMPUTE}
+        handlers = handlers or {}
+        last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD), default=-1)
+        dispatch = self._DISPATCH
+        recorder = self.recorder if getattr(self.recorder, "enabled", self.recorder is not None) else None
+
+        def execute(kind: Kind, micro_batch: int | None) -> None:
+            if kind in handlers:
+                handlers[kind]()
+            else:
+                dispatch[kind](self, micro_batch)
+
+        for i, action in enumerate(actions):
+            if i == last_backward and before_last_backward is not None:
+                before_last_backward()
+            if recorder is None:   # no span (and no action text) per action when not tracing
+                execute(action.kind, action.micro_batch)
+                continue
+            with recorder.span(str(action), _CATEGORY[action.kind], action.micro_batch):
+                execute(action.kind, action.micro_batch)
+                if self.device.type == "cuda":   # a span is the kernels' time, not their launch's
+                    torch.cuda.synchronize(self.device)
+        if self._stash or self._act or self._grad_out or self._outbox or self._rng:
+            raise RuntimeError(f"stage {self.stage}: the schedule left work undone (stashed "
+                               f"{sorted(self._stash)}, unsent {sorted(self._outbox)}, received {sorted(self._act)})")
+        return self.loss_so_far()
+
+    def loss_so_far(self) -> float:
+        """Sum of the weighted losses of the micro-batches forwarded so far in this run."""
+        return float(sum(self._losses)) if self._losses else 0.0
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def _call(self, m: int, grad: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        kwargs = dict(self._inputs[m])
+        x = None
+        if self.takes_activation:
+            x = self._act[m]
+            if grad and x.is_floating_point():
+                x = x.detach().requires_grad_(True)
+            kwargs[ACTIVATION] = x
+        with torch.set_grad_enabled(grad), autocast(self.precision, self.device):
+            out = self.module(**kwargs)
+        return x, out
+
+    def _forward(self, m: int) -> None:
+        keep_graph = self._training and (self.last or m not in self._recompute_set)
+        if self._training and not keep_graph:
+            self._rng[m] = self._rng_state()
+        x, out = self._call(m, keep_graph)
+        if self.last:
+            if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                what = (f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                        else f"a {type(out).__name__}")
+                raise ConfigError(f"the model's forward returned {what}; it must return the scalar loss",
+                                  hint="compute the loss inside forward (e.g. F.cross_entropy(logits, labels)) "
+                                       "and return it alone")
+            self._losses.append(out.detach().float() * self._weights[m])
+        if keep_graph:
+            self._stash[m] = (x, out)
+        elif not self.last:
+            self._outbox[m] = out   # kept only until it is sent
+        if not self._training:
+            self._act.pop(m, None)
+
+    def _recompute(self, m: int) -> None:
+        with torch.random.fork_rng(devices=self._rng_devices()):
+            self._set_rng_state(self._rng.pop(m))
+            x, out = self._call(m, True)
+        self._stash[m] = (x, out)
+
+    def _backward(self, m: int) -> None:
+        x, out = self._stash.pop(m)
+        if self.last:
+            (out.float() * (self._weights[m] * self._scale)).backward()
+        else:
+            torch.autograd.backward(out, self._grad_out.pop(m))
+        self._act.pop(m, None)
+        if self.takes_activation and x is not None and x.grad is not None:
+            self._grad_in[m] = x.grad
+
+    # -- communication -------------------------------------------------------------------------
+
+    def _recv_act(self, m: int) -> None:
+        t = self.channel.recv("act", m)
+        self._act[m] = t if self._on_cpu else t.to(self.device, non_blocking=True)
+
+    def _send_act(self, m: int) -> None:
+        out = self._outbox.pop(m) if m in self._outbox else self._stash[m][1]
+        self.channel.send("act", m, out)
+
+    def _recv_grad(self, m: int) -> None:
+        t = self.channel.recv("grad", m)
+        self._grad_out[m] = t if self._on_cpu else t.to(self.device, non_blocking=True)
+
+    def _send_grad(self, m: int) -> None:
+        self.channel.send("grad", m, self._grad_in.pop(m))
+
+    def _stage_wide(self, _m) -> None:
+        raise RuntimeError("ALLREDUCE and STEP need handlers from the caller")
+
+    _DISPATCH = {
+        Kind.FORWARD: _forward, Kind.RECOMPUTE: _recompute, Kind.BACKWARD: _backward,
+        Kind.RECV_ACT: _recv_act, Kind.SEND_ACT: _send_act,
+        Kind.RECV_GRAD: _recv_grad, Kind.SEND_GRAD: _send_grad,
+        Kind.ALLREDUCE: _stage_wide, Kind.STEP: _stage_wide,
+    }
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _rng_devices(self) -> list[int]:
+        return [self.device.index or 0] if self.device.type == "cuda" else []
+
+    def _rng_state(self) -> tuple:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _set_rng_state(self, state: tuple) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)

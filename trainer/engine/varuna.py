@@ -1,0 +1,620 @@
+"""The Varuna API: one worker's view of a P x D pipeline + data-parallel job.
+
+A script written for Varuna ports with an import change:
+
+    model = Varuna(model, None, get_batch_fn, batch_size=512, chunk_size=8)
+    model.set_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
+    while model.iteration < steps:
+        loss, overflow = model.step(shard_for(model.iteration))
+
+Each worker captures the whole model (torch.export), keeps only its stage (the rest of the parameters are
+freed), and runs the schedule's action list for its stage every step. Gradients are summed
+over replicas (the loss is normalised by the global batch), so every P x D computes the same
+update as a single process would (DESIGN idea 3).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from protocol.errors import SecurityError
+from protocol.security import Security, SecurityConfig
+from trainer.checkpoint import contents as checkpointing, store as ckpt_store
+from trainer.engine.calibration_run import CalibrationRun
+from trainer.engine.comm import PeerChannel
+from trainer.engine.control import ControlClient, StopRequested
+from trainer.engine.data_parallel import GradReducer
+from trainer.worker_env import WorkerAssignment as Assignment  # local spelling kept: varuna.py has a concurrent change
+from trainer.errors import CheckpointError, ConfigError
+from trainer.engine.executor import StageExecutor
+from trainer.graph.layout import Layout, build_layout
+from trainer.net.netaddr import bound_gloo_backend, nccl_environment
+from trainer.graph.partition import balance, capture_model, dry_run, slice_stages
+from trainer.net.rendezvous import RendezvousStore, parse_url
+from trainer.engine.precision import LossScaler, Precision
+from trainer.planning.schedule import SCHEDULES, Action, Kind, build_table
+from trainer.engine.trace import NullRecorder, recorder_for
+
+__all__ = ["Varuna"]
+
+log = logging.getLogger("varuna")
+
+_TRACE_STEPS = int(os.environ.get("VARUNA_TRACE_STEPS", "10"))
+
+
+class Varuna:
+    # Set only in a calibration run (VARUNA_PROFILE), which profiles at set_optimizer and exits.
+    _calibration_run: CalibrationRun | None = None
+    _owns_process_group = False
+
+    def __init__(self, model: nn.Module, stage_to_rank_map: Mapping[int, Sequence[int]] | None,
+                 get_batch_fn: Callable[[int, torch.device | str], Mapping[str, torch.Tensor]],
+                 batch_size: int, chunk_size: int, fp16: bool = False, local_rank: int = -1,
+                 device: int | str = -1, shared_weights: Sequence[tuple[str, str]] | None = None,
+                 from_cache: bool = True, *, precision: Precision | None = None,
+                 schedule: str | None = None, recompute: bool | None = None,
+                 assignment: Assignment | None = None) -> None:
+        self.assignment = assignment or _assignment(stage_to_rank_map)
+        a = self.assignment
+        if a.profile:
+            self._begin_calibration_run(model, get_batch_fn, batch_size, chunk_size,
+                                        precision or ("fp16" if fp16 else "fp32"), _device(a, local_rank, device))
+            return
+        self.rank = a.rank
+        self.stage, self.replica = a.position()
+        self.pipeline_depth, self.data_depth = a.pipeline_depth, a.data_depth
+        self.batch_size, self.micro_batch_size = int(batch_size), int(a.micro_batch_size or chunk_size)
+        if a.batch_size is not None and a.batch_size != self.batch_size:
+            raise ConfigError(f"the job was submitted with global batch {a.batch_size}, the script passes "
+                              f"batch_size={self.batch_size} to Varuna",
+                              hint="make the script read the batch size it is given, or submit it with the script's")
+        self.precision: Precision = precision or ("fp16" if fp16 else "fp32")
+        self.schedule = schedule or a.schedule or "varuna"
+        # An explicit argument wins; else the planner's per-stage choice; else recompute everywhere.
+        self.recompute: bool | tuple[bool, ...] = (
+            recompute if recompute is not None else tuple(a.recompute) if a.recompute is not None else True)
+        self.iteration = 0
+        _check_sizes(self.batch_size, self.micro_batch_size, self.data_depth, self.precision, self.schedule)
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        self.device = _device(a, local_rank, device)
+        self._init_distributed()
+        atexit.register(self.close)
+
+        traced = capture_model(model, get_batch_fn(self.micro_batch_size, _device_of(model)))
+        cuts = self._agree_on_cuts(traced, get_batch_fn)
+        slices = slice_stages(traced, cuts)
+        aliases = _aliases(model, traced.canonical)
+        self.layout: Layout = build_layout(traced, slices, shared_weights or (), aliases)
+        self.cuts = cuts
+        mine = slices[self.stage]
+        self.module = mine.module
+        self._named = _named_tensors(model, traced.canonical, mine)
+        _free_other_stages(model, traced.canonical, set(mine.owned) | set(mine.owned_buffers))
+        del traced, slices
+        _move_in_place(self._named.values(), self.device)
+        self.module.to(self.device)   # what else the slice holds (graph constants)
+        self.input_names = mine.input_names
+
+        self._build_groups()
+        # Where this worker sends its step statistics and whose it gathers (see `_agree`).
+        self._stats_parent, self._stats_children = _stats_tree(a.stage_to_rank, self.stage, self.replica)
+        # Pure data parallelism (P = 1) opens one too: the step's statistics travel on it.
+        self.channel = self._open_channel() if a.world_size > 1 else None
+        self.recorder = recorder_for(a.trace_dir or None, rank=a.rank, stage=self.stage, replica=self.replica)
+        self._traced_steps = 0  # counted per process: a resumed epoch starts past step _TRACE_STEPS
+        self.executor = StageExecutor(self.module, stage=self.stage, stages=self.pipeline_depth,
+                                      takes_activation=mine.takes_activation, channel=self.channel,
+                                      device=self.device, precision=self.precision, recorder=self.recorder)
+        self._tables: dict[tuple[str, int, bool], list[Action]] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler = None
+        self.scaler = LossScaler()
+        self.grad_norm = 0.0
+        self._shard_checkpoint = False
+        self._upload: checkpointing.Upload | None = None   # a staged checkpoint on its way to the store
+        self.control = ControlClient(a.control, job=a.job, epoch=a.epoch, rank=a.rank)
+        self._agreed = {"checkpoint": False, "stop": False}
+        log.info("rank %d: stage %d/%d replica %d/%d, %d parameters (%.1f MB), cuts %s",
+                 self.rank, self.stage, self.pipeline_depth, self.replica, self.data_depth,
+                 sum(p.numel() for p in self.parameters()), self.parameter_bytes() / 2**20, cuts)
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This stage's parameters (each once), the ones to give the optimizer."""
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, t) for n, t in self._named.items() if isinstance(t, nn.Parameter)]
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def set_optimizer(self, optimizer: torch.optim.Optimizer, loss_scale: float | str = "dynamic",
+                      init_loss_scale: float = 2.0**20, min_loss_scale: float = 1.0,
+                      lr_scheduler=None) -> None:
+        if self._calibration_run is not None:
+            self._calibration_run.run(optimizer)   # profiles with this optimizer and ends the script
+        mine = {id(p) for p in self.parameters()}
+        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
+        if foreign:
+            raise ConfigError(f"the optimizer holds {len(foreign)} parameters that this stage does not own",
+                              hint="build it from varuna.parameters(), after creating Varuna")
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        if self.precision == "fp16":
+            self.scaler = LossScaler(loss_scale, init_loss_scale, min_loss_scale)
+        else:
+            self.scaler = LossScaler(1.0, 1.0, 1.0)
+        a = self.assignment
+        if a.resume == "latest":
+            newest = checkpointing.resume_point(self, a.store)
+            if newest is not None:
+                self.load_checkpoint(a.store, newest)
+                log.info("rank %d: resumed from checkpoint %d", self.rank, newest)
+
+    def step(self, inputs: Mapping[str, torch.Tensor], clip_grad_max_norm: float | None = None
+             ) -> tuple[float, bool]:
+        """One optimizer step on the global mini-batch; `inputs` is this replica's shard."""
+        if self.optimizer is None:
+            raise ConfigError("step() before set_optimizer()")
+        if not isinstance(inputs, Mapping):
+            raise ConfigError(f"step() takes a dict of batch-first tensors keyed by forward's argument names "
+                              f"({', '.join(self.input_names)}), got a {type(inputs).__name__}",
+                              hint="pass {name: tensor}, e.g. dict(zip(%r, batch))" % (tuple(self.input_names),))
+        self.recorder.set_step(self.iteration)
+        start = time.perf_counter()
+        waited = self.channel.wait_s if self.channel is not None else 0.0
+        micro, weights = self._micro_batches(inputs, self.batch_size)
+        table = self._table(self.schedule, len(micro), self.recompute)
+        self.optimizer.zero_grad(set_to_none=True)
+        result: dict[str, object] = {}
+        self.executor.run(
+            table, micro, weights, loss_scale=self.scaler.scale,
+            handlers={Kind.ALLREDUCE: self._allreduce,
+                      Kind.STEP: lambda: result.update(self._optimizer_step(clip_grad_max_norm))},
+            before_last_backward=self.reducer.arm,
+        )
+        self.iteration += 1
+        if self.recorder.enabled:
+            self.recorder.save()
+            self._traced_steps += 1
+            if self._traced_steps >= _TRACE_STEPS:   # a few steps show the schedule; more only grow the file
+                self.recorder = self.executor.recorder = NullRecorder()
+        elapsed = time.perf_counter() - start
+        blocked = (self.channel.wait_s if self.channel is not None else 0.0) - waited
+        self.control.progress(self.iteration - 1, result["loss"], self.batch_size / elapsed,
+                              1.0 - blocked / elapsed)
+        self._after_step()
+        return result["loss"], result["overflow"]
+
+    def _after_step(self) -> None:
+        """Checkpoint every K steps and when any worker was asked to; stop when asked. The
+        decision was agreed in the step's all-reduce, so every worker takes the same branch."""
+        a = self.assignment
+        periodic = a.checkpoint_every is not None and self.iteration % a.checkpoint_every == 0
+        # The job's last step always ends in a checkpoint: the daemon counts a job done only when
+        # the checkpoint of its last step is complete (a script that stops early is not done).
+        final = a.steps is not None and self.iteration == a.steps
+        if self._upload is not None and self._upload.done():
+            self._settle_upload()
+        if a.store and (periodic or final or self._agreed["checkpoint"]):
+            start = time.perf_counter()
+            path = self.checkpoint(a.store, tmpdir=a.checkpoint_tmpdir,
+                                   on_demand=self._agreed["checkpoint"] or final)
+            if self._upload is None:   # written in place: complete now
+                self.control.checkpointed(self.iteration, path, time.perf_counter() - start)
+            self.control.clear()
+            if self.rank == 0:
+                ckpt_store.prune(a.store, a.keep_checkpoints)
+        if self._agreed["stop"]:
+            log.warning("rank %d: stopping after step %d as asked", self.rank, self.iteration - 1)
+            self.close()
+            raise StopRequested(self.iteration)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Mapping[str, torch.Tensor], batch_size: int | None = None) -> float:
+        """Global mean loss of an evaluation batch (this replica's shard in `inputs`)."""
+        shard = _shard_size(inputs)
+        total = batch_size or shard * self.data_depth
+        micro, weights = self._micro_batches(inputs, total)
+        actions = []
+        for m in range(len(micro)):
+            if self.stage > 0:
+                actions.append(Action(self.stage, Kind.RECV_ACT, m))
+            actions.append(Action(self.stage, Kind.FORWARD, m))
+            if self.stage < self.pipeline_depth - 1:
+                actions.append(Action(self.stage, Kind.SEND_ACT, m))
+        local = self.executor.run(actions, micro, weights, training=False)
+        out = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(out)
+        return float(out[0])
+
+    def checkpoint(self, global_store: str, step: int | None = None, tmpdir: str | None = None,
+                   shard: bool = False, on_demand: bool = False) -> str:
+        """Write this job's state as `global_store/varuna_ckpt_<step>`; collective (every worker calls it).
+
+        With `tmpdir` (a local directory), the state is written there and copied into the store in
+        the background while training goes on; the checkpoint is complete (loadable) once rank 0
+        has written its manifest, which `wait_checkpoint` waits for. `on_demand` (a preemption
+        notice) writes straight into the store and returns when it is complete. Either way the
+        staged checkpoint still in flight, if any, is waited for first (a failed one is logged)."""
+        self._settle_upload()
+        return checkpointing.save(self, global_store, self.iteration if step is None else step,
+                                  tmpdir=None if on_demand else tmpdir, shard=shard)
+
+    def wait_checkpoint(self) -> str | None:
+        """Wait for the staged checkpoint in flight to reach the store; returns its directory (None
+        when there is none). Raises CheckpointError if it failed: it stays incomplete and the
+        previous checkpoint is the newest a resume would load."""
+        upload = self._settle_upload()
+        if upload is None:
+            return None
+        if upload.error is not None:
+            raise CheckpointError(f"checkpoint {upload.iteration} did not reach the store: {upload.error}",
+                                  hint="check the store's mount and free space")
+        return upload.final_dir
+
+    def _settle_upload(self) -> checkpointing.Upload | None:
+        """Wait for the staged checkpoint in flight, tell the daemon if it made it, forget it."""
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            upload.wait()
+            if upload.error is None:
+                self.control.checkpointed(upload.iteration, upload.final_dir, upload.stalled_s)
+        return upload
+
+    def load_checkpoint(self, global_store: str, iteration: int | None = None, check_complete: bool = True) -> int:
+        """Load `varuna_ckpt_<iteration>` (default: the newest complete one); collective.
+        Call after set_optimizer so the optimizer state is restored too. Returns the iteration."""
+        return checkpointing.load(self, global_store, iteration, check_complete=check_complete)
+
+    def close(self) -> None:
+        """Release sockets and the process group; also run at interpreter exit."""
+        # getattr: a constructor that failed half-way registered this already
+        if getattr(self, "_upload", None) is not None:
+            self._settle_upload()   # a staged checkpoint must not die with the process
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+            self.channel = None
+        if getattr(self, "control", None) is not None:
+            self.control.close()
+        # gloo's threads must be joined before the interpreter tears down, or C++ aborts
+        # ("terminate called without an active exception") and the worker exits non-zero.
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            # The groups' C++ objects (and their threads) live as long as a Python reference
+            # does; the reducers' hooks on the parameters hold some until interpreter teardown.
+            if getattr(self, "reducer", None) is not None:
+                self.reducer.release()
+            self.stage_group = None
+            gc.collect()
+        if getattr(self, "_rendezvous", None) is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _begin_calibration_run(self, model: nn.Module, get_batch_fn, batch_size: int, chunk_size: int,
+                               precision: Precision, device: torch.device) -> None:
+        """A calibration run: the script sees a lone worker holding the whole model until it sets
+        its optimizer, which is then profiled with the model (trainer.engine.calibration_run)."""
+        self._calibration_run = CalibrationRun(model, get_batch_fn, self.assignment, batch_size, chunk_size,
+                                               precision, device)
+        atexit.register(self._calibration_run.check_done)
+        self.rank, self.stage, self.replica = 0, 0, 0
+        self.pipeline_depth = self.data_depth = 1
+        self.batch_size, self.micro_batch_size = int(batch_size), int(chunk_size)
+        self.precision, self.device, self.iteration = precision, device, 0
+        self.optimizer = None
+        self._named = dict(model.named_parameters())
+
+    def _init_distributed(self) -> None:
+        a = self.assignment
+        self._owns_process_group = not dist.is_initialized()
+        if dist.is_initialized():
+            if dist.get_world_size() != a.world_size or dist.get_rank() != a.rank:
+                raise ConfigError(f"torch.distributed is initialised as rank {dist.get_rank()}/"
+                                  f"{dist.get_world_size()}, the assignment says {a.rank}/{a.world_size}")
+            return
+        gloo = "gloo"
+        if a.bind_address:   # the daemon's advertised address: not the host name's (trainer.net.netaddr)
+            gloo = bound_gloo_backend(a.bind_address)
+            if self.device.type == "cuda":
+                os.environ.update(nccl_environment(a.bind_address))
+        backend = f"cpu:{gloo},cuda:nccl" if self.device.type == "cuda" else gloo
+        if self.device.type == "cuda":
+            # NCCL and every torch.cuda call without an index use the current device: this one,
+            # not GPU 0 in every worker of the host
+            torch.cuda.set_device(self.device)
+        timeout = timedelta(seconds=float(os.environ.get("VARUNA_DIST_TIMEOUT", "600")))
+        if a.world_size == 1:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        elif a.bind_address:   # our rendezvous: bound to that address, no reverse DNS (trainer.net.rendezvous)
+            host, port = parse_url(a.dist_url)
+            self._rendezvous = RendezvousStore(host, port, is_server=a.rank == 0, timeout=timeout)
+            dist.init_process_group(backend, store=self._rendezvous, rank=a.rank, world_size=a.world_size,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=a.dist_url, rank=a.rank,
+                                    world_size=a.world_size, timeout=timeout)
+
+    def _agree_on_cuts(self, traced, get_batch_fn) -> list[int]:
+        """Every worker must cut the same way: rank 0 times the segments and decides."""
+        P = self.pipeline_depth
+        if self.assignment.cuts is not None:
+            cuts = sorted(self.assignment.cuts)
+            if len(cuts) != P - 1:
+                raise ConfigError(f"VARUNA_CUTS has {len(cuts)} cut points for {P} stages")
+            return cuts
+        if P == 1:
+            return []
+        decision: list[object] = [None]
+        if self.rank == 0:
+            try:
+                sample = get_batch_fn(self.micro_batch_size, "cpu")
+                decision[0] = balance(dry_run(traced, sample), P)
+            except Exception as exc:  # sent to every rank, so all fail with the same reason
+                decision[0] = exc
+        dist.broadcast_object_list(decision, src=0)
+        if isinstance(decision[0], Exception):
+            raise decision[0]
+        return list(decision[0])
+
+    def _build_groups(self) -> None:
+        """Process groups: one per stage (its replicas) and one per tied tensor set spanning
+        stages. Every rank creates every group, in the same order, as torch.distributed requires."""
+        a, layout = self.assignment, self.layout
+        stage_groups = [dist.new_group(sorted(a.stage_to_rank[s])) for s in range(self.pipeline_depth)]
+        self.stage_group = stage_groups[self.stage]
+        tied = []
+        for names in layout.tied:
+            stages = sorted({s for n in names for s in layout.owners[n]})
+            # Every replica of every stage holding a copy sums it; on one stage, its replicas.
+            group = stage_groups[stages[0]] if len(stages) == 1 else dist.new_group(
+                sorted(r for s in stages for r in a.stage_to_rank[s]))
+            if self.stage in stages:
+                tied.append(([self._named[n] for n in names if n in self._named],
+                             group if self.data_depth * len(stages) > 1 else None))
+        # One reducer owns every gradient: tied copies, on one stage or several, are summed and
+        # all-reduced after the backward, never in the buckets that overlap it (data_parallel).
+        self.reducer = GradReducer(self.parameters(), self.stage_group, self.data_depth, tied=tied)
+        # A tied set is counted once in the gradient norm: on its lowest stage, first name.
+        self._norm_params = [p for n, p in self.named_parameters() if self._counts_in_norm(n)]
+
+    def _counts_in_norm(self, name: str) -> bool:
+        tied = self.layout.tied_set(name)
+        if tied is None:
+            return True
+        lowest = min(s for n in tied for s in self.layout.owners[n])
+        first_here = next(n for n in tied if lowest in self.layout.owners[n])
+        return self.stage == lowest and name == first_here
+
+    def _open_channel(self) -> PeerChannel:
+        a = self.assignment
+        prev = a.stage_to_rank[self.stage - 1][self.replica] if self.stage > 0 else None
+        nxt = a.stage_to_rank[self.stage + 1][self.replica] if self.stage < self.pipeline_depth - 1 else None
+        peers = [r for r in (self._stats_parent, *self._stats_children) if r is not None]
+        return PeerChannel(bind=a.endpoints[self.rank],
+                           prev=None if prev is None else a.endpoints[prev],
+                           nxt=None if nxt is None else a.endpoints[nxt],
+                           job=a.job, epoch=a.epoch, stage=self.stage, security=_stream_security(a.endpoints),
+                           rank=self.rank, stats_peers={r: a.endpoints[r] for r in peers})
+
+    def _agree(self, stats: torch.Tensor) -> torch.Tensor:
+        """The sum of `stats` over all workers, the same on every one.
+
+        Over the ZeroMQ channel, up and down a two-level tree (`_stats_tree`): a replica's
+        stage 0 finishes a step last (its final backward waits for everyone else's),
+        so the others' statistics are already waiting when it gets there, and the root needs no
+        round trip at all; a gloo all-reduce of a few numbers costs ~0.4 ms and more at every step
+        even on one machine, and its ring grows with the world. A lone worker has nothing to agree."""
+        if self.channel is None:
+            return stats
+        total = stats
+        for child in self._stats_children:   # a fixed order: every worker gets the same bits
+            total = total + self.channel.recv_stats(child)
+        if self._stats_parent is not None:
+            self.channel.send_stats(self._stats_parent, total)
+            total = self.channel.recv_stats(self._stats_parent).clone()
+        for child in self._stats_children:
+            self.channel.send_stats(child, total)
+        return total
+
+    def _table(self, name: str, m: int, recompute: bool) -> list[Action]:
+        key = (name, m, recompute)
+        if key not in self._tables:
+            self._tables[key] = build_table(name, self.pipeline_depth, m, recompute)[self.stage]
+        return self._tables[key]
+
+    def _micro_batches(self, inputs: Mapping[str, torch.Tensor], global_batch: int):
+        shard = _shard_size(inputs)
+        expected = global_batch // self.data_depth
+        if global_batch == self.batch_size and shard != expected:
+            raise ConfigError(f"step() got {shard} examples; this replica's shard of the global batch "
+                              f"{self.batch_size} over {self.data_depth} replicas is {expected}",
+                              hint="pass GlobalBatches(...).shard(step, varuna.replica, varuna.data_depth)")
+        wanted = {k: v for k, v in inputs.items() if k in self.input_names}
+        missing = set(self.input_names) - set(wanted)
+        if missing:
+            raise ConfigError(f"the batch lacks {sorted(missing)}, which stage {self.stage} needs")
+        micro, weights = [], []
+        for start in range(0, shard, self.micro_batch_size):
+            chunk = {k: v[start:start + self.micro_batch_size].to(self.device, non_blocking=True)
+                     for k, v in wanted.items()}
+            n = min(self.micro_batch_size, shard - start)
+            micro.append(chunk)
+            weights.append(n / global_batch)
+        return micro, weights
+
+    def _allreduce(self) -> None:
+        self.reducer.reduce()
+
+    def _optimizer_step(self, clip: float | None) -> dict[str, object]:
+        """Agree on the loss, the gradient norm and overflow in one exchange (`_agree`), then step."""
+        with_grad = [p for p in self.parameters() if p.grad is not None]
+        squares = _squared_norms([p.grad for p in with_grad])
+        # An inf/nan anywhere makes its parameter's norm non-finite: one check on the total
+        # (tied copies included) is the overflow test.
+        finite = math.isfinite(sum(squares))
+        counted = {id(p) for p in self._norm_params}
+        sq = sum(v for p, v in zip(with_grad, squares) if id(p) in counted)
+        if not finite and self.precision != "fp16":
+            log.warning("rank %d: non-finite gradients at step %d in %s; skipping the step",
+                        self.rank, self.iteration, self.precision)
+        last = self.stage == self.pipeline_depth - 1
+        local_loss = self.executor.loss_so_far() if last else 0.0
+        self.control.poll()
+        stats = torch.tensor([sq if finite else math.inf, local_loss, 0.0 if finite else 1.0,
+                              float(self.control.checkpoint_requested), float(self.control.stop_requested)],
+                             dtype=torch.float64)
+        stats = self._agree(stats)
+        self._agreed = {"checkpoint": bool(stats[3] > 0), "stop": bool(stats[4] > 0)}
+        scale = self.scaler.scale
+        overflow = bool(stats[2] > 0)
+        # every replica holds the same reduced gradients: the norm counts one replica's stages
+        norm = math.sqrt(stats[0] / self.data_depth) / scale if not overflow else math.inf
+        if not overflow:
+            factor = 1.0 / scale
+            if clip is not None and norm > clip:
+                factor *= clip / (norm + 1e-6)
+            if factor != 1.0:
+                for p in self.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(factor)
+            self.optimizer.step()
+        self.scaler.update(overflow)
+        self.grad_norm = norm
+        return {"loss": float(stats[1]), "overflow": overflow}
+
+
+# -- construction helpers ------------------------------------------------------------------------
+
+def _assignment(stage_to_rank_map) -> Assignment:
+    if "VARUNA_RANK" not in os.environ:
+        if stage_to_rank_map is None or sum(len(r) for r in stage_to_rank_map.values()) == 1:
+            log.warning("no worker assignment in the environment: running as a single worker (1 x 1); "
+                        "start with `python -m trainer.launch` for more")
+            return Assignment(rank=0, stage_to_rank={0: [0]}, endpoints=["inproc://varuna-0"], dist_url="")
+    a = Assignment.from_env()
+    if stage_to_rank_map is not None:
+        given = {int(s): [int(r) for r in ranks] for s, ranks in stage_to_rank_map.items()}
+        a = Assignment(**{**{f: getattr(a, f) for f in a.__dataclass_fields__}, "stage_to_rank": given})
+    return a
+
+
+def _stats_tree(stage_to_rank: Mapping[int, Sequence[int]], stage: int, replica: int
+                ) -> tuple[int | None, list[int]]:
+    """(parent, children) of this worker in the tree the step statistics are summed over: each
+    replica's stage 0 gathers its pipeline, and replica 0's stage 0 (the root) the other
+    replicas' stage 0s. Sums go up, the root's total comes back down the same edges."""
+    P, D = len(stage_to_rank), len(stage_to_rank[0])
+    head = stage_to_rank[0][replica]
+    if stage > 0:
+        return head, []
+    pipeline = [stage_to_rank[s][replica] for s in range(1, P)]
+    if replica > 0:
+        return stage_to_rank[0][0], pipeline
+    return None, pipeline + [stage_to_rank[0][r] for r in range(1, D)]
+
+
+def _check_sizes(batch: int, chunk: int, D: int, precision: str, schedule: str) -> None:
+    if batch <= 0 or chunk <= 0:
+        raise ConfigError(f"batch_size and chunk_size must be positive, got {batch}, {chunk}")
+    if batch % D:
+        raise ConfigError(f"global batch {batch} does not split over {D} replicas",
+                          hint=f"use a batch size divisible by {D}")
+    if precision not in ("fp32", "fp16", "bf16"):
+        raise ConfigError(f"precision must be fp32, fp16 or bf16, got {precision!r}")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {sorted(SCHEDULES)}")
+
+
+def _device(a: Assignment, local_rank: int, device: int | str) -> torch.device:
+    choice = a.device if a.device is not None else device
+    if isinstance(choice, str) and choice not in ("-1", ""):
+        return torch.device(choice if not choice.isdigit() else f"cuda:{choice}")
+    if isinstance(choice, int) and choice >= 0:
+        return torch.device(f"cuda:{choice}")
+    if local_rank >= 0 and torch.cuda.is_available():
+        return torch.device(f"cuda:{local_rank}")
+    return torch.device("cpu")
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """Where the model's tensors are, so that the capture's sample batch is there too."""
+    t = next(iter(model.parameters()), None)
+    return t.device if t is not None else torch.device("cpu")
+
+
+def _aliases(model: nn.Module, canonical: Mapping[int, str]) -> dict[str, str]:
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = canonical.get(id(p), name)
+    return out
+
+
+def _named_tensors(model, canonical, mine) -> dict[str, torch.Tensor]:
+    by_name = {canonical[id(t)]: t for t in (*model.parameters(), *model.buffers()) if id(t) in canonical}
+    return {n: by_name[n] for n in (*mine.owned, *mine.owned_buffers)}
+
+
+def _move_in_place(tensors, device: torch.device) -> None:
+    """Move tensors to `device` keeping each the same Python object. Module.to replaces buffers
+    with new tensors, which would leave `_named` (what checkpoints save and load) holding the
+    stale host copies while the stage computes with the device ones."""
+    with torch.no_grad():
+        for t in tensors:
+            if t.device != device:
+                t.data = t.data.to(device)
+
+
+def _free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
+    """Release the storage of tensors other stages own (per-stage memory ~ 1/P); the user's
+    model object keeps empty placeholders for them."""
+    for t in (*model.parameters(), *model.buffers()):
+        if canonical.get(id(t)) not in keep:
+            t.data = torch.empty(0, dtype=t.dtype)
+
+
+def _squared_norms(grads: list[torch.Tensor]) -> list[float]:
+    """Each gradient's squared L2 norm in float64, with one fused kernel per dtype."""
+    if not grads:
+        return []
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    return torch.stack(norms).pow(2).tolist()
+
+
+def _stream_security(endpoints: Sequence[str]) -> Security:
+    """CURVE for the tensor streams unless the environment says plaintext or a trusted network
+    (protocol.security.SecurityConfig.from_env); neighbours' server keys by endpoint come in
+    VARUNA_PEER_KEYS as JSON {endpoint: z85 public key}, "*" standing for any other endpoint."""
+    try:
+        keys = json.loads(os.environ.get("VARUNA_PEER_KEYS", "{}"))
+        peers = {ep: keys.get(ep, keys.get("*")) for ep in endpoints if keys.get(ep, keys.get("*"))}
+        return Security(SecurityConfig.from_env(os.environ), peers=peers)
+    except (SecurityError, ValueError) as exc:
+        raise ConfigError(f"cannot secure the tensor streams: {exc}",
+                          hint="start workers with trainer.launch or varunad, which set VARUNA_SECURITY "
+                               "and the keys; VARUNA_SECURITY=plaintext only on a private machine") from exc
+
+
+def _shard_size(inputs: Mapping[str, torch.Tensor]) -> int:
+    sizes = {k: v.shape[0] for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if not sizes or len(set(sizes.values())) != 1:
+        raise ConfigError(f"inputs must be batch-first tensors of one batch size, got {sizes}")
+    return next(iter(sizes.values()))

@@ -1,0 +1,278 @@
+"""Capturing a whole model as one graph of aten ops, with its potential cut points.
+
+`capture_model` runs the user's forward once under `torch.export.export(strict=False)` on a
+sample batch: Python runs as written (shape arithmetic, `torch.ones(t, t)`, Hugging Face's
+config branches), and what comes out is the training IR that autograd differentiates. The
+batch dimension is dynamic, so one capture serves every micro-batch size (ragged last ones
+too). CutPoints (and, for a model without any, the outputs of the blocks of its largest
+nn.Sequential/nn.ModuleList) become `varuna::cut` marker nodes.
+
+The exported program lifts parameters, buffers and constants into inputs; here they become
+`get_attr` nodes again, placed at their first use and named by their path in the user's model,
+holding the user's own tensor objects. A buffer the forward updates (BatchNorm's running
+statistics) gets a `copy_` node writing the new value back, so training mutates the module's
+buffers as eager mode does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from trainer.graph.cutpoint import CutPoint, capturing, cut_marker, is_marker, marker_name
+from trainer.errors import ConfigError, PartitionError
+
+__all__ = ["TracedModel", "capture_model", "auto_blocks"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class TracedModel:
+    """The whole model as one graph, with its potential cut points in execution order."""
+
+    graph_module: fx.GraphModule
+    markers: tuple[fx.Node, ...]
+    canonical: dict[int, str]          # id(parameter or buffer) -> its name in the user's model
+    input_names: tuple[str, ...]
+    auto: bool                          # cut points were inferred from a block container
+    mutations: tuple[fx.Node, ...] = ()   # copy_ nodes updating buffers (BatchNorm statistics)
+
+    @property
+    def marker_names(self) -> list[str]:
+        return [marker_name(m) for m in self.markers]
+
+
+def auto_blocks(model: nn.Module) -> tuple[str, ...]:
+    """The blocks after which a model without CutPoints may be cut: all but the last of its
+    largest nn.Sequential/nn.ModuleList (by length, then parameters)."""
+    best, best_key = None, (1, 0)
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Sequential, nn.ModuleList)) and len(mod) >= 2:
+            key = (len(mod), sum(p.numel() for p in mod.parameters()))
+            if key > best_key:
+                best, best_key = name, key
+    if best is None:
+        return ()
+    container = model.get_submodule(best)
+    prefix = f"{best}." if best else ""
+    return tuple(f"{prefix}{i}" for i in range(len(container) - 1))
+
+
+def _mark_block_output(name: str):
+    def hook(module, args, output):
+        marker = f"{name}:out"
+        if isinstance(output, torch.Tensor):
+            return cut_marker(output, marker)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            # Hugging Face blocks return (hidden_states, *extras): the hidden states cross
+            return (cut_marker(output[0], marker), *output[1:])
+        raise PartitionError(
+            f"block '{name}' returns {type(output).__name__}, not a tensor (or a tuple starting with one)",
+            hint="add CutPoint()s to the model where one tensor carries everything the next layers need")
+    return hook
+
+
+def _forward_inputs(model: nn.Module, sample: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """The sample's tensors that forward takes, by name; a batch of one is doubled so that the
+    batch dimension can be captured as dynamic (export fixes sizes 0 and 1)."""
+    params = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    wanted = {k: v for k, v in sample.items() if isinstance(v, torch.Tensor) and (takes_any or k in params)}
+    missing = [n for n, p in params.items()
+               if p.default is inspect.Parameter.empty and n not in wanted
+               and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    if missing:
+        raise ConfigError(f"the batch has no {missing}, which {type(model).__name__}.forward needs",
+                          hint=f"get_batch_fn must return a dict with keys {list(params)}")
+    if not wanted or any(v.dim() == 0 for v in wanted.values()):
+        raise ConfigError("get_batch_fn must return batch-first tensors",
+                          hint=f"got {({k: tuple(v.shape) for k, v in wanted.items()})}")
+    if next(iter(wanted.values())).shape[0] == 1:
+        wanted = {k: torch.cat([v, v]) for k, v in wanted.items()}
+    return wanted
+
+
+def _user_frame(exc: BaseException) -> str:
+    """file:line and code of the innermost frame of the user's code in the traceback."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_HERE)
+              and not f.filename.startswith("<")]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} `{(f.line or '').strip()}`"
+
+
+def _why(exc: BaseException) -> tuple[str, str]:
+    """(what went wrong, what to change in the model), one line each."""
+    where = _user_frame(exc)
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    data_dependent = "data-dependent" in str(exc) or type(exc).__name__ in (
+        "GuardOnDataDependentSymNode", "PendingUnbackedSymbolNotFound")
+    if data_dependent:
+        return (f"Python control flow depends on a tensor's value at {where or 'an unknown place'}",
+                "compute both branches and pick with torch.where (or use torch.cond), or move the "
+                "decision out of forward; `if`/`bool()`/`.item()` on tensors cannot be captured")
+    return (f"{type(exc).__name__}: {text[:300]}" + (f" at {where}" if where else ""),
+            "make forward run on a batch of any size with the batch's tensors as its only "
+            "inputs, and return the loss")
+
+
+def capture_model(model: nn.Module, sample: Mapping[str, object]) -> TracedModel:
+    """Capture `model`'s forward on `sample` (one batch from get_batch_fn) as one graph."""
+    for name, m in model.named_modules():
+        if isinstance(m, CutPoint):
+            m._varuna_name = name
+    has_cutpoints = any(isinstance(m, CutPoint) for m in model.modules())
+    blocks = () if has_cutpoints else auto_blocks(model)
+    inputs = _forward_inputs(model, sample)
+    dynamic = {k: {0: torch.export.Dim.AUTO} for k in inputs}
+    hooks = [model.get_submodule(b).register_forward_hook(_mark_block_output(b)) for b in blocks]
+    try:
+        with capturing():
+            ep = torch.export.export(model, (), dict(inputs), dynamic_shapes=dynamic, strict=False)
+    except (PartitionError, ConfigError):
+        raise
+    except Exception as exc:  # export raises many kinds for Python it cannot capture
+        what, change = _why(exc)
+        raise PartitionError(
+            f"cannot capture {type(model).__name__}:\n"
+            f"  tried torch.export.export(strict=False) with a dynamic batch dimension: {what}\n"
+            f"  change in the model: {change}\n"
+            f"  (torch.fx symbolic tracing is not tried: it refuses everything export refuses, and more)") from exc
+    finally:
+        for h in hooks:
+            h.remove()
+    gm, input_names, mutations = _to_graph_module(model, ep)
+    markers = tuple(n for n in gm.graph.nodes if is_marker(n))
+    _check_batch_is_dynamic(gm)
+    canonical: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        canonical.setdefault(id(t), name)
+    return TracedModel(gm, markers, canonical, input_names, bool(blocks), mutations)
+
+
+def _check_batch_is_dynamic(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[0], int):
+            raise PartitionError(
+                f"the model fixes the batch dimension of '{node.target}' at {val.shape[0]}: the capture "
+                "would only run micro-batches of that size",
+                hint="derive sizes from the input (x.size(0), reshape(-1, ...)) instead of constants")
+
+
+def _to_graph_module(model: nn.Module, ep):
+    """The exported program as a GraphModule whose parameters and buffers are get_attr nodes
+    (at their first use) of the user's own tensors, named by their path in the model."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    order = list(ep.call_spec.in_spec.child(1).context)   # kwargs, as flattened
+    ph = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    attrs: dict[fx.Node, tuple[str, torch.Tensor]] = {}
+    users: dict[fx.Node, str] = {}
+    user_specs = iter(order)
+    for node, spec in zip(ph, sig.input_specs):
+        if spec.kind is InputKind.USER_INPUT:
+            users[node] = next(user_specs)
+        elif spec.kind is InputKind.PARAMETER or (spec.kind is InputKind.BUFFER and spec.persistent):
+            attrs[node] = (spec.target, ep.state_dict[spec.target])
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            attrs[node] = (spec.target, ep.constants[spec.target])
+        else:
+            raise PartitionError(f"the captured graph has an input of kind {spec.kind.name} ('{spec.target}')",
+                                 hint="forward must take the batch's tensors and use ordinary parameters")
+    root = nn.Module()
+    for target, t in attrs.values():
+        _register(root, target, t)
+    for node in ep.graph.nodes:   # subgraphs of higher-order ops (autocast regions, ...)
+        if node.op == "get_attr":
+            obj = ep.graph_module
+            for part in node.target.split("."):
+                obj = getattr(obj, part)
+            _register(root, node.target, obj)
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node, name in users.items():
+        env[node] = graph.placeholder(name)
+        env[node].meta = dict(node.meta)
+
+    def value(n: fx.Node) -> fx.Node:
+        if n not in env:   # a parameter, buffer or constant: read where it is first used
+            env[n] = graph.get_attr(attrs[n][0])
+            env[n].meta = dict(n.meta)
+        return env[n]
+
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    for node in ep.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        env[node] = graph.node_copy(node, value)
+    outs = list(out_node.args[0])
+    results, written = [], []
+    for spec, out in zip(sig.output_specs, outs):
+        if spec.kind is OutputKind.BUFFER_MUTATION:
+            written.append((spec.target, out))
+        elif spec.kind is OutputKind.USER_OUTPUT:
+            results.append(out)
+        else:
+            raise PartitionError(f"forward {'modifies its input ' + repr(spec.target) if spec.target else 'has an output'}"
+                                 f" of kind {spec.kind.name}",
+                                 hint="forward must return the loss and leave its inputs unchanged")
+    if len(results) != 1 or not isinstance(results[0], fx.Node) \
+            or not isinstance(results[0].meta.get("val"), torch.Tensor) or results[0].meta["val"].dim() != 0:
+        raise PartitionError(f"{type(model).__name__}.forward must return the loss as a single scalar tensor",
+                             hint="wrap the model in a module whose forward returns only the loss "
+                                  "(for Hugging Face models: `return self.model(**batch).loss`)")
+    graph.output(value(results[0]))
+    mutations = [_write_back(graph, target, value(out)) for target, out in written]
+    # In-place updates nothing reads afterwards (BatchNorm's num_batches_tracked += 1): a slice
+    # from the loss would drop them.
+    mutations += [n for n in graph.nodes if n.op == "call_function" and not n.users
+                  and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+                  and n not in mutations]
+    gm = fx.GraphModule(root, graph, class_name=f"Captured{type(model).__name__}")
+    return gm, tuple(users.values()), tuple(mutations)
+
+
+def _write_back(graph: fx.Graph, target: str, new: fx.Node) -> fx.Node:
+    """A copy_ of a buffer's new value into the buffer, placed after its value and after every
+    read of the old one, so it belongs to the segment that computes it."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    reads = [u for n in graph.nodes if n.op == "get_attr" and n.target == target for u in n.users]
+    anchor = max([new, *reads], key=order.__getitem__)
+    with graph.inserting_after(anchor):
+        buf = graph.get_attr(target)
+    with graph.inserting_after(buf):
+        return graph.call_function(torch.ops.aten.copy_.default, (buf, new))
+
+
+def _register(root: nn.Module, target: str, obj) -> None:
+    *path, leaf = target.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if hasattr(mod, leaf):
+        return
+    if isinstance(obj, nn.Parameter):
+        mod.register_parameter(leaf, obj)
+    elif isinstance(obj, torch.Tensor):
+        mod.register_buffer(leaf, obj)
+    elif isinstance(obj, nn.Module):
+        mod.add_module(leaf, obj)
+    else:
+        setattr(mod, leaf, obj)

@@ -1,0 +1,584 @@
+"""Choose P x D, the micro-batch size, the cut points and the placement for a fleet of slots.
+
+The planner only needs calibrations (one per device kind) and the slot list, so the daemon can run
+it without torch. For every micro-batch size, set of device kinds and pipeline depth P it
+balances the segments into P contiguous stages (bisection on the bottleneck stage time with a
+greedy fill that respects each stage's memory, recomputing only where the stashed activations
+would not fit), then scores every data-parallel width D that splits the global batch into whole
+micro-batches with a closed-form pipeline estimate. The best few are placed on hosts and replayed
+by the simulator on the real action table; the fastest replay wins.
+
+Conventions:
+  * cut point k lies between segment k and segment k+1; `Plan.cuts` lists the active ones;
+  * a stage's memory is the schedule's bound, the same accounting the simulator replays:
+    parameters, gradients and optimizer state, plus the micro-batches the schedule stashes
+    (`schedule.stash_bound`: inputs only on a recomputing stage, full activation sets
+    otherwise), plus one full set while recomputing;
+  * slots of one stage are one device kind, so its replicas run in step; the pipeline puts
+    kinds with more memory first (early stages stash more) and gives slower kinds fewer layers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from trainer.planning.calibration import Calibration
+from trainer.errors import VarunaError
+from trainer.planning.schedule import SCHEDULES, Action, build_table, stash_bound, stash_bounds
+from trainer.planning.simulator import simulate, stage_costs
+
+__all__ = ["PlanError", "Slot", "StagePlan", "Candidate", "Plan", "plan"]
+
+_EPS = 1e-9
+_SIM_CAP = 32  # micro-batches replayed exactly (at least 2P); beyond, extrapolated linearly in m
+
+
+class PlanError(VarunaError, ValueError):
+    """No configuration fits, or the planner's inputs are inconsistent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One device a worker can run on."""
+
+    slot_id: str
+    host: str
+    device_kind: str
+    memory_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("slot_id", "host", "device_kind"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise PlanError(f"Slot.{name} must be a non-empty string")
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
+            raise PlanError(f"Slot {self.slot_id}: memory_bytes must be a positive int, got {self.memory_bytes!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    first_segment: int
+    end_segment: int  # exclusive
+    device_kind: str
+    recompute: bool
+    memory_bytes: int  # the bound described in the module docstring
+    capacity_bytes: int
+    compute_s: float  # forward + backward (+ recompute) of one micro-batch
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One scored configuration (the chosen one and its runners-up)."""
+
+    P: int
+    D: int
+    micro_batch_size: int
+    micro_batches: int
+    kinds: tuple[str, ...]  # device kind per stage
+    recomputing: int  # stages that recompute
+    estimate_s: float  # closed-form screen
+    simulated_s: float | None  # replay of the action table, for the best few
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    P: int
+    D: int
+    micro_batch_size: int
+    micro_batches: int  # m, per replica
+    global_batch: int
+    schedule: str
+    cuts: tuple[int, ...]
+    stages: tuple[StagePlan, ...]
+    assignment: Mapping[str, tuple[int, int]]  # slot id -> (stage, replica)
+    link_kinds: tuple[str, ...]  # between stage s and s+1
+    allreduce_kinds: tuple[str, ...]
+    estimated_s: float  # simulated mini-batch time
+    unused: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    candidates: tuple[Candidate, ...] = ()
+    ruled_out: tuple[str, ...] = ()  # why the obvious plans (1 x every slot, 1 x 1) were not chosen
+
+    def alternatives(self, n: int = 3) -> list[Candidate]:
+        """The next ``n`` runners-up (other shapes or micro-batch sizes than the chosen plan's)."""
+        mine = (self.P, self.D, self.micro_batch_size)
+        return [c for c in self.candidates if (c.P, c.D, c.micro_batch_size) != mine][:n]
+
+    def __post_init__(self) -> None:
+        if self.P < 1 or self.D < 1 or self.micro_batch_size < 1 or self.micro_batches < 1:
+            raise PlanError(f"P, D, micro-batch size and m must be >= 1 (got {self.P}, {self.D}, ...)")
+        if self.micro_batches * self.micro_batch_size * self.D != self.global_batch:
+            raise PlanError(f"m x micro-batch x D = {self.micro_batches}x{self.micro_batch_size}x{self.D} "
+                            f"is not the global batch {self.global_batch}")
+        if len(self.stages) != self.P or len(self.cuts) != self.P - 1 or list(self.cuts) != sorted(set(self.cuts)):
+            raise PlanError(f"a plan of {self.P} stages needs {self.P} stages and {self.P - 1} increasing cuts")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"unknown schedule {self.schedule!r}")
+        if sorted(self.assignment.values()) != [(s, r) for s in range(self.P) for r in range(self.D)]:
+            raise PlanError("the assignment must give every (stage, replica) exactly one slot")
+        object.__setattr__(self, "assignment", MappingProxyType(dict(self.assignment)))
+
+    def __hash__(self) -> int:
+        return hash((self.P, self.D, self.micro_batch_size, self.cuts, tuple(sorted(self.assignment.items()))))
+
+    @property
+    def recompute(self) -> tuple[bool, ...]:
+        return tuple(s.recompute for s in self.stages)
+
+    def table(self) -> dict[int, list[Action]]:
+        """The action lists the executor runs (and the simulator replayed)."""
+        return build_table(self.schedule, self.P, self.micro_batches, self.recompute)
+
+    def stage_to_slots(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {s: [""] * self.D for s in range(self.P)}
+        for slot, (s, r) in self.assignment.items():
+            out[s][r] = slot
+        return out
+
+    def explain(self) -> str:
+        gib = 2**30
+        lines = [
+            f"plan: P={self.P} x D={self.D}, micro-batch {self.micro_batch_size}, m={self.micro_batches}, "
+            f"schedule {self.schedule}, estimated {self.estimated_s:.3f} s per mini-batch of {self.global_batch}",
+            "stage  segments  kind          recompute  mem_GiB/cap   compute_s  link_out  allreduce",
+        ]
+        for s, st in enumerate(self.stages):
+            link = self.link_kinds[s] if s < self.P - 1 else "-"
+            lines.append(
+                f"{s:>5}  {st.first_segment:>3}..{st.end_segment - 1:<3}  {st.device_kind:<12}  "
+                f"{'yes' if st.recompute else 'no':<9}  {st.memory_bytes / gib:6.1f}/{st.capacity_bytes / gib:<5.1f}"
+                f"  {st.compute_s:9.4f}  {link:<8}  {self.allreduce_kinds[s]}"
+            )
+        lines += [f"note: {n}" for n in self.notes]
+        lines += [f"not: {n}" for n in self.ruled_out]
+        if self.candidates:
+            lines.append("  P x  D  mbs     m  recompute  estimate_s  simulated_s  kinds")
+            for c in self.candidates:
+                sim = f"{c.simulated_s:11.3f}" if c.simulated_s is not None else " " * 11
+                kinds = ",".join(f"{k}x{n}" for k, n in Counter(c.kinds).items())
+                mark = "*" if (c.P, c.D, c.micro_batch_size, c.kinds) == (
+                    self.P, self.D, self.micro_batch_size, tuple(s.device_kind for s in self.stages)) else " "
+                lines.append(f"{mark}{c.P:>2} x{c.D:>3}  {c.micro_batch_size:>3}  {c.micro_batches:>4}  "
+                             f"{c.recomputing:>9}  {c.estimate_s:10.3f}  {sim}  {kinds}")
+        return "\n".join(lines)
+
+
+# --- per-kind prefix sums ---------------------------------------------------------------------
+
+
+@dataclass
+class _Kind:
+    name: str
+    cal: Calibration
+    capacity: int
+    slots: int
+    host_size: int  # the most common number of slots of this kind per host
+    # per micro-batch-size index: prefix sums over segments
+    fb: list[list[float]] = field(default_factory=list)
+    fbr: list[list[float]] = field(default_factory=list)
+    act: list[list[float]] = field(default_factory=list)
+    out: list[list[int]] = field(default_factory=list)
+    static: list[float] = field(default_factory=list)
+    params: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        acc = lambda xs: list(itertools.accumulate(xs, initial=0.0))  # noqa: E731
+        segs = self.cal.segments
+        for j in range(len(self.cal.micro_batch_sizes)):
+            c = [s.costs[j] for s in segs]
+            # a stage that does not recompute keeps the graph: its forward costs a recompute
+            self.fb.append(acc(x.recompute_s + x.backward_s for x in c))
+            self.fbr.append(acc(x.forward_s + x.backward_s + x.recompute_s for x in c))
+            self.act.append(acc(x.peak_activation_bytes for x in c))
+            self.out.append([x.activation_bytes for x in c])
+        self.static = acc(s.static_bytes for s in segs)
+        self.params = acc(s.param_bytes for s in segs)
+
+    def in_bytes(self, j: int, i: int) -> int:
+        return self.cal.input_bytes[j] if i == 0 else self.out[j][i - 1]
+
+
+def _fill(kinds: Sequence[_Kind], j: int, X: float, schedule: str, m: int, allow_recompute: bool):
+    """Greedy: each stage takes the most segments whose time fits X and memory fits its slot."""
+    P, n = len(kinds), kinds[0].cal.n_segments
+    bounds, flags = [0], []
+    i = 0
+    stash = stash_bounds(schedule, P, m)  # per stage, (without, with) recompute
+    for s, k in enumerate(kinds):
+        jmax = n - (P - s - 1)
+        if s == P - 1 and k.fb[j][n] - k.fb[j][i] > X + _EPS:
+            return None
+        best, best_rec = i, False
+        options = (False, True) if (allow_recompute and s < P - 1) else (False,)
+        in_b = k.in_bytes(j, i)
+        for rec in options:
+            pre = k.fbr[j] if rec else k.fb[j]
+            e = bisect.bisect_right(pre, pre[i] + X + _EPS, i + 1, jmax + 1) - 1 if s < P - 1 else n
+            c = stash[s][rec]
+            while e > i:
+                act = k.act[j][e] - k.act[j][i]
+                mem = k.static[e] - k.static[i] + (c * in_b + act if rec else c * (in_b + act))
+                if mem <= k.capacity:
+                    break
+                if s == P - 1:
+                    return None
+                e -= 1
+            if e > best:
+                best, best_rec = e, rec
+        if best <= i:
+            return None
+        bounds.append(best)
+        flags.append(best_rec)
+        i = best
+    return (tuple(bounds), tuple(flags)) if i == n else None
+
+
+def _partition(kinds, j, schedule, m, allow_recompute):
+    """Contiguous split of the segments minimising the bottleneck stage time (to 0.1%)."""
+    if _fill(kinds, j, float("inf"), schedule, m, allow_recompute) is None:
+        return None
+    n, P = kinds[0].cal.n_segments, len(kinds)
+    distinct = list({id(k): k for k in kinds}.values())
+    cheapest = [min(k.fb[j][i + 1] - k.fb[j][i] for k in distinct) for i in range(n)]
+    lo = max(max(cheapest), sum(cheapest) / P) * 0.999  # no split can beat either
+    hi = max(k.fbr[j][n] for k in kinds)
+    guess = max(max(cheapest), sum(cheapest) / P) * 1.5  # usually feasible: saves most halvings
+    if guess < hi and _fill(kinds, j, guess, schedule, m, allow_recompute) is not None:
+        hi = guess
+    while hi - lo > 1e-3 * hi:
+        mid = (lo + hi) / 2
+        if _fill(kinds, j, mid, schedule, m, allow_recompute) is None:
+            lo = mid
+        else:
+            hi = mid
+    return _fill(kinds, j, hi, schedule, m, allow_recompute)
+
+
+def _predicted_links(kinds: Sequence[_Kind], D: int) -> tuple[list[str], list[str]]:
+    """Link kinds if stages are packed in host-sized blocks (what `_place` aims for)."""
+    P = len(kinds)
+    links, block = [], 1
+    for s in range(P - 1):
+        same = kinds[s] is kinds[s + 1] and block < kinds[s].host_size
+        links.append("intra" if same else "inter")
+        block = block + 1 if same else 1
+    ar, start = [], 0
+    for s in range(P):  # a block's replicas share a host when D blocks fit in one
+        if s == P - 1 or links[s] == "inter":
+            b = s + 1 - start
+            ar += ["intra" if D == 1 or D * b <= kinds[s].host_size else "inter"] * b
+            start = s + 1
+    return links, ar
+
+
+def _estimate(kinds, bounds, flags, j, D, m, links, ar, schedule) -> float:
+    """Closed-form screen: fill and drain, m-1 periods of the bottleneck, the slowest all-reduce.
+    Within a few percent of the replay on the configurations tried; the replay decides."""
+    P = len(kinds)
+    work, transfer, hop, fill = [], [0.0], [0.0], 0.0
+    tail = 0.0
+    for s, k in enumerate(kinds):
+        a, b = bounds[s], bounds[s + 1]
+        pre = k.fbr[j] if flags[s] else k.fb[j]
+        work.append(pre[b] - pre[a])
+        if s < P - 1:
+            link = k.cal.links[links[s]]
+            transfer.append(k.out[j][b - 1] / link.bandwidth_Bps)
+            hop.append(link.send_s(k.out[j][b - 1]))
+            fill += 2 * hop[-1]
+        for side in ([links[s]] if s < P - 1 else []) + ([links[s - 1]] if s > 0 else []):
+            link = k.cal.links[side]   # a message each way per micro-batch keeps the stage busy
+            work[-1] += link.send_overhead_s + link.recv_overhead_s
+        step = sum(seg.step_s for seg in k.cal.segments[a:b])
+        tail = max(tail, k.cal.allreduce[ar[s]].allreduce_s(k.params[b] - k.params[a], D) + step)
+    # 1F1B (and Varuna on stages that keep activations, bound P-s) has no slack to hide a message
+    # in its steady state; Varuna's recomputing stages run up to 2(P-s) ahead, GPipe runs all
+    slackless = [max(work[s], work[s + 1]) + hop[s + 1] for s in range(P - 1)
+                 if schedule == "1f1b" or (schedule == "varuna" and not flags[s])]
+    period = max(max(work), max(transfer), max(slackless, default=0.0))
+    return sum(work) + fill + (m - 1) * period + tail
+
+
+def _place(stage_kinds: Sequence[str], D: int, slots: Sequence[Slot], host_size: Mapping[str, int]):
+    """Pack blocks of consecutive same-kind stages onto single hosts, best fit, biggest first, so
+    that neighbour stages talk inside a host; returns the assignment and the link kinds it gives."""
+    free: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for sl in sorted(slots, key=lambda x: (x.host, x.slot_id), reverse=True):
+        free[(sl.device_kind, sl.host)].append(sl.slot_id)  # pop() then yields slots in order
+    # by_count[kind][n]: hosts with exactly n free slots of that kind, as a sorted stack
+    by_count: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for (kind, host), ids in sorted(free.items(), reverse=True):
+        by_count[kind][len(ids)].append(host)
+    blocks: list[list[int]] = []
+    for s, kind in enumerate(stage_kinds):
+        if blocks and stage_kinds[blocks[-1][0]] == kind and len(blocks[-1]) < host_size[kind]:
+            blocks[-1].append(s)
+        else:
+            blocks.append([s])
+    host_of: dict[tuple[int, int], str] = {}
+    assignment: dict[str, tuple[int, int]] = {}
+    for block in sorted(blocks, key=len, reverse=True):
+        kind = stage_kinds[block[0]]
+        counts = by_count[kind]
+        for r in range(D):
+            todo = list(block)
+            while todo:
+                sizes = [n for n, hosts in counts.items() if hosts and n > 0]
+                if not sizes:
+                    raise PlanError(f"ran out of {kind} slots while placing (a bug in the planner)")
+                fits = [n for n in sizes if n >= len(todo)]
+                n = min(fits) if fits else max(sizes)  # best fit, else split over the emptiest host
+                host = counts[n].pop()
+                take = min(len(todo), n)
+                for s in todo[:take]:
+                    assignment[free[(kind, host)].pop()] = (s, r)
+                    host_of[(s, r)] = host
+                counts[n - take].append(host)
+                todo = todo[take:]
+    P = len(stage_kinds)
+    links = tuple(
+        "intra" if all(host_of[(s, r)] == host_of[(s + 1, r)] for r in range(D)) else "inter" for s in range(P - 1)
+    )
+    ar = tuple("intra" if len({host_of[(s, r)] for r in range(D)}) == 1 else "inter" for s in range(P))
+    return assignment, links, ar
+
+
+def _configurations(kinds, sizes, global_batch, n_seg):
+    """Every (micro-batch size, kinds per stage, D, P) with a lower bound on its time: the
+    cheapest placement of each segment, perfectly balanced, and the all-reduce of an average
+    stage. `_estimate` of the same configuration is never below it."""
+    for mbs in sizes:
+        cheap = [min(k.fb[k.cal.size_index(mbs)][i + 1] - k.fb[k.cal.size_index(mbs)][i] for k in kinds)
+                 for i in range(n_seg)]
+        total, biggest = sum(cheap), max(cheap)
+        for r in range(1, len(kinds) + 1):
+            for subset in itertools.combinations(kinds, r):
+                speed = {k.name: k.fb[k.cal.size_index(mbs)][n_seg] for k in subset}
+                # more memory first (early stages stash more); faster first among equals
+                order = sorted(subset, key=lambda k: (-k.capacity, speed[k.name], k.name))
+                fastest_first = sorted(subset, key=lambda k: (speed[k.name], k.name))
+                params = min(k.params[n_seg] for k in subset)
+                n_slots = sum(k.slots for k in subset)
+                for D in (d for d in range(1, n_slots + 1) if global_batch % (d * mbs) == 0):
+                    m = global_batch // (D * mbs)
+                    avail = {k.name: k.slots // D for k in subset}
+                    if min(avail.values()) < 1:
+                        continue
+                    for P in range(r, min(n_seg, sum(avail.values())) + 1):
+                        counts, left = {k.name: 1 for k in subset}, P - r  # each kind gets a stage
+                        for k in fastest_first:
+                            extra = min(left, avail[k.name] - 1)
+                            counts[k.name] += extra
+                            left -= extra
+                        if left:
+                            continue
+                        seq = [k for k in order for _ in range(counts[k.name])]
+                        ar = min(link.allreduce_s(params / P, D) for k in subset for link in k.cal.allreduce.values())
+                        lb = total + (m - 1) * max(biggest, total / P) + ar
+                        yield lb, mbs, D, m, P, seq
+
+
+def _simulate(schedule, P, m, flags, costs) -> float:
+    """Replay the table; past a few times P micro-batches the pipeline is in its steady state,
+    so two shorter replays give the slope and the rest is extrapolated (planning stays fast)."""
+    cap = max(_SIM_CAP, 2 * P)
+    if m <= cap:
+        return simulate(build_table(schedule, P, m, flags), costs).minibatch_s
+    lo_m = cap // 2  # a wide window: Varuna's steady state repeats with a period of a few P
+    hi_t = simulate(build_table(schedule, P, cap, flags), costs).minibatch_s
+    lo_t = simulate(build_table(schedule, P, lo_m, flags), costs).minibatch_s
+    return hi_t + (hi_t - lo_t) / (cap - lo_m) * (m - cap)
+
+
+def plan(
+    slots: Sequence[Slot],
+    global_batch: int,
+    calibrations: Mapping[str, Calibration] | Sequence[Calibration],
+    *,
+    schedule: str = "varuna",
+    micro_batch_sizes: Sequence[int] | None = None,
+    memory_fraction: float = 0.9,
+    allow_recompute: bool = True,
+    verify: int = 3,
+    runners_up: int = 8,
+) -> Plan:
+    """Pick the fastest feasible configuration. `memory_fraction` of each slot is usable (the
+    rest is left for the framework, workspaces and fragmentation); `verify` of the best
+    closed-form candidates are replayed by the simulator and the fastest replay wins."""
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if global_batch < 1 or not 0 < memory_fraction <= 1 or verify < 1:
+        raise PlanError("global_batch >= 1, 0 < memory_fraction <= 1 and verify >= 1 are required")
+    cals = dict(calibrations) if isinstance(calibrations, Mapping) else {c.device_kind: c for c in calibrations}
+    if not cals:
+        raise PlanError("no calibration given", hint="run the profiler once per device kind")
+    if len({(c.model, c.n_segments) for c in cals.values()}) != 1:
+        raise PlanError("calibrations disagree on the model or its number of segments")
+    if len({s.slot_id for s in slots}) != len(slots):
+        raise PlanError("slot ids must be unique")
+    notes: list[str] = []
+    by_kind: dict[str, list[Slot]] = defaultdict(list)
+    for sl in slots:
+        by_kind[sl.device_kind].append(sl)
+    for kind in sorted(set(by_kind) - set(cals)):
+        notes.append(f"left out {kind} ({len(by_kind[kind])} slots): no calibration for this device kind")
+    kinds: list[_Kind] = []
+    for name in sorted(set(by_kind) & set(cals)):
+        group = by_kind[name]
+        per_host = Counter(Counter(s.host for s in group).values()).most_common(1)[0][0]
+        cap = int(min(s.memory_bytes for s in group) * memory_fraction)
+        kinds.append(_Kind(name, cals[name], cap, len(group), per_host))
+    if not kinds:
+        raise PlanError("no slot has a calibrated device kind", hint=f"calibrate one of {sorted(by_kind)}")
+    n_seg = kinds[0].cal.n_segments
+    sizes = sorted(set.intersection(*(set(k.cal.micro_batch_sizes) for k in kinds)))
+    if micro_batch_sizes is not None:
+        sizes = [b for b in sizes if b in set(micro_batch_sizes)]
+    if not sizes:
+        raise PlanError("no micro-batch size is calibrated for every device kind")
+
+    # Branch and bound: a lower bound for every configuration costs no partitioning; configurations
+    # are then partitioned and estimated in order of that bound until it exceeds the k-th best.
+    keep = max(verify, runners_up)
+    pending = sorted(_configurations(kinds, sizes, global_batch, n_seg), key=lambda c: c[0])
+    scored: list[tuple[float, tuple]] = []
+    best_k: list[float] = []  # max-heap (negated) of the `keep` best estimates so far
+    lower_by_kind: dict[str, float] = {}
+    partitions: dict[tuple, object] = {}
+    for lb, mbs, D, m, P, seq in pending:
+        names = tuple(k.name for k in seq)
+        if len(best_k) >= keep and lb > -best_k[0]:
+            for name in set(names):
+                lower_by_kind.setdefault(name, lb)
+            continue
+        j = seq[0].cal.size_index(mbs)
+        key = (mbs, names, m if schedule == "gpipe" else min(m, 2 * P))
+        if key not in partitions:
+            partitions[key] = _partition(seq, j, schedule, m, allow_recompute)
+        part = partitions[key]
+        if part is None:
+            continue
+        bounds, flags = part
+        links, ar = _predicted_links(seq, D)
+        est = _estimate(seq, bounds, flags, j, D, m, links, ar, schedule)
+        scored.append((est, (mbs, D, m, P, names, bounds, flags)))
+        heapq.heappush(best_k, -est)
+        if len(best_k) > keep:
+            heapq.heappop(best_k)
+    if not scored:
+        raise PlanError(
+            f"no configuration of {len(slots)} slots fits the model's memory for global batch {global_batch}",
+            hint="add slots or memory, allow recompute, calibrate a smaller micro-batch size, or pick a global "
+                 "batch with more divisors",
+        )
+    scored.sort(key=lambda x: (x[0], x[1][3], x[1][1]))
+    kind_by_name = {k.name: k for k in kinds}
+    host_size = {k.name: k.host_size for k in kinds}
+    verified = []
+
+    def replay(est, config):
+        mbs, D, m, P, names, bounds, flags = config
+        seq = [kind_by_name[n] for n in names]
+        assignment, links, ar = _place(names, D, [s for s in slots if s.device_kind in set(names)], host_size)
+        costs = stage_costs([k.cal for k in seq], bounds, mbs, D, links, ar)
+        sim = _simulate(schedule, P, m, flags, costs)
+        verified.append((sim, est, config, assignment, links, ar))
+
+    for est, config in scored[:verify]:
+        replay(est, config)
+    # on a tie (to a microsecond) prefer the shallower pipeline: fewer peers to lose
+    order = lambda v: (round(v[0], 6), v[2][3], v[2][1])  # noqa: E731
+    verified.sort(key=order)
+    top = verified[0][2]
+    if top[3] > 1 and top[2] == 1:
+        # One micro-batch per step on a pipeline is no pipelining at all: before settling for it,
+        # replay the best plans with a smaller micro-batch too, and let the faster replay win.
+        for est, config in [x for x in scored[verify:] if x[1][0] < top[0]][:verify]:
+            replay(est, config)
+        verified.sort(key=order)
+    sim, est, (mbs, D, m, P, names, bounds, flags), assignment, links, ar = verified[0]
+    sims = {(c[0], c[1], c[3], c[4]): t for t, _, c, *_ in verified}
+
+    def candidate(est, c):
+        mbs_, D_, m_, P_, names_, _, flags_ = c
+        return Candidate(P_, D_, mbs_, m_, names_, sum(flags_), est, sims.get((mbs_, D_, P_, names_)))
+
+    ordered = [(v[1], v[2]) for v in verified] + [x for x in scored[verify:]]
+    shown, seen = [], set()
+    for e, c in ordered:
+        tag = (c[3], c[1], c[0], c[4])
+        if tag not in seen:
+            seen.add(tag)
+            shown.append(candidate(e, c))
+        if len(shown) >= runners_up:
+            break
+
+    used = set(names)
+    for k in kinds:
+        if k.name in used:
+            continue
+        with_k = [e for e, c in scored if k.name in c[4]]
+        if with_k:
+            why = f"the best plan that uses it is estimated at {min(with_k):.3f} s vs {est:.3f} s without"
+        elif k.name in lower_by_kind:
+            why = f"every plan that uses it takes at least {lower_by_kind[k.name]:.3f} s vs {est:.3f} s without"
+        else:
+            why = "no feasible plan uses it (memory or slot count)"
+        notes.append(f"left out {k.name} ({k.slots} slots): {why}")
+    ruled_out = tuple(_ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lower_by_kind,
+                                 (P, D)))
+    unused = tuple(sorted(s.slot_id for s in slots if s.slot_id not in assignment))
+    if unused:
+        notes.append(f"{len(unused)} slots idle: P x D = {P} x {D} uses {P * D} of {len(slots)}")
+
+    stages = []
+    for s, name in enumerate(names):
+        k, a, b = kind_by_name[name], bounds[s], bounds[s + 1]
+        j = k.cal.size_index(mbs)
+        c = stash_bound(schedule, P, s, m, flags[s])
+        act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
+        mem = k.static[b] - k.static[a] + (c * in_b + act if flags[s] else c * (in_b + act))
+        pre = k.fbr[j] if flags[s] else k.fb[j]
+        stages.append(StagePlan(a, b, name, flags[s], int(mem), k.capacity, pre[b] - pre[a]))
+    return Plan(
+        P=P, D=D, micro_batch_size=mbs, micro_batches=m, global_batch=global_batch, schedule=schedule,
+        cuts=tuple(b - 1 for b in bounds[1:-1]), stages=tuple(stages), assignment=assignment,
+        link_kinds=tuple(links), allreduce_kinds=tuple(ar), estimated_s=sim, unused=unused,
+        notes=tuple(notes), candidates=tuple(shown), ruled_out=ruled_out,
+    )
+
+
+def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lower_by_kind, chosen) -> list[str]:
+    """Why the plans a user would try first, every slot data-parallel (1 x N) and one slot alone
+    (1 x 1), were not chosen: memory, the micro-batch count, or a slower estimate."""
+    if len(kinds) != 1:
+        return []
+    k = kinds[0]
+    gib = 2**30
+    out = []
+    for D in sorted({k.slots, 1}, reverse=True):
+        if (1, D) == chosen:
+            continue
+        shape = f"1x{D}" + (" (every slot data-parallel)" if D > 1 else " (one slot)")
+        fits = [b for b in sizes if global_batch % (D * b) == 0]
+        if not fits:
+            out.append(f"{shape}: the global batch {global_batch} does not split into whole micro-batches of a "
+                       f"calibrated size ({', '.join(map(str, sizes))}) over {D} replicas")
+            continue
+        whole = [b for b in fits
+                 if _partition([k], k.cal.size_index(b), schedule, global_batch // (D * b), allow_recompute)]
+        if not whole:
+            out.append(f"{shape}: memory: one {k.name} slot cannot hold the whole model (weights and optimizer "
+                       f"state alone {k.static[k.cal.n_segments] / gib:.2f} GiB, {k.capacity / gib:.2f} GiB usable)")
+            continue
+        times = [e for e, c in scored if c[3] == 1 and c[1] == D]
+        if times:
+            out.append(f"{shape}: estimated {min(times):.3f} s per step (closed form), slower")
+        else:
+            out.append(f"{shape}: estimated at least {lower_by_kind.get(k.name, 0.0):.3f} s per step, slower")
+    return out

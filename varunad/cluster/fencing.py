@@ -1,0 +1,49 @@
+"""Writes made on behalf of a plan epoch never overwrite a newer epoch's record.
+
+A daemon cut off from etcd longer than its lease fences itself (``Membership.on_expire``: its
+workers are killed), but what it had not yet written is still queued; when the link heals it
+would flush an old epoch's progress over the record the survivors' epoch wrote meanwhile
+(seen: ``progress/c2/1`` holding epoch 1193's step 36 after the job was done). Records that
+are not keyed by epoch (progress) therefore go through ``put_for_epoch``: read the key, refuse
+if it holds a newer epoch, else write in a transaction on the revision read, so a newer write
+that lands in between wins too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from varunad.store.etcd import Store
+
+__all__ = ["put_for_epoch", "stored_epoch"]
+
+log = logging.getLogger(__name__)
+
+_TRIES = 3
+
+
+def stored_epoch(value: bytes) -> int | None:
+    """The ``epoch`` field of a stored JSON record (None when it has none or is not JSON)."""
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        return None
+    epoch = doc.get("epoch") if isinstance(doc, dict) else None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+
+
+async def put_for_epoch(store: Store, key: str, value: bytes, *, epoch: int, timeout: float | None = None) -> bool:
+    """Write `value` for `epoch` unless `key` holds a newer epoch's record; False when refused."""
+    for _ in range(_TRIES):
+        current = await store.get(key, timeout=timeout)
+        revision = 0 if current is None else current.mod_revision
+        if current is not None:
+            theirs = stored_epoch(current.value)
+            if theirs is not None and theirs > epoch:
+                log.info("not writing %s for epoch %d: it holds epoch %d's record", key, epoch, theirs)
+                return False
+        if await store.compare_and_swap(key, value, mod_revision=revision, timeout=timeout) is not None:
+            return True
+    log.info("not writing %s for epoch %d: it kept changing under this write", key, epoch)
+    return False

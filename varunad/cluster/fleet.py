@@ -1,0 +1,217 @@
+"""One immutable snapshot of the fleet per leader cycle (Patroni's habit): members, plan, jobs,
+job states, cancel requests and worker reports, each parsed from etcd into value objects.
+
+Values that do not parse are kept as errors next to their key, never raised: a hand-written job
+spec that is wrong fails that job; a garbled member or report is logged and left out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from varunad.store import schemas
+from varunad.cluster.election import PlanWriter
+from varunad.cluster.facts import DaemonMember, parse_member
+from varunad.store.fleetkeys import FleetKeys
+from varunad.control.jobs import JobSpec, JobSpecError, JobState
+from varunad.control.plans import PlanDoc
+from varunad.control.records import WorkerReport
+from varunad.store.etcd import KeyValue, Store, StoreError, WatchCompacted
+
+__all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest", "forget_progress"]
+
+T = TypeVar("T")
+
+# How many older values of the plan key a reader walks back past malformed ones.
+_PLAN_LOOKBACK = 32
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class JobEntry:
+    job: str
+    spec: JobSpec | None
+    error: str | None  # why the spec cannot be used
+    revision: int  # create revision: the queue order
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    revision: int
+    members: dict[str, tuple[DaemonMember, int]]  # name -> (facts, lease id)
+    plan: PlanDoc | None
+    plan_epoch: int
+    jobs: tuple[JobEntry, ...]
+    states: dict[str, JobState]
+    cancels: frozenset[str]
+    reports: dict[str, WorkerReport]
+    notes: tuple[str, ...] = field(default=())
+
+    def entry(self, job: str) -> JobEntry | None:
+        return next((e for e in self.jobs if e.job == job), None)
+
+    def usable(self) -> list[tuple[DaemonMember, int]]:
+        """Members the leader may plan on, by name."""
+        return [self.members[n] for n in sorted(self.members) if self.members[n][0].usable_slots > 0]
+
+
+async def read_fleet(store: Store, keys: FleetKeys, *, timeout: float) -> FleetSnapshot:
+    notes: list[str] = []
+    listing = await store.get_prefix(keys.members, timeout=timeout)
+    members = {}
+    for kv in listing:
+        try:
+            name = keys.member_name(kv.key)
+            member = parse_member(kv.value)
+            if member.name != name:
+                raise ValueError(f"it describes {member.name!r}")
+        except ValueError as exc:
+            schemas.reject("member", kv.key, exc)
+            continue
+        members[name] = (member, kv.lease)
+
+    plan, epoch = await read_plan(store, keys, timeout=timeout)
+
+    jobs = []
+    for kv in await store.get_prefix(keys.jobs, timeout=timeout):
+        try:
+            job = keys.job_id(kv.key)
+        except ValueError:
+            continue
+        try:
+            jobs.append(JobEntry(job, JobSpec.decode(kv.value, job=job), None, kv.create_revision))
+        except JobSpecError as exc:
+            jobs.append(JobEntry(job, None, str(exc), kv.create_revision))
+    jobs.sort(key=lambda e: e.revision)
+
+    states = {}
+    for kv in await store.get_prefix(keys.states, timeout=timeout):
+        try:
+            job = keys.state_job(kv.key)
+        except ValueError as exc:
+            schemas.reject("state", kv.key, exc)
+            continue
+        state, _ = await read_newest(store, kv.key, JobState.decode, "state", timeout=timeout, kv=kv)
+        if state is not None:
+            states[job] = state
+
+    cancels = set()
+    for kv in await store.get_prefix(keys.cancels, timeout=timeout):
+        try:
+            cancels.add(keys.cancel_job(kv.key))
+        except ValueError:
+            continue
+
+    reports = {}
+    last = await store.get_prefix(keys.workers, timeout=timeout)
+    for kv in last:
+        try:
+            reports[keys.workers_member(kv.key)] = WorkerReport.decode(kv.value)
+        except ValueError as exc:
+            schemas.reject("report", kv.key, exc)
+    return FleetSnapshot(last.revision, members, plan, epoch, tuple(jobs), states, frozenset(cancels), reports,
+                         tuple(notes))
+
+
+async def read_plan(store: Store, keys: FleetKeys, *, timeout: float | None) -> tuple[PlanDoc | None, int]:
+    """The newest plan a leader wrote and its epoch; (None, 0) when there is none.
+
+    A value that does not parse, or that no leader wrote (no :class:`PlanWriter` record of its
+    revision, or one naming someone who did not hold the leader key then), is reported, counted
+    and skipped: the plan in force stays the one before it, read from etcd's history. So garbage
+    or a forged plan at ``plan`` neither stops the job nor makes the leader re-plan it (which
+    would kill its workers without a checkpoint).
+    """
+    listing = await store.get_prefix(keys.plan, timeout=timeout)  # the plan and its writer, at one revision
+    leader = await store.get(keys.leader, timeout=timeout)
+    written = listing.get(keys.plan_writer)
+
+    async def forged(kv: KeyValue) -> str | None:
+        return await _not_a_leaders(store, keys, kv.mod_revision, written, leader, timeout=timeout)
+
+    return await read_newest(store, keys.plan, PlanDoc.decode, "plan", timeout=timeout,
+                             kv=listing.get(keys.plan), check=forged)
+
+
+async def _not_a_leaders(store: Store, keys: FleetKeys, revision: int, written: KeyValue | None,
+                         leader: KeyValue | None, *, timeout: float | None) -> str | None:
+    """Why the plan written at ``revision`` is no leader's; None when a leader wrote it.
+
+    ``written`` and ``leader``: the plan-writer record and the leader key as read now. A leader
+    writes its record in the plan's transaction, so the record of a plan's revision was modified
+    at that very revision. The leader named there must have held the leader key (name, term and
+    lease) at that revision: now, if the key has not changed since, else in etcd's history (a
+    plan of an earlier leader stays in force until the next leader writes one)."""
+    if written is None or written.mod_revision < revision:
+        return "no plan-writer record was written with it, so no leader wrote it"
+    try:
+        if written.mod_revision > revision:
+            written = await store.get(keys.plan_writer, timeout=timeout, revision=revision)
+            if written is None or written.mod_revision != revision:
+                return "no plan-writer record was written with it, so no leader wrote it"
+        writer = PlanWriter.decode(written.value)
+        if writer.held(leader) and leader is not None and leader.mod_revision <= revision:
+            return None
+        if writer.held(await store.get(keys.leader, timeout=timeout, revision=revision)):
+            return None
+    except WatchCompacted:
+        # History before the compaction is gone; a record of the plan's own revision still says
+        # one transaction wrote both, which only the leader's guarded write does.
+        return None
+    except ValueError as exc:
+        return str(exc)
+    return (f"its writer {writer.name} (term {writer.term}, lease {writer.lease:x}) did not hold the leader key "
+            f"at revision {revision}")
+
+
+async def read_newest(store: Store, key: str, decode: Callable[[bytes], T], kind: str, *, timeout: float | None,
+                      kv: KeyValue | None | bool = True,
+                      check: Callable[[KeyValue], Awaitable[str | None]] | None = None) -> tuple[T | None, int]:
+    """The newest value of ``key`` that ``decode`` accepts and its mod revision; (None, 0) if none.
+
+    For documents only the leader writes (the plan, job states): one that does not parse is no
+    leader's, so it is reported and the one before it, from etcd's history, stays in force.
+    ``kv``: the key as already read (None: absent), to save a read. ``check``: why a value that
+    parses is still not to be trusted (None: it is), for the same walk back.
+    """
+    if kv is True:
+        kv = await store.get(key, timeout=timeout)
+    for _ in range(_PLAN_LOOKBACK):
+        if kv is None or kv is False:
+            return None, 0
+        try:
+            value = decode(kv.value)
+            why = None if check is None else await check(kv)
+            if why is None:
+                return value, kv.mod_revision
+            schemas.reject(kind, f"{key}@{kv.mod_revision}", why)
+        except ValueError as exc:
+            schemas.reject(kind, f"{key}@{kv.mod_revision}", exc)
+        if kv.mod_revision <= 1:
+            return None, 0
+        try:
+            kv = await store.get(key, timeout=timeout, revision=kv.mod_revision - 1)
+        except StoreError as exc:  # compacted away: nothing we can trust
+            log.debug("cannot read %s before revision %d: %s", key, kv.mod_revision, exc)
+            return None, 0
+        if kv is not None and kv.version == 0:
+            return None, 0
+    return None, 0
+
+
+async def forget_progress(store: Store, keys: FleetKeys, job: str, ranks: int, *, timeout: float) -> int:
+    """Delete ``progress/<job>/<rank>`` of every rank >= ``ranks`` (a plan that shrank no longer has
+    them, and status would show their last step forever); returns how many went. Best effort."""
+    gone = 0
+    try:
+        for kv in await store.get_prefix(keys.progress_of(job), timeout=timeout):
+            rank = kv.key[len(keys.progress_of(job)):]
+            if not rank.isdigit() or int(rank) >= ranks:
+                gone += bool(await store.delete(kv.key, timeout=timeout))
+    except StoreError as exc:
+        log.debug("could not forget stale progress of %s: %s", job, exc)
+    return gone

@@ -1,0 +1,705 @@
+"""The leader: decide from one fleet snapshot what the job queue needs, and do it.
+
+``decide`` is a pure function of a ``FleetSnapshot`` (plus what this leader remembers, such as
+when it first saw an epoch): it returns one ``Decision`` whose ``sentence`` says what and why.
+``Leader`` runs the loop (watch members, jobs, cancel requests, worker reports and the plan;
+debounce; read a snapshot; decide; act) while this daemon holds leadership. Every write it makes
+goes through ``Election.write_as_leader`` (the plan through ``write_plan``, with its writer record), so
+a deposed leader changes nothing.
+
+A morph has two phases. First a ``stop`` plan (new epoch) asks the old epoch's workers to stop,
+after a checkpoint when every member of the old plan is alive (a member that left cannot
+checkpoint, and its peers are blocked on it); the leader waits, bounded, until every live member
+reports those workers gone (daemons SIGKILL the ones that do not stop within their grace).
+Then a ``run`` plan for the members that answer a ping: its epoch is its etcd revision, and
+every worker resumes from the newest complete checkpoint with the same global batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protocol.messages import StopWorkers
+from trainer.planning.calibration import Calibration
+from trainer.planning.planner import Plan, PlanError
+
+from varunad.node.config import DaemonConfig
+from varunad.cluster.election import Election, NotLeader
+from varunad.control.failures import cause as failure_cause, classify
+from varunad.cluster.fleet import FleetSnapshot, JobEntry, forget_progress, read_fleet, read_newest
+from varunad.store.fleetkeys import FleetKeys
+from varunad.control.outage import judge_members
+from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
+from varunad.control.links import LinkSurvey, apply_links
+from varunad.node.metrics import DaemonMetrics
+from varunad.node.peers import PeerClients
+from varunad.control.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
+from varunad.store.etcd import Store, StoreError, Watch
+
+__all__ = ["Decision", "LeaderMemory", "decide", "Leader"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: str  # nothing | idle | fail | cancel | start | done | abort | await_stop | adopt | consider | wait
+    reason: str
+    job: str | None = None
+    checkpoint: bool = False  # abort: ask the workers to checkpoint first
+    failure: bool = False  # abort: a worker failed (counts as a restart unless a member was lost)
+
+    @property
+    def sentence(self) -> str:
+        verbs = {
+            "nothing": "does nothing", "wait": "waits", "idle": "clears the plan", "fail": f"fails {self.job}",
+            "cancel": f"cancels {self.job}", "start": f"plans {self.job}", "done": f"finishes {self.job}",
+            "abort": f"stops the workers of {self.job}" + (" after a checkpoint" if self.checkpoint else ""),
+            "await_stop": f"waits for the workers of {self.job} to stop", "adopt": f"records the plan of {self.job}",
+            "consider": f"considers re-planning {self.job}",
+        }
+        return f"the leader {verbs.get(self.action, self.action)} because {self.reason}"
+
+
+@dataclass
+class LeaderMemory:
+    """What this leader saw, kept only while it leads (a new leader starts empty)."""
+
+    epoch_seen: dict[int, float] = field(default_factory=dict)  # epoch -> monotonic time first seen
+    considered: tuple[int, frozenset[str]] | None = None
+    waiting: dict[str, str] = field(default_factory=dict)  # job -> reason last recorded for waiting
+    profile_failed: set[str] = field(default_factory=set)
+    # job -> the MorphEvent fields known when it stopped (the new plan adds to_shape, to_epoch, planned_at)
+    morph: dict[str, dict] = field(default_factory=dict)
+
+
+_LAST_OUTPUT = "; last output:"
+# The last line of a Python traceback: "ValueError: ...", "trainer.errors.ConfigError: ...",
+# with the "[rank2]: " torch.distributed puts before each line of a worker's traceback.
+_EXCEPTION_LINE = re.compile(r"(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?")
+
+
+def error_summary(text: str) -> str:
+    """One line for a failed worker's error: the supervisor's first line ("rank 0 on vm1 exited
+    with code 1; last output:") and, from the output after it, the exception that ended the
+    script (the last line of its traceback), else the last line it printed."""
+    lines = text.strip().splitlines()
+    if not lines:
+        return ""
+    head, output = lines[0], [ln.strip() for ln in lines[1:] if ln.strip()]
+    if not head.endswith(_LAST_OUTPUT) or not output:
+        return head[:300]
+    cause = next((ln for ln in reversed(output) if _EXCEPTION_LINE.fullmatch(ln)), output[-1])
+    return f"{head[:-len(_LAST_OUTPUT)]}: {cause}"[:300]
+
+
+def _current(snap: FleetSnapshot) -> JobEntry | None:
+    for entry in snap.jobs:
+        st = snap.states.get(entry.job)
+        if st is not None and st.state in ("running", "morphing"):
+            return entry
+    return None
+
+
+def _queued(snap: FleetSnapshot) -> JobEntry | None:
+    for entry in snap.jobs:
+        st = snap.states.get(entry.job)
+        if entry.spec is not None and (st is None or st.state == "queued"):
+            return entry
+    return None
+
+
+def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeout: float,
+           outage_until: float = 0.0) -> Decision:
+    """What to do next, from the snapshot alone (and when this leader first saw each epoch)."""
+    for entry in snap.jobs:
+        st = snap.states.get(entry.job)
+        if entry.error is not None and not (st is not None and st.terminal):
+            return Decision("fail", f"its spec is invalid: {entry.error}", entry.job)
+    for job in sorted(snap.cancels):
+        st = snap.states.get(job)
+        if snap.entry(job) is not None and not (st is not None and st.terminal):
+            return Decision("cancel", "varunactl cancel asked for it", job)
+
+    plan, epoch = snap.plan, snap.plan_epoch
+    cur = _current(snap)
+    if cur is None:
+        nxt = _queued(snap)
+        if nxt is None:
+            if plan is not None and plan.kind != "idle":
+                return Decision("idle", "no job is running or queued")
+            return Decision("nothing", "no job is queued")
+        if plan is not None and plan.kind == "profile" and plan.job == nxt.job:
+            return _profile_progress(snap, nxt, plan, epoch)
+        return Decision("start", f"started: {nxt.job} was next in the queue", nxt.job)
+
+    job = cur.job
+    state = snap.states[job]
+    if plan is None or plan.job != job or plan.kind in ("idle", "profile"):
+        return Decision("start", f"{job} is {state.state} but no plan runs it", job)
+    if plan.kind == "stop":
+        alive = sorted(m for m, r in snap.reports.items() if m in snap.members and r.alive(plan.stop_epoch))
+        if alive:
+            return Decision("await_stop", f"workers of epoch {plan.stop_epoch} still run on {', '.join(alive)}", job)
+        return Decision("start", f"the workers of epoch {plan.stop_epoch} have stopped", job)
+
+    # A run plan for the current job.
+    if state.epoch != epoch:
+        return Decision("adopt", f"plan epoch {epoch} runs {job} but its state says epoch {state.epoch}", job)
+    records = {}
+    for s in plan.slots:
+        report = snap.reports.get(s.member)
+        records[s.rank] = (s.member, report.of(job, epoch).get(s.rank) if report else None)
+    if records and all(r is not None and r.outcome == "done" for _, r in records.values()):
+        return Decision("done", f"every worker of epoch {epoch} finished", job)
+    failed = [(m, r) for m, r in records.values() if r is not None and r.outcome == "failed"]
+    if failed:
+        m, r = failed[0]
+        why = error_summary(r.error)
+        if not why.startswith(f"rank {r.rank} on {m} "):   # the supervisor's own errors name the worker
+            why = f"rank {r.rank} on {m} failed: {why}"
+        return Decision("abort", why, job, failure=True)
+    verdict = judge_members(plan, epoch, snap.members, snap.reports, now=now, outage_until=outage_until)
+    if verdict.gone:
+        return Decision("abort", f"{_was_lost(verdict.gone)} (its lease ended): re-planning on the VMs left, from the "
+                                 "newest checkpoint", job)
+    if verdict.awaited:
+        return Decision("wait", f"etcd was unavailable: waiting up to {outage_until - now:.0f}s for "
+                                f"{', '.join(verdict.awaited)} to register again before counting it lost", job)
+    leaving = [m for m in plan.members if snap.members[m][0].draining]
+    if leaving:
+        return Decision("abort", f"{', '.join(leaving)} is leaving (a stop or a preemption notice): checkpointing, "
+                                 "then re-planning on the VMs left", job, checkpoint=True)
+    if records and all(r is not None and not r.alive for _, r in records.values()):
+        return Decision("start", f"every worker of epoch {epoch} has stopped", job)
+    seen = memory.epoch_seen.get(epoch, now)
+    started = any(r is not None and r.step >= 0 for _, r in records.values())
+    if not started and now - seen > start_timeout:
+        return Decision("abort", f"the workers of epoch {epoch} did not reach a first step within "
+                                 f"{start_timeout:.0f}s", job, failure=True)
+    usable = frozenset(m.name for m, _ in snap.usable())
+    newcomers = sorted(usable - set(plan.members))
+    if newcomers and memory.considered != (epoch, usable):
+        return Decision("consider", f"{', '.join(newcomers)} could join {job}", job)
+    return Decision("nothing", f"{job} runs epoch {epoch} as {plan.shape}", job)
+
+
+def _was_lost(names: list[str]) -> str:
+    return f"{', '.join(names)} {'was' if len(names) == 1 else 'were'} lost"
+
+
+def _who_and_cause(summary: str) -> tuple[str, str]:
+    """("rank 0 on vm1 exited with code 3", "failing on purpose") from error_summary's line."""
+    m = re.match(r"(rank \d+ on \S+ [^:]*?)(?:: | failed: )(.*)", summary)
+    if m is None:
+        return "a worker", summary
+    return m.group(1), failure_cause(summary)
+
+
+def _cause_of(reason: str) -> str:
+    """The few words of a morph's reason that say what happened ("vm4 was lost")."""
+    for sep in (" (", ": "):
+        if sep in reason:
+            return reason.split(sep, 1)[0]
+    return reason
+
+
+def _final_checkpoint(store: str, steps: int) -> bool | None:
+    """Whether the checkpoint of the job's last step is complete (its manifest is written last);
+    None when the store is not a path the leader can look at (an object store URL). Plain file
+    tests: the daemon does not import torch (trainer.checkpoint.store does)."""
+    if "://" in store:
+        return None
+    return os.path.isfile(os.path.join(store, f"varuna_ckpt_{steps}", "manifest.json"))
+
+
+def _profile_progress(snap: FleetSnapshot, entry: JobEntry, plan: PlanDoc, epoch: int) -> Decision:
+    member = plan.profile_member or ""
+    report = snap.reports.get(member)
+    records = report.of(entry.job, epoch) if report else {}
+    rec = records.get(0)
+    if member not in snap.members:
+        return Decision("start", f"{member}, which was calibrating the model, left", entry.job)
+    if rec is not None and not rec.alive:
+        return Decision("start", f"the calibration run on {member} ended ({rec.outcome})", entry.job)
+    return Decision("wait", f"{member} is calibrating the model of {entry.job}", entry.job)
+
+
+class _Deposed(Exception):
+    pass
+
+
+def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot) -> dict:
+    """What the end-of-job report needs beyond ``describe`` (which has the per-stage recompute
+    flags): devices per kind (to price the run) and the planner's other per-stage choices (to
+    replay its prediction in the simulator)."""
+    kinds = Counter(snap.members[s.member][0].device_kind for s in doc.slots)
+    return {"device_kinds": dict(kinds), "stage_kinds": [st.device_kind for st in planned.stages],
+            "link_kinds": list(planned.link_kinds),
+            "allreduce_kinds": list(planned.allreduce_kinds), "micro_batches": planned.micro_batches,
+            # why this plan (varunactl status JOB and the report say it): the runners-up and their
+            # estimates, and what ruled out the plans a user would try first
+            "alternatives": [{"P": c.P, "D": c.D, "micro_batch_size": c.micro_batch_size,
+                              "micro_batches": c.micro_batches,
+                              "estimated_s": c.simulated_s if c.simulated_s is not None else c.estimate_s}
+                             for c in planned.alternatives(3)],
+            "ruled_out": list(planned.ruled_out),
+            # daemons sharing a host (a local ring) share its cores: the report says so beside its prediction
+            "daemons_per_host": max(Counter(snap.members[m][0].host for m in doc.members).values(), default=0)}
+
+
+class Leader:
+    """Runs while this daemon leads; cancelled when it stops leading."""
+
+    def __init__(self, *, config: DaemonConfig, store: Store, keys: FleetKeys, election: Election,
+                 clients: PeerClients, clock: Callable[[], float] = time.monotonic,
+                 metrics: DaemonMetrics | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.keys = keys
+        self.election = election
+        self.clients = clients
+        self.clock = clock
+        self.memory = LeaderMemory()
+        self.metrics = metrics if metrics is not None else DaemonMetrics()
+        self._changed = asyncio.Event()
+        self._last_sentence = ""
+        self._reports: set[asyncio.Task[None]] = set()  # end-of-job reports being written
+        self.links = LinkSurvey(store, keys, timeout=config.retry_timeout, put=election.write_as_leader,
+                                term=lambda: election.state.term, clock=clock)
+
+    @property
+    def t(self) -> float:
+        return self.config.retry_timeout
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        watchers = [asyncio.get_running_loop().create_task(self._watch(prefix, is_prefix))
+                    for prefix, is_prefix in ((self.keys.members, True), (self.keys.jobs, True),
+                                              (self.keys.cancels, True), (self.keys.workers, True),
+                                              (self.keys.plan, False), (self.keys.root + "links/", True))]
+        try:
+            while True:
+                try:
+                    acted = await self.cycle()
+                except _Deposed as exc:
+                    log.warning("leader: stopping: %s", exc)
+                    return
+                if acted:
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.config.loop_wait):
+                        await self._changed.wait()
+                if self._changed.is_set():
+                    await asyncio.sleep(self.config.debounce)  # let related changes arrive together
+                self._changed.clear()
+        finally:
+            for w in watchers:
+                w.cancel()
+            for w in watchers:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await w
+
+    async def _watch(self, key: str, is_prefix: bool) -> None:
+        while True:
+            watch: Watch = self.store.watch_prefix(key) if is_prefix else self.store.watch(key)
+            try:
+                await watch.start(timeout=self.t)
+                self._changed.set()  # something may have changed while no watch ran
+                while True:
+                    if await watch.next(timeout=None) is not None:
+                        self._changed.set()
+            except StoreError as exc:
+                log.debug("watch of %s broke (%s); starting another", key, exc)
+                await asyncio.sleep(min(1.0, self.config.loop_wait))
+            finally:
+                await watch.cancel()
+
+    async def cycle(self) -> bool:
+        """One snapshot, one decision, its execution. True when it changed something."""
+        if not self.election.is_leader():
+            raise _Deposed("this daemon no longer leads")
+        try:
+            snap = await read_fleet(self.store, self.keys, timeout=self.t)
+        except StoreError as exc:
+            log.warning("leader: cannot read the fleet from etcd (%s); deciding nothing until it answers", exc)
+            return False
+        await self._survey_links(snap)
+        now = self.clock()
+        if snap.plan is not None and snap.plan.kind == "run":
+            self.memory.epoch_seen.setdefault(snap.plan_epoch, now)
+        decision = decide(snap, self.memory, now=now, start_timeout=self.config.start_timeout,
+                          outage_until=self._outage_until())
+        sentence = decision.sentence
+        # One line per decision; a decision repeated cycle after cycle (waiting for slots, say) once.
+        log.log(logging.DEBUG if sentence == self._last_sentence else logging.INFO, "%s", sentence)
+        self._last_sentence = sentence
+        try:
+            return await self._execute(decision, snap)
+        except NotLeader as exc:
+            raise _Deposed(str(exc)) from None
+        except StoreError as exc:
+            log.warning("leader: etcd failed while acting (%s); will decide again", exc)
+            await asyncio.sleep(min(1.0, self.config.loop_wait))
+            return False
+
+    async def _survey_links(self, snap: FleetSnapshot) -> None:
+        """Measure the links between idle members that have none for their addresses (varunad.control.links)."""
+        plan = snap.plan
+        # members whose workers still run (a stopping epoch's too), and those a plan gives work
+        busy = {m for m, r in snap.reports.items() if r.alive()}
+        if plan is not None and plan.kind == "run":
+            busy |= set(plan.members)
+        elif plan is not None and plan.kind == "profile" and plan.profile_member:
+            busy.add(plan.profile_member)
+        try:
+            await self.links.survey({m.name: m for m, _ in snap.usable()}, busy)
+        except StoreError as exc:
+            log.warning("leader: link survey: %s", exc)
+
+    def _outage_until(self) -> float:
+        """Until when absent members are awaited (varunad.control.outage): two TTLs after this daemon last
+        saw etcd fail (a renewal failed, or its lease lapsed and it registered again)."""
+        trouble = self.election.membership.trouble_at
+        return trouble + 2 * self.config.ttl + self.config.loop_wait if trouble else 0.0
+
+    async def _execute(self, d: Decision, snap: FleetSnapshot) -> bool:
+        if d.action in ("nothing", "wait"):
+            return False
+        if d.action == "idle":
+            await self.election.write_plan(PlanDoc.idle(d.reason).encode())
+            return True
+        assert d.job is not None
+        if d.action == "fail":
+            await self._finish(snap, d.job, "failed", d.reason, error=d.reason)
+            return True
+        if d.action == "cancel":
+            await self._stop_if_running(snap, d.job, checkpoint=False, reason="cancelled")
+            await self._finish(snap, d.job, "cancelled", d.reason)
+            return True
+        if d.action == "done":
+            return await self._done(snap, d)
+        if d.action == "adopt":
+            state = snap.states[d.job]
+            plan = snap.plan
+            assert plan is not None
+            epochs = tuple(sorted(set(state.epochs) | {snap.plan_epoch}))
+            await self._put_state(state.but(state="running", epoch=snap.plan_epoch, epochs=epochs,
+                                            plan=describe(plan, snap.plan_epoch), reason=plan.reason))
+            return True
+        if d.action == "abort":
+            return await self._abort(snap, d)
+        if d.action == "await_stop":
+            plan = snap.plan
+            assert plan is not None
+            if not await self._wait_stopped(plan.stop_epoch, plan.checkpoint):
+                log.warning("leader: workers of epoch %d did not all stop in time; planning without waiting",
+                            plan.stop_epoch)
+            return await self._start(d.job, d.reason)
+        if d.action == "start":
+            return await self._start(d.job, d.reason)
+        if d.action == "consider":
+            return await self._consider(snap, d)
+        raise ValueError(f"unknown decision {d.action}")
+
+    # -- job state ----------------------------------------------------------------------------------------
+
+    async def _state(self, job: str) -> JobState:
+        state, _ = await read_newest(self.store, self.keys.state(job), JobState.decode, "state", timeout=self.t)
+        return state if state is not None else JobState(job=job)
+
+    async def _put_state(self, state: JobState) -> None:
+        await self.election.write_as_leader(self.keys.state(state.job), state.encode())
+
+    async def _finish(self, snap: FleetSnapshot, job: str, outcome: str, reason: str, *, error: str | None = None) -> None:
+        state = await self._state(job)
+        await self._put_state(state.but(state=outcome, reason=reason, error=error, finished_at=time.time()))
+        if snap.plan is not None and snap.plan.job == job and snap.plan.kind != "idle":
+            await self.election.write_plan(PlanDoc.idle(f"{job} is {outcome}").encode())
+        log.info("leader: job %s is %s: %s", job, outcome, reason)
+        entry = snap.entry(job)
+        if state.epochs and entry is not None and entry.spec is not None:
+            self._write_report(job, state.store or job_store(entry.spec, self.config.store))
+
+    def _write_report(self, job: str, store_dir: str) -> None:
+        """Record the job's report data (losses, morphs, traces, cost) into its store, in the
+        background: the report reads etcd and files, none of which may hold up the loop or fail
+        the job (write_end_of_job_report logs its own failures). `varunactl report` draws the
+        pictures from it: no plotting library in the daemon."""
+        try:
+            from varunad.report import write_end_of_job_report  # loaded when first needed
+        except Exception as exc:  # a broken report must not break the leader
+            log.warning("leader: no report for %s: %s", job, exc)
+            return
+        task = asyncio.get_running_loop().create_task(
+            write_end_of_job_report(self.store, self.keys, job, store_dir, timeout=self.t))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    # -- stopping -----------------------------------------------------------------------------------------
+
+    async def _stop_if_running(self, snap: FleetSnapshot, job: str, *, checkpoint: bool, reason: str) -> None:
+        plan = snap.plan
+        if plan is None or plan.job != job or plan.kind not in ("run", "profile", "stop"):
+            return
+        target = snap.plan_epoch if plan.kind != "stop" else plan.stop_epoch
+        await self._write_stop(snap, job, target, checkpoint=checkpoint, reason=reason)
+        await self._wait_stopped(target, checkpoint)
+
+    async def _write_stop(self, snap: FleetSnapshot, job: str, epoch: int, *, checkpoint: bool, reason: str) -> None:
+        # Without a checkpoint the epoch is broken (a member lost, a worker failed, a cancel): no
+        # worker can reach another step boundary, so daemons kill them at once (kill=True).
+        await self.election.write_plan(
+            PlanDoc.stop(job, epoch, checkpoint=checkpoint, reason=reason, kill=not checkpoint).encode())
+        msg = StopWorkers(job=job, epoch=epoch, reason=reason[:1000], checkpoint=checkpoint)
+        for name, (member, _) in snap.members.items():
+            await self.clients.send(name, member.endpoint, msg)
+
+    async def _wait_stopped(self, epoch: int, checkpoint: bool) -> bool:
+        """Until no live member reports a worker of ``epoch`` or older alive (bounded)."""
+        grace = self.config.stop_grace if checkpoint else self.config.abort_grace
+        limit = grace + 2 * self.t + 5.0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while loop.time() < deadline:
+            try:
+                snap = await read_fleet(self.store, self.keys, timeout=self.t)
+            except StoreError as exc:
+                log.debug("leader: reading reports while waiting for a stop: %s", exc)
+            else:
+                alive = [m for m, r in snap.reports.items() if m in snap.members and r.alive(epoch)]
+                if not alive:
+                    return True
+            if not self.election.is_leader():
+                raise NotLeader("lost leadership while waiting for workers to stop")
+            await asyncio.sleep(0.1)
+        return False
+
+    async def _done(self, snap: FleetSnapshot, d: Decision) -> bool:
+        """Every worker exited 0: the job is done only if they trained its last step and its
+        checkpoint is complete; a script that ended early fails the job, saying where."""
+        assert d.job is not None
+        entry = snap.entry(d.job)
+        state = snap.states[d.job]
+        if entry is None or entry.spec is None:
+            await self._finish(snap, d.job, "done", d.reason)
+            return True
+        steps = entry.spec.steps
+        reports = [snap.reports.get(s.member) for s in snap.plan.slots] if snap.plan is not None else []
+        reached = max((r.step + 1 for rep in reports if rep is not None
+                       for r in rep.of(d.job, snap.plan_epoch).values()), default=0)
+        final = _final_checkpoint(state.store or job_store(entry.spec, self.config.store), steps)
+        if final or (final is None and reached >= steps):
+            await self._finish(snap, d.job, "done", f"trained all {steps} steps; the checkpoint of the last one "
+                                                    "is complete")
+            return True
+        if reached >= steps:
+            why = (f"the workers trained all {steps} steps but the checkpoint of step {steps} is not complete "
+                   f"in the store (see `varunactl logs {d.job}`)")
+        else:
+            why = (f"the script ended at step {reached} of {steps}: its workers exited with code 0 before the "
+                   f"job's last step (loop `while model.iteration < job_setting('steps', ...)`)")
+        await self._finish(snap, d.job, "failed", why, error=why)
+        return True
+
+    async def _abort(self, snap: FleetSnapshot, d: Decision) -> bool:
+        assert d.job is not None and snap.plan is not None
+        job, plan, epoch, reason = d.job, snap.plan, snap.plan_epoch, d.reason
+        noticed = time.time()
+        state = snap.states[job]
+        who, what = _who_and_cause(d.reason) if d.failure else ("", "")
+        await self._put_state(state.but(state="morphing", reason=(
+            f"a worker failed ({who}): stopping the epoch, then checking which VMs answer" if d.failure else d.reason)))
+        await self._write_stop(snap, job, epoch, checkpoint=d.checkpoint, reason=d.reason)
+        if not await self._wait_stopped(epoch, d.checkpoint):
+            log.warning("leader: not every worker of epoch %d reported stopping; planning without them", epoch)
+        stopped = time.time()
+        restart = False
+        cause = _cause_of(reason)
+        if d.failure:
+            answered = await self.clients.ping(
+                [(m, snap.members[m][0].endpoint) for m in plan.members if m in snap.members],
+                self._ping_timeout())
+            lost = sorted(set(plan.members) - answered)
+            state = await self._state(job)
+            # the worker's own words (often gloo's, from a peer that vanished) stay in this log and in
+            # `varunactl logs`; the job's reason says what happened in ours
+            log.info("leader: %s: %s", job, d.reason)
+            if lost:
+                log.info("leader: %s did not answer a ping: not counting the failure as a restart", ", ".join(lost))
+                # A vanished VM breaks its neighbours' workers before its lease expires: name the cause.
+                cause = _was_lost(lost)
+                reason = (f"{cause} (it stopped answering; its peer {who}): re-planning on the VMs left, "
+                          "from the newest checkpoint")
+            else:
+                verdict = classify(d.reason, state.error if state.restarts else None)
+                restarts = state.restarts + 1
+                if verdict == "fail":
+                    again = " again on a fresh start" if state.restarts else ""
+                    await self._finish(snap, job, "failed",
+                                       f"{what} ({who}{again}): not retried, starting again would fail the same "
+                                       f"way; fix the script or the job and submit it again", error=d.reason)
+                    return True
+                if restarts > self.config.max_restarts:
+                    await self._finish(snap, job, "failed", f"gave up after {state.restarts} restarts: {what} ({who})",
+                                       error=d.reason)
+                    return True
+                await self._put_state(state.but(restarts=restarts, error=d.reason))
+                restart = True
+                cause = "a worker failed"
+                reason = (f"{what} ({who}): starting the same plan again from the newest checkpoint "
+                          f"(restart {restarts} of at most {self.config.max_restarts})")
+        self.memory.morph[job] = dict(reason=reason, from_shape=plan.shape, from_epoch=epoch, noticed_at=noticed,
+                                      stopped_at=stopped, checkpoint=d.checkpoint, restart=restart, cause=cause)
+        return await self._start(job, reason)
+
+    def _ping_timeout(self) -> float:
+        return max(0.5, min(2.0, self.config.ttl / 4))
+
+    # -- planning -------------------------------------------------------------------------------------------
+
+    async def _calibrations(self, spec: JobSpec, kinds: list[str]) -> tuple[dict[str, Calibration], bool, list[str]]:
+        """(calibrations, all measured?, kinds still missing). The one place that picks the fallback."""
+        fp = script_fingerprint(spec)
+        listing = await self.store.get_prefix(self.keys.calibration_of(fp), timeout=self.t)
+        stored = {kv.key.rsplit("/", 1)[-1]: kv.value for kv in listing}
+        found, missing = calibrations_for(spec, kinds, stored)
+        if not missing:
+            return found, True, []
+        if self.config.calibrate == "profile" and fp not in self.memory.profile_failed:
+            return found, False, missing
+        log.warning("leader: no calibration of %s for %s; planning data-parallel from a synthetic one "
+                    "(run with --calibrate profile to measure it)", spec.job, ", ".join(missing))
+        cals = {k: uniform_calibration(spec, k) for k in kinds}
+        return cals, False, []
+
+    async def _candidates(self, snap: FleetSnapshot) -> list[tuple]:
+        usable = snap.usable()
+        answered = await self.clients.ping([(m.name, m.endpoint) for m, _ in usable], self._ping_timeout())
+        for m, _ in usable:
+            if m.name not in answered:
+                log.warning("leader: %s did not answer a ping; planning without it", m.name)
+        return [(m, lease) for m, lease in usable if m.name in answered]
+
+    async def _start(self, job: str, reason: str) -> bool:
+        snap = await read_fleet(self.store, self.keys, timeout=self.t)
+        entry = snap.entry(job)
+        if entry is None or entry.spec is None:
+            return False
+        spec = entry.spec
+        state = snap.states.get(job) or JobState(job=job)
+        if snap.plan is not None and snap.plan.kind == "profile" and snap.plan.job == job:
+            report = snap.reports.get(snap.plan.profile_member or "")
+            rec = report.of(job, snap.plan_epoch).get(0) if report else None
+            if rec is not None and rec.outcome in ("failed", "killed"):
+                log.warning("leader: calibrating %s failed (%s); planning without a measured calibration",
+                            job, error_summary(rec.error) or rec.outcome)
+                self.memory.profile_failed.add(script_fingerprint(spec))
+        members = await self._candidates(snap)
+        kinds = sorted({m.device_kind for m, _ in members})
+        cals: dict[str, Calibration] = {}
+        measured = False
+        if members:
+            names = [m.name for m, _ in members]
+            # A job's first plan waits for a probe in flight (it ends within PROBE_TIMEOUT, at once
+            # when it fails): first the links, then a calibration run, neither disturbing the other.
+            # A job that ran already (a morph, a restart) never waits: it plans with what is measured.
+            waiting = self.links.waiting(names) if not state.epochs else []
+            if waiting:
+                why = "waiting for the link measurement " + ", ".join(f"{a} <-> {b}" for a, b in waiting)
+                if self.memory.waiting.get(job) != why:
+                    self.memory.waiting[job] = why
+                    log.info("leader: %s is %s", job, why)
+                return False
+            cals, measured, missing = await self._calibrations(spec, kinds)
+            if missing:
+                return await self._profile(snap, spec, members, state, missing)
+            cals = apply_links(cals, self.links.measured(names))
+        try:
+            if not members:
+                raise PlanError("no member offers a usable slot that answers")
+            doc, planned = make_plan(spec, members, cals, calibrated=measured, reason=reason)
+        except PlanError as exc:
+            why = f"waiting for a plan: {exc}"
+            if self.memory.waiting.get(job) != why:
+                self.memory.waiting[job] = why
+                await self._put_state(state.but(state="queued" if state.state == "queued" else "morphing",
+                                                reason=why))
+                log.info("leader: %s is %s", job, why)
+            return False
+        self.memory.waiting.pop(job, None)
+        epoch = await self.election.write_plan(doc.encode())
+        planned_at = time.time()
+        self.memory.epoch_seen[epoch] = self.clock()
+        morphs = state.morphs
+        info = self.memory.morph.pop(job, None)
+        if info is not None or state.epochs:
+            stopped = info or dict(reason=reason, from_shape="-", from_epoch=state.epoch, noticed_at=planned_at,
+                                   stopped_at=planned_at, checkpoint=False)
+            morphs = morphs + (MorphEvent(**stopped, to_shape=doc.shape, to_epoch=epoch, planned_at=planned_at),)
+            if not stopped.get("restart"):
+                self.metrics.morphs.inc()
+        # once running again, the state says where the job runs now and why it moved (the morph keeps
+        # the whole sentence)
+        now = reason
+        if info is not None and info.get("cause"):
+            now = f"resumed as {doc.shape} on {', '.join(doc.members)} after {info['cause']}"
+        await self._put_state(state.but(state="running", reason=now, epoch=epoch, epochs=state.epochs + (epoch,),
+                                        plan={**describe(doc, epoch), **_report_facts(doc, planned, snap)},
+                                        morphs=morphs[-50:], started_at=state.started_at or planned_at,
+                                        store=job_store(spec, self.config.store)))
+        log.info("leader: %s epoch %d: %s on %s (estimated %.3fs per step)\n%s", job, epoch, doc.shape,
+                 ", ".join(doc.members), doc.estimated_s, planned.explain())
+        assignment = doc.assignment(epoch)
+        for name in doc.members:
+            await self.clients.send(name, snap.members[name][0].endpoint, assignment)
+        await forget_progress(self.store, self.keys, job, len(doc.slots), timeout=self.t)
+        return True
+
+    async def _profile(self, snap: FleetSnapshot, spec: JobSpec, members: list[tuple], state: JobState,
+                       missing: list[str]) -> bool:
+        member = next(m for m, _ in members if m.device_kind == missing[0])
+        doc = PlanDoc(kind="profile", job=spec.job, reason=f"calibrating {missing[0]} on {member.name}",
+                      profile_member=member.name, incarnations={member.name: snap.members[member.name][1]})
+        await self.election.write_plan(doc.encode())
+        await self._put_state(state.but(reason=doc.reason))
+        return True
+
+    async def _consider(self, snap: FleetSnapshot, d: Decision) -> bool:
+        assert d.job is not None and snap.plan is not None
+        plan, epoch = snap.plan, snap.plan_epoch
+        usable = frozenset(m.name for m, _ in snap.usable())
+        self.memory.considered = (epoch, usable)
+        entry = snap.entry(d.job)
+        if entry is None or entry.spec is None:
+            return False
+        members = await self._candidates(snap)
+        cals, measured, missing = await self._calibrations(entry.spec, sorted({m.device_kind for m, _ in members}))
+        if missing:
+            return False
+        cals = apply_links(cals, self.links.measured([m.name for m, _ in members]))
+        try:
+            doc, _ = make_plan(entry.spec, members, cals, calibrated=measured, reason=d.reason)
+        except PlanError as exc:
+            log.info("leader: no better plan for %s: %s", d.job, exc)
+            return False
+        current = plan.estimated_s
+        gain = (current - doc.estimated_s) / current if current > 0 else 0.0
+        same = (doc.shape, doc.members) == (plan.shape, plan.members)
+        if same or gain <= self.config.scale_up_threshold:
+            log.info("leader: keeping %s as %s: re-planning onto %s would gain %.1f%% (threshold %.1f%%)",
+                     d.job, plan.shape, ", ".join(doc.members), 100 * gain, 100 * self.config.scale_up_threshold)
+            return False
+        joined = sorted(set(doc.members) - set(plan.members))
+        reason = (f"{', '.join(joined) or 'new VMs'} joined: {doc.shape} on {len(doc.members)} members is estimated "
+                  f"{100 * gain:.0f}% faster than {plan.shape}; checkpointing, then re-planning")
+        return await self._abort(snap, Decision("abort", reason, d.job, checkpoint=True))

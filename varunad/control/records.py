@@ -1,0 +1,182 @@
+"""What daemons report to etcd about their workers: per-member worker reports, progress, loss history.
+
+* ``workers/<member>`` (on the member's lease): the daemon's workers of the newest epoch it ran
+  and how each ended. The leader decides from these whether an epoch is done, failed, or stopped.
+* ``progress/<job>/<rank>``: the newest step of one worker (throttled).
+* ``history/<job>/<epoch>/<member>``: the (step, loss) pairs of the daemon's lowest rank in that
+  epoch. The loss is agreed by every worker in the step's all-reduce, so any daemon of the
+  epoch holds the whole history; ``merge_history`` keeps, per step, the newest epoch's value.
+  With them, the wall-clock span from its first step's report to its newest: the gap between
+  one epoch's last step and the next one's first is what a morph really cost, the wait for a
+  lost VM's lease and the new workers' start-up included.
+
+Outcomes of a worker: ``running``; ``done`` (exit 0); ``stopped`` (exit 75, asked to stop);
+``killed`` (SIGKILLed by its daemon after a stop's grace period: not the script's fault);
+``failed`` (anything else, with the tail of its output).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from varunad.store import schemas
+
+__all__ = ["OUTCOMES", "WorkerRecord", "WorkerReport", "Progress", "encode_history", "decode_history",
+           "merge_history", "epoch_ranges", "merge_spans", "stall_before"]
+
+OUTCOMES = ("starting", "running", "done", "stopped", "killed", "failed")
+
+
+def _loads(data: bytes, what: str) -> dict:
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return doc
+
+
+def _build(cls: type, doc: Mapping[str, Any]) -> Any:
+    schemas.check(cls, doc)
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerRecord:
+    rank: int
+    slot: int
+    pid: int = 0
+    outcome: str = "starting"
+    exit_code: int | None = None
+    error: str = ""
+    step: int = -1  # last step this worker reported
+    started_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"worker outcome {self.outcome!r} is not one of {OUTCOMES}")
+
+    @property
+    def alive(self) -> bool:
+        return self.outcome in ("starting", "running")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerReport:
+    member: str
+    job: str | None = None
+    epoch: int = 0
+    workers: tuple[WorkerRecord, ...] = ()
+    first_step_at: float = 0.0  # wall clock of the first progress of this epoch (benchmarks)
+    started_at: float = 0.0  # wall clock the workers of this epoch were started
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", tuple(
+            w if isinstance(w, WorkerRecord) else _build(WorkerRecord, w) for w in self.workers))
+
+    def alive(self, up_to_epoch: int | None = None) -> bool:
+        """Whether workers (of ``up_to_epoch`` or older, when given) still run here."""
+        if up_to_epoch is not None and self.epoch > up_to_epoch:
+            return False
+        return any(w.alive for w in self.workers)
+
+    def of(self, job: str, epoch: int) -> dict[int, WorkerRecord]:
+        if self.job != job or self.epoch != epoch:
+            return {}
+        return {w.rank: w for w in self.workers}
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> WorkerReport:
+        try:
+            return _build(cls, _loads(data, "worker report"))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"worker report is malformed: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Progress:
+    job: str
+    epoch: int
+    rank: int
+    step: int
+    loss: float
+    samples_per_s: float
+    busy_fraction: float
+    member: str = ""
+    at: float = 0.0
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Progress:
+        try:
+            return _build(cls, _loads(data, "progress"))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"progress is malformed: {exc}") from None
+
+
+Span = tuple[float, float]   # wall-clock seconds of an epoch's first and newest reported step
+
+
+def encode_history(pairs: Iterable[tuple[int, float]], span: Span | None = None) -> bytes:
+    doc: dict[str, Any] = {"steps": [[int(s), float(v)] for s, v in sorted(pairs)]}
+    if span is not None:
+        doc["span"] = [float(span[0]), float(span[1])]
+    return json.dumps(doc).encode()
+
+
+def decode_history(data: bytes) -> tuple[list[tuple[int, float]], Span | None]:
+    """(the (step, loss) pairs, the span or None: entries written before spans existed have none)."""
+    doc = _loads(data, "history")
+    try:
+        pairs = [(int(s), float(v)) for s, v in doc.get("steps", [])]
+    except TypeError as exc:
+        raise ValueError(f"history is malformed: {exc}") from None
+    span = doc.get("span")
+    if span is None:
+        return pairs, None
+    if not (isinstance(span, list) and len(span) == 2 and all(isinstance(t, (int, float)) for t in span)
+            and span[0] <= span[1]):
+        raise ValueError(f"history span is malformed: {span!r}")
+    return pairs, (float(span[0]), float(span[1]))
+
+
+def merge_spans(spans: Iterable[Span]) -> Span | None:
+    """One epoch's span from its daemons' (each saw the same steps, a little earlier or later)."""
+    spans = list(spans)
+    return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
+
+
+def stall_before(epoch: int, ran: Iterable[int], spans: Mapping[int, Span]) -> float | None:
+    """Wall seconds from the last step of the newest epoch before `epoch` that ran a step to
+    `epoch`'s first step: how long training stood still across the morph(s) between them, a
+    lost VM's lease wait and the new workers' start-up included. None when either has no span."""
+    before = max((e for e in ran if e < epoch), default=None)
+    if before is None or before not in spans or epoch not in spans:
+        return None
+    return spans[epoch][0] - spans[before][1]
+
+
+def merge_history(per_epoch: Mapping[int, Iterable[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """One loss per step: a step redone after a morph takes the newer epoch's value."""
+    merged: dict[int, float] = {}
+    for epoch in sorted(per_epoch):
+        for step, loss in per_epoch[epoch]:
+            merged[step] = loss
+    return sorted(merged.items())
+
+
+def epoch_ranges(per_epoch: Mapping[int, Iterable[tuple[int, float]]]) -> dict[int, tuple[int, int]]:
+    """Epoch -> (first step, last step) it ran."""
+    out = {}
+    for epoch, pairs in per_epoch.items():
+        steps = [s for s, _ in pairs]
+        if steps:
+            out[epoch] = (min(steps), max(steps))
+    return out

@@ -1,0 +1,493 @@
+"""varunactl: the operator's command line.
+
+One small dispatcher: each command group has an `_add_<group>(subparsers)` function that declares its
+arguments and binds one handler per subcommand with `set_defaults(handler=...)`; a handler takes the
+parsed arguments and returns the exit status. Add a group by writing its `_add_*` function and listing
+it in `_GROUPS`. Errors the user can fix print one line on stderr and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from protocol.errors import ProtocolError
+from protocol.security import generate_key_pair, load_public_key
+from trainer.planning.schedule import SCHEDULES
+
+__all__ = ["main"]
+
+# --- keys -----------------------------------------------------------------------------------------
+
+def _cmd_keys_generate(args: argparse.Namespace) -> int:
+    public, secret = generate_key_pair(args.dir, args.name, force=args.force)
+    print(f"public key  {public}  (copy it into the allow-list directory of every daemon)")
+    print(f"secret key  {secret}  (mode 0600; keep it on this machine)")
+    return 0
+
+
+def _cmd_keys_submit_key(args: argparse.Namespace) -> int:
+    from varunad.node.signing import generate_submit_key
+
+    secret, public = generate_submit_key(args.dir, args.name, force=args.force)
+    print(f"public key  {public}  (copy it into the --submit-keys directory of every daemon)")
+    print(f"secret key  {secret}  (mode 0600; sign jobs with `varunactl submit --sign-key {secret}`)")
+    return 0
+
+
+def _cmd_keys_show(args: argparse.Namespace) -> int:
+    print(load_public_key(args.file).decode("ascii"))
+    return 0
+
+
+def _add_keys(sub: argparse._SubParsersAction) -> None:
+    keys = sub.add_parser(
+        "keys", help="create and inspect CURVE key pairs and job-signing keys",
+        description="CURVE key pairs authenticate daemons to each other and encrypt their traffic.")
+    actions = keys.add_subparsers(dest="action", metavar="ACTION", required=True)
+    gen = actions.add_parser(
+        "generate", help="write NAME.key and NAME.key_secret",
+        description="Write a new key pair: DIR/NAME.key (public, share it) and DIR/NAME.key_secret "
+                    "(secret, mode 0600). Name it after the daemon's member name.")
+    _key_pair_options(gen)
+    gen.set_defaults(handler=_cmd_keys_generate)
+    sk = actions.add_parser(
+        "submit-key", help="write NAME.sign_public and NAME.sign_secret (to sign jobs)",
+        description="Write a new Ed25519 key pair for signing jobs: DIR/NAME.sign_public goes into the "
+                    "--submit-keys directory of every daemon; DIR/NAME.sign_secret (mode 0600) stays with the "
+                    "person who submits (varunactl submit --sign-key).")
+    _key_pair_options(sk)
+    sk.set_defaults(handler=_cmd_keys_submit_key)
+    show = actions.add_parser("show", help="print the public key of a key file",
+                              description="Print the Z85 public key held in a .key or .key_secret file.")
+    show.add_argument("file", metavar="FILE", help="a NAME.key or NAME.key_secret file")
+    show.set_defaults(handler=_cmd_keys_show)
+
+
+# --- fleet commands (through etcd; implemented in varunad.ctl.commands, imported on use) ---------------------
+
+def _keys(args: argparse.Namespace):
+    from varunad.store.fleetkeys import FleetKeys
+
+    return FleetKeys(args.root)
+
+
+def _run(args: argparse.Namespace, fn) -> int:
+    from varunad.ctl import commands as ctl
+
+    return ctl.run(args.etcd, args.timeout, fn, **_etcd_security(args))
+
+
+def _etcd_security(args: argparse.Namespace) -> dict:
+    """TLS and auth for etcd, as the daemon takes them (flags, else VARUNAD_ETCD_* variables)."""
+    password = os.environ.get("VARUNAD_ETCD_PASSWORD")
+    if (args.etcd_user is None) != (password is None):
+        raise ValueError("--etcd-user (VARUNAD_ETCD_USER) needs VARUNAD_ETCD_PASSWORD, and the other way round")
+    return dict(ca_file=args.etcd_ca, cert_file=args.etcd_cert, key_file=args.etcd_key, user=args.etcd_user,
+                password=password, probe_key=args.root)
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from varunad.ctl import commands as ctl
+
+    script_args = list(args.script_args)
+    if script_args and script_args[0] == "--":
+        script_args = script_args[1:]
+    spec, bundle = ctl.build_spec(
+        name=args.name, script=args.script, args=script_args, batch_size=args.batch_size,
+        chunk_size=args.chunk_size, steps=args.steps, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, store=args.store, schedule=args.schedule,
+        import_check=not args.no_import_check)
+    if spec.checkpoint_every > spec.steps:
+        print(f"varunactl submit: note: --checkpoint-every {spec.checkpoint_every} is more than --steps {spec.steps}: "
+              "no checkpoint before the end, so a lost VM restarts the job from step 0", file=sys.stderr)
+    signature = None
+    if args.sign_key:
+        from varunad.node.signing import sign_spec
+
+        signature = sign_spec(args.sign_key, spec.encode()).encode()
+    return _run(args, lambda store: ctl.submit(store, _keys(args), spec, bundle, signature=signature))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from varunad.ctl import commands as ctl
+
+    async def go(store) -> int:
+        doc = await (ctl.job_status(store, _keys(args), args.job) if args.job else
+                     ctl.fleet_status(store, _keys(args)))
+        if args.json:
+            print(ctl.dumps(doc))
+        elif args.job:
+            ctl.print_job(doc)
+        else:
+            ctl.print_fleet(doc)
+        return 0
+
+    return _run(args, go)
+
+
+def _cmd_nodes(args: argparse.Namespace) -> int:
+    from varunad.ctl import commands as ctl
+
+    async def go(store) -> int:
+        members = await ctl.nodes(store, _keys(args))
+        if args.json:
+            print(ctl.dumps(members))
+            return 0
+        print(f"{'NAME':<16} {'HOST':<16} {'SLOTS':>5} {'KIND':<8} {'MEM_GiB':>8} {'LEASE_AGE':>9} {'TTL_LEFT':>8} "
+              f"{'UP_S':>8}  VERSION")
+        for m in members:
+            age = "-" if m["lease_age_s"] is None else f"{m['lease_age_s']:.0f}s"
+            left = "-" if m["lease_ttl_left_s"] is None else f"{m['lease_ttl_left_s']}s"
+            print(f"{m['name']:<16} {m['host']:<16} {m['slots']:>5} {m['device_kind']:<8} "
+                  f"{m['memory_bytes'] / 2**30:>8.1f} {age:>9} {left:>8} {m['up_s']:>8.0f}  {m['version']}"
+                  + ("  (leaving)" if m["draining"] else ""))
+        return 0
+
+    return _run(args, go)
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    from varunad.ctl import commands as ctl
+
+    async def go(store) -> int:
+        rows = await ctl.jobs(store, _keys(args))
+        if args.json:
+            print(ctl.dumps(rows))
+            return 0
+        print(f"{'JOB':<24} {'STATE':<10} {'EPOCH':>8}  REASON")
+        for j in rows:
+            print(f"{j['job']:<24} {j['state']:<10} {j['epoch']:>8}  {j['reason']}")
+        return 0
+
+    return _run(args, go)
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from varunad.ctl import commands as ctl
+
+    return _run(args, lambda store: ctl.logs(store, _keys(args), args.job, follow=args.follow))
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    from varunad.ctl import commands as ctl
+
+    return _run(args, lambda store: ctl.cancel(store, _keys(args), args.job, wait=args.wait))
+
+
+def _add_jobs(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "submit", help="submit a training script as a job",
+        description="Bundle SCRIPT and the files next to it (size-limited) into etcd as job NAME. The fleet's "
+                    "leader runs it when it reaches the head of the queue, as P x D workers chosen for the live "
+                    "VMs, and morphs it (same global batch, from the newest checkpoint) when VMs come and go.")
+    p.add_argument("--name", required=True, help="job name: letters, digits, . _ - : @")
+    p.add_argument("--batch-size", type=int, required=True, metavar="B", help="global batch per step")
+    p.add_argument("--chunk-size", default="auto", metavar="M|auto",
+                   help="micro-batch size (must divide B), or auto to let the planner choose (default)")
+    p.add_argument("--steps", type=int, required=True, metavar="S", help="optimizer steps to train")
+    p.add_argument("--checkpoint-every", type=int, required=True, metavar="K", help="checkpoint every K steps")
+    p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="complete checkpoints kept (3)")
+    p.add_argument("--store", metavar="DIR", help="checkpoint store of the job (default: the daemons' --store/NAME)")
+    p.add_argument("--schedule", default="varuna", choices=list(SCHEDULES),
+                   help="pipeline schedule (default varuna)")
+    p.add_argument("--no-import-check", action="store_true",
+                   help="do not refuse a script whose imports are not installed on this machine (they are on the VMs)")
+    p.add_argument("--sign-key", default=os.environ.get("VARUNAD_SIGN_KEY"), metavar="FILE",
+                   help="sign the job with this NAME.sign_secret (default $VARUNAD_SIGN_KEY); fleets started "
+                        "with --submit-keys run only jobs signed by a key they list")
+    p.add_argument("script", metavar="SCRIPT", help="a Varuna training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="arguments for the script")
+    p.set_defaults(handler=_cmd_submit)
+
+    p = sub.add_parser("status", help="the fleet, or one job",
+                       description="Without JOB: leader, members, plan and jobs. With JOB: its state, plan "
+                                   "(P, D, micro-batch, epoch), step, loss, throughput and last morph.")
+    p.add_argument("job", nargs="?", metavar="JOB")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=_cmd_status)
+
+    p = sub.add_parser("nodes", help="members with their facts and lease age",
+                       description="Every live daemon: host, slots, device kind, memory, lease age and version.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=_cmd_nodes)
+
+    p = sub.add_parser("jobs", help="every job and its state", description="Jobs in queue order with their state.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=_cmd_jobs)
+
+    p = sub.add_parser("logs", help="the workers' output of a job",
+                       description="The recent output of every worker of JOB, as the daemons ship it to etcd.")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends (Ctrl-C stops)")
+    p.set_defaults(handler=_cmd_logs)
+
+    p = sub.add_parser("cancel", help="cancel a job", description="Stop JOB's workers and mark it cancelled.")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+                   help="how long to wait for the leader to confirm (default 10)")
+    p.set_defaults(handler=_cmd_cancel)
+
+
+# --- the local ring (varunad.ctl.local) and live progress (varunad.ctl.progress) ---------------------------
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from varunad.ctl import local
+
+    ring = local.up(args.n, args.dir, ttl=args.ttl, root=args.root, metrics_port=args.metrics_port,
+                    daemon_args=args.daemon_args, timeout=args.wait, say=lambda line: print(f"note      {line}"))
+    print(f"etcd      {ring.etcd}  (log {ring.etcd_proc.log})")
+    for d in ring.daemons:
+        metrics = f", metrics on 127.0.0.1:{d.metrics_port}" if d.metrics_port else ""
+        print(f"daemon    {d.name}  pid {d.pid}{metrics}  (log {d.log})")
+    print(f"store     {ring.store}")
+    if Path(ring.dir).resolve() == local.default_dir().resolve():
+        print(f"ring      {ring.dir}/{local.RING_FILE}: varunactl finds this etcd by itself; "
+              f"`varunactl down` stops everything")
+    else:   # other commands look in the default directory only
+        print(f"ring      {ring.dir}/{local.RING_FILE}: export VARUNAD_LOCAL_DIR={shlex.quote(str(ring.dir))} so "
+              f"varunactl finds this etcd (or pass --etcd {ring.etcd}); `varunactl down --dir "
+              f"{shlex.quote(str(ring.dir))}` stops everything")
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from varunad.ctl import local
+
+    if not local.down(args.dir, timeout=args.grace, say=print):
+        print(f"no ring is up in {args.dir or local.default_dir()}")
+    return 0
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from varunad.ctl import progress
+
+    return _run(args, lambda store: progress.watch(store, _keys(args), args.job, interval=args.interval))
+
+
+def _key_pair_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", required=True, metavar="DIR", help="directory to write into (created if missing)")
+    p.add_argument("--name", required=True, metavar="NAME", help="key name: letters, digits, . _ - : @")
+    p.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
+
+
+def _add_ring(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up", help="start a local ring: a private etcd and N daemons on this machine",
+        description="Start a private etcd and N varunad daemons (vm1..vmN, one slot each, plaintext, loopback) "
+                    "in the background, with logs under DIR/logs, and wait until all have joined. Other "
+                    "varunactl commands then use this etcd without --etcd, until `varunactl down`.")
+    p.add_argument("n", type=int, metavar="N", help="number of daemons")
+    p.add_argument("--dir", metavar="DIR", help="state: etcd data, store, logs, ring.json; an earlier ring's store, "
+                   "logs and report are moved into DIR/earlier/<time>/ (default $VARUNAD_LOCAL_DIR or "
+                   "~/.local/state/varunad/ring)")
+    p.add_argument("--ttl", type=float, default=5.0, metavar="SECONDS",
+                   help="member lease TTL: how soon a killed daemon is noticed (default 5)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="BASE",
+                   help="give daemon i --metrics-port BASE+i (default 0: no metrics endpoint)")
+    p.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                   help="longest wait for etcd and for the daemons to join (default 60)")
+    # Not a positional: argparse would take every option after N as one. main() gives `up` what
+    # follows "--" (see _split_daemon_args); this entry only documents it in --help.
+    p.add_argument("daemon_args", nargs="?", metavar="-- FLAGS...", default=None,
+                   help="more varunad flags for every daemon, after --, e.g. -- --calibrate uniform")
+    p.set_defaults(handler=_cmd_up)
+
+    p = sub.add_parser("down", help="stop the local ring",
+                       description="SIGTERM every daemon of the local ring (running workers checkpoint), SIGKILL "
+                                   "what is left after --grace seconds, then stop etcd. Logs and the store stay.")
+    p.add_argument("--dir", metavar="DIR", help="the ring's state directory (default as for up)")
+    p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+                   help="how long daemons get to stop before SIGKILL (default 30)")
+    p.set_defaults(handler=_cmd_down)
+
+    p = sub.add_parser("watch", help="live progress of a job until it ends",
+                       description="A progress bar for JOB (step, loss, samples/s, P x D, micro-batch, epoch) and "
+                                   "a line per morph; plain lines when stdout is not a terminal. Exits 0 when the "
+                                   "job is done, 1 when it failed or was cancelled.")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="poll interval (default 1)")
+    p.set_defaults(handler=_cmd_watch)
+
+
+# --- report (varunad.report) ---------------------------------------------------------------------
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from varunad.report import pictures
+
+    given = [name for name, on in (("JOB", args.job), ("--from", args.from_dir), ("--traces", args.traces)) if on]
+    if len(given) != 1:
+        print("varunactl report: give one of JOB, --from DIR or --traces PATH"
+              + (f", not {' and '.join(given)}" if given else ""), file=sys.stderr)
+        return 2
+    try:
+        if args.traces:
+            print(pictures.draw_traces(args.traces, Path(args.out or ".") / "timeline.png", args.step))
+            return 0
+        if args.from_dir:
+            drawn, notes = pictures.draw_report(args.from_dir, args.out)
+            out = args.out or args.from_dir
+            print("\n".join([f"drew     {', '.join(drawn) or 'nothing'} into {out}/"]
+                            + [f"note     {n}" for n in notes]))
+            return 0
+        return _report_job(args, pictures)
+    except pictures.NoMatplotlib as exc:
+        print(f"varunactl report: {exc}", file=sys.stderr)
+        return 1
+
+
+def _report_job(args: argparse.Namespace, pictures) -> int:
+    """JOB's report: its data from etcd and the job's store into DIR, then the pictures drawn from it."""
+    from varunad import report
+    from varunad.ctl import commands as ctl
+    from varunad.report.prices import load_prices
+
+    prices = load_prices(args.prices)  # a bad price file is refused before etcd is asked anything
+    out = args.out or f"{args.job}-report"
+
+    async def go(store) -> dict:
+        inputs = await report.collect(store, _keys(args), args.job, store_dir=args.store)
+        return report.build_report(inputs, out, prices)
+
+    doc = _run(args, go)
+    try:
+        drawn, notes = pictures.draw_report(out)
+    except pictures.NoMatplotlib as exc:   # the data stands; say what is missing for the pictures
+        print(ctl.dumps(doc) if args.json else report.format_report(doc).rstrip("\n"))
+        print(f"varunactl report: {exc} (the report's data is in {out}/)", file=sys.stderr)
+        return 1
+    if args.json:
+        print(ctl.dumps(doc | {"pictures": drawn, "picture_notes": notes}))
+    else:
+        print(report.format_report(doc), end="")
+        print("\n".join([f"pictures {', '.join(drawn) or 'none'}"] + [f"note     {n}" for n in notes]
+                        + [f"written to {out}/"]))
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report", help="pictures and cost of a job",
+        description="Write JOB's report into DIR and print its summary. Data: loss.json, trace.json (one measured "
+                    "step of every worker; open it in Perfetto), trace_predicted.json (the simulator's replay of "
+                    "the plan), cost.json (device-hours, cost at spot and on-demand prices, samples per dollar, "
+                    "time lost to morphs), report.json and report.txt; the leader writes the same into "
+                    "<job store>/report/ when a job ends. Pictures, drawn with matplotlib (pip install "
+                    "'varunad[report]'): loss.png (loss per step, morphs marked, redone steps shaded), "
+                    "timeline.png and timeline_predicted.png (a row per worker: forward, recompute, backward, "
+                    "send, receive, all-reduce), throughput.png (samples/s and P x D over time). --from draws "
+                    "the pictures of a report directory without etcd; --traces draws workers' trace files.")
+    p.add_argument("job", metavar="JOB", nargs="?", help="the job (not with --from or --traces)")
+    p.add_argument("--out", metavar="DIR", help="directory to write into (default ./JOB-report; with --from: the "
+                                                "report directory itself; with --traces: .)")
+    p.add_argument("--prices", metavar="FILE",
+                   help='JSON price table overriding the built-in one per device kind: '
+                        '{"cpu": {"spot": 0.18, "on_demand": 0.34}, ...} in $ per device-hour '
+                        '(built-in figures and their sources: varunad/report/prices.py)')
+    p.add_argument("--store", metavar="DIR",
+                   help="the job's store, where its traces are (default: as the leader recorded it)")
+    p.add_argument("--json", action="store_true", help="print report.json instead of the summary")
+    p.add_argument("--from", dest="from_dir", metavar="DIR",
+                   help="draw the pictures of the report in DIR (e.g. <job store>/report/, which the leader wrote)")
+    p.add_argument("--traces", metavar="PATH", nargs="+",
+                   help="draw workers' trace files (a --trace-dir directory or its .json files) as DIR/timeline.png")
+    p.add_argument("--step", type=_trace_step, default="last", metavar="N|last|all",
+                   help="with --traces: the step to draw (default last)")
+    p.set_defaults(handler=_cmd_report)
+
+
+def _trace_step(text: str) -> int | str | None:
+    if text in ("last", "all"):
+        return None if text == "all" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step number, 'last' or 'all', got {text!r}") from None
+
+
+# --- dispatcher -----------------------------------------------------------------------------------
+
+_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_keys, _add_jobs, _add_ring, _add_report)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="varunactl",
+        description="Control a varunad fleet: keys, jobs, status. "
+                    "Run `varunactl COMMAND --help` for a command's options.")
+    parser.add_argument("--etcd", metavar="HOST:PORT[,...]",
+                        help="etcd endpoints (default $VARUNAD_ETCD, else the ring `varunactl up` started, "
+                             "else 127.0.0.1:2379)")
+    parser.add_argument("--root", default=os.environ.get("VARUNAD_ROOT", "/varunad/"), metavar="PREFIX",
+                        help="the fleet's etcd key root (default $VARUNAD_ROOT or /varunad/)")
+    parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="give up on an unreachable etcd after this long (default 5)")
+    env = os.environ.get
+    parser.add_argument("--etcd-ca", default=env("VARUNAD_ETCD_CA"), metavar="FILE",
+                        help="CA certificate to verify etcd's TLS certificate (default $VARUNAD_ETCD_CA)")
+    parser.add_argument("--etcd-cert", default=env("VARUNAD_ETCD_CERT"), metavar="FILE",
+                        help="client certificate for etcd, with --etcd-key (default $VARUNAD_ETCD_CERT)")
+    parser.add_argument("--etcd-key", default=env("VARUNAD_ETCD_KEY"), metavar="FILE",
+                        help="client key for etcd (default $VARUNAD_ETCD_KEY)")
+    parser.add_argument("--etcd-user", default=env("VARUNAD_ETCD_USER"), metavar="USER",
+                        help="etcd user (default $VARUNAD_ETCD_USER; the password is read from "
+                             "$VARUNAD_ETCD_PASSWORD, never from the command line)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in _GROUPS:
+        add(sub)
+    return parser
+
+
+def _split_daemon_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """For `up`, the varunad flags after "--" apart from varunactl's own; other commands keep their
+    "--" (submit passes what follows it to the script)."""
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = next((a for a in argv if a in commands), None)
+    if command != "up" or "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run varunactl with `argv` (default: the process arguments); returns the exit status."""
+    parser = _parser()
+    argv, daemon_args = _split_daemon_args(parser, list(sys.argv[1:] if argv is None else argv))
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "up":
+            if args.daemon_args is not None:
+                parser.error(f"up: unexpected argument {args.daemon_args!r}; varunad flags go after --")
+            args.daemon_args = daemon_args
+        if args.command != "up":
+            # gRPC's C core would print its TLS errors on stderr before varunactl's one line that
+            # says what to fix (set before grpc is imported; the daemons `up` starts keep them)
+            os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+        if args.etcd is None:
+            from varunad.ctl.local import default_etcd
+            args.etcd = default_etcd()
+    except SystemExit as exc:   # --help, or a usage error argparse already explained
+        return exc.code if isinstance(exc.code, int) else 2
+    from varunad.ctl.commands import CtlError
+    from varunad.control.jobs import JobSpecError
+
+    try:
+        return args.handler(args)
+    except BrokenPipeError:   # `varunactl status | head`: the reader has what it wanted
+        # (Python's documented way: point stdout at devnull so the exit flush cannot fail again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (ProtocolError, OSError, CtlError, JobSpecError, ValueError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"varunactl {args.command}: {message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C, e.g. ending `logs --follow`
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,469 @@
+"""varunactl's fleet commands: submit, status, nodes, jobs, logs, cancel (all through etcd).
+
+Each command opens the store with a bounded timeout, so an unreachable etcd is one clear error
+after a few seconds, never a hang. Errors the user can fix raise ``CtlError`` (one line on
+stderr, exit status 1); ``varunad.ctl.cli`` declares the arguments and dispatches here.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.util
+import io
+import json
+import sys
+import time
+import zipfile
+from collections.abc import Awaitable, Callable
+from typing import Any, TextIO
+
+from varunad.cluster.facts import parse_member
+from varunad.cluster.fleet import read_newest, read_plan
+from varunad.store.fleetkeys import FleetKeys
+from varunad.control.jobs import BundleError, JobSpec, JobSpecError, JobState, bundle_digest, pack_bundle
+from varunad.control.records import Progress, decode_history, epoch_ranges, merge_history, merge_spans
+from varunad.store.etcd import EtcdStore, Store, StoreAuthError, StoreConfigError, StoreError, StoreUnavailable
+
+__all__ = ["CtlError", "run", "check_bundle", "build_spec", "submit", "plan_lines", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
+           "print_job", "print_fleet", "dumps"]
+
+
+class CtlError(Exception):
+    """A refusal with its reason (printed as one line)."""
+
+
+def _unreachable(etcd: str, exc: Exception, timeout: float) -> CtlError:
+    """One line for "nothing answers there": what to do, not the gRPC client's paragraph."""
+    text = str(exc)
+    why = ("connection refused" if "connection refused" in text.lower() else
+           f"no answer within {timeout:g}s" if "deadline" in text.lower() or "timed out" in text.lower() else
+           text.splitlines()[0][:80] if text else type(exc).__name__)
+    return CtlError(f"cannot reach etcd at {etcd} ({why}): no ring is up here? start one with `varunactl up N`, "
+                    f"or point --etcd HOST:PORT (or $VARUNAD_ETCD) at your fleet's etcd")
+
+
+# EtcdStore's TLS options and the flag (and variable) that sets each
+_TLS_FLAGS = {"ca_file": "--etcd-ca (VARUNAD_ETCD_CA)", "cert_file": "--etcd-cert (VARUNAD_ETCD_CERT)",
+              "key_file": "--etcd-key (VARUNAD_ETCD_KEY)"}
+_USER_FLAGS = "--etcd-user (VARUNAD_ETCD_USER) and VARUNAD_ETCD_PASSWORD"
+
+
+def _etcd_failed(etcd: str, exc: StoreError, timeout: float, options: dict[str, Any]) -> CtlError:
+    """One line for a failed etcd request that names the option to fix: a TLS file that cannot be
+    read, a TLS handshake etcd or we refused, a wrong user or password, a role without the key
+    root; anything else is "cannot reach" (:func:`_unreachable`)."""
+    text = getattr(exc, "reason", str(exc))
+    user = options.get("user")
+    if isinstance(exc, StoreConfigError):
+        for option, flag in _TLS_FLAGS.items():
+            path = options.get(option)
+            if path and str(path) in text:
+                why = getattr(exc.__cause__, "strerror", None) or text
+                return CtlError(f"cannot read {flag} file {path} ({why}): fix the path or the file's permissions")
+        return CtlError(f"etcd options: {text}")
+    if isinstance(exc, StoreAuthError):
+        if "user name is empty" in text:
+            return CtlError(f"etcd at {etcd} requires a user (authentication is on): pass {_USER_FLAGS}")
+        if "authentication failed" in text or "invalid auth token" in text:
+            return CtlError(f"etcd at {etcd} refused user {user!r} and its password: check {_USER_FLAGS}")
+        if "permission denied" in text:
+            return CtlError(f"etcd at {etcd} denied user {user!r} access to {options.get('probe_key')!r} (permission "
+                            "denied): pass the --root (VARUNAD_ROOT) its role is granted, or grant the role that prefix")
+        return CtlError(f"etcd at {etcd} refused the request ({text.splitlines()[0][:120]}): check {_USER_FLAGS}")
+    if isinstance(exc, StoreUnavailable):
+        tls = options.get("ca_file") or options.get("cert_file")
+        if "CERTIFICATE_VERIFY_FAILED" in text:
+            return CtlError(f"etcd at {etcd}: its TLS certificate is not signed by {options.get('ca_file')}: pass the "
+                            f"CA that signed it with {_TLS_FLAGS['ca_file']}")
+        if tls and ("TSI_" in text or "handshake" in text.lower() or "BAD_CERTIFICATE" in text):
+            return CtlError(f"etcd at {etcd} refused the TLS handshake: it may want a client certificate; pass "
+                            f"{_TLS_FLAGS['cert_file']} and {_TLS_FLAGS['key_file']}, signed by a CA etcd trusts")
+        if not tls and "socket closed" in text.lower():
+            return CtlError(f"etcd at {etcd} closed a plaintext connection: it speaks TLS? pass "
+                            f"{_TLS_FLAGS['ca_file']} (and {_TLS_FLAGS['cert_file']}, {_TLS_FLAGS['key_file']} if it "
+                            "asks for client certificates)")
+    return _unreachable(etcd, exc, timeout)
+
+
+async def _open(etcd: str, timeout: float, **options: Any) -> Store:
+    try:
+        store = EtcdStore(etcd, timeout=timeout, **options)
+        await store.connect()
+        return store
+    except StoreError as exc:
+        raise _etcd_failed(etcd, exc, timeout, options) from None
+
+
+def run(etcd: str, timeout: float, fn: Callable[[Store], Awaitable[int]], **options: Any) -> int:
+    """Open the store (``options``: EtcdStore's TLS, auth and probe key), run ``fn(store)``, close
+    it; StoreError becomes CtlError."""
+    async def main() -> int:
+        store = await _open(etcd, timeout, **options)
+        try:
+            return await fn(store)
+        except StoreError as exc:
+            raise _etcd_failed(etcd, exc, timeout, options) from None
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
+
+
+# --- submit --------------------------------------------------------------------------------------------
+
+def check_bundle(data: bytes, script: str, *, imports: bool = True) -> None:
+    """Refuse a bundle whose Python files do not compile, or whose script imports a top-level
+    module that is neither in the bundle nor installed here (found without importing it): both
+    would fail on every VM, every time. BundleError names the file, line and what to do."""
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        names = zf.namelist()
+        trees = {}
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            source = zf.read(name)
+            try:
+                trees[name] = ast.parse(source, filename=name)
+                compile(trees[name], name, "exec", dont_inherit=True)
+            except SyntaxError as exc:
+                raise BundleError(f"{name} line {exc.lineno}: {type(exc).__name__}: {exc.msg}; fix it and submit "
+                                  "again (the job would fail on every VM)") from None
+            except ValueError as exc:   # null bytes
+                raise BundleError(f"{name} cannot be compiled: {exc}") from None
+    if not imports or script not in trees:
+        return
+    local = {n.split("/", 1)[0].removesuffix(".py") for n in names}
+    wanted = set()
+    for node in trees[script].body:   # top-level imports only: a guarded or lazy one may be optional
+        if isinstance(node, ast.Import):
+            wanted |= {a.name.split(".", 1)[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            wanted.add(node.module.split(".", 1)[0])
+    missing = sorted(m for m in wanted - local if importlib.util.find_spec(m) is None)
+    if missing:
+        raise BundleError(f"{script} imports {', '.join(missing)}, which is neither next to it nor installed here; "
+                          "install it (every VM needs it too) or pass --no-import-check if only the VMs have it")
+
+
+def build_spec(*, name: str, script: str, args: list[str], batch_size: int, chunk_size: str, steps: int,
+               checkpoint_every: int, keep_checkpoints: int, store: str | None, schedule: str,
+               import_check: bool = True) -> tuple[JobSpec, bytes]:
+    """The spec and bundle for ``submit``; JobSpecError/BundleError say why not."""
+    if chunk_size == "auto":
+        chunk = None
+    else:
+        try:
+            chunk = int(chunk_size)
+        except ValueError:
+            raise JobSpecError(f"--chunk-size must be a positive integer or 'auto', got {chunk_size!r}") from None
+    # Check the numbers first: a bad spec is refused before the script is even read.
+    probe = dict(job=name, script="x.py", args=tuple(args), batch_size=batch_size, chunk_size=chunk, steps=steps,
+                 checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, store=store,
+                 schedule=schedule, bundle_digest="0" * 64, bundle_bytes=0)
+    JobSpec(**probe)
+    data, rel = pack_bundle(script)
+    check_bundle(data, rel, imports=import_check)
+    spec = JobSpec(**{**probe, "script": rel, "bundle_digest": bundle_digest(data), "bundle_bytes": len(data),
+                      "submitted_at": time.time()})
+    return spec, data
+
+
+async def submit(store: Store, keys: FleetKeys, spec: JobSpec, bundle: bytes, out: TextIO = sys.stdout, *,
+                 signature: bytes | None = None) -> int:
+    """Write the bundle, the signature (``signature`` of ``spec.encode()``, or none) and then the
+    spec: the leader acts on the spec, so everything it needs is there first."""
+    if await store.get(keys.job(spec.job)) is not None:
+        raise CtlError(f"a job named {spec.job} exists already; choose another --name")
+    await store.put(keys.bundle(spec.job), bundle)
+    if signature is not None:
+        await store.put(keys.signature(spec.job), signature)
+    else:
+        await store.delete(keys.signature(spec.job))
+    if not await store.create_if_absent(keys.job(spec.job), spec.encode()):
+        raise CtlError(f"a job named {spec.job} was submitted at the same moment; choose another --name")
+    print(f"submitted {spec.job}: {spec.script} {' '.join(spec.args)} (batch {spec.batch_size}, {spec.steps} steps, "
+          f"checkpoint every {spec.checkpoint_every}; bundle {spec.bundle_bytes / 1024:.1f} KiB"
+          f"{'; signed' if signature is not None else ''})", file=out)
+    return 0
+
+
+# --- status --------------------------------------------------------------------------------------------
+
+async def _state(store: Store, keys: FleetKeys, job: str) -> JobState | None:
+    state, _ = await read_newest(store, keys.state(job), JobState.decode, "state", timeout=None)
+    return state
+
+
+async def _notes(store: Store, keys: FleetKeys, job: str) -> list[str]:
+    """What the daemons noted about the job's workers (checkpoints they refused), oldest first."""
+    out: list[str] = []
+    for kv in await store.get_prefix(keys.notes_of(job)):
+        try:
+            notes = json.loads(kv.value)
+            out += [n for n in notes if isinstance(n, str)] if isinstance(notes, list) else []
+        except ValueError:
+            continue
+    return out
+
+
+async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
+    spec_kv = await store.get(keys.job(job))
+    if spec_kv is None:
+        raise CtlError(f"no job named {job} (see `varunactl jobs`)")
+    state = await _state(store, keys, job) or JobState(job=job)
+    per_epoch: dict[int, dict[int, float]] = {}
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for kv in await store.get_prefix(keys.history_of(job)):
+        try:
+            epoch, _member = keys.parse_history(job, kv.key)
+            pairs, span = decode_history(kv.value)
+        except ValueError:
+            continue
+        per_epoch.setdefault(epoch, {}).update(pairs)
+        if span is not None:
+            spans.setdefault(epoch, []).append(span)
+    history = merge_history({e: list(v.items()) for e, v in per_epoch.items()})
+    progress = []
+    for kv in await store.get_prefix(keys.progress_of(job)):
+        try:
+            progress.append(Progress.decode(kv.value))
+        except ValueError:
+            continue
+    current = [p for p in progress if p.epoch == state.epoch]
+    now = [s + 1 for s in per_epoch.get(state.epoch, {})] + [p.step + 1 for p in current]
+    # where the running epoch is, once it has reported: after a resume from an older checkpoint
+    # it redoes steps an earlier epoch had reached, and says so rather than the highest step
+    step = max(now or [s + 1 for s, _ in history] or [0])
+    try:
+        total = JobSpec.decode(spec_kv.value).steps
+    except JobSpecError:
+        total = None
+    if state.state == "done" and total is not None:   # done means every step was trained
+        step = max(step, total)
+    plan = state.plan or {}
+    moves = [m for m in state.morphs if not m.restart]   # a restart of the same plan is not a morph
+    last = moves[-1] if moves else None
+    ranges = epoch_ranges({e: list(v.items()) for e, v in per_epoch.items()})
+    redoing = None
+    if state.epoch in ranges and state.morphs:
+        first, newest = ranges[state.epoch]
+        reached = max((b for e, (_, b) in ranges.items() if e < state.epoch), default=-1)
+        if newest < reached:   # this epoch resumed from an older checkpoint and is not past it yet
+            m = state.morphs[-1]
+            redoing = {"first": first, "last": reached, "cause": m.cause or m.reason.split(":", 1)[0]}
+    reason = state.reason
+    if state.state == "queued" and reason == "submitted":
+        reason = next((j["reason"] for j in await _jobs(store, keys) if j["job"] == job), reason)
+    return {
+        # `step`: steps done, which is the index (model.iteration) of the next step to train; the loss
+        # history and the plots are indexed by step, so `loss` is that of step `step - 1`
+        "job": job, "state": state.state, "reason": reason, "step": step, "steps": total, "epoch": state.epoch,
+        "plan": {"P": plan.get("P"), "D": plan.get("D"), "micro_batch_size": plan.get("micro_batch_size"),
+                 "schedule": plan.get("schedule"), "members": plan.get("members", []),
+                 "estimated_s": plan.get("estimated_s"), "calibrated": plan.get("calibrated"),
+                 "micro_batches": plan.get("micro_batches"), "alternatives": plan.get("alternatives", []),
+                 "ruled_out": plan.get("ruled_out", [])},
+        "redoing": redoing,
+        "loss": dict(history).get(step - 1, history[-1][1]) if history else None,
+        "samples_per_s": sum(p.samples_per_s for p in current) / len(current) if current else None,
+        "busy_fraction": min((p.busy_fraction for p in current), default=None),
+        "restarts": state.restarts, "error": state.error,
+        "warnings": await _notes(store, keys, job),
+        "epochs": {str(e): list(r) for e, r in sorted(ranges.items())},
+        "epoch_spans": {str(e): list(merge_spans(v)) for e, v in sorted(spans.items())},
+        "morphs": [{"reason": m.reason, "from": m.from_shape, "to": m.to_shape, "from_epoch": m.from_epoch,
+                    "to_epoch": m.to_epoch, "noticed_at": m.noticed_at, "stopped_at": m.stopped_at,
+                    "planned_at": m.planned_at, "duration_s": round(m.duration_s, 3), "checkpoint": m.checkpoint,
+                    "restart": m.restart, "cause": m.cause}
+                   for m in state.morphs],
+        "last_morph": None if last is None else f"{last.from_shape} -> {last.to_shape} because {last.reason}",
+        "loss_history": [[s, v] for s, v in history],
+    }
+
+
+async def _members(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+    out = []
+    for kv in await store.get_prefix(keys.members):
+        try:
+            m = parse_member(kv.value)
+        except ValueError:
+            continue
+        remaining = await store.time_to_live(kv.lease) if kv.lease else None
+        out.append({
+            "name": m.name, "host": m.host, "endpoint": m.endpoint, "slots": m.slots, "device_kind": m.device_kind,
+            "memory_bytes": m.memory_bytes, "version": m.version, "draining": m.draining,
+            "worker_ports": list(m.worker_ports), "rendezvous_port": m.rendezvous_port,
+            "probe_ports": list(m.probe_ports),
+            "up_s": round(time.time() - m.started_at, 1),
+            "lease_ttl_left_s": remaining,
+            "lease_age_s": None if remaining is None or not m.lease_ttl else round(m.lease_ttl - remaining, 1),
+        })
+    return out
+
+
+async def fleet_status(store: Store, keys: FleetKeys) -> dict[str, Any]:
+    leader = await store.get(keys.leader)
+    # the plan the fleet follows: a value no leader wrote (garbage, a forgery) is not shown as it
+    plan, epoch = await read_plan(store, keys, timeout=None)
+    plan_doc = None if plan is None else {**json.loads(plan.encode()), "epoch": epoch}
+    return {"leader": leader.value.decode(errors="replace") if leader else None,
+            "members": await _members(store, keys), "plan": plan_doc, "jobs": await _jobs(store, keys)}
+
+
+async def _jobs(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+    states = {}
+    for kv in await store.get_prefix(keys.states):
+        try:
+            states[keys.state_job(kv.key)] = JobState.decode(kv.value)
+        except (ValueError, JobSpecError):
+            continue
+    out = []
+    for kv in sorted(await store.get_prefix(keys.jobs), key=lambda kv: kv.create_revision):
+        try:
+            job = keys.job_id(kv.key)
+        except ValueError:
+            continue
+        st = states.get(job)
+        try:
+            spec = JobSpec.decode(kv.value)
+            what = f"{spec.script} batch {spec.batch_size} steps {spec.steps}"
+        except JobSpecError as exc:
+            what = f"invalid spec: {exc}"
+        out.append({"job": job, "state": st.state if st else "queued", "epoch": st.epoch if st else 0,
+                    "reason": st.reason if st else "submitted", "spec": what})
+    # the fleet runs one job at a time: say what a job that was only submitted waits for
+    running = [j["job"] for j in out if j["state"] in ("running", "morphing")]
+    ahead = 0
+    for j in out:
+        if j["state"] == "queued" and running:
+            if j["reason"] == "submitted":
+                j["reason"] = f"waiting for {running[0]}" + (f" and {ahead} job(s) queued before it"
+                                                              if ahead else "")
+            ahead += 1
+    return out
+
+
+def _secs(x: float) -> str:
+    return f"{x:.3f} s" if x >= 0.1 else f"{1000 * x:.2f} ms"
+
+
+def plan_lines(plan: dict[str, Any]) -> list[str]:
+    """Why this P x D: its estimate, the next alternatives with theirs, what ruled out the obvious."""
+    if not plan.get("P"):
+        return []
+    m = plan.get("micro_batches")
+    est = plan.get("estimated_s")
+    lines = [f"why       {plan['P']}x{plan['D']}, micro-batch {plan['micro_batch_size']}"
+             + (f" x {m} per replica" if m else "")
+             + (f": estimated {_secs(est)} per step" if est is not None else "")
+             + ("" if plan.get("calibrated", True) else " (no measured calibration: data-parallel only)")]
+    for alt in plan.get("alternatives") or []:
+        lines.append(f"  instead {alt['P']}x{alt['D']}, micro-batch {alt['micro_batch_size']} x "
+                     f"{alt['micro_batches']}: estimated {_secs(alt['estimated_s'])}")
+    lines += [f"  not     {why}" for why in plan.get("ruled_out") or []]
+    return lines
+
+
+def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
+    plan = doc["plan"]
+    shape = f"{plan['P']}x{plan['D']}, micro-batch {plan['micro_batch_size']}" if plan["P"] else "-"
+    redo = doc.get("redoing")
+    moves = [m for m in doc["morphs"] if not m.get("restart")]
+    lines = [
+        f"job       {doc['job']}: {doc['state']} ({doc['reason']})",
+        f"plan      epoch {doc['epoch']}: {shape} on {', '.join(plan['members']) or '-'}",
+        *plan_lines(plan),
+        f"step      {doc['step']}" + (f" of {doc['steps']}" if doc.get("steps") else "") + " done"
+        + (f", loss {doc['loss']:.4f} (step {doc['step'] - 1})" if doc["loss"] is not None and doc["step"] else "")
+        + (f", {doc['samples_per_s']:.1f} samples/s" if doc["samples_per_s"] else "")
+        + (f", busy {100 * doc['busy_fraction']:.0f}%" if doc["busy_fraction"] is not None else "")
+        + (f", redoing steps {redo['first']}-{redo['last']} after {redo['cause']}" if redo else ""),
+        f"restarts  {doc['restarts']}" + (f" (last error: {doc['error'].splitlines()[0][:200]})"
+                                          if doc["error"] and doc["restarts"] else ""),
+        f"morphs    {len(moves) or 'none'}" + "".join(f"\n  {m['from']} -> {m['to']}: {m['reason'].splitlines()[0]}"
+                                                       for m in moves[-5:]),
+    ] + [f"warning   {w}" for w in doc.get("warnings", [])]
+    print("\n".join(lines), file=out)
+
+
+def print_fleet(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
+    print(f"leader    {doc['leader'] or '(none)'}", file=out)
+    print(f"members   {len(doc['members'])}: " + ", ".join(
+        f"{m['name']} ({m['slots']} {m['device_kind']}{', leaving' if m['draining'] else ''})" for m in doc["members"]),
+        file=out)
+    plan = doc["plan"]
+    if plan and "kind" in plan:
+        if plan["kind"] == "run":
+            print(f"plan      epoch {plan['epoch']}: {plan['job']} as {plan['pipeline_depth']}x{plan['data_depth']}, "
+                  f"micro-batch {plan['micro_batch_size']}", file=out)
+        else:
+            print(f"plan      epoch {plan['epoch']}: {plan['kind']} {plan.get('job') or ''} ({plan['reason']})",
+                  file=out)
+    for j in doc["jobs"]:
+        print(f"job       {j['job']}: {j['state']} ({j['reason']})", file=out)
+
+
+# --- logs and cancel -------------------------------------------------------------------------------------
+
+def _seq(key: str) -> tuple[str, str]:
+    member, _, seq = key.rpartition("/")
+    return seq, member
+
+
+async def logs(store: Store, keys: FleetKeys, job: str, *, follow: bool, out: TextIO = sys.stdout) -> int:
+    if await store.get(keys.job(job)) is None:
+        raise CtlError(f"no job named {job} (see `varunactl jobs`)")
+    prefix = keys.logs_of(job)
+    listing = await store.get_prefix(prefix)
+    for kv in sorted(listing, key=lambda kv: _seq(kv.key)):
+        out.write(kv.value.decode("utf-8", errors="replace"))
+    out.flush()
+    if not follow:
+        return 0
+    watch = store.watch_prefix(prefix, start_revision=listing.revision + 1)
+    try:
+        async with watch:
+            while True:
+                event = await watch.next(timeout=2.0)
+                if event is None:
+                    state = await _state(store, keys, job)
+                    if state is not None and state.terminal:
+                        return 0
+                    continue
+                if event.kind == "put":
+                    out.write(event.value.decode("utf-8", errors="replace"))
+                    out.flush()
+    except KeyboardInterrupt:
+        return 0
+
+
+async def cancel(store: Store, keys: FleetKeys, job: str, *, wait: float, out: TextIO = sys.stdout) -> int:
+    if await store.get(keys.job(job)) is None:
+        raise CtlError(f"no job named {job} (see `varunactl jobs`)")
+    state = await _state(store, keys, job)
+    if state is not None and state.terminal:
+        raise CtlError(f"job {job} is already {state.state}")
+    await store.put(keys.cancel(job), str(time.time()))
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        state = await _state(store, keys, job)
+        if state is not None and state.terminal:
+            print(f"{job} is {state.state}", file=out)
+            return 0
+        await asyncio.sleep(0.2)
+    print(f"asked to cancel {job}; the leader has not confirmed yet (see `varunactl status {job}`)", file=out)
+    return 0
+
+
+def dumps(doc: Any) -> str:
+    return json.dumps(doc, indent=2, sort_keys=False)
+
+
+async def nodes(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+    return await _members(store, keys)
+
+
+async def jobs(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+    return await _jobs(store, keys)
+

@@ -1,0 +1,574 @@
+"""varunad: the daemon on every VM (``main`` is the ``varunad`` console script).
+
+One asyncio loop, no threads of its own. Tasks:
+
+* membership keepalive (``varunad.cluster.membership``) and election (``varunad.cluster.election``);
+* the control server (``varunad.node.peers``): assignments and stop requests from the leader, pings;
+* the plan follower: watches ``plan`` and applies each new epoch (start, stop or clear workers);
+  a pushed Assignment only makes it read the plan at once: etcd holds the truth;
+* the supervisor (``varunad.node.supervisor``): workers and their control socket; its reporter (``varunad.node.reporter``)
+  writes what they did to etcd;
+* the leader (``varunad.control.leader``), only while this daemon leads.
+* with ``--metrics-port``, the Prometheus endpoint (``varunad.node.metrics``), served from this loop;
+* the registration guard: the member key written again if someone overwrites or deletes it.
+
+Each task is restarted with back-off if it fails (``_keep_running``; counted in
+``varunad_task_restarts``): a bug in one must not end the daemon and with it the fleet's job.
+Values read from etcd are checked by type where they are parsed (``varunad.store.schemas``).
+
+SIGTERM or SIGINT is a preemption notice: the daemon marks itself leaving, stops leading, asks
+its workers to checkpoint and stop (the stop is agreed by every worker of the job, so the whole
+job checkpoints at one step), waits for them (bounded), then revokes its lease so that the fleet
+re-plans at once instead of after the TTL. A second signal kills the workers and exits.
+SIGHUP re-reads the CURVE allow-list.
+"""
+
+from __future__ import annotations
+
+
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from protocol.errors import SecurityError
+from protocol.messages import Assignment, CheckpointNow, StopWorkers
+from protocol.security import Security, SecurityConfig
+from trainer.planning.calibration import Calibration
+
+from varunad.store import schemas
+from varunad.node.config import DaemonConfig, DaemonConfigError, build_parser, load_config
+from varunad.cluster.election import Election, ElectionState
+from varunad.cluster.facts import (DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, gpu_count,
+                           is_local_address, version)
+from varunad.cluster.fleet import read_plan
+from varunad.store.fleetkeys import FleetKeys
+from varunad.node.housekeeping import BUNDLES, job_dir, prune_jobs
+from varunad.control.jobs import BundleError, JobSpec, JobSpecError, script_fingerprint, unpack_bundle
+from varunad.control.leader import Leader
+from varunad.control.links import LinkProber
+from varunad.cluster.membership import Membership, NameInUse, read_members
+from varunad.node.metrics import DaemonMetrics, serve as serve_metrics
+from varunad.node.peers import PeerClients, PeerServer
+from varunad.control.plans import PlanDoc
+from varunad.node.signing import AllowList, SigningError
+from varunad.store.etcd import EtcdStore, StoreError, StoreUnavailable
+from varunad.node.supervisor import Supervisor
+
+__all__ = ["Daemon", "main"]
+
+log = logging.getLogger("varunad")
+
+_RESTART_MIN, _RESTART_MAX, _RESTART_RESET = 0.5, 30.0, 60.0  # a failed task's back-off, seconds
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self.keys = FleetKeys(config.root)
+        self.store = EtcdStore(config.etcd, timeout=config.retry_timeout, ca_file=config.etcd_ca,
+                               cert_file=config.etcd_cert, key_file=config.etcd_key, user=config.etcd_user,
+                               password=config.etcd_password, probe_key=config.root)
+        self.security = Security(SecurityConfig(
+            mode=config.security_mode,  # type: ignore[arg-type]
+            secret_key_file=config.secret_key_file, allowed_keys_dir=config.curve_keys,
+            trusted_network=config.trusted_network))
+        # the submitters whose jobs may run here; None: any job in etcd (see README, Security)
+        self.allowed_submitters = AllowList(config.submit_keys) if config.submit_keys else None
+        self.ctx = zmq.asyncio.Context()
+        self.applied_epoch = 0
+        self.draining = False
+        self.leader_task: asyncio.Task[None] | None = None
+        self._notice = asyncio.Event()
+        self._signals = 0
+        self._apply_lock = asyncio.Lock()
+        self._jobs: dict[str, tuple[JobSpec, Path]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.failures: dict[str, int] = {}  # task name -> restarts after a failure (the daemon's health)
+        self._background: set[asyncio.Task] = set()  # held so they are not garbage-collected mid-run
+        self.metrics = DaemonMetrics()
+        self.metrics.before_scrape = self._refresh_metrics
+        schemas.on_reject(lambda kind: self.metrics.bad_documents.labels(kind=kind).inc())
+        self._metrics_server: asyncio.Server | None = None
+
+    # -- start -------------------------------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                await self.store.connect()
+                return
+            except StoreUnavailable as exc:
+                log.warning("%s: etcd is not reachable yet (%s); retrying in %.0fs", self.name, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+
+    def _facts(self) -> DaemonMember:
+        c = self.config
+        gpus = gpu_count()
+        slots = c.slots or detect_slots(gpus)
+        # one stream port per slot, the rendezvous, then the link probe's stream and rendezvous ports
+        n = slots + 3
+        self.ports = PortReservation(c.advertise, ports=list(range(c.worker_port_base, c.worker_port_base + n))
+                                     if c.worker_port_base else None, count=0 if c.worker_port_base else n)
+        ports = self.ports.ports
+        return DaemonMember(
+            name=self.name, host=c.advertise, endpoint=f"tcp://{c.advertise}:{self.server.port}", slots=slots,
+            device_kind=c.device_kind or detect_device_kind(slots, gpus=gpus),
+            memory_bytes=c.memory or detect_memory(slots, gpus),
+            version=version(), started_at=time.time(), worker_ports=tuple(ports[:slots]),
+            rendezvous_port=ports[slots], probe_ports=tuple(ports[slots + 1:slots + 3]), lease_ttl=c.ttl,
+        )
+
+    def _bind_host(self) -> str:
+        return self.config.advertise if self.config.advertise.startswith("127.") else "*"
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_notice, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
+        Path(self.config.state_dir).mkdir(parents=True, exist_ok=True)
+        if self.config.metrics_port:  # first: a taken port is a startup error (MetricsError), before joining
+            self._metrics_server = await serve_metrics(self.metrics, self._bind_host(), self.config.metrics_port)
+            log.info("%s: serving Prometheus metrics on %s:%d/metrics", self.name, self._bind_host(),
+                     self.config.metrics_port)
+        self.server = PeerServer(self.ctx, self.security, name=self.name, bind_host=self._bind_host(),
+                                 port=self.config.port)
+        member = self._facts()
+        self.membership = Membership(self.store, self.keys, member, ttl=self.config.ttl)
+        self.membership.on_expire(self._fence)
+
+        async def connect_and_join() -> None:
+            await self._connect()
+            await self.membership.join()
+
+        join = loop.create_task(connect_and_join())
+        notice = loop.create_task(self._notice.wait())
+        await asyncio.wait({join, notice}, return_when=asyncio.FIRST_COMPLETED)
+        if not join.done():
+            join.cancel()
+            log.info("%s: stopped before joining the fleet", self.name)
+            return 0
+        notice.cancel()
+        join.result()  # NameInUse, StoreError: reported by main()
+        log.info("%s: joined the fleet at %s with %d slot(s) of %s (worker ports %s, rendezvous %d)", self.name,
+                 member.endpoint, member.slots, member.device_kind, list(member.worker_ports), member.rendezvous_port)
+        self.election = Election(self.store, self.keys, self.membership, loop_wait=self.config.loop_wait,
+                                 on_change=self._on_election)
+        self.clients = PeerClients(self.ctx, self.security, name=self.name)
+        self.supervisor = Supervisor(config=self.config, store=self.store, keys=self.keys, membership=self.membership,
+                                     ports=self.ports, ctx=self.ctx, security_env=self._worker_security_env(),
+                                     peer_keys=self._peer_keys, metrics=self.metrics)
+        self.supervisor.on_exit(self._after_worker)
+        self.prober = prober = LinkProber(
+            store=self.store, keys=self.keys, name=self.name, member=lambda: self.membership.member, ports=self.ports,
+            is_busy=lambda: bool(self.supervisor.alive()), timeout=self.config.retry_timeout,
+            env={k: v for k, v in os.environ.items() if not k.startswith(("VARUNA_", "VARUNAD_"))})
+        self._tasks = [loop.create_task(self._keep_running(name, run), name=name) for name, run in (
+            ("election", self.election.run), ("control-server", self._serve),
+            ("plan-follower", self._follow_plan), ("worker-socket", self.supervisor.serve),
+            ("reports", self.supervisor.reporter.loop), ("link-prober", prober.run),
+            ("registration", self.membership.guard_key),
+        )]
+        notice = loop.create_task(self._notice.wait())
+        done, _ = await asyncio.wait({notice, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)
+        code = 0
+        for task in done:
+            if task is not notice and not task.cancelled() and task.exception() is not None:
+                log.error("%s: task %s failed: %r", self.name, task.get_name(), task.exception(),
+                          exc_info=task.exception())
+                code = 1
+        await self._shutdown()
+        return code
+
+    async def _keep_running(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        """Run one of the daemon's tasks for as long as the daemon runs: a task that fails (a bug;
+        bad data is rejected where it is parsed) is logged, counted in varunad_task_restarts and
+        started again after a back-off, instead of ending the daemon and with it the fleet's job."""
+        loop = asyncio.get_running_loop()
+        delay = _RESTART_MIN
+        while True:
+            started = loop.time()
+            try:
+                await run()
+                why = "it returned"
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                why = repr(exc)
+                log.error("%s: task %s failed: %s; restarting it in %.1fs", self.name, name, why, delay,
+                          exc_info=exc)
+            self.failures[name] = self.failures.get(name, 0) + 1
+            self.metrics.task_restarts.labels(task=name).inc()
+            if loop.time() - started > _RESTART_RESET:
+                delay = _RESTART_MIN  # it ran well for a while: this is a new failure, not the same one
+            await asyncio.sleep(delay)
+            delay = min(_RESTART_MAX, delay * 2)
+
+    # -- leadership -------------------------------------------------------------------------------------------
+
+    def _on_election(self, state: ElectionState) -> None:
+        if state.is_leader and self.leader_task is None and not self.draining:
+            self.leader_task = asyncio.get_running_loop().create_task(self._lead(), name="leader")
+        elif not state.is_leader and self.leader_task is not None:
+            self.leader_task.cancel()
+            self.leader_task = None
+
+    async def _lead(self) -> None:
+        try:
+            while self.election.is_leader() and not self.draining:
+                leader = Leader(config=self.config, store=self.store, keys=self.keys, election=self.election,
+                                clients=self.clients, metrics=self.metrics)
+                try:
+                    await leader.run()
+                except (asyncio.CancelledError, KeyboardInterrupt):
+                    raise
+                except Exception:
+                    log.exception("%s: the leader loop failed; restarting it", self.name)
+                    await asyncio.sleep(1.0)
+        finally:
+            if asyncio.current_task() is self.leader_task:
+                self.leader_task = None
+
+    async def _fence(self) -> None:
+        """The lease ran out unrenewed: stop every worker (the membership registers anew, as a new
+        incarnation, as soon as etcd answers; the leader then plans with it again).
+
+        Unless the workers still make progress: then their peers are reachable and training goes
+        on, so etcd, not this VM, is what failed (a stall or restart longer than the TTL takes
+        every lease at once). An outage is no VM loss (varunad.control.outage): the workers are kept while
+        they progress; once the daemon is registered again, a newer plan (if the leader made
+        one) stops them, an unchanged one keeps them. A VM cut off from the network fences at
+        once: its workers block on their peers and report nothing."""
+        sup = getattr(self, "supervisor", None)
+        if sup is None:
+            return
+        why = f"{self.name} lost etcd for longer than its lease ({self.config.ttl:g}s)"
+        while True:
+            # a cut-off VM fences within its TTL (its workers' last step is before the cut)
+            if not sup.progressing(self.config.ttl):
+                sup.fence(why)
+                return
+            if self.membership.lease_valid():
+                log.warning("%s: etcd was away longer than the lease but the workers kept training: kept them",
+                            self.name)
+                return
+            await asyncio.sleep(0.1)
+
+    async def _refresh_metrics(self) -> None:
+        """Before a scrape: the values read on demand (members from etcd, bounded by retry_timeout)."""
+        m = self.metrics
+        m.leader.set(1 if hasattr(self, "election") and self.election.is_leader() else 0)
+        m.plan_epoch.set(self.applied_epoch)
+        sup = getattr(self, "supervisor", None)
+        m.workers.set(len(sup.alive()) if sup is not None else 0)
+        if hasattr(self, "membership"):
+            m.members.set(len(await read_members(self.store, self.keys, timeout=self.config.retry_timeout)))
+
+    # -- the control server ----------------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        async for _identity, msg in self.server.messages():
+            if isinstance(msg, Assignment):
+                if msg.epoch > self.applied_epoch:
+                    # a task: starting workers must not keep this socket from answering pings
+                    task = asyncio.get_running_loop().create_task(self._read_plan(f"pushed epoch {msg.epoch}"))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+            elif isinstance(msg, StopWorkers):
+                self.supervisor.stop(msg.job, msg.epoch, checkpoint=msg.checkpoint, reason=msg.reason)
+            elif isinstance(msg, CheckpointNow):
+                self.supervisor.checkpoint_now(msg.job, msg.epoch, msg.reason)
+            else:
+                log.warning("%s: ignored an unexpected %s on the control socket", self.name, type(msg).__name__)
+
+    # -- following the plan ---------------------------------------------------------------------------------
+
+    async def _read_plan(self, why: str) -> None:
+        try:
+            doc, epoch = await read_plan(self.store, self.keys, timeout=self.config.retry_timeout)
+        except StoreError as exc:
+            log.warning("%s: cannot read the plan (%s): %s", self.name, why, exc)
+            return
+        if doc is not None:
+            await self._apply(doc, epoch)
+
+    async def _follow_plan(self) -> None:
+        while True:
+            watch = self.store.watch(self.keys.plan)
+            try:
+                await watch.start(timeout=self.config.retry_timeout)
+                await self._read_plan("start of the plan watch")
+                while True:
+                    event = await watch.next(timeout=self.config.ttl)
+                    if event is None:
+                        await self._read_plan("periodic check")  # a silent watch (frozen etcd) is not trusted
+                    elif event.kind == "put":
+                        # read back, not taken from the event: read_plan checks who wrote it (a
+                        # plan no leader wrote is skipped and the plan in force stays)
+                        await self._read_plan(f"a put at revision {event.revision}")
+            except StoreError as exc:
+                log.debug("%s: plan watch broke (%s); watching again", self.name, exc)
+                await asyncio.sleep(min(1.0, self.config.loop_wait))
+            finally:
+                await watch.cancel()
+
+    async def _apply(self, doc: PlanDoc, epoch: int) -> None:
+        async with self._apply_lock:
+            if epoch <= self.applied_epoch:
+                return
+            self.applied_epoch = epoch
+            log.info("%s: plan epoch %d: %s %s (%s)", self.name, epoch, doc.kind, doc.job or "", doc.reason)
+            sup = self.supervisor
+            if doc.kind == "idle":
+                sup.stop(None, None, checkpoint=False, reason=doc.reason)
+            elif doc.kind == "stop":
+                sup.stop(doc.job, doc.stop_epoch, checkpoint=doc.checkpoint, reason=doc.reason,
+                         grace=0.0 if doc.kill else None)
+            elif self.draining:
+                return
+            elif doc.kind == "run":
+                await self._start_run(doc, epoch)
+            elif doc.kind == "profile" and doc.profile_member == self.name:
+                await self._start_profile(doc, epoch)
+
+    def _planned_for_me(self, doc: PlanDoc) -> bool:
+        lease = self.membership.lease
+        mine = doc.incarnations.get(self.name)
+        if mine is not None and (lease is None or lease.id != mine):
+            log.warning("%s: the plan was made for an earlier registration of this daemon; waiting for a new one",
+                        self.name)
+            return False
+        return True
+
+    async def _start_run(self, doc: PlanDoc, epoch: int) -> None:
+        sup = self.supervisor
+        if self.name not in doc.members:
+            if sup.alive():
+                sup.stop(None, None, checkpoint=False, reason=f"epoch {epoch} runs without {self.name}")
+            return
+        if not self._planned_for_me(doc):
+            return
+        try:
+            spec, script = await self._job_files(doc.job or "")
+        except (StoreError, JobSpecError) as exc:
+            log.error("%s: cannot start %s epoch %d: %s", self.name, doc.job, epoch, exc)
+            sup.fail_epoch(doc.job or "", epoch, [s.rank for s in doc.slots_on(self.name)],
+                           f"{self.name} could not get the job's files: {exc}")
+            return
+        await self.prober.stop(f"{doc.job} epoch {epoch} starts here")   # a probe never runs beside a step
+        await sup.start_epoch(doc, epoch, spec, script)
+
+    async def _start_profile(self, doc: PlanDoc, epoch: int) -> None:
+        if not self._planned_for_me(doc):
+            return
+        try:
+            spec, script = await self._job_files(doc.job or "")
+        except (StoreError, JobSpecError) as exc:
+            self.supervisor.fail_epoch(doc.job or "", epoch, [0], f"{self.name} could not get the job's files: {exc}")
+            return
+        out = Path(self.config.state_dir) / "calibration" / f"{script_fingerprint(spec)}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log.info("%s: calibrating the model of %s (writing %s)", self.name, spec.job, out)
+        await self.prober.stop(f"calibrating {spec.job} here")
+        await self.supervisor.start_profile(doc, epoch, spec, script, str(out))
+
+    async def _after_worker(self, worker) -> None:
+        """A calibration run that exited 0 has written its file: store it for the leader."""
+        if worker.profile_path is None or worker.outcome != "done":
+            return
+        try:
+            spec, _ = self._jobs[worker.job]
+            cal = Calibration.load(worker.profile_path)
+            kind = self.membership.member.device_kind
+            if cal.device_kind != kind:
+                cal = dataclasses.replace(cal, device_kind=kind)
+            await self.store.put(self.keys.calibration_entry(script_fingerprint(spec), kind), cal.to_bytes(),
+                                 timeout=self.config.retry_timeout)
+            log.info("%s: stored the calibration of %s for %s", self.name, spec.job, kind)
+        except (OSError, ValueError, KeyError, StoreError) as exc:
+            worker.outcome = "failed"
+            worker.error = f"the calibration run of {worker.job} on {self.name} left no usable calibration: {exc}"
+
+    async def _job_files(self, job: str) -> tuple[JobSpec, Path]:
+        t = self.config.retry_timeout
+        kv = await self.store.get(self.keys.job(job), timeout=t)
+        if kv is None:
+            raise JobSpecError(f"job {job} has no spec in etcd")
+        spec = JobSpec.decode(kv.value, job=job)
+        if self.allowed_submitters is not None:
+            sig = await self.store.get(self.keys.signature(job), timeout=t)
+            try:
+                signer = self.allowed_submitters.verify(job, kv.value, None if sig is None else sig.value)
+            except SigningError as exc:
+                raise BundleError(str(exc)) from None
+            log.info("%s: job %s is signed by %s", self.name, job, signer)
+        cached = self._jobs.get(job)
+        if cached is not None and cached[0] == spec:
+            return cached
+        bundle = await self.store.get(self.keys.bundle(job), timeout=t)
+        if bundle is None:
+            raise BundleError(f"job {job} has no bundle in etcd")
+        directory = unpack_bundle(bundle.value, spec.bundle_digest, job_dir(self.config.state_dir, BUNDLES, job))
+        running = {w.job for w in self.supervisor.alive()}
+        for old in prune_jobs(self.config.state_dir, self.config.keep_jobs, protect={job, *running}):
+            self._jobs.pop(old, None)
+        script = directory / spec.script
+        if not script.is_file():
+            raise BundleError(f"the bundle of {job} holds no {spec.script}")
+        self._jobs[job] = (spec, script)
+        return spec, script
+
+    # -- security for workers ---------------------------------------------------------------------------------
+
+    def _worker_security_env(self) -> dict[str, str]:
+        return self.security.config.to_env()
+
+    def _peer_keys(self, doc: PlanDoc) -> dict[str, str]:
+        keys = {}
+        for s in doc.slots:
+            try:
+                keys[s.endpoint] = self.security.member_public_key(s.member).decode("ascii")
+            except SecurityError as exc:
+                log.warning("%s: no public key for %s (%s); its stream will be refused", self.name, s.member, exc)
+        return keys
+
+    # -- signals and leaving ---------------------------------------------------------------------------------
+
+    def _on_notice(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            # systemd's stop, `varunactl down` and a spot VM's preemption notice all arrive as SIGTERM
+            log.warning("%s: %s: shutting down: the workers checkpoint, then this daemon leaves the fleet",
+                        self.name, signal.Signals(sig).name)
+            self._notice.set()
+        else:
+            log.warning("%s: second %s: killing the workers now", self.name, signal.Signals(sig).name)
+            sup = getattr(self, "supervisor", None)
+            if sup is not None:
+                sup.kill_now()
+
+    def _on_hup(self) -> None:
+        try:
+            self.security.reload_allowed_keys()
+            log.info("%s: reloaded the CURVE allow-list", self.name)
+        except SecurityError as exc:
+            log.error("%s: could not reload the allow-list: %s", self.name, exc)
+
+    async def _shutdown(self) -> None:
+        self.draining = True
+        t = self.config.retry_timeout
+        sup = getattr(self, "supervisor", None)
+        if hasattr(self, "membership") and self.membership.lease is not None:
+            with contextlib.suppress(StoreError, RuntimeError):
+                await self.membership.update(dataclasses.replace(self.membership.member, draining=True))
+        if self.leader_task is not None:
+            self.leader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.leader_task
+        for task in self._tasks:
+            if task.get_name() in ("election", "plan-follower"):
+                task.cancel()
+        if hasattr(self, "election"):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.election.resign(), t)
+        if sup is not None and sup.alive():
+            sup.stop(None, None, checkpoint=True, reason=f"{self.name} is shutting down")
+            if not await sup.wait_all_exited(self.config.notice_timeout):
+                await sup.kill_all("they did not stop within the notice timeout")
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sup.reporter.flush(), 2 * t)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if hasattr(self, "membership"):
+            await self.membership.leave()
+        if sup is not None:
+            await sup.kill_all("the daemon is exiting")
+            sup.close()
+        if hasattr(self, "clients"):
+            self.clients.close()
+        if hasattr(self, "server"):
+            self.server.close()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+        if hasattr(self, "ports"):
+            self.ports.close()
+        self.security.close()
+        with contextlib.suppress(Exception):
+            await self.store.close()
+        self.ctx.term()
+        log.info("%s: left the fleet", self.name)
+
+
+def _setup_child_watcher() -> None:
+    """Reap workers with pidfds (no helper thread per child, as Python 3.11's default has)."""
+    if sys.version_info >= (3, 12) or not hasattr(asyncio, "PidfdChildWatcher"):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            watcher = asyncio.PidfdChildWatcher()
+            asyncio.set_child_watcher(watcher)
+        except (OSError, NotImplementedError, RuntimeError):  # kernel without pidfd_open
+            pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--version" in args:
+        print(f"varunad {version()}")
+        return 0
+    try:
+        config = load_config(args, parser=parser)
+    except DaemonConfigError as exc:
+        print(f"varunad: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not is_local_address(config.advertise):
+        log.warning("--advertise %s is no address of this host: peers reach it only if it is forwarded here "
+                    "(a VM image must not carry one VM's address; leave it unset to use the route to etcd)",
+                    config.advertise)
+    if "--check" in args:
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            print(f"{f.name}={'(set)' if f.name == 'etcd_password' and value else value}")
+        return 0
+    log.info("varunad %s starting as %s (etcd %s, ttl %.1fs, loop_wait %.2fs, retry_timeout %.2fs)", version(),
+             config.name, config.etcd, config.ttl, config.loop_wait, config.retry_timeout)
+    try:
+        daemon = Daemon(config)
+    except (SecurityError, StoreError, ValueError) as exc:  # SigningError: a bad --submit-keys
+        print(f"varunad: {exc}", file=sys.stderr)
+        return 2
+    _setup_child_watcher()
+    try:
+        return asyncio.run(daemon.run())
+    except NameInUse as exc:
+        print(f"varunad: {exc}", file=sys.stderr)
+        return 1
+    except (StoreError, OSError) as exc:
+        print(f"varunad: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

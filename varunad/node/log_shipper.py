@@ -1,0 +1,90 @@
+"""Copy this daemon's worker logs into etcd, and pick the checkpoint refusals out of them.
+
+Each worker writes ``STATE_DIR/logs/<job>/e<epoch>-r<rank>.log`` (varunad.node.supervisor). The
+shipper reads what was appended since its last call, whole lines only, prefixes every line with
+``[member e<epoch> r<rank>]`` and writes it as one chunk under the job's log keys (the newest
+``_CHUNKS_KEPT`` chunks per job and daemon are kept), where ``varunactl logs`` reads them. A line
+saying a checkpoint was skipped (trainer.checkpoint.store) is also logged here and kept as a note.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+from varunad.store.fleetkeys import FleetKeys
+from varunad.store.etcd import Store
+
+__all__ = ["LogShipper", "ShippedLog"]
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 64 * 1024
+_CHUNKS_KEPT = 64
+_REFUSAL = b"skipping checkpoint"  # what trainer.checkpoint.store logs for a checkpoint that does not verify
+
+
+class ShippedLog(Protocol):
+    """What the shipper needs of a worker (varunad.node.supervisor's record of one)."""
+
+    job: str
+    epoch: int
+    rank: int
+    log_path: Path
+    log_offset: int  # bytes of the log already shipped (or written before this worker started)
+
+
+class LogShipper:
+    """One daemon's worker logs, shipped to etcd in chunks. Store errors propagate to the caller;
+    a worker's offset only moves once its chunk is written, so a failed write is retried next time."""
+
+    def __init__(self, *, name: str, store: Store, keys: FleetKeys) -> None:
+        self.name = name
+        self.store = store
+        self.keys = keys
+        self._seq = time.time_ns() // 1000
+        self._chunks: dict[str, list[str]] = {}  # job -> chunk keys this daemon wrote, oldest first
+        self._notes: dict[str, list[str]] = {}  # job -> checkpoint refusals its workers logged here
+
+    async def ship(self, workers: Iterable[ShippedLog], timeout: float) -> None:
+        for w in list(workers):
+            try:
+                with open(w.log_path, "rb") as f:
+                    f.seek(w.log_offset)
+                    data = f.read(_CHUNK)
+            except OSError:
+                continue
+            if not data:
+                continue
+            if len(data) == _CHUNK and b"\n" in data:
+                data = data[: data.rindex(b"\n") + 1]  # whole lines only
+            await self._note_refusals(w, data, timeout)
+            prefix = f"[{self.name} e{w.epoch} r{w.rank}] ".encode()
+            text = b"".join(prefix + line for line in data.splitlines(keepends=True))
+            self._seq = max(self._seq + 1, time.time_ns() // 1000)
+            key = self.keys.log_chunk(w.job, self.name, self._seq)
+            await self.store.put(key, text, timeout=timeout)
+            w.log_offset += len(data)
+            chunks = self._chunks.setdefault(w.job, [])
+            chunks.append(key)
+            while len(chunks) > _CHUNKS_KEPT:
+                await self.store.delete(chunks.pop(0), timeout=timeout)
+
+    async def _note_refusals(self, w: ShippedLog, data: bytes, timeout: float) -> None:
+        """A worker that skipped a corrupt checkpoint (trainer.checkpoint.store: "skipping checkpoint N:
+        ...") resumed from an older one and redoes steps: say so in this daemon's log and in etcd
+        (``notes/<job>/<member>``, shown by status), not only in the worker's own output."""
+        found = [line.decode("utf-8", "replace").strip() for line in data.splitlines() if _REFUSAL in line]
+        if not found:
+            return
+        notes = self._notes.setdefault(w.job, [])
+        for line in found:
+            text = line[line.index(_REFUSAL.decode()):][:500]
+            log.warning("%s: rank %d of %s epoch %d refused a checkpoint: %s", self.name, w.rank, w.job, w.epoch, text)
+            notes.append(f"epoch {w.epoch} rank {w.rank} on {self.name}: {text}")
+        del notes[:-10]
+        await self.store.put(self.keys.note_entry(w.job, self.name), json.dumps(notes).encode(), timeout=timeout)

@@ -1,0 +1,148 @@
+"""Write what this daemon's workers did to etcd: the worker report, progress, loss history, logs.
+
+* the worker report (``varunad.control.records.WorkerReport``, on this daemon's lease) as soon as it
+  changes: a worker started, exited, or took its first step;
+* each rank's latest progress (fenced by epoch) and the job's loss history, every
+  ``progress_interval``, the history also at once after a checkpoint (the next epoch resumes there);
+* the workers' log output, through ``varunad.node.log_shipper``, every ``progress_interval``.
+
+A write etcd refuses or does not answer stays pending for the next round. The supervisor tells
+the reporter what happened (`mark`, `record_progress`, `begin_epoch`); the reporter never
+starts or stops a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+
+from varunad.node.config import DaemonConfig
+from varunad.cluster.fencing import put_for_epoch
+from varunad.store.fleetkeys import FleetKeys
+from varunad.node.log_shipper import LogShipper, ShippedLog
+from varunad.cluster.membership import Membership
+from varunad.control.records import Progress, WorkerReport, encode_history
+from varunad.store.etcd import Store, StoreError
+
+__all__ = ["Reporter"]
+
+log = logging.getLogger(__name__)
+
+_HISTORY_CAP = 20000
+
+
+class Reporter:
+    """The etcd side of one daemon's workers: what is pending, and the loop that writes it."""
+
+    def __init__(
+        self,
+        *,
+        config: DaemonConfig,
+        store: Store,
+        keys: FleetKeys,
+        membership: Membership,
+        report: Callable[[], WorkerReport],
+        workers: Callable[[], Iterable[ShippedLog]],
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.keys = keys
+        self.membership = membership
+        self.name = config.name
+        self._report = report
+        self._workers = workers
+        self.logs = LogShipper(name=config.name, store=store, keys=keys)
+        self.progress: dict[int, Progress] = {}  # rank -> its latest report, this epoch
+        self._progress_written: dict[int, Progress] = {}
+        self._history: dict[tuple[str, int], dict[int, float]] = {}
+        self._history_span: dict[tuple[str, int], tuple[float, float]] = {}
+        self._history_dirty: set[tuple[str, int]] = set()
+        self._report_dirty = True
+        self._report_lease: int | None = None
+        self._wake = asyncio.Event()
+
+    # -- what the supervisor tells it ------------------------------------------------------------------
+
+    def begin_epoch(self) -> None:
+        """A new epoch's workers: forget the old one's progress; the report changes."""
+        self.progress.clear()
+        self._report_dirty = True
+
+    def mark(self) -> None:
+        """The worker report changed: write it now."""
+        self._report_dirty = True
+        self._wake.set()
+
+    def flush_soon(self) -> None:
+        """Write the pending history now rather than at the next interval."""
+        self._wake.set()
+
+    def record_progress(self, p: Progress, *, reports_job: bool) -> None:
+        """A worker's step; ``reports_job``: its loss goes into the job's history (one rank per daemon)."""
+        self.progress[p.rank] = p
+        if reports_job:
+            key = (p.job, p.epoch)
+            hist = self._history.setdefault(key, {})
+            if len(hist) < _HISTORY_CAP:
+                hist[p.step] = p.loss
+            self._history_span[key] = (self._history_span.get(key, (p.at, p.at))[0], p.at)
+            self._history_dirty.add(key)
+
+    def forget_progress(self) -> None:
+        """Drop progress not yet written: it belongs to an epoch that may be over (a fenced daemon)."""
+        self.progress.clear()
+        self._progress_written.clear()
+
+    # -- writing to etcd ---------------------------------------------------------------------------------
+
+    async def loop(self) -> None:
+        """Write what changed: the report at once, the rest every progress_interval."""
+        last_periodic = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.progress_interval):
+                    await self._wake.wait()
+            self._wake.clear()
+            await self.flush(periodic=loop.time() - last_periodic >= self.config.progress_interval)
+            if loop.time() - last_periodic >= self.config.progress_interval:
+                last_periodic = loop.time()
+
+    async def flush(self, *, periodic: bool = True) -> bool:
+        """Write pending records; False if etcd refused or did not answer (they stay pending)."""
+        ok = True
+        t = self.config.retry_timeout
+        lease = self.membership.lease
+        try:
+            if lease is not None and (self._report_dirty or lease.id != self._report_lease):
+                self._report_dirty = False
+                try:
+                    await self.store.put(self.keys.workers_of(self.name), self._report().encode(), lease=lease,
+                                         timeout=t)
+                    self._report_lease = lease.id
+                except BaseException:
+                    self._report_dirty = True
+                    raise
+            for key in list(self._history_dirty):
+                job, epoch = key
+                self._history_dirty.discard(key)
+                try:
+                    await self.store.put(self.keys.history_entry(job, epoch, self.name),
+                                         encode_history(self._history[key].items(), self._history_span.get(key)),
+                                         timeout=t)
+                except BaseException:
+                    self._history_dirty.add(key)
+                    raise
+            if periodic:
+                for rank, p in list(self.progress.items()):
+                    if self._progress_written.get(rank) != p:
+                        await put_for_epoch(self.store, self.keys.progress_entry(p.job, rank), p.encode(),
+                                            epoch=p.epoch, timeout=t)
+                        self._progress_written[rank] = p
+                await self.logs.ship(self._workers(), t)
+        except StoreError as exc:
+            ok = False
+            log.debug("%s: could not write reports to etcd yet: %s", self.name, exc)
+        return ok

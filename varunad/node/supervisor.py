@@ -1,0 +1,553 @@
+"""Worker supervision: start this daemon's trainer workers, hear from them, stop them.
+
+One worker per assigned slot: ``python script.py args`` in the job's unpacked bundle, with the
+``trainer.worker_env.WorkerAssignment`` of its rank in the environment (the local launcher's entry point).
+Each worker
+
+* runs in its own session (so its process group can be signalled as one) and dies with the
+  daemon (``PR_SET_PDEATHSIG`` = SIGKILL): a daemon killed with -9 takes its workers along, as
+  when the VM vanishes;
+* writes stdout and stderr to ``STATE_DIR/logs/<job>/e<epoch>-r<rank>.log``;
+* talks to the daemon over its private control socket (``varunad.node.control_channel``: a Unix
+  socket in a 0700 directory, identity ``rank-<r>-<secret>``): progress after each step, a note
+  after each checkpoint; the daemon sends it ``StopWorkers`` / ``CheckpointNow`` (a stop is
+  repeated until the worker exits, a send that failed is retried with its next message).
+
+A stop request gives the workers a grace period (``stop_grace`` with a checkpoint,
+``abort_grace`` without: a worker blocked on a dead peer never reaches a step boundary), then
+the daemon SIGKILLs their process groups. What the workers did goes to etcd through
+``varunad.node.reporter`` (the report at once, progress and loss history throttled, logs in chunks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from protocol.errors import ProtocolError
+from protocol.messages import CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
+from trainer.engine.control import STOPPED_EXIT_CODE
+from trainer.worker_env import WorkerAssignment
+from trainer.launch import worker_environment as launch_environment
+from trainer.net.netaddr import numeric_address
+
+from varunad.node.config import DaemonConfig
+from varunad.node.control_channel import TOKEN_ENV, ControlChannel, control_identity, new_token
+from varunad.cluster.facts import DaemonMember, PortReservation, gpu_count
+from varunad.store.fleetkeys import FleetKeys
+from varunad.node.housekeeping import LOGS, STAGING, job_dir
+from varunad.control.jobs import JobSpec, job_store, job_trace_dir
+from varunad.cluster.membership import Membership
+from varunad.node.metrics import DaemonMetrics
+from varunad.control.plans import PlanDoc
+from varunad.control.records import Progress, WorkerRecord, WorkerReport
+from varunad.node.reporter import Reporter
+from varunad.store.etcd import Store
+
+__all__ = ["Supervisor", "STOPPED_EXIT_CODE", "worker_environment"]
+
+log = logging.getLogger(__name__)
+
+_TAIL_BYTES = 4096
+# Steps each worker traces (trainer.engine.varuna stops recording after them): enough for a warm-up
+# step plus a few steady ones for the end-of-job timeline, small enough to cost nothing.
+_TRACE_STEPS = 5
+
+# Resolved before any fork: the child of a fork may only call what is already loaded.
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    def preexec() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the daemon died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def worker_environment(assignment: WorkerAssignment, *, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The launcher's worker environment, without any of the daemon's own settings."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("VARUNA_", "VARUNAD_"))}
+    return launch_environment(assignment, extra, base=base)
+
+
+def _tail(path: Path, size: int = _TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    lines = text.splitlines()
+    return "\n".join(lines[1:] if len(text) >= size and len(lines) > 1 else lines)
+
+
+@dataclass(eq=False)
+class _SupervisedWorker:
+    """One worker process this daemon started for a job's epoch, and what it reported."""
+
+    job: str
+    epoch: int
+    rank: int
+    slot: int
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    outcome: str = "starting"
+    exit_code: int | None = None
+    error: str = ""
+    step: int = -1
+    started_at: float = 0.0
+    killed_by_daemon: bool = False
+    connected: bool = False
+    pending: list[bytes] = field(default_factory=list)
+    kill_task: asyncio.Task[None] | None = None
+    wait_task: asyncio.Task[None] | None = None
+    profile_path: str | None = None
+    ports: tuple[int, ...] = ()
+    log_offset: int = 0
+    token: str = ""  # the secret this worker names itself by on the control socket
+    stop_request: bytes | None = None  # resent until the worker exits (a stop may be lost)
+
+    @property
+    def identity(self) -> bytes:
+        return control_identity(self.rank, self.token)
+
+    @property
+    def alive(self) -> bool:
+        return self.outcome in ("starting", "running")
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(rank=self.rank, slot=self.slot, pid=self.proc.pid if self.proc else 0,
+                            outcome=self.outcome, exit_code=self.exit_code, error=self.error[-_TAIL_BYTES:],
+                            step=self.step, started_at=self.started_at)
+
+
+class Supervisor:
+    """This daemon's workers of one epoch at a time; `reporter` writes what they did to etcd."""
+
+    def __init__(
+        self,
+        *,
+        config: DaemonConfig,
+        store: Store,
+        keys: FleetKeys,
+        membership: Membership,
+        ports: PortReservation,
+        ctx: zmq.asyncio.Context,
+        security_env: Mapping[str, str],
+        peer_keys: Callable[[PlanDoc], dict[str, str]],
+        metrics: DaemonMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.membership = membership
+        self.ports = ports
+        self.security_env = dict(security_env)
+        self.peer_keys = peer_keys
+        self.metrics = metrics if metrics is not None else DaemonMetrics()
+        self.name = config.name
+        # the address every worker's collectives bind: the advertised one (trainer.net.netaddr)
+        self.bind_address = numeric_address(config.advertise)
+        self._gpus = gpu_count()   # CUDA workers or CPU ones: what the host has, not what its kind is called
+        # Private to this daemon and its workers: a Unix socket in a directory only this user may
+        # enter (no TCP port any local process could reach), and each worker names itself by a
+        # secret drawn for it alone (ControlChannel); there is no ROUTER_HANDOVER, so nobody can
+        # take over a connected worker's identity either.
+        Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+        self.channel = ControlChannel(config.state_dir)
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
+        self.sock.bind(self.channel.endpoint)
+        self.control_endpoint = self.channel.endpoint
+        log.info("%s: worker control socket at %s", self.name, self.control_endpoint)
+        self.workers: dict[int, _SupervisedWorker] = {}
+        self.job: str | None = None
+        self.epoch = 0
+        self.epoch_started_at = 0.0
+        self.first_step_at = 0.0
+        self.reporter = Reporter(config=config, store=store, keys=keys, membership=membership, report=self.report,
+                                 workers=lambda: list(self.workers.values()))
+        self._exited = asyncio.Event()
+        self._exited.set()
+        self._on_exit: list[Callable[[_SupervisedWorker], Any]] = []
+        self._step_interval: dict[int, float] = {}  # rank -> seconds between its last two reports
+        self.dropped = 0
+
+    # -- the epoch's workers -------------------------------------------------------------------------
+
+    def alive(self) -> list[_SupervisedWorker]:
+        return [w for w in self.workers.values() if w.alive]
+
+    def report(self) -> WorkerReport:
+        return WorkerReport(member=self.name, job=self.job, epoch=self.epoch,
+                            workers=tuple(w.record() for w in sorted(self.workers.values(), key=lambda w: w.rank)),
+                            first_step_at=self.first_step_at, started_at=self.epoch_started_at)
+
+    async def wait_all_exited(self, timeout: float | None = None) -> bool:
+        if not self.alive():
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                while self.alive():
+                    self._exited.clear()
+                    await self._exited.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def start_epoch(self, doc: PlanDoc, epoch: int, spec: JobSpec, script: Path) -> None:
+        """Start a worker for each slot ``doc`` gives this member (after ending any older ones):
+        ``script`` (the job's unpacked entry point) with ``spec``'s arguments and settings."""
+        await self.kill_all("a newer plan replaces them")
+        member = self.membership.member
+        store_dir = job_store(spec, self.config.store)
+        mine = doc.slots_on(self.name)
+        self._begin(doc.job or "", epoch)
+        self.metrics.begin_epoch({s.rank: s.stage for s in mine}, doc.job or "")
+        threads = self._threads(member)
+        extra = {**self.security_env, "VARUNA_TRACE_STEPS": str(_TRACE_STEPS)}
+        if self.security_env.get("VARUNA_SECURITY") == "curve" and self.security_env.get("VARUNA_TRUSTED_NETWORK") != "1":
+            extra["VARUNA_PEER_KEYS"] = json.dumps(self.peer_keys(doc))
+        for s in mine:
+            assignment = WorkerAssignment(
+                rank=s.rank, stage_to_rank=doc.stage_to_rank(), endpoints=doc.endpoints(), dist_url=doc.dist_url,
+                job=doc.job or "", epoch=epoch, cuts=list(doc.cuts), schedule=doc.schedule, threads=threads,
+                recompute=list(doc.recompute) or None,
+                store=store_dir, device=self._device(member, s.slot), control=self.control_endpoint,
+                checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints, resume="latest",
+                batch_size=spec.batch_size, micro_batch_size=doc.micro_batch_size, steps=spec.steps,
+                trace_dir=job_trace_dir(store_dir, epoch),
+                checkpoint_tmpdir=str(self._staging_dir(doc.job or "")) if self.config.stage_checkpoints else None,
+                bind_address=self.bind_address,
+            )
+            ports = [member.worker_ports[s.slot]] + ([member.rendezvous_port] if s.rank == 0 else [])
+            token = new_token()
+            await self._spawn(_SupervisedWorker(job=doc.job or "", epoch=epoch, rank=s.rank, slot=s.slot, token=token,
+                                      log_path=self._log_path(doc.job or "", epoch, s.rank), ports=tuple(ports)),
+                              script, list(spec.args), worker_environment(assignment, extra={**extra, TOKEN_ENV: token}))
+        log.info("%s: started %d worker(s) of %s epoch %d (%s, ranks %s)", self.name, len(mine), doc.job, epoch,
+                 doc.shape, [s.rank for s in mine])
+
+    async def start_profile(self, doc: PlanDoc, epoch: int, spec: JobSpec, script: Path, out_path: str) -> None:
+        """Run the script once on slot 0 with VARUNA_PROFILE: it writes the calibration and exits 0.
+
+        It measures what a training worker of this host will see: as many torch threads, and on a
+        CPU host whose slots share the cores, all of them busy at once (the profiler forks one
+        process per slot; that needs one thread each, else the lone slot is measured)."""
+        await self.kill_all("a newer plan replaces them")
+        member = self.membership.member
+        self._begin(doc.job or "", epoch)
+        self.metrics.begin_epoch({0: 0}, doc.job or "")
+        threads = self._threads(member)
+        shared_cores = not self._gpus and member.slots > 1
+        busy_slots = member.slots if shared_cores and threads == 1 else None
+        if shared_cores and busy_slots is None:
+            log.warning("%s: calibrating one of %d CPU slots alone (%d threads each; profiling them at once needs "
+                        "one): the plan's step-time estimate will be optimistic", self.name, member.slots, threads)
+        assignment = WorkerAssignment(
+            rank=0, stage_to_rank={0: [0]}, endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
+            job=doc.job or "", epoch=epoch, threads=threads,
+            device=self._device(member, 0), control=self.control_endpoint, batch_size=spec.batch_size, steps=spec.steps,
+            profile=out_path, profile_slots=busy_slots, bind_address=self.bind_address,
+        )
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(out_path)
+        token = new_token()
+        worker = _SupervisedWorker(job=doc.job or "", epoch=epoch, rank=0, slot=0, profile_path=out_path, token=token,
+                         log_path=self._log_path(doc.job or "", epoch, 0),
+                         ports=(member.worker_ports[0], member.rendezvous_port))
+        await self._spawn(worker, script, list(spec.args), worker_environment(assignment, extra={**self.security_env,
+                                                                                    TOKEN_ENV: token}))
+
+    def fail_epoch(self, job: str, epoch: int, ranks: list[int], error: str) -> None:
+        """Report ``ranks`` of an epoch this daemon could not even start as failed, with ``error``."""
+        self._begin(job, epoch)
+        for rank in ranks:
+            self.workers[rank] = _SupervisedWorker(job=job, epoch=epoch, rank=rank, slot=0, outcome="failed", error=error,
+                                         log_path=self._log_path(job, epoch, rank))
+        self.reporter.mark()
+
+    def on_exit(self, callback: Callable[[_SupervisedWorker], Any]) -> None:
+        """Call ``callback(worker)`` (may be async) when a worker has exited, before reporting it."""
+        self._on_exit.append(callback)
+
+    def _device(self, member: DaemonMember, slot: int) -> str:
+        return str(slot) if self._gpus else "cpu"
+
+    def _threads(self, member: DaemonMember) -> int:
+        """torch threads per worker: the host's cores shared out among its slots."""
+        return self.config.threads or max(1, (os.cpu_count() or 1) // max(1, member.slots))
+
+    def _staging_dir(self, job: str) -> Path:
+        return job_dir(self.config.state_dir, STAGING, job)
+
+    def _log_path(self, job: str, epoch: int, rank: int) -> Path:
+        return job_dir(self.config.state_dir, LOGS, job) / f"e{epoch}-r{rank}.log"
+
+    def _begin(self, job: str, epoch: int) -> None:
+        self.workers = {}
+        self.job, self.epoch = job, epoch
+        self.epoch_started_at = time.time()
+        self.first_step_at = 0.0
+        self.reporter.begin_epoch()
+
+    async def _spawn(self, w: _SupervisedWorker, script: Path, args: list[str], env: dict[str, str]) -> None:
+        w.log_path.parent.mkdir(parents=True, exist_ok=True)
+        for port in w.ports:
+            self.ports.release(port)
+        self.workers[w.rank] = w
+        self._exited.clear()
+        w.started_at = time.time()
+        with open(w.log_path, "ab") as out:
+            w.log_offset = out.tell()
+            try:
+                w.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, str(script), *args, cwd=str(script.parent), env=env,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=_die_with(os.getpid()),
+                )
+            except OSError as exc:
+                w.outcome, w.error = "failed", f"could not start {script}: {exc}"
+                self._after_exit(w)
+                return
+        w.outcome = "running"
+        self.reporter.mark()
+        w.wait_task = asyncio.get_running_loop().create_task(self._wait(w), name=f"worker-{w.job}-e{w.epoch}-r{w.rank}")
+
+    async def _wait(self, w: _SupervisedWorker) -> None:
+        assert w.proc is not None
+        code = await w.proc.wait()
+        w.exit_code = code
+        if w.kill_task is not None:
+            w.kill_task.cancel()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(w.proc.pid, signal.SIGKILL)  # anything the worker left behind in its group
+        if code == 0:
+            w.outcome = "done"
+        elif code == STOPPED_EXIT_CODE:
+            w.outcome = "stopped"
+        elif w.killed_by_daemon:
+            w.outcome = "killed"
+        else:
+            w.outcome = "failed"
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            w.error = f"rank {w.rank} on {self.name} {how}; last output:\n{_tail(w.log_path)}"
+        for callback in self._on_exit:
+            try:
+                result = callback(w)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:  # a callback must not stop the report
+                log.exception("%s: exit callback failed", self.name)
+        self._after_exit(w)
+
+    def _after_exit(self, w: _SupervisedWorker) -> None:
+        for port in w.ports:
+            self.ports.reacquire(port)
+        level = logging.WARNING if w.outcome == "failed" else logging.INFO
+        log.log(level, "%s: worker rank %d of %s epoch %d: %s (exit code %s)%s", self.name, w.rank, w.job, w.epoch,
+                w.outcome, w.exit_code, ("\n" + w.error) if w.outcome == "failed" else "")
+        self.reporter.mark()
+        if not self.alive():
+            self._exited.set()
+
+    # -- stopping --------------------------------------------------------------------------------------
+
+    def stop(self, job: str | None, epoch: int | None, *, checkpoint: bool, reason: str,
+             grace: float | None = None) -> int:
+        """Ask the workers (of ``job``/``epoch``, or all) to stop; SIGKILL those alive after the grace
+        (by default stop_grace with a checkpoint, abort_grace without; 0 kills them now)."""
+        targets = [w for w in self.alive() if (job is None or w.job == job) and (epoch is None or w.epoch <= epoch)]
+        if grace is None:
+            grace = self.config.stop_grace if checkpoint else self.config.abort_grace
+        if grace <= 0:
+            for w in targets:
+                w.killed_by_daemon = True
+                if w.proc is not None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(w.proc.pid, signal.SIGKILL)
+            if targets:
+                log.info("%s: killed %d worker(s) of a broken epoch (%s)", self.name, len(targets), reason)
+            return len(targets)
+        for w in targets:
+            msg = StopWorkers(job=w.job, epoch=w.epoch, reason=str(reason)[:1000], checkpoint=checkpoint)
+            w.stop_request = encode(msg)
+            self._deliver(w, msg)
+            if w.kill_task is None or checkpoint is False:
+                if w.kill_task is not None:
+                    w.kill_task.cancel()
+                w.kill_task = asyncio.get_running_loop().create_task(self._kill_after(w, grace))
+        if targets:
+            log.info("%s: asked %d worker(s) to stop (%s; checkpoint=%s, SIGKILL after %.0fs)", self.name,
+                     len(targets), reason, checkpoint, grace)
+        return len(targets)
+
+    def checkpoint_now(self, job: str, epoch: int, reason: str) -> None:
+        for w in self.alive():
+            if w.job == job and w.epoch == epoch:
+                self._deliver(w, CheckpointNow(job=job, epoch=epoch, reason=str(reason)[:1000]))
+
+    async def _kill_after(self, w: _SupervisedWorker, grace: float) -> None:
+        await asyncio.sleep(grace)
+        if w.alive and w.proc is not None:
+            log.warning("%s: rank %d of %s epoch %d did not stop within %.0fs; SIGKILL", self.name, w.rank, w.job,
+                        w.epoch, grace)
+            w.killed_by_daemon = True
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.proc.pid, signal.SIGKILL)
+
+    def progressing(self, limit: float) -> bool:
+        """Whether a live worker reported a step recently: within twice its last step interval
+        (at least ``limit``/3, at most ``limit`` seconds)."""
+        now = time.time()
+        for w in self.alive():
+            p = self.reporter.progress.get(w.rank)
+            if p is not None and now - p.at <= min(limit, max(limit / 3, 2 * self._step_interval.get(w.rank, 0.0))):
+                return True
+        return False
+
+    def fence(self, reason: str) -> list[_SupervisedWorker]:
+        """This daemon lost etcd for longer than its lease: its workers can be in no valid epoch
+        any more (the fleet may have planned without them). Kill them now, and drop the progress
+        not yet written: it belongs to an epoch that may be over."""
+        killed = self.kill_now()
+        self.reporter.forget_progress()
+        if killed:
+            log.warning("%s: killed %d worker(s): %s", self.name, len(killed), reason)
+        return killed
+
+    def kill_now(self) -> list[_SupervisedWorker]:
+        """SIGKILL every live worker's process group; returns them."""
+        alive = self.alive()
+        for w in alive:
+            w.killed_by_daemon = True
+            if w.proc is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(w.proc.pid, signal.SIGKILL)
+        return alive
+
+    async def kill_all(self, reason: str) -> None:
+        """SIGKILL every live worker now and wait for them to be reaped."""
+        alive = self.kill_now()
+        if alive:
+            log.warning("%s: killed %d worker(s): %s", self.name, len(alive), reason)
+            await self.wait_all_exited(10.0)
+
+    def _deliver(self, w: _SupervisedWorker, msg: Any) -> None:
+        data = msg if isinstance(msg, bytes) else encode(msg)
+        if not w.connected:
+            w.pending.append(data)  # sent when the worker first speaks (after its first step)
+            return
+        self._send(w, data)
+
+    def _send(self, w: _SupervisedWorker, data: bytes) -> None:
+        # An asyncio socket reports a failed send in the returned future, never by raising here
+        # (an `except zmq.ZMQError` around it never fired): look at the future, and keep a message
+        # that could not go for the worker's next message.
+        try:
+            fut = self.sock.send_multipart([w.identity, data], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._undelivered(w, data)
+            return
+
+        def sent(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                self._undelivered(w, data)
+
+        fut.add_done_callback(sent)
+
+    def _undelivered(self, w: _SupervisedWorker, data: bytes) -> None:
+        if w.alive and data not in w.pending:
+            log.debug("%s: a request to rank %d was not delivered; sending it with the next reply", self.name, w.rank)
+            w.connected = False
+            w.pending.append(data)
+
+    # -- the control socket ------------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) != 2:
+                self._drop(f"{len(frames)} frames instead of [identity, message]")
+                continue
+            identity, data = frames
+            try:
+                msg = decode(data)
+            except ProtocolError as exc:
+                self._drop(str(exc))
+                continue
+            if not isinstance(msg, (WorkerProgress, WorkerCheckpointed)):
+                self._drop(f"unexpected {type(msg).__name__} from a worker")
+                continue
+            w = self.workers.get(msg.rank)
+            if w is None or not w.alive or w.job != msg.job or w.epoch != msg.epoch or identity != w.identity:
+                # Only the current epoch's worker of that rank knows its identity: anything else is
+                # a stale worker or a forgery, and must not move the job's progress or history.
+                self._drop(f"{type(msg).__name__} for {msg.job} epoch {msg.epoch} rank {msg.rank} not from "
+                           "that rank's current worker")
+                continue
+            if not w.connected:
+                w.connected = True
+                pending, w.pending = w.pending, []
+                for item in pending:
+                    self._send(w, item)
+            elif w.stop_request is not None:
+                self._send(w, w.stop_request)  # idempotent; confirmed only by the worker's exit
+            if isinstance(msg, WorkerProgress):
+                self._on_progress(w, msg)
+            else:
+                self.metrics.worker_checkpointed(job=msg.job, stalled_s=msg.stalled_s)
+                log.info("%s: rank %d checkpointed step %d of %s (training stood still %.2fs for it)", self.name,
+                         msg.rank, msg.step, msg.job, msg.stalled_s)
+                self.reporter.flush_soon()  # the history now: the next epoch resumes from here
+
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        self.metrics.dropped_messages.inc()
+        if self.dropped <= 20 or self.dropped % 1000 == 0:
+            log.warning("%s: dropped a malformed message on the worker socket (%d so far): %s",
+                        self.name, self.dropped, why)
+
+    def _on_progress(self, w: _SupervisedWorker, msg: WorkerProgress) -> None:
+        now = time.time()
+        reports_job = w.rank == min(self.workers)   # the lowest local rank speaks for the job
+        if w.step < 0 and not self.first_step_at:
+            self.first_step_at = now
+            self.reporter.mark()
+        w.step = max(w.step, msg.step)
+        last = self.reporter.progress.get(w.rank)
+        if last is not None and last.epoch == msg.epoch:
+            self._step_interval[w.rank] = now - last.at
+        self.reporter.record_progress(Progress(job=msg.job, epoch=msg.epoch, rank=msg.rank, step=msg.step,
+                                               loss=msg.loss, samples_per_s=msg.samples_per_s,
+                                               busy_fraction=msg.busy_fraction, member=self.name, at=now),
+                                      reports_job=reports_job)
+        self.metrics.worker_progress(job=msg.job, rank=msg.rank, step=msg.step, loss=msg.loss,
+                                     samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
+                                     reports_job=reports_job)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.channel.close()

@@ -1,0 +1,149 @@
+"""Where varunad keeps things in etcd: every key name is built here, nowhere else.
+
+Layout under a root prefix (default ``/varunad/``)::
+
+    members/<name>                          one per live daemon, attached to its lease
+    leader                                  name of the leader, attached to the leader's lease
+    plan                                    the current plan; its mod revision is the plan epoch
+    plan-writer                             who wrote it (leader, term, lease), in the plan's transaction
+    config                                  cluster-wide settings (optional)
+    jobs/<id>                               job specs submitted by varunactl
+    calibration/<fingerprint>/<device kind> calibrated cut-point costs
+    progress/<job>/<rank>                   step, loss and throughput reported by workers
+
+Several fleets (or several test cases) share one etcd by using different roots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_ROOT",
+    "MEMBERS",
+    "LEADER",
+    "PLAN",
+    "PLAN_WRITER",
+    "CONFIG",
+    "JOBS",
+    "CALIBRATION",
+    "PROGRESS",
+    "Keys",
+    "check_component",
+]
+
+DEFAULT_ROOT = "/varunad/"
+
+# Names relative to the root. Directories end with "/" so that a prefix read of
+# "members/" cannot also match a sibling such as "membership".
+MEMBERS = "members/"
+LEADER = "leader"
+PLAN = "plan"
+PLAN_WRITER = "plan-writer"
+CONFIG = "config"
+JOBS = "jobs/"
+CALIBRATION = "calibration/"
+PROGRESS = "progress/"
+
+
+def check_component(what: str, value: str) -> str:
+    """Return ``value`` if it can be one path component of a key, else raise ValueError.
+
+    A "/" would silently move the key into another directory (``members/a/b`` is
+    seen by a prefix read of ``members/a/``), so it is refused rather than escaped.
+    """
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    if "/" in value:
+        raise ValueError(f"{what} {value!r} contains '/'; choose a name without slashes")
+    if any(ord(c) < 32 or c == "\x7f" for c in value):
+        raise ValueError(f"{what} {value!r} contains control characters")
+    if value in (".", ".."):
+        raise ValueError(f"{what} cannot be {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names under one root; immutable, cheap to pass around."""
+
+    root: str = DEFAULT_ROOT
+
+    def __post_init__(self) -> None:
+        if not (self.root.startswith("/") and self.root.endswith("/")):
+            raise ValueError(
+                f"key root {self.root!r} must start and end with '/', e.g. {DEFAULT_ROOT!r}"
+            )
+
+    # Directories (prefixes for reads and watches).
+    @property
+    def members(self) -> str:
+        return self.root + MEMBERS
+
+    @property
+    def jobs(self) -> str:
+        return self.root + JOBS
+
+    @property
+    def calibration(self) -> str:
+        return self.root + CALIBRATION
+
+    @property
+    def progress(self) -> str:
+        return self.root + PROGRESS
+
+    # Single keys.
+    @property
+    def leader(self) -> str:
+        return self.root + LEADER
+
+    @property
+    def plan(self) -> str:
+        return self.root + PLAN
+
+    @property
+    def plan_writer(self) -> str:
+        return self.root + PLAN_WRITER
+
+    @property
+    def config(self) -> str:
+        return self.root + CONFIG
+
+    def member(self, name: str) -> str:
+        return self.members + check_component("member name", name)
+
+    def job(self, job_id: str) -> str:
+        return self.jobs + check_component("job id", job_id)
+
+    def calibration_of(self, fingerprint: str) -> str:
+        """Prefix of every device kind's calibration for one model fingerprint."""
+        return self.calibration + check_component("model fingerprint", fingerprint) + "/"
+
+    def calibration_entry(self, fingerprint: str, device_kind: str) -> str:
+        return self.calibration_of(fingerprint) + check_component("device kind", device_kind)
+
+    def progress_of(self, job_id: str) -> str:
+        """Prefix of every rank's progress for one job."""
+        return self.progress + check_component("job id", job_id) + "/"
+
+    def progress_entry(self, job_id: str, rank: int) -> str:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        return self.progress_of(job_id) + str(rank)
+
+    # Parsing keys read back from a prefix read or a watch.
+    def member_name(self, key: str) -> str:
+        """The member name in a ``members/<name>`` key; ValueError for any other key."""
+        return self._last_component(self.members, key)
+
+    def job_id(self, key: str) -> str:
+        return self._last_component(self.jobs, key)
+
+    @staticmethod
+    def _last_component(prefix: str, key: str) -> str:
+        if not key.startswith(prefix) or len(key) == len(prefix):
+            raise ValueError(f"key {key!r} is not directly under {prefix!r}")
+        rest = key[len(prefix):]
+        if "/" in rest:
+            raise ValueError(f"key {key!r} is nested below {prefix!r}, not directly under it")
+        return rest
