@@ -18,7 +18,7 @@ on-demand one and `close` wait for it.
 Under the daemon every checkpoint carries the plan epoch it was written in, and rank 0 of an
 epoch fences the store when it chooses where to resume (`resume_point`): a checkpoint an older
 epoch commits past that point, a cut-off incarnation's late write, is refused and never loaded
-(`ckpt_store.superseded`).
+(`fences.superseded`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import store as ckpt_store
+from trainer.checkpoint import fences, reading, store as ckpt_store
 from trainer.errors import CheckpointError
 
 __all__ = ["save", "load", "agree", "resume_point", "Upload", "Checkpointed"]
@@ -138,7 +138,7 @@ def resume_point(v: Checkpointed, store: str) -> int | None:
     def choose() -> int | None:
         newest = ckpt_store.latest_complete(store)
         if _epoch(v) is not None:
-            ckpt_store.write_epoch_fence(store, _epoch(v), newest)
+            fences.write_epoch_fence(store, _epoch(v), newest)
         return newest
     return agree(v, choose)
 
@@ -150,18 +150,18 @@ def save(v: Checkpointed, store: str, iteration: int, *, tmpdir: str | None = No
     keeps it and waits for it before the next one); without, None: it was written in place.
     Refused (CheckpointError on every rank) when a newer epoch has fenced it out."""
     start = time.perf_counter()
-    final_dir = ckpt_store.checkpoint_dir(store, iteration)
+    final_dir = reading.checkpoint_dir(store, iteration)
     epoch = _epoch(v)
 
     def not_superseded(then):
-        ckpt_store.refuse_superseded(store, epoch, iteration)
+        fences.refuse_superseded(store, epoch, iteration)
         return then()
 
     if tmpdir:
         # The same name from every rank; a record of an earlier, dead run is never counted.
         token = agree(v, lambda: not_superseded(lambda: uuid.uuid4().hex))
         # per rank: the workers of a VM share the tmpdir, and each removes its own when copied
-        stage_dir = ckpt_store.checkpoint_dir(os.path.join(tmpdir, f"rank{v.rank}"), iteration)
+        stage_dir = reading.checkpoint_dir(os.path.join(tmpdir, f"rank{v.rank}"), iteration)
         entries = _write_mine(v, stage_dir, iteration, shard)
         stalled = time.perf_counter() - start
         upload = Upload(stage_dir, final_dir, entries, iteration=iteration, token=token, rank=v.rank,
@@ -184,7 +184,7 @@ def save(v: Checkpointed, store: str, iteration: int, *, tmpdir: str | None = No
     return final_dir, None
 
 
-def _write_mine(v: Checkpointed, directory: str, iteration: int, shard: bool) -> list[ckpt_store.FileEntry]:
+def _write_mine(v: Checkpointed, directory: str, iteration: int, shard: bool) -> list[reading.FileEntry]:
     entries = [ckpt_store.write_tensors(directory, fname, content)
                for fname, content in sorted(_my_files(v, shard).items())]
     if v.rank == 0:
@@ -205,7 +205,7 @@ COMMIT_TIMEOUT_S = float(os.environ.get("VARUNA_CHECKPOINT_COMMIT_TIMEOUT", "180
 class Upload:
     """One staged checkpoint on its way into the store, in a daemon thread (see the module doc)."""
 
-    def __init__(self, stage_dir: str, final_dir: str, entries: list[ckpt_store.FileEntry], *, iteration: int,
+    def __init__(self, stage_dir: str, final_dir: str, entries: list[reading.FileEntry], *, iteration: int,
                  token: str, rank: int, world: int, meta: dict | None, timeout_s: float = COMMIT_TIMEOUT_S,
                  stalled_s: float = 0.0, epoch: int | None = None) -> None:
         self.iteration, self.final_dir, self.epoch = iteration, final_dir, epoch
@@ -228,7 +228,7 @@ class Upload:
         start = time.perf_counter()
         try:
             # a newer epoch may have started while this one staged: then not a file is copied
-            ckpt_store.refuse_superseded(posixpath.dirname(self.final_dir.rstrip("/")), self.epoch, self.iteration)
+            fences.refuse_superseded(posixpath.dirname(self.final_dir.rstrip("/")), self.epoch, self.iteration)
             for e in entries:
                 ckpt_store.copy_file(stage_dir, self.final_dir, e)
             ckpt_store.write_writer_record(self.final_dir, token, rank, entries)
@@ -281,8 +281,8 @@ def load(v: Checkpointed, store: str, iteration: int | None, *, check_complete: 
         if iteration is None:
             raise CheckpointError(f"no complete checkpoint in {store}{_why_none(store, check_complete)}",
                                   hint="train from scratch, or point global_store at the job's store")
-    ckpt_dir = ckpt_store.checkpoint_dir(store, iteration)
-    manifest = agree(v, lambda: ckpt_store.verify(ckpt_dir, checksums=check_complete))
+    ckpt_dir = reading.checkpoint_dir(store, iteration)
+    manifest = agree(v, lambda: reading.verify(ckpt_dir, checksums=check_complete))
     index = manifest["meta"]["index"]
     group_of = {id(q): g for g in v.optimizer.param_groups for q in g["params"]} if v.optimizer is not None else {}
     named = v.named_tensors()
@@ -291,7 +291,7 @@ def load(v: Checkpointed, store: str, iteration: int | None, *, check_complete: 
         raise CheckpointError(f"checkpoint {iteration} has no {missing[:5]}",
                               hint="it was written by a different model")
     for fname in sorted({index[n] for n in named}):
-        content = ckpt_store.read_tensors(ckpt_dir, fname)
+        content = reading.read_tensors(ckpt_dir, fname)
         for kind in ("params", "buffers"):
             for name, saved in content.get(kind, {}).items():
                 if name in named:
@@ -301,7 +301,7 @@ def load(v: Checkpointed, store: str, iteration: int | None, *, check_complete: 
                 if name in named:
                     p = named[name]
                     v.optimizer.state[p] = _optimizer_state_on(group_of.get(id(p), {}), p, state)
-    meta = ckpt_store.read_tensors(ckpt_dir, META)
+    meta = reading.read_tensors(ckpt_dir, META)
     _restore_meta(v, meta, iteration)
     dist.barrier()
     log.info("rank %d: loaded checkpoint %d (written by %sx%s) in %.2fs", v.rank, iteration,
@@ -327,11 +327,11 @@ def _optimizer_state_on(group: dict, p: torch.Tensor, state: dict) -> dict:
 
 def _why_none(store: str, checksums: bool) -> str:
     """What is wrong with the newest of the checkpoints there, if there are any."""
-    found = ckpt_store.list_checkpoints(store)
+    found = reading.list_checkpoints(store)
     if not found:
         return ""
     try:
-        ckpt_store.verify(ckpt_store.checkpoint_dir(store, found[-1]), checksums=checksums)
+        reading.verify(reading.checkpoint_dir(store, found[-1]), checksums=checksums)
     except CheckpointError as exc:
         return f" ({len(found)} there, none complete; the newest, {found[-1]}: {exc})"
     return ""
