@@ -102,11 +102,12 @@ TRAINER_ORDER = (
     "trainer.profiler",
     "trainer.linkprobe",    # measures a link with the engine's transports and the profiler's fit
 )
-# Back edges known and allowed, each with what would remove it. The engine runs a profile when a
-# daemon starts a calibration run (Varuna's constructor imports trainer.profiler lazily), and
-# the profiler times the engine's optimizer step with its private `_squared_norms`.
+# Back edges between parts known and allowed, with what would remove them. The engine runs a
+# profile when a daemon starts a calibration run (it imports trainer.profiler lazily for that);
+# the profiler, above it, times the engine's optimizer step with its private `_squared_norms`.
+# Moving the calibration run above the engine (beside the profiler) would remove the edge.
 KNOWN_BACK_EDGES = {
-    ("trainer.engine.varuna", "trainer.profiler"),
+    ("trainer.engine", "trainer.profiler"),
 }
 
 
@@ -159,11 +160,11 @@ def _back_edges() -> list[tuple[str, str]]:
 
 def test_trainer_parts_import_in_one_direction():
     back = _back_edges()
-    unexpected = [e for e in back if e not in KNOWN_BACK_EDGES]
+    unexpected = [(m, dst) for m, dst in back if (_part(m), dst) not in KNOWN_BACK_EDGES]
     assert not unexpected, ("imports against the order of TRAINER_ORDER (move the code, or the module, "
                             "to the part where it belongs):\n" + "\n".join(f"  {a} -> {b}" for a, b in unexpected))
     # a known exception that has gone away is taken off the list, so that it cannot come back unseen
-    stale = KNOWN_BACK_EDGES - set(back)
+    stale = KNOWN_BACK_EDGES - {(_part(m), dst) for m, dst in back}
     assert not stale, f"no longer imported, remove from KNOWN_BACK_EDGES: {sorted(stale)}"
 
 
