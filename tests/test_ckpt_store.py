@@ -1,4 +1,4 @@
-"""trainer.checkpoint.store: atomic files, manifests as commit records, finding, pruning, copying."""
+"""trainer.checkpoint.store, reading, fences, storage: atomic files, manifests as commit records, finding, pruning, copying."""
 
 from __future__ import annotations
 
@@ -19,21 +19,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.checkpoint import store as cs
+from trainer.checkpoint import fences, reading, storage, store as cs
 from trainer.errors import CheckpointError
-from trainer.checkpoint.store import (
-    MANIFEST,
-    FileEntry,
-    checkpoint_dir,
-    copy_to_store,
-    latest_complete,
-    list_checkpoints,
-    prune,
-    read_tensors,
-    verify,
-    write_manifest,
-    write_tensors,
-)
+from trainer.checkpoint.reading import MANIFEST, FileEntry, checkpoint_dir, list_checkpoints, read_tensors, verify
+from trainer.checkpoint.store import copy_to_store, latest_complete, prune, write_manifest, write_tensors
 
 
 def _save(store, it, files=None, *, manifest=True, epoch=None):
@@ -127,7 +116,7 @@ def test_write_refuses_names_outside_the_directory_or_reserved(tmp_path, name):
 def test_failed_atomic_write_leaves_nothing(tmp_path):
     target = str(tmp_path / "f.bin")
     with pytest.raises(RuntimeError):
-        with cs.LocalStorage().open_atomic(target) as f:
+        with storage.LocalStorage().open_atomic(target) as f:
             f.write(b"half")
             raise RuntimeError("writer died")
     assert os.listdir(tmp_path) == []
@@ -446,7 +435,7 @@ class _MemStorage:
 
 def test_a_registered_object_store_serves_every_operation(tmp_path, monkeypatch):
     mem = _MemStorage()
-    monkeypatch.setitem(cs._BACKENDS, "mem", mem)
+    monkeypatch.setitem(storage._BACKENDS, "mem", mem)
     store = "mem://bucket/job"
     _save(store, 1)
     local = _save(tmp_path, 2)
@@ -467,7 +456,7 @@ class _FailingDeletes(_MemStorage):
 
 def test_a_half_pruned_checkpoint_reads_as_incomplete(monkeypatch):
     mem = _FailingDeletes()
-    monkeypatch.setitem(cs._BACKENDS, "mem", mem)
+    monkeypatch.setitem(storage._BACKENDS, "mem", mem)
     store = "mem://bucket/job"
     for it in (1, 2):
         _save(store, it)
@@ -482,25 +471,25 @@ def test_a_half_pruned_checkpoint_reads_as_incomplete(monkeypatch):
 # --- staged checkpoints: the writers' records and the background commit ------------------------------
 
 def _staged(tmp_path, rank: int, it: int = 7) -> tuple[str, list]:
-    stage = cs.checkpoint_dir(str(tmp_path / "staging" / f"rank{rank}"), it)
+    stage = reading.checkpoint_dir(str(tmp_path / "staging" / f"rank{rank}"), it)
     return stage, [cs.write_tensors(stage, f"layer_{rank:03d}.pt", {"w": torch.full((4,), float(rank))})]
 
 
 def test_staged_upload_commits_once_every_writer_has_its_files_in(tmp_path):
     from trainer.checkpoint.contents import Upload
     store = str(tmp_path / "store")
-    final = cs.checkpoint_dir(store, 7)
+    final = reading.checkpoint_dir(store, 7)
     stage0, files0 = _staged(tmp_path, 0)
     stage1, files1 = _staged(tmp_path, 1)
     cs.write_writer_record(final, "ab" * 8, 1, [])   # an earlier run's record: not counted
     meta = {"P": 2, "D": 1}
     up0 = Upload(stage0, final, files0, iteration=7, token="cd" * 8, rank=0, world=2, meta=meta, timeout_s=60)
     assert not up0.wait(0.5)   # rank 0 copied its file, and waits for rank 1's
-    assert not os.path.exists(posixpath.join(final, cs.MANIFEST)) and cs.latest_complete(store) is None
+    assert not os.path.exists(posixpath.join(final, reading.MANIFEST)) and cs.latest_complete(store) is None
     up1 = Upload(stage1, final, files1, iteration=7, token="cd" * 8, rank=1, world=2, meta=None)
     assert up1.wait(30) and up0.wait(30) and up0.error is None and up1.error is None
     assert cs.latest_complete(store) == 7
-    assert [f["name"] for f in cs.verify(final)["files"]] == ["layer_000.pt", "layer_001.pt"]
+    assert [f["name"] for f in reading.verify(final)["files"]] == ["layer_000.pt", "layer_001.pt"]
     assert not os.path.exists(stage0) and not os.path.exists(stage1)   # local copies removed
 
 
@@ -508,13 +497,13 @@ def test_staged_upload_without_all_writers_stays_incomplete(tmp_path):
     from trainer.checkpoint.contents import Upload
     store = str(tmp_path / "store")
     stage0, files0 = _staged(tmp_path, 0)
-    up = Upload(stage0, cs.checkpoint_dir(store, 7), files0, iteration=7, token="ef" * 8, rank=0, world=2,
+    up = Upload(stage0, reading.checkpoint_dir(store, 7), files0, iteration=7, token="ef" * 8, rank=0, world=2,
                 meta={}, timeout_s=0.3)
     assert up.wait(30)
     assert isinstance(up.error, CheckpointError) and "ranks [1] did not finish" in str(up.error)
     assert cs.latest_complete(store) is None
     with pytest.raises(CheckpointError, match="no manifest"):
-        cs.verify(cs.checkpoint_dir(store, 7))
+        reading.verify(reading.checkpoint_dir(store, 7))
 
 
 def test_writer_records_refuse_a_token_that_could_escape(tmp_path):
@@ -530,7 +519,7 @@ def test_a_checkpoint_an_older_epoch_commits_past_a_newer_epochs_start_is_never_
     # Epoch 5's VM was cut off; epoch 7 starts on the others from checkpoint 10 and fences the
     # store. Meanwhile the cut-off incarnation had committed checkpoint 12 (staged, late).
     _save(store, 12, epoch=5)
-    cs.write_epoch_fence(store, 7, 10)
+    fences.write_epoch_fence(store, 7, 10)
     assert latest_complete(store) == 10
     with pytest.raises(CheckpointError, match="superseded: written under plan epoch 5, after epoch 7 had started "
                                               "from checkpoint 10"):
@@ -544,7 +533,7 @@ def test_a_checkpoint_an_older_epoch_commits_past_a_newer_epochs_start_is_never_
     assert latest_complete(store) == 11
     assert verify(checkpoint_dir(store, 10))["epoch"] == 5
     # a later epoch that started from scratch fences every older epoch's checkpoint
-    cs.write_epoch_fence(store, 9, None)
+    fences.write_epoch_fence(store, 9, None)
     assert latest_complete(store) is None
     # checkpoints written without an epoch (the local launcher) are never fenced
     _save(store, 30)
@@ -554,28 +543,28 @@ def test_a_checkpoint_an_older_epoch_commits_past_a_newer_epochs_start_is_never_
 def test_a_staged_upload_of_a_superseded_epoch_copies_nothing(tmp_path):
     from trainer.checkpoint.contents import Upload
     store = str(tmp_path / "store")
-    cs.write_epoch_fence(store, 8, 3)
+    fences.write_epoch_fence(store, 8, 3)
     stage0, files0 = _staged(tmp_path, 0)
-    up = Upload(stage0, cs.checkpoint_dir(store, 7), files0, iteration=7, token="ab" * 8, rank=0, world=1,
+    up = Upload(stage0, reading.checkpoint_dir(store, 7), files0, iteration=7, token="ab" * 8, rank=0, world=1,
                 meta={}, epoch=6)
     assert up.wait(30)
     assert isinstance(up.error, CheckpointError) and "superseded" in str(up.error)
     assert list_checkpoints(store) == []
     # the same upload in the epoch that fenced the store commits
     stage0, files0 = _staged(tmp_path, 0)
-    up = Upload(stage0, cs.checkpoint_dir(store, 7), files0, iteration=7, token="ab" * 8, rank=0, world=1,
+    up = Upload(stage0, reading.checkpoint_dir(store, 7), files0, iteration=7, token="ab" * 8, rank=0, world=1,
                 meta={}, epoch=8)
     assert up.wait(30) and up.error is None
-    assert cs.latest_complete(store) == 7 and cs.verify(cs.checkpoint_dir(store, 7))["epoch"] == 8
+    assert cs.latest_complete(store) == 7 and reading.verify(reading.checkpoint_dir(store, 7))["epoch"] == 8
 
 
 def test_a_malformed_epoch_fence_or_manifest_epoch_is_named(tmp_path, caplog):
     store = str(tmp_path)
-    os.makedirs(os.path.join(store, cs.EPOCHS))
-    with open(os.path.join(store, cs.EPOCHS, "9.json"), "w") as f:
+    os.makedirs(os.path.join(store, fences.EPOCHS))
+    with open(os.path.join(store, fences.EPOCHS, "9.json"), "w") as f:
         f.write("{not json")
     d = _save(store, 4, epoch=3)
-    assert cs.read_epoch_fences(store) == {} and "ignoring epoch fence" in caplog.text
+    assert fences.read_epoch_fences(store) == {} and "ignoring epoch fence" in caplog.text
     assert latest_complete(store) == 4
     doc = json.loads(open(os.path.join(d, MANIFEST)).read())
     with open(os.path.join(d, MANIFEST), "w") as f:
@@ -583,4 +572,4 @@ def test_a_malformed_epoch_fence_or_manifest_epoch_is_named(tmp_path, caplog):
     with pytest.raises(CheckpointError, match="manifest epoch '3'"):
         verify(d)
     with pytest.raises(ValueError, match="plan epoch"):
-        cs.write_epoch_fence(store, -1, None)
+        fences.write_epoch_fence(store, -1, None)

@@ -165,8 +165,9 @@ def test_kill9_of_a_non_leader_morphs_and_the_job_finishes(healthy, reference):
     assert "re-planning on the VMs left" in lost[0]["reason"] and "[rank" not in lost[0]["reason"], lost[0]
     assert lost[0]["cause"] == f"{victim} was lost" and not lost[0]["restart"]
     # the epoch after the loss fenced the store where it resumed, and wrote its epoch into its checkpoints
-    # (so nothing the lost epoch's workers committed after that could be loaded: trainer.checkpoint.store)
-    from trainer.checkpoint.store import checkpoint_dir, read_epoch_fences, verify
+    # (so nothing the lost epoch's workers committed after that could be loaded: trainer.checkpoint.fences)
+    from trainer.checkpoint.fences import read_epoch_fences
+    from trainer.checkpoint.reading import checkpoint_dir, verify
     store = str(ring.store_dir / "kill-member")
     assert read_epoch_fences(store).get(st["epoch"], -1) >= 6, read_epoch_fences(store)
     assert verify(checkpoint_dir(store, STEPS))["epoch"] == st["epoch"]

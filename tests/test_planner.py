@@ -12,7 +12,8 @@ import re
 import pytest
 
 from trainer.planning.calibration import Calibration, LinkCost
-from trainer.planning.planner import Plan, PlanError, Slot, StagePlan, plan
+from trainer.planning.plan import Plan, PlanError, Slot, StagePlan
+from trainer.planning.planner import plan
 from trainer.planning.schedule import validate
 from trainer.planning.simulator import simulate, stage_costs
 

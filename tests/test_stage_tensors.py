@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from trainer import Varuna
 from trainer.checkpoint.contents import _optimizer_state_on
-from trainer.checkpoint.store import checkpoint_dir, read_tensors, verify
+from trainer.checkpoint.reading import checkpoint_dir, read_tensors, verify
 
 
 class Normed(nn.Module):

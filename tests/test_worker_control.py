@@ -16,7 +16,8 @@ import zmq
 
 from protocol.messages import StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
 from reference import reference_run
-from trainer.checkpoint.store import latest_complete, verify
+from trainer.checkpoint.reading import verify
+from trainer.checkpoint.store import latest_complete
 from trainer.engine.control import STOPPED_EXIT_CODE
 from trainer.launch import launch
 

@@ -342,7 +342,8 @@ def freeze_daemon(run: Run) -> None:
 
 
 def corrupt_newest_checkpoint(run: Run) -> None:
-    from trainer.checkpoint.store import checkpoint_dir, latest_complete
+    from trainer.checkpoint.reading import checkpoint_dir
+    from trainer.checkpoint.store import latest_complete
 
     store = run.ring.store_dir / run.job
     newest = latest_complete(str(store), verify_checksums=False)

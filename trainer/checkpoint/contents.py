@@ -18,7 +18,7 @@ on-demand one and `close` wait for it.
 Under the daemon every checkpoint carries the plan epoch it was written in, and rank 0 of an
 epoch fences the store when it chooses where to resume (`resume_point`): a checkpoint an older
 epoch commits past that point, a cut-off incarnation's late write, is refused and never loaded
-(`ckpt_store.superseded`).
+(`fences.superseded`).
 """
 
 from __future__ import annotations
@@ -30,32 +30,73 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import store as ckpt_store
+from trainer.checkpoint import fences, reading, store as ckpt_store
 from trainer.errors import CheckpointError
 
-__all__ = ["save", "load", "agree", "resume_point", "Upload"]
+__all__ = ["save", "load", "agree", "resume_point", "Upload", "Checkpointed"]
 
 log = logging.getLogger("varuna.checkpoint")
 
 META = "meta.pt"
 
 
-def _my_files(v) -> dict[str, dict]:
+class _Placement(Protocol):
+    epoch: int            # the plan epoch (0 outside the daemon)
+    world_size: int
+
+
+class _Layout(Protocol):
+    files: Mapping[str, str]   # tensor name -> the file of the layer that first uses it
+
+    def writer_stage(self, name: str) -> int: ...
+
+
+class Checkpointed(Protocol):
+    """What this module reads of a worker (`trainer.engine.varuna.Varuna` is one): where it sits in
+    the P x D grid, the tensors its stage owns, and the training state beside them. `load`
+    writes the tensors, the optimizer's state and `iteration` back."""
+
+    rank: int
+    stage: int
+    replica: int
+    pipeline_depth: int
+    data_depth: int
+    cuts: Sequence[Any]
+    layout: _Layout
+    assignment: _Placement
+    device: torch.device
+    optimizer: torch.optim.Optimizer | None
+    scaler: Any                # LossScaler: state_dict / load_state_dict
+    lr_scheduler: Any | None
+    iteration: int
+
+    def named_tensors(self) -> Mapping[str, torch.Tensor]:
+        """Every parameter and buffer this stage owns, by its name in the user's model."""
+        ...
+
+
+class _Ranked(Protocol):
+    rank: int
+
+
+def _my_files(v: Checkpointed, shard: bool) -> dict[str, dict]:
     """The files this worker writes: its stage is the lowest owner of their tensors; with
     D replicas, replica 0 writes all of them (or, sharded, every D-th file each)."""
     layout = v.layout
     all_files = sorted(set(layout.files.values()))
     files: dict[str, dict] = {}
-    for name, t in v._named.items():
+    for name, t in v.named_tensors().items():
         if layout.writer_stage(name) != v.stage:
             continue
         fname = layout.files[name]
-        writer = all_files.index(fname) % v.data_depth if v._shard_checkpoint else 0
+        writer = all_files.index(fname) % v.data_depth if shard else 0
         if writer != v.replica:
             continue
         content = files.setdefault(fname, {"params": {}, "buffers": {}, "optim": {}})
@@ -70,7 +111,7 @@ def _my_files(v) -> dict[str, dict]:
     return files
 
 
-def _meta(v, iteration: int) -> dict:
+def _meta(v: Checkpointed, iteration: int) -> dict:
     groups = []
     if v.optimizer is not None:
         for g in v.optimizer.param_groups:
@@ -86,51 +127,52 @@ def _meta(v, iteration: int) -> dict:
     }
 
 
-def _epoch(v) -> int | None:
+def _epoch(v: Checkpointed) -> int | None:
     """The plan epoch this worker runs in (None outside the daemon: its checkpoints are not fenced)."""
     return v.assignment.epoch or None
 
 
-def resume_point(v, store: str) -> int | None:
+def resume_point(v: Checkpointed, store: str) -> int | None:
     """The newest complete checkpoint to resume from (None: none), agreed by every rank; rank 0
     fences the store with it first, so that nothing an older epoch commits later is loaded."""
     def choose() -> int | None:
         newest = ckpt_store.latest_complete(store)
         if _epoch(v) is not None:
-            ckpt_store.write_epoch_fence(store, _epoch(v), newest)
+            fences.write_epoch_fence(store, _epoch(v), newest)
         return newest
     return agree(v, choose)
 
 
-def save(v, store: str, iteration: int, *, tmpdir: str | None = None, shard: bool = False) -> str:
-    """Write checkpoint `iteration`; collective. With `tmpdir`, stage it there and leave the copy
-    into the store to a background `Upload` (held in `v._upload`); else write it in place.
+def save(v: Checkpointed, store: str, iteration: int, *, tmpdir: str | None = None,
+         shard: bool = False) -> tuple[str, Upload | None]:
+    """Write checkpoint `iteration`; collective. Returns its directory in the store and, with
+    `tmpdir`, the background `Upload` that copies it there from where it was staged (the caller
+    keeps it and waits for it before the next one); without, None: it was written in place.
     Refused (CheckpointError on every rank) when a newer epoch has fenced it out."""
     start = time.perf_counter()
-    v._shard_checkpoint = shard
-    final_dir = ckpt_store.checkpoint_dir(store, iteration)
+    final_dir = reading.checkpoint_dir(store, iteration)
     epoch = _epoch(v)
 
     def not_superseded(then):
-        ckpt_store.refuse_superseded(store, epoch, iteration)
+        fences.refuse_superseded(store, epoch, iteration)
         return then()
 
     if tmpdir:
         # The same name from every rank; a record of an earlier, dead run is never counted.
         token = agree(v, lambda: not_superseded(lambda: uuid.uuid4().hex))
         # per rank: the workers of a VM share the tmpdir, and each removes its own when copied
-        stage_dir = ckpt_store.checkpoint_dir(os.path.join(tmpdir, f"rank{v.rank}"), iteration)
-        entries = _write_mine(v, stage_dir, iteration)
+        stage_dir = reading.checkpoint_dir(os.path.join(tmpdir, f"rank{v.rank}"), iteration)
+        entries = _write_mine(v, stage_dir, iteration, shard)
         stalled = time.perf_counter() - start
-        v._upload = Upload(stage_dir, final_dir, entries, iteration=iteration, token=token, rank=v.rank,
+        upload = Upload(stage_dir, final_dir, entries, iteration=iteration, token=token, rank=v.rank,
                            world=v.assignment.world_size, meta=_manifest_meta(v) if v.rank == 0 else None,
                            stalled_s=stalled, epoch=epoch)
         log.info("rank %d: checkpoint %d staged in %s in %.2fs; copying it to %s in the background", v.rank,
                  iteration, stage_dir, stalled, final_dir)
-        return final_dir
+        return final_dir, upload
     if epoch is not None:
         agree(v, lambda: not_superseded(lambda: None))
-    entries = _write_mine(v, final_dir, iteration)
+    entries = _write_mine(v, final_dir, iteration, shard)
     gathered: list[list | None] = [None] * v.assignment.world_size
     dist.all_gather_object(gathered, entries)
     if v.rank == 0:
@@ -139,17 +181,18 @@ def save(v, store: str, iteration: int, *, tmpdir: str | None = None, shard: boo
     dist.barrier()
     log.info("rank %d: checkpoint %d written to %s in %.2fs", v.rank, iteration, final_dir,
              time.perf_counter() - start)
-    return final_dir
+    return final_dir, None
 
 
-def _write_mine(v, directory: str, iteration: int) -> list[ckpt_store.FileEntry]:
-    entries = [ckpt_store.write_tensors(directory, fname, content) for fname, content in sorted(_my_files(v).items())]
+def _write_mine(v: Checkpointed, directory: str, iteration: int, shard: bool) -> list[reading.FileEntry]:
+    entries = [ckpt_store.write_tensors(directory, fname, content)
+               for fname, content in sorted(_my_files(v, shard).items())]
     if v.rank == 0:
         entries.append(ckpt_store.write_tensors(directory, META, _meta(v, iteration)))
     return entries
 
 
-def _manifest_meta(v) -> dict:
+def _manifest_meta(v: Checkpointed) -> dict:
     return {"P": v.pipeline_depth, "D": v.data_depth, "cuts": list(v.cuts),
             "index": dict(sorted(v.layout.files.items()))}
 
@@ -162,7 +205,7 @@ COMMIT_TIMEOUT_S = float(os.environ.get("VARUNA_CHECKPOINT_COMMIT_TIMEOUT", "180
 class Upload:
     """One staged checkpoint on its way into the store, in a daemon thread (see the module doc)."""
 
-    def __init__(self, stage_dir: str, final_dir: str, entries: list[ckpt_store.FileEntry], *, iteration: int,
+    def __init__(self, stage_dir: str, final_dir: str, entries: list[reading.FileEntry], *, iteration: int,
                  token: str, rank: int, world: int, meta: dict | None, timeout_s: float = COMMIT_TIMEOUT_S,
                  stalled_s: float = 0.0, epoch: int | None = None) -> None:
         self.iteration, self.final_dir, self.epoch = iteration, final_dir, epoch
@@ -185,7 +228,7 @@ class Upload:
         start = time.perf_counter()
         try:
             # a newer epoch may have started while this one staged: then not a file is copied
-            ckpt_store.refuse_superseded(posixpath.dirname(self.final_dir.rstrip("/")), self.epoch, self.iteration)
+            fences.refuse_superseded(posixpath.dirname(self.final_dir.rstrip("/")), self.epoch, self.iteration)
             for e in entries:
                 ckpt_store.copy_file(stage_dir, self.final_dir, e)
             ckpt_store.write_writer_record(self.final_dir, token, rank, entries)
@@ -217,7 +260,7 @@ class Upload:
                                   iteration=self.iteration, epoch=self.epoch)
 
 
-def agree(v, fn):
+def agree(v: _Ranked, fn):
     """Run `fn` on rank 0 and hand every rank its result, or the same exception."""
     box: list[object] = [None]
     if v.rank == 0:
@@ -231,33 +274,34 @@ def agree(v, fn):
     return box[0]
 
 
-def load(v, store: str, iteration: int | None, *, check_complete: bool = True) -> int:
+def load(v: Checkpointed, store: str, iteration: int | None, *, check_complete: bool = True) -> int:
     start = time.perf_counter()
     if iteration is None:
         iteration = agree(v, lambda: ckpt_store.latest_complete(store, verify_checksums=check_complete))
         if iteration is None:
             raise CheckpointError(f"no complete checkpoint in {store}{_why_none(store, check_complete)}",
                                   hint="train from scratch, or point global_store at the job's store")
-    ckpt_dir = ckpt_store.checkpoint_dir(store, iteration)
-    manifest = agree(v, lambda: ckpt_store.verify(ckpt_dir, checksums=check_complete))
+    ckpt_dir = reading.checkpoint_dir(store, iteration)
+    manifest = agree(v, lambda: reading.verify(ckpt_dir, checksums=check_complete))
     index = manifest["meta"]["index"]
     group_of = {id(q): g for g in v.optimizer.param_groups for q in g["params"]} if v.optimizer is not None else {}
-    missing = sorted(n for n in v._named if n not in index)
+    named = v.named_tensors()
+    missing = sorted(n for n in named if n not in index)
     if missing:
         raise CheckpointError(f"checkpoint {iteration} has no {missing[:5]}",
                               hint="it was written by a different model")
-    for fname in sorted({index[n] for n in v._named}):
-        content = ckpt_store.read_tensors(ckpt_dir, fname)
+    for fname in sorted({index[n] for n in named}):
+        content = reading.read_tensors(ckpt_dir, fname)
         for kind in ("params", "buffers"):
             for name, saved in content.get(kind, {}).items():
-                if name in v._named:
-                    _copy_into(v._named[name], saved, name, iteration)
+                if name in named:
+                    _copy_into(named[name], saved, name, iteration)
         if v.optimizer is not None:
             for name, state in content.get("optim", {}).items():
-                if name in v._named:
-                    p = v._named[name]
+                if name in named:
+                    p = named[name]
                     v.optimizer.state[p] = _optimizer_state_on(group_of.get(id(p), {}), p, state)
-    meta = ckpt_store.read_tensors(ckpt_dir, META)
+    meta = reading.read_tensors(ckpt_dir, META)
     _restore_meta(v, meta, iteration)
     dist.barrier()
     log.info("rank %d: loaded checkpoint %d (written by %sx%s) in %.2fs", v.rank, iteration,
@@ -283,11 +327,11 @@ def _optimizer_state_on(group: dict, p: torch.Tensor, state: dict) -> dict:
 
 def _why_none(store: str, checksums: bool) -> str:
     """What is wrong with the newest of the checkpoints there, if there are any."""
-    found = ckpt_store.list_checkpoints(store)
+    found = reading.list_checkpoints(store)
     if not found:
         return ""
     try:
-        ckpt_store.verify(ckpt_store.checkpoint_dir(store, found[-1]), checksums=checksums)
+        reading.verify(reading.checkpoint_dir(store, found[-1]), checksums=checksums)
     except CheckpointError as exc:
         return f" ({len(found)} there, none complete; the newest, {found[-1]}: {exc})"
     return ""
@@ -301,7 +345,7 @@ def _copy_into(t: torch.Tensor, saved: torch.Tensor, name: str, iteration: int) 
         t.copy_(saved)
 
 
-def _restore_meta(v, meta: dict, iteration: int) -> None:
+def _restore_meta(v: Checkpointed, meta: dict, iteration: int) -> None:
     if v.optimizer is not None and meta["param_groups"]:
         if len(meta["param_groups"]) != len(v.optimizer.param_groups):
             raise CheckpointError(f"checkpoint {iteration} has {len(meta['param_groups'])} optimizer "

@@ -123,7 +123,6 @@ class Varuna:
         self.lr_scheduler = None
         self.scaler = LossScaler()
         self.grad_norm = 0.0
-        self._shard_checkpoint = False
         self._upload: checkpointing.Upload | None = None   # a staged checkpoint on its way to the store
         self.control = ControlClient(a.control, job=a.job, epoch=a.epoch, rank=a.rank)
         self._agreed = {"checkpoint": False, "stop": False}
@@ -243,6 +242,10 @@ class Varuna:
         dist.all_reduce(out)
         return float(out[0])
 
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer this stage owns, by its name in the user's model."""
+        return self._named
+
     def checkpoint(self, global_store: str, step: int | None = None, tmpdir: str | None = None,
                    shard: bool = False, on_demand: bool = False) -> str:
         """Write this job's state as `global_store/varuna_ckpt_<step>`; collective (every worker calls it).
@@ -253,8 +256,9 @@ class Varuna:
         notice) writes straight into the store and returns when it is complete. Either way the
         staged checkpoint still in flight, if any, is waited for first (a failed one is logged)."""
         self._settle_upload()
-        return checkpointing.save(self, global_store, self.iteration if step is None else step,
-                                  tmpdir=None if on_demand else tmpdir, shard=shard)
+        final_dir, self._upload = checkpointing.save(self, global_store, self.iteration if step is None else step,
+                                                     tmpdir=None if on_demand else tmpdir, shard=shard)
+        return final_dir
 
     def wait_checkpoint(self) -> str | None:
         """Wait for the staged checkpoint in flight to reach the store; returns its directory (None

@@ -1,6 +1,6 @@
-"""The network below the engine: binding transports to the advertised address (netaddr), the
-torch.distributed rendezvous store, and the link probe between two hosts.
+"""The network below the engine: binding transports to the advertised address (netaddr) and the
+torch.distributed rendezvous store. (The link probe, which measures a link with the engine's
+transports, is above the engine: trainer/linkprobe.py.)
 
-May import: trainer.engine.comm and trainer.profiler (the link probe, lazily), trainer.errors,
-protocol, torch. Never varunad.
+May import: trainer.errors, protocol, torch. Never the engine, the profiler or varunad.
 """

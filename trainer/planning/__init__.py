@@ -1,5 +1,5 @@
-"""Planning: pipeline schedules as data, calibrations, the simulator that replays a schedule, and the
-planner that picks P x D, micro-batch, cuts and placement for a fleet.
+"""Planning: pipeline schedules as data, calibrations, the simulator that replays a schedule, the
+planner that picks P x D, micro-batch, cuts and placement for a fleet, and the plan it returns.
 
 Pure Python and numpy: no torch, no I/O beyond reading a calibration file. This is the one part of
 trainer that the control plane (varunad.control) imports, and tests/test_imports.py checks that

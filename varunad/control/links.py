@@ -13,7 +13,7 @@ link. So:
   then deletes both requests, and a failed pair waits ``RETRY_AFTER`` before another try. It
   also deletes every request no probe of its own waits for (an earlier leader's, a timed-out one).
 * ``LinkProber`` (every daemon): follows its request key and runs one side of the probe,
-  ``python -m trainer.net.linkprobe`` bound to its advertised address on the member's two *probe*
+  ``python -m trainer.linkprobe`` bound to its advertised address on the member's two *probe*
   ports (``DaemonMember.probe_ports``: never a worker's stream or rendezvous port, so a probe
   that fails or outlives its welcome cannot take a port a job's worker is about to bind), over
   ZeroMQ and gloo, the transports of training. Rank 0's daemon stores the result in
@@ -322,7 +322,7 @@ class LinkProber:
         self.is_busy = is_busy
         self.t = timeout
         self.env = dict(os.environ if env is None else env)
-        self.command = list(command) if command is not None else [sys.executable, "-m", "trainer.net.linkprobe"]
+        self.command = list(command) if command is not None else [sys.executable, "-m", "trainer.linkprobe"]
         self.key = _probe_key(keys, name)
         self._done: set[str] = set()
         self._task: asyncio.Task | None = None

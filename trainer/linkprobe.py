@@ -1,6 +1,6 @@
 """Measure the link between two hosts over the transports training uses.
 
-``python -m trainer.net.linkprobe SPEC`` runs one side (SPEC is JSON: rank 0 or 1, the two hosts'
+``python -m trainer.linkprobe SPEC`` runs one side (SPEC is JSON: rank 0 or 1, the two hosts'
 bind addresses, ``ports`` = [rank 0's stream port, rank 1's stream port, rank 0's rendezvous
 port]). Both sides: activations-sized tensors over a ZeroMQ PeerChannel (rank 1 echoes), then
 gloo all-reduces over a group bound to those addresses (trainer.net.netaddr, trainer.net.rendezvous).
@@ -10,6 +10,9 @@ all-reduce's (fit of its times), as ``trainer.planning.calibration.LinkCost`` fi
 Brief by construction: sizes grow until one message takes ``max_message_s`` (a 10 Mbit/s link
 stops at 256 KiB), so a probe costs about a second whatever the link. Streams are plaintext:
 the link is measured here; what CURVE costs each side's CPU is in the calibration's overheads.
+
+Above the engine (it measures a link with the engine's own transports, trainer.engine.comm) and
+beside the profiler, whose affine fit it shares; trainer.net below the engine never imports it.
 """
 
 from __future__ import annotations

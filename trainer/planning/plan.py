@@ -1,0 +1,147 @@
+"""What the planner returns: a `Plan` (P x D, micro-batch, schedule, cuts, per-stage layout and
+memory, the slot of each (stage, replica), the estimate and the runners-up), checked on
+construction, and the `Slot`s it places workers on. trainer.planning.planner builds them.
+
+May import: trainer.planning.schedule, trainer.errors, the standard library (no torch, no numpy).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from trainer.errors import VarunaError
+from trainer.planning.schedule import SCHEDULES, Action, build_table
+
+__all__ = ["PlanError", "Slot", "StagePlan", "Candidate", "Plan"]
+
+
+class PlanError(VarunaError, ValueError):
+    """No configuration fits, or the planner's inputs are inconsistent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One device a worker can run on."""
+
+    slot_id: str
+    host: str
+    device_kind: str
+    memory_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("slot_id", "host", "device_kind"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise PlanError(f"Slot.{name} must be a non-empty string")
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
+            raise PlanError(f"Slot {self.slot_id}: memory_bytes must be a positive int, got {self.memory_bytes!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    first_segment: int
+    end_segment: int  # exclusive
+    device_kind: str
+    recompute: bool
+    memory_bytes: int  # the bound described in the module docstring
+    capacity_bytes: int
+    compute_s: float  # forward + backward (+ recompute) of one micro-batch
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One scored configuration (the chosen one and its runners-up)."""
+
+    P: int
+    D: int
+    micro_batch_size: int
+    micro_batches: int
+    kinds: tuple[str, ...]  # device kind per stage
+    recomputing: int  # stages that recompute
+    estimate_s: float  # closed-form screen
+    simulated_s: float | None  # replay of the action table, for the best few
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    P: int
+    D: int
+    micro_batch_size: int
+    micro_batches: int  # m, per replica
+    global_batch: int
+    schedule: str
+    cuts: tuple[int, ...]
+    stages: tuple[StagePlan, ...]
+    assignment: Mapping[str, tuple[int, int]]  # slot id -> (stage, replica)
+    link_kinds: tuple[str, ...]  # between stage s and s+1
+    allreduce_kinds: tuple[str, ...]
+    estimated_s: float  # simulated mini-batch time
+    unused: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    candidates: tuple[Candidate, ...] = ()
+    ruled_out: tuple[str, ...] = ()  # why the obvious plans (1 x every slot, 1 x 1) were not chosen
+
+    def alternatives(self, n: int = 3) -> list[Candidate]:
+        """The next ``n`` runners-up (other shapes or micro-batch sizes than the chosen plan's)."""
+        mine = (self.P, self.D, self.micro_batch_size)
+        return [c for c in self.candidates if (c.P, c.D, c.micro_batch_size) != mine][:n]
+
+    def __post_init__(self) -> None:
+        if self.P < 1 or self.D < 1 or self.micro_batch_size < 1 or self.micro_batches < 1:
+            raise PlanError(f"P, D, micro-batch size and m must be >= 1 (got {self.P}, {self.D}, ...)")
+        if self.micro_batches * self.micro_batch_size * self.D != self.global_batch:
+            raise PlanError(f"m x micro-batch x D = {self.micro_batches}x{self.micro_batch_size}x{self.D} "
+                            f"is not the global batch {self.global_batch}")
+        if len(self.stages) != self.P or len(self.cuts) != self.P - 1 or list(self.cuts) != sorted(set(self.cuts)):
+            raise PlanError(f"a plan of {self.P} stages needs {self.P} stages and {self.P - 1} increasing cuts")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"unknown schedule {self.schedule!r}")
+        if sorted(self.assignment.values()) != [(s, r) for s in range(self.P) for r in range(self.D)]:
+            raise PlanError("the assignment must give every (stage, replica) exactly one slot")
+        object.__setattr__(self, "assignment", MappingProxyType(dict(self.assignment)))
+
+    def __hash__(self) -> int:
+        return hash((self.P, self.D, self.micro_batch_size, self.cuts, tuple(sorted(self.assignment.items()))))
+
+    @property
+    def recompute(self) -> tuple[bool, ...]:
+        return tuple(s.recompute for s in self.stages)
+
+    def table(self) -> dict[int, list[Action]]:
+        """The action lists the executor runs (and the simulator replayed)."""
+        return build_table(self.schedule, self.P, self.micro_batches, self.recompute)
+
+    def stage_to_slots(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {s: [""] * self.D for s in range(self.P)}
+        for slot, (s, r) in self.assignment.items():
+            out[s][r] = slot
+        return out
+
+    def explain(self) -> str:
+        gib = 2**30
+        lines = [
+            f"plan: P={self.P} x D={self.D}, micro-batch {self.micro_batch_size}, m={self.micro_batches}, "
+            f"schedule {self.schedule}, estimated {self.estimated_s:.3f} s per mini-batch of {self.global_batch}",
+            "stage  segments  kind          recompute  mem_GiB/cap   compute_s  link_out  allreduce",
+        ]
+        for s, st in enumerate(self.stages):
+            link = self.link_kinds[s] if s < self.P - 1 else "-"
+            lines.append(
+                f"{s:>5}  {st.first_segment:>3}..{st.end_segment - 1:<3}  {st.device_kind:<12}  "
+                f"{'yes' if st.recompute else 'no':<9}  {st.memory_bytes / gib:6.1f}/{st.capacity_bytes / gib:<5.1f}"
+                f"  {st.compute_s:9.4f}  {link:<8}  {self.allreduce_kinds[s]}"
+            )
+        lines += [f"note: {n}" for n in self.notes]
+        lines += [f"not: {n}" for n in self.ruled_out]
+        if self.candidates:
+            lines.append("  P x  D  mbs     m  recompute  estimate_s  simulated_s  kinds")
+            for c in self.candidates:
+                sim = f"{c.simulated_s:11.3f}" if c.simulated_s is not None else " " * 11
+                kinds = ",".join(f"{k}x{n}" for k, n in Counter(c.kinds).items())
+                mark = "*" if (c.P, c.D, c.micro_batch_size, c.kinds) == (
+                    self.P, self.D, self.micro_batch_size, tuple(s.device_kind for s in self.stages)) else " "
+                lines.append(f"{mark}{c.P:>2} x{c.D:>3}  {c.micro_batch_size:>3}  {c.micro_batches:>4}  "
+                             f"{c.recomputing:>9}  {c.estimate_s:10.3f}  {sim}  {kinds}")
+        return "\n".join(lines)
