@@ -104,7 +104,6 @@ TRAINER_ORDER = (
 )
 # Back edges between parts known and allowed, with what would remove them. The engine runs a
 # profile when a daemon starts a calibration run (it imports trainer.profiler lazily for that);
-# the profiler, above it, times the engine's optimizer step with its private `_squared_norms`.
 # Moving the calibration run above the engine (beside the profiler) would remove the edge.
 KNOWN_BACK_EDGES = {
     ("trainer.engine", "trainer.profiler"),

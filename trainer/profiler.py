@@ -413,9 +413,9 @@ def _engine_step(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimize
     """What the engine's STEP does for these parameters besides its all-reduces: the squared
     gradient norms (the engine's own function, so the two cannot drift apart), the finiteness
     check on their sum, then the optimizer's step."""
-    from trainer.engine.varuna import _squared_norms   # the engine imports the profiler lazily too
+    from trainer.engine.precision import squared_norms
 
-    math.isfinite(sum(_squared_norms([p.grad for p in params if p.grad is not None])))
+    math.isfinite(sum(squared_norms([p.grad for p in params if p.grad is not None])))
     optimizer.step()
 
 

@@ -9,7 +9,7 @@ import torch
 
 from trainer.errors import ConfigError
 
-__all__ = ["Precision", "LossScaler", "autocast"]
+__all__ = ["Precision", "LossScaler", "autocast", "squared_norms"]
 
 Precision = Literal["fp32", "fp16", "bf16"]
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -55,3 +55,12 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
+
+
+def squared_norms(grads: list[torch.Tensor]) -> list[float]:
+    """Each gradient's squared L2 norm in float64, with one fused kernel per dtype: the overflow
+    check of the loss scaler and gradient clipping both start from these."""
+    if not grads:
+        return []
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    return torch.stack(norms).pow(2).tolist()

@@ -36,16 +36,16 @@ from trainer.engine.calibration_run import CalibrationRun
 from trainer.engine.comm import PeerChannel
 from trainer.engine.control import ControlClient, StopRequested
 from trainer.engine.data_parallel import GradReducer
-from trainer.worker_env import WorkerAssignment as Assignment  # local spelling kept: varuna.py has a concurrent change
 from trainer.errors import CheckpointError, ConfigError
 from trainer.engine.executor import StageExecutor
 from trainer.graph.layout import Layout, build_layout
 from trainer.net.netaddr import bound_gloo_backend, nccl_environment
 from trainer.graph.partition import balance, capture_model, dry_run, slice_stages
 from trainer.net.rendezvous import RendezvousStore, parse_url
-from trainer.engine.precision import LossScaler, Precision
+from trainer.engine.precision import LossScaler, Precision, squared_norms
 from trainer.planning.schedule import SCHEDULES, Action, Kind, build_table
 from trainer.engine.trace import NullRecorder, recorder_for
+from trainer.worker_env import WorkerAssignment
 
 __all__ = ["Varuna"]
 
@@ -65,7 +65,7 @@ class Varuna:
                  device: int | str = -1, shared_weights: Sequence[tuple[str, str]] | None = None,
                  from_cache: bool = True, *, precision: Precision | None = None,
                  schedule: str | None = None, recompute: bool | None = None,
-                 assignment: Assignment | None = None) -> None:
+                 assignment: WorkerAssignment | None = None) -> None:
         self.assignment = assignment or _assignment(stage_to_rank_map)
         a = self.assignment
         if a.profile:
@@ -471,7 +471,7 @@ class Varuna:
     def _optimizer_step(self, clip: float | None) -> dict[str, object]:
         """Agree on the loss, the gradient norm and overflow in one exchange (`_agree`), then step."""
         with_grad = [p for p in self.parameters() if p.grad is not None]
-        squares = _squared_norms([p.grad for p in with_grad])
+        squares = squared_norms([p.grad for p in with_grad])
         # An inf/nan anywhere makes its parameter's norm non-finite: one check on the total
         # (tied copies included) is the overflow test.
         finite = math.isfinite(sum(squares))
@@ -508,16 +508,16 @@ class Varuna:
 
 # -- construction helpers ------------------------------------------------------------------------
 
-def _assignment(stage_to_rank_map) -> Assignment:
+def _assignment(stage_to_rank_map) -> WorkerAssignment:
     if "VARUNA_RANK" not in os.environ:
         if stage_to_rank_map is None or sum(len(r) for r in stage_to_rank_map.values()) == 1:
             log.warning("no worker assignment in the environment: running as a single worker (1 x 1); "
                         "start with `python -m trainer.launch` for more")
-            return Assignment(rank=0, stage_to_rank={0: [0]}, endpoints=["inproc://varuna-0"], dist_url="")
-    a = Assignment.from_env()
+            return WorkerAssignment(rank=0, stage_to_rank={0: [0]}, endpoints=["inproc://varuna-0"], dist_url="")
+    a = WorkerAssignment.from_env()
     if stage_to_rank_map is not None:
         given = {int(s): [int(r) for r in ranks] for s, ranks in stage_to_rank_map.items()}
-        a = Assignment(**{**{f: getattr(a, f) for f in a.__dataclass_fields__}, "stage_to_rank": given})
+        a = WorkerAssignment(**{**{f: getattr(a, f) for f in a.__dataclass_fields__}, "stage_to_rank": given})
     return a
 
 
@@ -548,7 +548,7 @@ def _check_sizes(batch: int, chunk: int, D: int, precision: str, schedule: str) 
         raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {sorted(SCHEDULES)}")
 
 
-def _device(a: Assignment, local_rank: int, device: int | str) -> torch.device:
+def _device(a: WorkerAssignment, local_rank: int, device: int | str) -> torch.device:
     choice = a.device if a.device is not None else device
     if isinstance(choice, str) and choice not in ("-1", ""):
         return torch.device(choice if not choice.isdigit() else f"cuda:{choice}")
@@ -593,14 +593,6 @@ def _free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
     for t in (*model.parameters(), *model.buffers()):
         if canonical.get(id(t)) not in keep:
             t.data = torch.empty(0, dtype=t.dtype)
-
-
-def _squared_norms(grads: list[torch.Tensor]) -> list[float]:
-    """Each gradient's squared L2 norm in float64, with one fused kernel per dtype."""
-    if not grads:
-        return []
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
-    return torch.stack(norms).pow(2).tolist()
 
 
 def _stream_security(endpoints: Sequence[str]) -> Security:
