@@ -80,3 +80,37 @@ def test_every_module_imports_on_its_own():
     assert len(modules) > 60 and "varunad.node.daemon" in modules and "trainer.engine.varuna" in modules
     failed = json.loads(_run(f"MODULES = {modules!r}\nPACKAGES = {PACKAGES!r}\n" + _EACH_ALONE).splitlines()[-1])
     assert failed == {}, "\n".join(f"{m}:\n{why}" for m, why in failed.items())
+
+
+# varunad's subpackages, lowest first: each may import only those before it (and itself). The
+# same order is stated in ARCHITECTURE.md and in each subpackage's __init__ docstring.
+VARUNAD_LAYERS = ("store", "cluster", "control", "report", "node", "ctl")
+
+
+def _varunad_imports(path: Path) -> set[str]:
+    """Every varunad module ``path`` imports, at module level or inside a function (a lazy
+    import is still a dependency: it only moves the cycle from import time to run time)."""
+    import ast
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in out if m.split(".")[0] == "varunad"}
+
+
+def test_varunad_subpackages_import_only_lower_layers():
+    found = {p.name for p in (REPO / "varunad").iterdir() if (p / "__init__.py").exists()}
+    assert found == set(VARUNAD_LAYERS), f"a subpackage is missing from VARUNAD_LAYERS: {found ^ set(VARUNAD_LAYERS)}"
+    rank = {name: i for i, name in enumerate(VARUNAD_LAYERS)}
+    back = []
+    for f in sorted((REPO / "varunad").rglob("*.py")):
+        parts = f.relative_to(REPO).parts
+        if len(parts) < 3:   # varunad/__init__.py, varunad/__main__.py: the package's door, above every layer
+            continue
+        for target in _varunad_imports(f):
+            layer = target.split(".")[1] if target.count(".") else None
+            if layer in rank and rank[layer] > rank[parts[1]]:
+                back.append(f"{'/'.join(parts)} imports {target} ({parts[1]} is below {layer})")
+    assert back == [], "\n".join(back)

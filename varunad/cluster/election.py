@@ -11,7 +11,7 @@
   of time is wrong, cannot overwrite the plan of its successor.
 * The plan is written with a :class:`PlanWriter` record (name, term, lease) at ``plan-writer`` in
   that same transaction, so a reader can tell a leader's plan from one put by anyone else
-  (``varunad.cluster.fleet.read_plan`` checks it against the leader key).
+  (``varunad.control.fleet.read_plan`` checks it against the leader key).
 * Non-leaders watch the leader key and contend as soon as it is deleted or expires.
 
 Every cycle decides from one read of the leader key and records an immutable

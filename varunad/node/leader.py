@@ -34,7 +34,7 @@ from trainer.planning.planner import Plan, PlanError
 from varunad.node.config import DaemonConfig
 from varunad.cluster.election import Election, NotLeader
 from varunad.control.failures import cause as failure_cause, classify
-from varunad.cluster.fleet import FleetSnapshot, JobEntry, forget_progress, read_fleet, read_newest
+from varunad.control.fleet import FleetSnapshot, JobEntry, forget_progress, read_fleet, read_newest
 from varunad.store.fleetkeys import FleetKeys
 from varunad.control.outage import judge_members
 from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
