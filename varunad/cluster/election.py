@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from varunad.store import schemas
 from varunad.store.keys import Keys
 from varunad.cluster.membership import Membership
-from varunad.store.etcd import Key, KeyValue, Store, StoreError, Value, Watch
+from varunad.store.contract import Key, KeyValue, Store, StoreError, Value, Watch
 
 __all__ = ["Role", "ElectionState", "Election", "NotLeader", "PlanWriter"]
 

@@ -13,7 +13,7 @@ from typing import Any
 from varunad.control.fleet import read_newest
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
 from varunad.control.records import Progress, decode_history, epoch_ranges, merge_history, merge_spans
-from varunad.store.etcd import Store
+from varunad.store.contract import Store
 from varunad.store.fleetkeys import FleetKeys
 
 __all__ = ["UnknownJob", "read_state", "job_status", "job_queue", "plan_lines"]

@@ -23,7 +23,8 @@ from varunad.control.fleet import read_plan
 from varunad.control.jobs import BundleError, JobSpec, JobSpecError, bundle_digest, pack_bundle
 from varunad.control.status import job_queue, job_status, plan_lines, read_state
 from varunad.store.fleetkeys import FleetKeys
-from varunad.store.etcd import EtcdStore, Store, StoreAuthError, StoreConfigError, StoreError, StoreUnavailable
+from varunad.store.contract import Store, StoreAuthError, StoreConfigError, StoreError, StoreUnavailable
+from varunad.store.etcd import EtcdStore
 
 __all__ = ["CtlError", "run", "check_bundle", "build_spec", "submit", "plan_lines", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
            "print_job", "print_fleet", "dumps"]

@@ -63,7 +63,8 @@ from varunad.node.metrics import DaemonMetrics, serve as serve_metrics
 from varunad.node.peers import PeerClients, PeerServer
 from varunad.control.plans import PlanDoc
 from varunad.node.signing import AllowList, SigningError
-from varunad.store.etcd import EtcdStore, StoreError, StoreUnavailable
+from varunad.store.contract import StoreError, StoreUnavailable
+from varunad.store.etcd import EtcdStore
 from varunad.node.supervisor import Supervisor
 
 __all__ = ["Daemon", "main"]

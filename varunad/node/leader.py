@@ -42,7 +42,7 @@ from varunad.control.links import LinkSurvey, apply_links
 from varunad.node.metrics import DaemonMetrics
 from varunad.node.peers import PeerClients
 from varunad.control.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
-from varunad.store.etcd import Store, StoreError, Watch
+from varunad.store.contract import Store, StoreError, Watch
 
 __all__ = ["Decision", "LeaderMemory", "decide", "Leader"]
 

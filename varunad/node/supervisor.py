@@ -56,7 +56,7 @@ from varunad.node.metrics import DaemonMetrics
 from varunad.control.plans import PlanDoc
 from varunad.control.records import Progress, WorkerRecord, WorkerReport
 from varunad.node.reporter import Reporter
-from varunad.store.etcd import Store
+from varunad.store.contract import Store
 
 __all__ = ["Supervisor", "STOPPED_EXIT_CODE", "worker_environment"]
 

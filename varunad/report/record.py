@@ -38,7 +38,7 @@ from varunad.control.jobs import JobSpec, JobState, script_fingerprint
 from varunad.report.prices import DevicePrice, load_prices
 from varunad.report.cost import Interval, cost_lines, cost_report, morph_losses, plural, run_intervals
 from varunad.report.traces import MeasuredStep, Missing, chrome_trace, pick_measured_step, predict, stage_meta
-from varunad.store.etcd import Store
+from varunad.store.contract import Store
 
 __all__ = ["DATA_FILES", "PICTURES", "ReportInputs", "collect", "build_report", "format_report",
            "write_end_of_job_report"]
