@@ -82,12 +82,7 @@ class PlanWriter:
 
     @classmethod
     def decode(cls, data: bytes) -> PlanWriter:
-        try:
-            doc = json.loads(data)
-            schemas.check(cls, doc, "plan-writer")
-        except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError; bytes that are no text too
-            raise ValueError(f"plan-writer record is malformed: {exc}") from None
-        return cls(name=doc["name"], term=doc["term"], lease=doc["lease"])
+        return schemas.decode(cls, data, "plan-writer record")
 
     def held(self, leader: KeyValue | None) -> bool:
         """Whether ``leader`` (the leader key as read, at some revision) is this writer's leadership."""
