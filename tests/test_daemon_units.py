@@ -19,7 +19,7 @@ from varunad.cluster.facts import DaemonMember, detect_device_kind, detect_memor
 from varunad.control.fleet import FleetSnapshot, JobEntry
 from varunad.control.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_digest, script_fingerprint, pack_bundle,
                           unpack_bundle)
-from varunad.node.leader import LeaderMemory, decide, error_summary
+from varunad.control.decide import LeaderMemory, decide, error_summary
 from varunad.control.plans import PlanDoc, make_plan, uniform_calibration
 from varunad.node.housekeeping import LOGS, job_dir, prune_jobs
 from varunad.control.records import (WorkerRecord, WorkerReport, decode_history, encode_history, epoch_ranges,

@@ -21,6 +21,9 @@ its workers to checkpoint and stop (the stop is agreed by every worker of the jo
 job checkpoints at one step), waits for them (bounded), then revokes its lease so that the fleet
 re-plans at once instead of after the TTL. A second signal kills the workers and exits.
 SIGHUP re-reads the CURVE allow-list.
+
+One module over 500 lines: it is the one place that starts these tasks, wires them to each other
+and owns the order of shutdown; each task's logic lives in its own module.
 """
 
 from __future__ import annotations
