@@ -16,10 +16,10 @@ import pytest
 
 from varunad.node.config import DaemonConfigError, load_config, parse_env_file
 from varunad.cluster.facts import DaemonMember, detect_device_kind, detect_memory, gpu_count, gpu_models
-from varunad.cluster.fleet import FleetSnapshot, JobEntry
+from varunad.control.fleet import FleetSnapshot, JobEntry
 from varunad.control.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_digest, script_fingerprint, pack_bundle,
                           unpack_bundle)
-from varunad.control.leader import LeaderMemory, decide, error_summary
+from varunad.control.decide import LeaderMemory, decide, error_summary
 from varunad.control.plans import PlanDoc, make_plan, uniform_calibration
 from varunad.node.housekeeping import LOGS, job_dir, prune_jobs
 from varunad.control.records import (WorkerRecord, WorkerReport, decode_history, encode_history, epoch_ranges,
@@ -128,7 +128,7 @@ def test_varunad_help_and_errors():
 
 
 def test_the_daemon_never_imports_torch():
-    code = ("import sys, varunad.node.daemon, varunad.control.leader, varunad.node.supervisor, varunad.ctl.cli, varunad.ctl.commands; "
+    code = ("import sys, varunad.node.daemon, varunad.node.leader, varunad.node.supervisor, varunad.ctl.cli, varunad.ctl.commands; "
             "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO), timeout=60)
     assert r.stdout.strip() == "False", r.stderr

@@ -19,7 +19,8 @@ from etcd_server import EtcdServer, make_pki
 from ring import REPO
 
 from varunad.store.fleetkeys import FleetKeys
-from varunad.store.etcd import EtcdStore, StoreAuthError
+from varunad.store.contract import StoreAuthError
+from varunad.store.etcd import EtcdStore
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from varunad.cluster.fleet import forget_progress, read_fleet
+from varunad.control.fleet import forget_progress, read_fleet
 from varunad.store.fleetkeys import FleetKeys
 from varunad.control.records import Progress
 from varunad.store.etcd import EtcdStore

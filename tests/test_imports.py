@@ -1,7 +1,7 @@
 """The house's import rules: the planning core needs no torch and every module of trainer, varunad
 and protocol imports on its own (no cycle at import time), both checked in fresh interpreters;
-and trainer's parts import each other in one direction only, read from the source (imports inside
-functions included, since a lazy import is a dependency too)."""
+and trainer's parts and varunad's layers import each other in one direction only, read from the
+source (imports inside functions included, since a lazy import is a dependency too)."""
 
 import ast
 import json
@@ -175,3 +175,27 @@ def test_the_order_check_sees_lazy_and_from_imports(tmp_path):
     f.write_text("from . import netaddr\nfrom ..engine.comm import PeerChannel\n")
     got = _imports(f, "trainer.net.m", False)
     assert {"trainer.net.netaddr", "trainer.engine.comm"} <= got
+
+
+# varunad's subpackages, lowest first: each may import only those before it (and itself). The
+# same order is stated in ARCHITECTURE.md and in each subpackage's __init__ docstring.
+VARUNAD_LAYERS = ("store", "cluster", "control", "report", "node", "ctl")
+
+
+def test_varunad_subpackages_import_only_lower_layers():
+    found = {p.name for p in (REPO / "varunad").iterdir() if (p / "__init__.py").exists()}
+    assert found == set(VARUNAD_LAYERS), f"a subpackage is missing from VARUNAD_LAYERS: {found ^ set(VARUNAD_LAYERS)}"
+    rank = {name: i for i, name in enumerate(VARUNAD_LAYERS)}
+    back = []
+    for f in sorted((REPO / "varunad").rglob("*.py")):
+        parts = f.relative_to(REPO).parts
+        if len(parts) < 3:   # varunad/__init__.py, varunad/__main__.py: the package's door, above every layer
+            continue
+        names = f.relative_to(REPO).with_suffix("").parts
+        is_package = names[-1] == "__init__"
+        module = ".".join(names[:-1] if is_package else names)
+        for target in (t for t in _imports(f, module, is_package) if t.split(".")[0] == "varunad"):
+            layer = target.split(".")[1] if target.count(".") else None
+            if layer in rank and rank[layer] > rank[parts[1]]:
+                back.append(f"{'/'.join(parts)} imports {target} ({parts[1]} is below {layer})")
+    assert back == [], "\n".join(back)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from test_daemon_units import member, reports_for, run_plan, running, snapshot
 
-from varunad.control.leader import LeaderMemory, decide
+from varunad.control.decide import LeaderMemory, decide
 
 
 def d(snap, *, now=100.0, outage_until=0.0):

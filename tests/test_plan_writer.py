@@ -13,7 +13,7 @@ from test_election import fleet, leaders, one_leader
 
 from varunad.store import schemas
 from varunad.cluster.election import NotLeader, PlanWriter
-from varunad.cluster.fleet import read_fleet, read_plan
+from varunad.control.fleet import read_fleet, read_plan
 from varunad.store.fleetkeys import FleetKeys
 from varunad.control.plans import PlanDoc
 from varunad.store.etcd import EtcdStore

@@ -436,7 +436,7 @@ def test_every_picture_is_a_png_drawn_from_the_data_also_with_varunactl_report_f
 _WITHOUT_MATPLOTLIB = """
 import sys
 sys.modules["matplotlib"] = None   # as if it were not installed: importing it raises ModuleNotFoundError
-import varunad.control.leader, varunad.report   # the daemon's side: records the data, draws nothing
+import varunad.node.leader, varunad.report   # the daemon's side: records the data, draws nothing
 from varunad.ctl.cli import main
 sys.exit(main(sys.argv[1:]))
 """

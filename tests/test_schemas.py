@@ -16,7 +16,7 @@ from test_election import Node, fleet, one_leader
 from test_membership import make_member
 
 from varunad.store import schemas
-from varunad.cluster.fleet import read_plan
+from varunad.control.fleet import read_plan
 from varunad.store.fleetkeys import FleetKeys
 from varunad.control.jobs import JobSpecError, JobState
 from varunad.store.keys import Keys

@@ -1,4 +1,5 @@
-"""varunad.store.etcd against a real etcd (no mocks), plus the key layout of varunad.store.keys."""
+"""varunad.store.etcd (the contract of varunad.store.contract) against a real etcd (no mocks), plus
+the key layout of varunad.store.keys."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import pytest
 from etcd_server import EtcdServer, make_pki, poll_until
 
 from varunad.store.keys import Keys
-from varunad.store.etcd import (
+from varunad.store.contract import (
     DELETE,
     PUT,
-    EtcdStore,
     KeyValue,
     LeaseExpired,
     StoreAuthError,
@@ -20,8 +20,8 @@ from varunad.store.etcd import (
     StoreError,
     StoreUnavailable,
     WatchCompacted,
-    parse_endpoints,
 )
+from varunad.store.etcd import EtcdStore, parse_endpoints
 
 # ----------------------------------------------------------------------------- reads and writes
 

@@ -1,6 +1,6 @@
 """The fleet as a cluster: membership under leases, leader election with fencing, what a daemon says
-about itself (facts), the fleet snapshot of one leader cycle, and epoch-fenced writes.
+about itself (facts), and epoch-fenced writes.
 
-May import: varunad.store, varunad.control's value types (jobs, plans, records: the snapshot parses
-them), protocol. Never varunad.node or varunad.ctl.
+Layer 2 of varunad (store < cluster < control < report < node < ctl; tests/test_imports.py checks it).
+May import: varunad.store, protocol. Never varunad.control, report, node or ctl.
 """

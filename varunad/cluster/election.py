@@ -11,7 +11,7 @@
   of time is wrong, cannot overwrite the plan of its successor.
 * The plan is written with a :class:`PlanWriter` record (name, term, lease) at ``plan-writer`` in
   that same transaction, so a reader can tell a leader's plan from one put by anyone else
-  (``varunad.cluster.fleet.read_plan`` checks it against the leader key).
+  (``varunad.control.fleet.read_plan`` checks it against the leader key).
 * Non-leaders watch the leader key and contend as soon as it is deleted or expires.
 
 Every cycle decides from one read of the leader key and records an immutable
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from varunad.store import schemas
 from varunad.store.keys import Keys
 from varunad.cluster.membership import Membership
-from varunad.store.etcd import Key, KeyValue, Store, StoreError, Value, Watch
+from varunad.store.contract import Key, KeyValue, Store, StoreError, Value, Watch
 
 __all__ = ["Role", "ElectionState", "Election", "NotLeader", "PlanWriter"]
 
@@ -82,12 +82,7 @@ class PlanWriter:
 
     @classmethod
     def decode(cls, data: bytes) -> PlanWriter:
-        try:
-            doc = json.loads(data)
-            schemas.check(cls, doc, "plan-writer")
-        except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError; bytes that are no text too
-            raise ValueError(f"plan-writer record is malformed: {exc}") from None
-        return cls(name=doc["name"], term=doc["term"], lease=doc["lease"])
+        return schemas.decode(cls, data, "plan-writer record")
 
     def held(self, leader: KeyValue | None) -> bool:
         """Whether ``leader`` (the leader key as read, at some revision) is this writer's leadership."""

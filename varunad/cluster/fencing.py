@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 
-from varunad.store.etcd import Store
+from varunad.store.contract import Store
 
 __all__ = ["put_for_epoch", "stored_epoch"]
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields
 
 from varunad.store import schemas
 from varunad.store.keys import Keys, check_component
-from varunad.store.etcd import Lease, LeaseExpired, Store, StoreError
+from varunad.store.contract import Lease, LeaseExpired, Store, StoreError
 
 __all__ = [
     "DEFAULT_TTL",

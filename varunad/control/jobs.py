@@ -20,7 +20,7 @@ import time
 import zipfile
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeVar
 
 from trainer.planning.schedule import SCHEDULES  # pure Python: the one list of schedule names
 from varunad.store import schemas
@@ -50,6 +50,8 @@ MAX_UNPACKED_BYTES = 64 << 20
 MAX_BUNDLE_FILES = 2000
 _ID_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")  # protocol identifiers: job ids travel in messages
 _SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".venv", "venv", "node_modules"}
+
+T = TypeVar("T")
 
 
 class JobSpecError(ValueError):
@@ -134,13 +136,7 @@ class JobSpec:
             raise JobSpecError(f"job spec has unknown fields {unknown}")
         if job is not None and doc.get("job") != job:
             raise JobSpecError(f"job spec under jobs/{job} names job {doc.get('job')!r}")
-        try:
-            schemas.check(cls, doc, "job spec")
-            return cls(**doc)
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, JobSpecError):
-                raise
-            raise JobSpecError(f"job spec is malformed: {exc}") from None
+        return _checked(cls, doc, "job spec")
 
 
 def _divisors(n: int) -> str:
@@ -155,6 +151,18 @@ def _json_object(data: bytes, what: str) -> dict:
     if not isinstance(doc, dict):
         raise JobSpecError(f"{what} is not a JSON object")
     return doc
+
+
+def _checked(cls: type[T], doc: dict, what: str) -> T:
+    """``cls(**doc)`` once its fields have their declared types; any mismatch, or a field ``cls``
+    does not have, is one JobSpecError (a job's documents are strict, unlike the fleet's records)."""
+    try:
+        schemas.check(cls, doc, what)
+        return cls(**doc)
+    except JobSpecError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise JobSpecError(f"{what} is malformed: {exc}") from None
 
 
 def job_store(spec: JobSpec, default_root: str) -> str:
@@ -247,14 +255,7 @@ class JobState:
 
     @classmethod
     def decode(cls, data: bytes) -> JobState:
-        doc = _json_object(data, "job state")
-        try:
-            schemas.check(cls, doc, "job state")
-            return cls(**doc)
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, JobSpecError):
-                raise
-            raise JobSpecError(f"job state is malformed: {exc}") from None
+        return _checked(cls, _json_object(data, "job state"), "job state")
 
 
 # --- bundles -----------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from trainer.planning.calibration import Calibration, LinkCost
 from varunad.cluster.facts import PortReservation
 
 from varunad.store.fleetkeys import FleetKeys
-from varunad.store.etcd import Store, StoreError
+from varunad.store.contract import Store, StoreError
 
 __all__ = ["LinkMeasurement", "LinkProber", "LinkSurvey", "PROBE_TIMEOUT", "ProbeRequest", "apply_links",
            "read_links"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from protocol.messages import Assignment, SlotAssignment
@@ -126,15 +126,7 @@ class PlanDoc:
 
     @classmethod
     def decode(cls, data: bytes) -> PlanDoc:
-        try:
-            doc = json.loads(data)
-            if not isinstance(doc, dict):
-                raise ValueError("not a JSON object")
-            schemas.check(cls, doc, "plan")
-            known = {f.name for f in fields(cls)}
-            return cls(**{k: v for k, v in doc.items() if k in known})
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"plan is malformed: {exc}") from None
+        return schemas.decode(cls, data, "plan")
 
     @classmethod
     def idle(cls, reason: str) -> PlanDoc:

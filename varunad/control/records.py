@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from varunad.store import schemas
@@ -28,19 +28,6 @@ __all__ = ["OUTCOMES", "WorkerRecord", "WorkerReport", "Progress", "encode_histo
            "merge_history", "epoch_ranges", "merge_spans", "stall_before"]
 
 OUTCOMES = ("starting", "running", "done", "stopped", "killed", "failed")
-
-
-def _loads(data: bytes, what: str) -> dict:
-    doc = json.loads(data)
-    if not isinstance(doc, dict):
-        raise ValueError(f"{what} is not a JSON object")
-    return doc
-
-
-def _build(cls: type, doc: Mapping[str, Any]) -> Any:
-    schemas.check(cls, doc)
-    known = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in doc.items() if k in known})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,7 +61,7 @@ class WorkerReport:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(
-            w if isinstance(w, WorkerRecord) else _build(WorkerRecord, w) for w in self.workers))
+            w if isinstance(w, WorkerRecord) else schemas.build(WorkerRecord, w) for w in self.workers))
 
     def alive(self, up_to_epoch: int | None = None) -> bool:
         """Whether workers (of ``up_to_epoch`` or older, when given) still run here."""
@@ -92,10 +79,7 @@ class WorkerReport:
 
     @classmethod
     def decode(cls, data: bytes) -> WorkerReport:
-        try:
-            return _build(cls, _loads(data, "worker report"))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"worker report is malformed: {exc}") from None
+        return schemas.decode(cls, data, "worker report")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,10 +99,7 @@ class Progress:
 
     @classmethod
     def decode(cls, data: bytes) -> Progress:
-        try:
-            return _build(cls, _loads(data, "progress"))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"progress is malformed: {exc}") from None
+        return schemas.decode(cls, data, "progress")
 
 
 Span = tuple[float, float]   # wall-clock seconds of an epoch's first and newest reported step
@@ -133,7 +114,9 @@ def encode_history(pairs: Iterable[tuple[int, float]], span: Span | None = None)
 
 def decode_history(data: bytes) -> tuple[list[tuple[int, float]], Span | None]:
     """(the (step, loss) pairs, the span or None: entries written before spans existed have none)."""
-    doc = _loads(data, "history")
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError("history is not a JSON object")
     try:
         pairs = [(int(s), float(v)) for s, v in doc.get("steps", [])]
     except TypeError as exc:

@@ -1,6 +1,7 @@
 """varunactl: the command line (cli), the fleet commands it runs through etcd (commands), the local
 ring of daemons on loopback (local) and live progress (progress).
 
-May import: everything of varunad (it is the outermost layer), trainer.launch, protocol.
-Nothing imports varunad.ctl except varunad.report.
+Layer 6 of varunad, the outermost (store < cluster < control < report < node < ctl;
+tests/test_imports.py checks it). May import: everything of varunad, trainer.launch, protocol.
+Nothing of varunad imports varunad.ctl.
 """

@@ -19,11 +19,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 from varunad.cluster.facts import parse_member
-from varunad.cluster.fleet import read_newest, read_plan
+from varunad.control.fleet import read_plan
+from varunad.control.jobs import BundleError, JobSpec, JobSpecError, bundle_digest, pack_bundle
+from varunad.control.status import job_queue, job_status, plan_lines, read_state
 from varunad.store.fleetkeys import FleetKeys
-from varunad.control.jobs import BundleError, JobSpec, JobSpecError, JobState, bundle_digest, pack_bundle
-from varunad.control.records import Progress, decode_history, epoch_ranges, merge_history, merge_spans
-from varunad.store.etcd import EtcdStore, Store, StoreAuthError, StoreConfigError, StoreError, StoreUnavailable
+from varunad.store.contract import Store, StoreAuthError, StoreConfigError, StoreError, StoreUnavailable
+from varunad.store.etcd import EtcdStore
 
 __all__ = ["CtlError", "run", "check_bundle", "build_spec", "submit", "plan_lines", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
            "print_job", "print_fleet", "dumps"]
@@ -190,98 +191,6 @@ async def submit(store: Store, keys: FleetKeys, spec: JobSpec, bundle: bytes, ou
 
 # --- status --------------------------------------------------------------------------------------------
 
-async def _state(store: Store, keys: FleetKeys, job: str) -> JobState | None:
-    state, _ = await read_newest(store, keys.state(job), JobState.decode, "state", timeout=None)
-    return state
-
-
-async def _notes(store: Store, keys: FleetKeys, job: str) -> list[str]:
-    """What the daemons noted about the job's workers (checkpoints they refused), oldest first."""
-    out: list[str] = []
-    for kv in await store.get_prefix(keys.notes_of(job)):
-        try:
-            notes = json.loads(kv.value)
-            out += [n for n in notes if isinstance(n, str)] if isinstance(notes, list) else []
-        except ValueError:
-            continue
-    return out
-
-
-async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
-    spec_kv = await store.get(keys.job(job))
-    if spec_kv is None:
-        raise CtlError(f"no job named {job} (see `varunactl jobs`)")
-    state = await _state(store, keys, job) or JobState(job=job)
-    per_epoch: dict[int, dict[int, float]] = {}
-    spans: dict[int, list[tuple[float, float]]] = {}
-    for kv in await store.get_prefix(keys.history_of(job)):
-        try:
-            epoch, _member = keys.parse_history(job, kv.key)
-            pairs, span = decode_history(kv.value)
-        except ValueError:
-            continue
-        per_epoch.setdefault(epoch, {}).update(pairs)
-        if span is not None:
-            spans.setdefault(epoch, []).append(span)
-    history = merge_history({e: list(v.items()) for e, v in per_epoch.items()})
-    progress = []
-    for kv in await store.get_prefix(keys.progress_of(job)):
-        try:
-            progress.append(Progress.decode(kv.value))
-        except ValueError:
-            continue
-    current = [p for p in progress if p.epoch == state.epoch]
-    now = [s + 1 for s in per_epoch.get(state.epoch, {})] + [p.step + 1 for p in current]
-    # where the running epoch is, once it has reported: after a resume from an older checkpoint
-    # it redoes steps an earlier epoch had reached, and says so rather than the highest step
-    step = max(now or [s + 1 for s, _ in history] or [0])
-    try:
-        total = JobSpec.decode(spec_kv.value).steps
-    except JobSpecError:
-        total = None
-    if state.state == "done" and total is not None:   # done means every step was trained
-        step = max(step, total)
-    plan = state.plan or {}
-    moves = [m for m in state.morphs if not m.restart]   # a restart of the same plan is not a morph
-    last = moves[-1] if moves else None
-    ranges = epoch_ranges({e: list(v.items()) for e, v in per_epoch.items()})
-    redoing = None
-    if state.epoch in ranges and state.morphs:
-        first, newest = ranges[state.epoch]
-        reached = max((b for e, (_, b) in ranges.items() if e < state.epoch), default=-1)
-        if newest < reached:   # this epoch resumed from an older checkpoint and is not past it yet
-            m = state.morphs[-1]
-            redoing = {"first": first, "last": reached, "cause": m.cause or m.reason.split(":", 1)[0]}
-    reason = state.reason
-    if state.state == "queued" and reason == "submitted":
-        reason = next((j["reason"] for j in await _jobs(store, keys) if j["job"] == job), reason)
-    return {
-        # `step`: steps done, which is the index (model.iteration) of the next step to train; the loss
-        # history and the plots are indexed by step, so `loss` is that of step `step - 1`
-        "job": job, "state": state.state, "reason": reason, "step": step, "steps": total, "epoch": state.epoch,
-        "plan": {"P": plan.get("P"), "D": plan.get("D"), "micro_batch_size": plan.get("micro_batch_size"),
-                 "schedule": plan.get("schedule"), "members": plan.get("members", []),
-                 "estimated_s": plan.get("estimated_s"), "calibrated": plan.get("calibrated"),
-                 "micro_batches": plan.get("micro_batches"), "alternatives": plan.get("alternatives", []),
-                 "ruled_out": plan.get("ruled_out", [])},
-        "redoing": redoing,
-        "loss": dict(history).get(step - 1, history[-1][1]) if history else None,
-        "samples_per_s": sum(p.samples_per_s for p in current) / len(current) if current else None,
-        "busy_fraction": min((p.busy_fraction for p in current), default=None),
-        "restarts": state.restarts, "error": state.error,
-        "warnings": await _notes(store, keys, job),
-        "epochs": {str(e): list(r) for e, r in sorted(ranges.items())},
-        "epoch_spans": {str(e): list(merge_spans(v)) for e, v in sorted(spans.items())},
-        "morphs": [{"reason": m.reason, "from": m.from_shape, "to": m.to_shape, "from_epoch": m.from_epoch,
-                    "to_epoch": m.to_epoch, "noticed_at": m.noticed_at, "stopped_at": m.stopped_at,
-                    "planned_at": m.planned_at, "duration_s": round(m.duration_s, 3), "checkpoint": m.checkpoint,
-                    "restart": m.restart, "cause": m.cause}
-                   for m in state.morphs],
-        "last_morph": None if last is None else f"{last.from_shape} -> {last.to_shape} because {last.reason}",
-        "loss_history": [[s, v] for s, v in history],
-    }
-
-
 async def _members(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
     out = []
     for kv in await store.get_prefix(keys.members):
@@ -308,61 +217,7 @@ async def fleet_status(store: Store, keys: FleetKeys) -> dict[str, Any]:
     plan, epoch = await read_plan(store, keys, timeout=None)
     plan_doc = None if plan is None else {**json.loads(plan.encode()), "epoch": epoch}
     return {"leader": leader.value.decode(errors="replace") if leader else None,
-            "members": await _members(store, keys), "plan": plan_doc, "jobs": await _jobs(store, keys)}
-
-
-async def _jobs(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
-    states = {}
-    for kv in await store.get_prefix(keys.states):
-        try:
-            states[keys.state_job(kv.key)] = JobState.decode(kv.value)
-        except (ValueError, JobSpecError):
-            continue
-    out = []
-    for kv in sorted(await store.get_prefix(keys.jobs), key=lambda kv: kv.create_revision):
-        try:
-            job = keys.job_id(kv.key)
-        except ValueError:
-            continue
-        st = states.get(job)
-        try:
-            spec = JobSpec.decode(kv.value)
-            what = f"{spec.script} batch {spec.batch_size} steps {spec.steps}"
-        except JobSpecError as exc:
-            what = f"invalid spec: {exc}"
-        out.append({"job": job, "state": st.state if st else "queued", "epoch": st.epoch if st else 0,
-                    "reason": st.reason if st else "submitted", "spec": what})
-    # the fleet runs one job at a time: say what a job that was only submitted waits for
-    running = [j["job"] for j in out if j["state"] in ("running", "morphing")]
-    ahead = 0
-    for j in out:
-        if j["state"] == "queued" and running:
-            if j["reason"] == "submitted":
-                j["reason"] = f"waiting for {running[0]}" + (f" and {ahead} job(s) queued before it"
-                                                              if ahead else "")
-            ahead += 1
-    return out
-
-
-def _secs(x: float) -> str:
-    return f"{x:.3f} s" if x >= 0.1 else f"{1000 * x:.2f} ms"
-
-
-def plan_lines(plan: dict[str, Any]) -> list[str]:
-    """Why this P x D: its estimate, the next alternatives with theirs, what ruled out the obvious."""
-    if not plan.get("P"):
-        return []
-    m = plan.get("micro_batches")
-    est = plan.get("estimated_s")
-    lines = [f"why       {plan['P']}x{plan['D']}, micro-batch {plan['micro_batch_size']}"
-             + (f" x {m} per replica" if m else "")
-             + (f": estimated {_secs(est)} per step" if est is not None else "")
-             + ("" if plan.get("calibrated", True) else " (no measured calibration: data-parallel only)")]
-    for alt in plan.get("alternatives") or []:
-        lines.append(f"  instead {alt['P']}x{alt['D']}, micro-batch {alt['micro_batch_size']} x "
-                     f"{alt['micro_batches']}: estimated {_secs(alt['estimated_s'])}")
-    lines += [f"  not     {why}" for why in plan.get("ruled_out") or []]
-    return lines
+            "members": await _members(store, keys), "plan": plan_doc, "jobs": await job_queue(store, keys)}
 
 
 def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
@@ -427,7 +282,7 @@ async def logs(store: Store, keys: FleetKeys, job: str, *, follow: bool, out: Te
             while True:
                 event = await watch.next(timeout=2.0)
                 if event is None:
-                    state = await _state(store, keys, job)
+                    state = await read_state(store, keys, job)
                     if state is not None and state.terminal:
                         return 0
                     continue
@@ -441,13 +296,13 @@ async def logs(store: Store, keys: FleetKeys, job: str, *, follow: bool, out: Te
 async def cancel(store: Store, keys: FleetKeys, job: str, *, wait: float, out: TextIO = sys.stdout) -> int:
     if await store.get(keys.job(job)) is None:
         raise CtlError(f"no job named {job} (see `varunactl jobs`)")
-    state = await _state(store, keys, job)
+    state = await read_state(store, keys, job)
     if state is not None and state.terminal:
         raise CtlError(f"job {job} is already {state.state}")
     await store.put(keys.cancel(job), str(time.time()))
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        state = await _state(store, keys, job)
+        state = await read_state(store, keys, job)
         if state is not None and state.terminal:
             print(f"{job} is {state.state}", file=out)
             return 0
@@ -465,5 +320,5 @@ async def nodes(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
 
 
 async def jobs(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
-    return await _jobs(store, keys)
+    return await job_queue(store, keys)
 

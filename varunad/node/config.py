@@ -30,7 +30,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from varunad.store.etcd import StoreConfigError, parse_endpoints
+from varunad.store.contract import StoreConfigError
+from varunad.store.etcd import parse_endpoints
 
 __all__ = ["DaemonConfigError", "DaemonConfig", "load_config", "parse_env_file", "build_parser", "ENV_PREFIX"]
 

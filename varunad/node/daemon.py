@@ -8,7 +8,7 @@ One asyncio loop, no threads of its own. Tasks:
   a pushed Assignment only makes it read the plan at once: etcd holds the truth;
 * the supervisor (``varunad.node.supervisor``): workers and their control socket; its reporter (``varunad.node.reporter``)
   writes what they did to etcd;
-* the leader (``varunad.control.leader``), only while this daemon leads.
+* the leader (``varunad.node.leader``), only while this daemon leads.
 * with ``--metrics-port``, the Prometheus endpoint (``varunad.node.metrics``), served from this loop;
 * the registration guard: the member key written again if someone overwrites or deletes it.
 
@@ -21,6 +21,9 @@ its workers to checkpoint and stop (the stop is agreed by every worker of the jo
 job checkpoints at one step), waits for them (bounded), then revokes its lease so that the fleet
 re-plans at once instead of after the TTL. A second signal kills the workers and exits.
 SIGHUP re-reads the CURVE allow-list.
+
+One module over 500 lines: it is the one place that starts these tasks, wires them to each other
+and owns the order of shutdown; each task's logic lives in its own module.
 """
 
 from __future__ import annotations
@@ -52,18 +55,19 @@ from varunad.node.config import DaemonConfig, DaemonConfigError, build_parser, l
 from varunad.cluster.election import Election, ElectionState
 from varunad.cluster.facts import (DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, gpu_count,
                            is_local_address, version)
-from varunad.cluster.fleet import read_plan
+from varunad.control.fleet import read_plan
 from varunad.store.fleetkeys import FleetKeys
 from varunad.node.housekeeping import BUNDLES, job_dir, prune_jobs
 from varunad.control.jobs import BundleError, JobSpec, JobSpecError, script_fingerprint, unpack_bundle
-from varunad.control.leader import Leader
+from varunad.node.leader import Leader
 from varunad.control.links import LinkProber
 from varunad.cluster.membership import Membership, NameInUse, read_members
 from varunad.node.metrics import DaemonMetrics, serve as serve_metrics
 from varunad.node.peers import PeerClients, PeerServer
 from varunad.control.plans import PlanDoc
 from varunad.node.signing import AllowList, SigningError
-from varunad.store.etcd import EtcdStore, StoreError, StoreUnavailable
+from varunad.store.contract import StoreError, StoreUnavailable
+from varunad.store.etcd import EtcdStore
 from varunad.node.supervisor import Supervisor
 
 __all__ = ["Daemon", "main"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from varunad.store.fleetkeys import FleetKeys
-from varunad.store.etcd import Store
+from varunad.store.contract import Store
 
 __all__ = ["LogShipper", "ShippedLog"]
 

@@ -24,7 +24,7 @@ from varunad.store.fleetkeys import FleetKeys
 from varunad.node.log_shipper import LogShipper, ShippedLog
 from varunad.cluster.membership import Membership
 from varunad.control.records import Progress, WorkerReport, encode_history
-from varunad.store.etcd import Store, StoreError
+from varunad.store.contract import Store, StoreError
 
 __all__ = ["Reporter"]
 

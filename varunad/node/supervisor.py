@@ -17,6 +17,9 @@ A stop request gives the workers a grace period (``stop_grace`` with a checkpoin
 ``abort_grace`` without: a worker blocked on a dead peer never reaches a step boundary), then
 the daemon SIGKILLs their process groups. What the workers did goes to etcd through
 ``varunad.node.reporter`` (the report at once, progress and loss history throttled, logs in chunks).
+
+One module over 500 lines: starting, stopping and hearing from the workers all act on the one table
+of live workers and their control socket; what reaches etcd is already in ``reporter``.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from varunad.node.metrics import DaemonMetrics
 from varunad.control.plans import PlanDoc
 from varunad.control.records import Progress, WorkerRecord, WorkerReport
 from varunad.node.reporter import Reporter
-from varunad.store.etcd import Store
+from varunad.store.contract import Store
 
 __all__ = ["Supervisor", "STOPPED_EXIT_CODE", "worker_environment"]
 

@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from varunad.ctl.commands import job_status, plan_lines
+from varunad.control.status import job_status, plan_lines
 from varunad.store.fleetkeys import FleetKeys
 from varunad.control.jobs import JobSpec, JobState, script_fingerprint
 from varunad.report.prices import DevicePrice, load_prices
 from varunad.report.cost import Interval, cost_lines, cost_report, morph_losses, plural, run_intervals
 from varunad.report.traces import MeasuredStep, Missing, chrome_trace, pick_measured_step, predict, stage_meta
-from varunad.store.etcd import Store
+from varunad.store.contract import Store
 
 __all__ = ["DATA_FILES", "PICTURES", "ReportInputs", "collect", "build_report", "format_report",
            "write_end_of_job_report"]
@@ -55,14 +55,14 @@ _HISTORY_GRACE_S = 1.0  # daemons write the last loss history just after the wor
 class ReportInputs:
     spec: JobSpec
     state: JobState
-    status: dict[str, Any]  # varunad.ctl.commands.job_status: loss history, epoch step ranges, ...
+    status: dict[str, Any]  # varunad.control.status.job_status: loss history, epoch step ranges, ...
     calibrations: dict[str, bytes]  # device kind -> the stored calibration of the job's model
     store_dir: str | None
     now: float
 
 
 async def collect(store: Store, keys: FleetKeys, job: str, *, store_dir: str | None = None) -> ReportInputs:
-    """Everything the report reads from etcd (CtlError if there is no such job)."""
+    """Everything the report reads from etcd (UnknownJob if there is no such job)."""
     status = await job_status(store, keys, job)
     spec = JobSpec.decode((await store.get(keys.job(job))).value, job=job)
     kv = await store.get(keys.state(job))

@@ -18,17 +18,20 @@ minute), and counted per kind (``varunad_bad_documents{kind}`` on the metrics en
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
-__all__ = ["DOCUMENTS", "check", "reject", "rejected", "on_reject", "Throttle"]
+__all__ = ["DOCUMENTS", "check", "build", "decode", "reject", "rejected", "on_reject", "Throttle"]
 
 log = logging.getLogger("varunad.store.schemas")
+
+T = TypeVar("T")
 
 # kind -> (key family under the root, the class whose fields are its schema). For the reader,
 # the README and the chaos suite's "garbage in every key family" scenario.
@@ -138,6 +141,23 @@ def check(cls: type, doc: Mapping[str, Any], what: str | None = None) -> Mapping
         if p is not None:
             raise ValueError(f"{what or cls.__name__} field {f.name!r}: {p}")
     return doc
+
+
+def build(cls: type[T], doc: Mapping[str, Any], what: str | None = None) -> T:
+    """``cls`` from ``doc`` once :func:`check` passes; fields ``cls`` does not know (a newer
+    release's) are left out."""
+    check(cls, doc, what)
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+def decode(cls: type[T], data: bytes, what: str) -> T:
+    """``cls`` from a stored JSON value (see :func:`build`); anything wrong with it, from bytes
+    that are not JSON to a field of the wrong type, is one ValueError "<what> is malformed: ..."."""
+    try:
+        return build(cls, json.loads(data), what)
+    except (ValueError, TypeError) as exc:  # JSONDecodeError, and bytes that are no text, are ValueErrors
+        raise ValueError(f"{what} is malformed: {exc}") from None
 
 
 class Throttle:

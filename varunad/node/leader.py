@@ -1,8 +1,8 @@
 """The leader: decide from one fleet snapshot what the job queue needs, and do it.
 
-``decide`` is a pure function of a ``FleetSnapshot`` (plus what this leader remembers, such as
-when it first saw an epoch): it returns one ``Decision`` whose ``sentence`` says what and why.
-``Leader`` runs the loop (watch members, jobs, cancel requests, worker reports and the plan;
+``varunad.control.decide.decide`` is a pure function of a ``FleetSnapshot`` (plus what this leader
+remembers, such as when it first saw an epoch): it returns one ``Decision`` whose ``sentence`` says
+what and why. ``Leader`` runs the loop (watch members, jobs, cancel requests, worker reports and the plan;
 debounce; read a snapshot; decide; act) while this daemon holds leadership. Every write it makes
 goes through ``Election.write_as_leader`` (the plan through ``write_plan``, with its writer record), so
 a deposed leader changes nothing.
@@ -13,6 +13,9 @@ checkpoint, and its peers are blocked on it); the leader waits, bounded, until e
 reports those workers gone (daemons SIGKILL the ones that do not stop within their grace).
 Then a ``run`` plan for the members that answer a ping: its epoch is its etcd revision, and
 every worker resumes from the newest complete checkpoint with the same global batch.
+
+One module over 500 lines: the loop and its actions (start, morph, abort, finish, record) share
+the leader's memory and fence every write the same way; the pure part is ``varunad.control.decide``.
 """
 
 from __future__ import annotations
@@ -21,11 +24,9 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from protocol.messages import StopWorkers
 from trainer.planning.calibration import Calibration
@@ -33,183 +34,20 @@ from trainer.planning.planner import Plan, PlanError
 
 from varunad.node.config import DaemonConfig
 from varunad.cluster.election import Election, NotLeader
-from varunad.control.failures import cause as failure_cause, classify
-from varunad.cluster.fleet import FleetSnapshot, JobEntry, forget_progress, read_fleet, read_newest
+from varunad.control.decide import Decision, LeaderMemory, cause_of, decide, error_summary, was_lost, who_and_cause
+from varunad.control.failures import classify
+from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet, read_newest
 from varunad.store.fleetkeys import FleetKeys
-from varunad.control.outage import judge_members
 from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
 from varunad.control.links import LinkSurvey, apply_links
 from varunad.node.metrics import DaemonMetrics
 from varunad.node.peers import PeerClients
 from varunad.control.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
-from varunad.store.etcd import Store, StoreError, Watch
+from varunad.store.contract import Store, StoreError, Watch
 
-__all__ = ["Decision", "LeaderMemory", "decide", "Leader"]
+__all__ = ["Leader"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    action: str  # nothing | idle | fail | cancel | start | done | abort | await_stop | adopt | consider | wait
-    reason: str
-    job: str | None = None
-    checkpoint: bool = False  # abort: ask the workers to checkpoint first
-    failure: bool = False  # abort: a worker failed (counts as a restart unless a member was lost)
-
-    @property
-    def sentence(self) -> str:
-        verbs = {
-            "nothing": "does nothing", "wait": "waits", "idle": "clears the plan", "fail": f"fails {self.job}",
-            "cancel": f"cancels {self.job}", "start": f"plans {self.job}", "done": f"finishes {self.job}",
-            "abort": f"stops the workers of {self.job}" + (" after a checkpoint" if self.checkpoint else ""),
-            "await_stop": f"waits for the workers of {self.job} to stop", "adopt": f"records the plan of {self.job}",
-            "consider": f"considers re-planning {self.job}",
-        }
-        return f"the leader {verbs.get(self.action, self.action)} because {self.reason}"
-
-
-@dataclass
-class LeaderMemory:
-    """What this leader saw, kept only while it leads (a new leader starts empty)."""
-
-    epoch_seen: dict[int, float] = field(default_factory=dict)  # epoch -> monotonic time first seen
-    considered: tuple[int, frozenset[str]] | None = None
-    waiting: dict[str, str] = field(default_factory=dict)  # job -> reason last recorded for waiting
-    profile_failed: set[str] = field(default_factory=set)
-    # job -> the MorphEvent fields known when it stopped (the new plan adds to_shape, to_epoch, planned_at)
-    morph: dict[str, dict] = field(default_factory=dict)
-
-
-_LAST_OUTPUT = "; last output:"
-# The last line of a Python traceback: "ValueError: ...", "trainer.errors.ConfigError: ...",
-# with the "[rank2]: " torch.distributed puts before each line of a worker's traceback.
-_EXCEPTION_LINE = re.compile(r"(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?")
-
-
-def error_summary(text: str) -> str:
-    """One line for a failed worker's error: the supervisor's first line ("rank 0 on vm1 exited
-    with code 1; last output:") and, from the output after it, the exception that ended the
-    script (the last line of its traceback), else the last line it printed."""
-    lines = text.strip().splitlines()
-    if not lines:
-        return ""
-    head, output = lines[0], [ln.strip() for ln in lines[1:] if ln.strip()]
-    if not head.endswith(_LAST_OUTPUT) or not output:
-        return head[:300]
-    cause = next((ln for ln in reversed(output) if _EXCEPTION_LINE.fullmatch(ln)), output[-1])
-    return f"{head[:-len(_LAST_OUTPUT)]}: {cause}"[:300]
-
-
-def _current(snap: FleetSnapshot) -> JobEntry | None:
-    for entry in snap.jobs:
-        st = snap.states.get(entry.job)
-        if st is not None and st.state in ("running", "morphing"):
-            return entry
-    return None
-
-
-def _queued(snap: FleetSnapshot) -> JobEntry | None:
-    for entry in snap.jobs:
-        st = snap.states.get(entry.job)
-        if entry.spec is not None and (st is None or st.state == "queued"):
-            return entry
-    return None
-
-
-def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeout: float,
-           outage_until: float = 0.0) -> Decision:
-    """What to do next, from the snapshot alone (and when this leader first saw each epoch)."""
-    for entry in snap.jobs:
-        st = snap.states.get(entry.job)
-        if entry.error is not None and not (st is not None and st.terminal):
-            return Decision("fail", f"its spec is invalid: {entry.error}", entry.job)
-    for job in sorted(snap.cancels):
-        st = snap.states.get(job)
-        if snap.entry(job) is not None and not (st is not None and st.terminal):
-            return Decision("cancel", "varunactl cancel asked for it", job)
-
-    plan, epoch = snap.plan, snap.plan_epoch
-    cur = _current(snap)
-    if cur is None:
-        nxt = _queued(snap)
-        if nxt is None:
-            if plan is not None and plan.kind != "idle":
-                return Decision("idle", "no job is running or queued")
-            return Decision("nothing", "no job is queued")
-        if plan is not None and plan.kind == "profile" and plan.job == nxt.job:
-            return _profile_progress(snap, nxt, plan, epoch)
-        return Decision("start", f"started: {nxt.job} was next in the queue", nxt.job)
-
-    job = cur.job
-    state = snap.states[job]
-    if plan is None or plan.job != job or plan.kind in ("idle", "profile"):
-        return Decision("start", f"{job} is {state.state} but no plan runs it", job)
-    if plan.kind == "stop":
-        alive = sorted(m for m, r in snap.reports.items() if m in snap.members and r.alive(plan.stop_epoch))
-        if alive:
-            return Decision("await_stop", f"workers of epoch {plan.stop_epoch} still run on {', '.join(alive)}", job)
-        return Decision("start", f"the workers of epoch {plan.stop_epoch} have stopped", job)
-
-    # A run plan for the current job.
-    if state.epoch != epoch:
-        return Decision("adopt", f"plan epoch {epoch} runs {job} but its state says epoch {state.epoch}", job)
-    records = {}
-    for s in plan.slots:
-        report = snap.reports.get(s.member)
-        records[s.rank] = (s.member, report.of(job, epoch).get(s.rank) if report else None)
-    if records and all(r is not None and r.outcome == "done" for _, r in records.values()):
-        return Decision("done", f"every worker of epoch {epoch} finished", job)
-    failed = [(m, r) for m, r in records.values() if r is not None and r.outcome == "failed"]
-    if failed:
-        m, r = failed[0]
-        why = error_summary(r.error)
-        if not why.startswith(f"rank {r.rank} on {m} "):   # the supervisor's own errors name the worker
-            why = f"rank {r.rank} on {m} failed: {why}"
-        return Decision("abort", why, job, failure=True)
-    verdict = judge_members(plan, epoch, snap.members, snap.reports, now=now, outage_until=outage_until)
-    if verdict.gone:
-        return Decision("abort", f"{_was_lost(verdict.gone)} (its lease ended): re-planning on the VMs left, from the "
-                                 "newest checkpoint", job)
-    if verdict.awaited:
-        return Decision("wait", f"etcd was unavailable: waiting up to {outage_until - now:.0f}s for "
-                                f"{', '.join(verdict.awaited)} to register again before counting it lost", job)
-    leaving = [m for m in plan.members if snap.members[m][0].draining]
-    if leaving:
-        return Decision("abort", f"{', '.join(leaving)} is leaving (a stop or a preemption notice): checkpointing, "
-                                 "then re-planning on the VMs left", job, checkpoint=True)
-    if records and all(r is not None and not r.alive for _, r in records.values()):
-        return Decision("start", f"every worker of epoch {epoch} has stopped", job)
-    seen = memory.epoch_seen.get(epoch, now)
-    started = any(r is not None and r.step >= 0 for _, r in records.values())
-    if not started and now - seen > start_timeout:
-        return Decision("abort", f"the workers of epoch {epoch} did not reach a first step within "
-                                 f"{start_timeout:.0f}s", job, failure=True)
-    usable = frozenset(m.name for m, _ in snap.usable())
-    newcomers = sorted(usable - set(plan.members))
-    if newcomers and memory.considered != (epoch, usable):
-        return Decision("consider", f"{', '.join(newcomers)} could join {job}", job)
-    return Decision("nothing", f"{job} runs epoch {epoch} as {plan.shape}", job)
-
-
-def _was_lost(names: list[str]) -> str:
-    return f"{', '.join(names)} {'was' if len(names) == 1 else 'were'} lost"
-
-
-def _who_and_cause(summary: str) -> tuple[str, str]:
-    """("rank 0 on vm1 exited with code 3", "failing on purpose") from error_summary's line."""
-    m = re.match(r"(rank \d+ on \S+ [^:]*?)(?:: | failed: )(.*)", summary)
-    if m is None:
-        return "a worker", summary
-    return m.group(1), failure_cause(summary)
-
-
-def _cause_of(reason: str) -> str:
-    """The few words of a morph's reason that say what happened ("vm4 was lost")."""
-    for sep in (" (", ": "):
-        if sep in reason:
-            return reason.split(sep, 1)[0]
-    return reason
 
 
 def _final_checkpoint(store: str, steps: int) -> bool | None:
@@ -219,18 +57,6 @@ def _final_checkpoint(store: str, steps: int) -> bool | None:
     if "://" in store:
         return None
     return os.path.isfile(os.path.join(store, f"varuna_ckpt_{steps}", "manifest.json"))
-
-
-def _profile_progress(snap: FleetSnapshot, entry: JobEntry, plan: PlanDoc, epoch: int) -> Decision:
-    member = plan.profile_member or ""
-    report = snap.reports.get(member)
-    records = report.of(entry.job, epoch) if report else {}
-    rec = records.get(0)
-    if member not in snap.members:
-        return Decision("start", f"{member}, which was calibrating the model, left", entry.job)
-    if rec is not None and not rec.alive:
-        return Decision("start", f"the calibration run on {member} ended ({rec.outcome})", entry.job)
-    return Decision("wait", f"{member} is calibrating the model of {entry.job}", entry.job)
 
 
 class _Deposed(Exception):
@@ -516,7 +342,7 @@ class Leader:
         job, plan, epoch, reason = d.job, snap.plan, snap.plan_epoch, d.reason
         noticed = time.time()
         state = snap.states[job]
-        who, what = _who_and_cause(d.reason) if d.failure else ("", "")
+        who, what = who_and_cause(d.reason) if d.failure else ("", "")
         await self._put_state(state.but(state="morphing", reason=(
             f"a worker failed ({who}): stopping the epoch, then checking which VMs answer" if d.failure else d.reason)))
         await self._write_stop(snap, job, epoch, checkpoint=d.checkpoint, reason=d.reason)
@@ -524,7 +350,7 @@ class Leader:
             log.warning("leader: not every worker of epoch %d reported stopping; planning without them", epoch)
         stopped = time.time()
         restart = False
-        cause = _cause_of(reason)
+        cause = cause_of(reason)
         if d.failure:
             answered = await self.clients.ping(
                 [(m, snap.members[m][0].endpoint) for m in plan.members if m in snap.members],
@@ -537,7 +363,7 @@ class Leader:
             if lost:
                 log.info("leader: %s did not answer a ping: not counting the failure as a restart", ", ".join(lost))
                 # A vanished VM breaks its neighbours' workers before its lease expires: name the cause.
-                cause = _was_lost(lost)
+                cause = was_lost(lost)
                 reason = (f"{cause} (it stopped answering; its peer {who}): re-planning on the VMs left, "
                           "from the newest checkpoint")
             else:

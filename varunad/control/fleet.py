@@ -19,7 +19,7 @@ from varunad.store.fleetkeys import FleetKeys
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
 from varunad.control.plans import PlanDoc
 from varunad.control.records import WorkerReport
-from varunad.store.etcd import KeyValue, Store, StoreError, WatchCompacted
+from varunad.store.contract import KeyValue, Store, StoreError, WatchCompacted
 
 __all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest", "forget_progress"]
 

@@ -1,0 +1,191 @@
+"""The leader's decisions: from one fleet snapshot (and what this leader remembers, such as when it
+first saw an epoch) the one thing the job queue needs next, as a ``Decision`` whose ``sentence``
+says what and why. Pure: no store, no clock of its own, no I/O; ``varunad.node.leader`` acts on them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from varunad.control.failures import cause as failure_cause
+from varunad.control.fleet import FleetSnapshot, JobEntry
+from varunad.control.outage import judge_members
+from varunad.control.plans import PlanDoc
+
+__all__ = ["Decision", "LeaderMemory", "decide", "error_summary", "was_lost", "who_and_cause", "cause_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: str  # nothing | idle | fail | cancel | start | done | abort | await_stop | adopt | consider | wait
+    reason: str
+    job: str | None = None
+    checkpoint: bool = False  # abort: ask the workers to checkpoint first
+    failure: bool = False  # abort: a worker failed (counts as a restart unless a member was lost)
+
+    @property
+    def sentence(self) -> str:
+        verbs = {
+            "nothing": "does nothing", "wait": "waits", "idle": "clears the plan", "fail": f"fails {self.job}",
+            "cancel": f"cancels {self.job}", "start": f"plans {self.job}", "done": f"finishes {self.job}",
+            "abort": f"stops the workers of {self.job}" + (" after a checkpoint" if self.checkpoint else ""),
+            "await_stop": f"waits for the workers of {self.job} to stop", "adopt": f"records the plan of {self.job}",
+            "consider": f"considers re-planning {self.job}",
+        }
+        return f"the leader {verbs.get(self.action, self.action)} because {self.reason}"
+
+
+@dataclass
+class LeaderMemory:
+    """What this leader saw, kept only while it leads (a new leader starts empty)."""
+
+    epoch_seen: dict[int, float] = field(default_factory=dict)  # epoch -> monotonic time first seen
+    considered: tuple[int, frozenset[str]] | None = None
+    waiting: dict[str, str] = field(default_factory=dict)  # job -> reason last recorded for waiting
+    profile_failed: set[str] = field(default_factory=set)
+    # job -> the MorphEvent fields known when it stopped (the new plan adds to_shape, to_epoch, planned_at)
+    morph: dict[str, dict] = field(default_factory=dict)
+
+
+_LAST_OUTPUT = "; last output:"
+# The last line of a Python traceback: "ValueError: ...", "trainer.errors.ConfigError: ...",
+# with the "[rank2]: " torch.distributed puts before each line of a worker's traceback.
+_EXCEPTION_LINE = re.compile(r"(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?")
+
+
+def error_summary(text: str) -> str:
+    """One line for a failed worker's error: the supervisor's first line ("rank 0 on vm1 exited
+    with code 1; last output:") and, from the output after it, the exception that ended the
+    script (the last line of its traceback), else the last line it printed."""
+    lines = text.strip().splitlines()
+    if not lines:
+        return ""
+    head, output = lines[0], [ln.strip() for ln in lines[1:] if ln.strip()]
+    if not head.endswith(_LAST_OUTPUT) or not output:
+        return head[:300]
+    cause = next((ln for ln in reversed(output) if _EXCEPTION_LINE.fullmatch(ln)), output[-1])
+    return f"{head[:-len(_LAST_OUTPUT)]}: {cause}"[:300]
+
+
+def _current(snap: FleetSnapshot) -> JobEntry | None:
+    for entry in snap.jobs:
+        st = snap.states.get(entry.job)
+        if st is not None and st.state in ("running", "morphing"):
+            return entry
+    return None
+
+
+def _queued(snap: FleetSnapshot) -> JobEntry | None:
+    for entry in snap.jobs:
+        st = snap.states.get(entry.job)
+        if entry.spec is not None and (st is None or st.state == "queued"):
+            return entry
+    return None
+
+
+def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeout: float,
+           outage_until: float = 0.0) -> Decision:
+    """What to do next, from the snapshot alone (and when this leader first saw each epoch)."""
+    for entry in snap.jobs:
+        st = snap.states.get(entry.job)
+        if entry.error is not None and not (st is not None and st.terminal):
+            return Decision("fail", f"its spec is invalid: {entry.error}", entry.job)
+    for job in sorted(snap.cancels):
+        st = snap.states.get(job)
+        if snap.entry(job) is not None and not (st is not None and st.terminal):
+            return Decision("cancel", "varunactl cancel asked for it", job)
+
+    plan, epoch = snap.plan, snap.plan_epoch
+    cur = _current(snap)
+    if cur is None:
+        nxt = _queued(snap)
+        if nxt is None:
+            if plan is not None and plan.kind != "idle":
+                return Decision("idle", "no job is running or queued")
+            return Decision("nothing", "no job is queued")
+        if plan is not None and plan.kind == "profile" and plan.job == nxt.job:
+            return _profile_progress(snap, nxt, plan, epoch)
+        return Decision("start", f"started: {nxt.job} was next in the queue", nxt.job)
+
+    job = cur.job
+    state = snap.states[job]
+    if plan is None or plan.job != job or plan.kind in ("idle", "profile"):
+        return Decision("start", f"{job} is {state.state} but no plan runs it", job)
+    if plan.kind == "stop":
+        alive = sorted(m for m, r in snap.reports.items() if m in snap.members and r.alive(plan.stop_epoch))
+        if alive:
+            return Decision("await_stop", f"workers of epoch {plan.stop_epoch} still run on {', '.join(alive)}", job)
+        return Decision("start", f"the workers of epoch {plan.stop_epoch} have stopped", job)
+
+    # A run plan for the current job.
+    if state.epoch != epoch:
+        return Decision("adopt", f"plan epoch {epoch} runs {job} but its state says epoch {state.epoch}", job)
+    records = {}
+    for s in plan.slots:
+        report = snap.reports.get(s.member)
+        records[s.rank] = (s.member, report.of(job, epoch).get(s.rank) if report else None)
+    if records and all(r is not None and r.outcome == "done" for _, r in records.values()):
+        return Decision("done", f"every worker of epoch {epoch} finished", job)
+    failed = [(m, r) for m, r in records.values() if r is not None and r.outcome == "failed"]
+    if failed:
+        m, r = failed[0]
+        why = error_summary(r.error)
+        if not why.startswith(f"rank {r.rank} on {m} "):   # the supervisor's own errors name the worker
+            why = f"rank {r.rank} on {m} failed: {why}"
+        return Decision("abort", why, job, failure=True)
+    verdict = judge_members(plan, epoch, snap.members, snap.reports, now=now, outage_until=outage_until)
+    if verdict.gone:
+        return Decision("abort", f"{was_lost(verdict.gone)} (its lease ended): re-planning on the VMs left, from the "
+                                 "newest checkpoint", job)
+    if verdict.awaited:
+        return Decision("wait", f"etcd was unavailable: waiting up to {outage_until - now:.0f}s for "
+                                f"{', '.join(verdict.awaited)} to register again before counting it lost", job)
+    leaving = [m for m in plan.members if snap.members[m][0].draining]
+    if leaving:
+        return Decision("abort", f"{', '.join(leaving)} is leaving (a stop or a preemption notice): checkpointing, "
+                                 "then re-planning on the VMs left", job, checkpoint=True)
+    if records and all(r is not None and not r.alive for _, r in records.values()):
+        return Decision("start", f"every worker of epoch {epoch} has stopped", job)
+    seen = memory.epoch_seen.get(epoch, now)
+    started = any(r is not None and r.step >= 0 for _, r in records.values())
+    if not started and now - seen > start_timeout:
+        return Decision("abort", f"the workers of epoch {epoch} did not reach a first step within "
+                                 f"{start_timeout:.0f}s", job, failure=True)
+    usable = frozenset(m.name for m, _ in snap.usable())
+    newcomers = sorted(usable - set(plan.members))
+    if newcomers and memory.considered != (epoch, usable):
+        return Decision("consider", f"{', '.join(newcomers)} could join {job}", job)
+    return Decision("nothing", f"{job} runs epoch {epoch} as {plan.shape}", job)
+
+
+def was_lost(names: list[str]) -> str:
+    return f"{', '.join(names)} {'was' if len(names) == 1 else 'were'} lost"
+
+
+def who_and_cause(summary: str) -> tuple[str, str]:
+    """("rank 0 on vm1 exited with code 3", "failing on purpose") from error_summary's line."""
+    m = re.match(r"(rank \d+ on \S+ [^:]*?)(?:: | failed: )(.*)", summary)
+    if m is None:
+        return "a worker", summary
+    return m.group(1), failure_cause(summary)
+
+
+def cause_of(reason: str) -> str:
+    """The few words of a morph's reason that say what happened ("vm4 was lost")."""
+    for sep in (" (", ": "):
+        if sep in reason:
+            return reason.split(sep, 1)[0]
+    return reason
+
+
+def _profile_progress(snap: FleetSnapshot, entry: JobEntry, plan: PlanDoc, epoch: int) -> Decision:
+    member = plan.profile_member or ""
+    report = snap.reports.get(member)
+    records = report.of(entry.job, epoch) if report else {}
+    rec = records.get(0)
+    if member not in snap.members:
+        return Decision("start", f"{member}, which was calibrating the model, left", entry.job)
+    if rec is not None and not rec.alive:
+        return Decision("start", f"the calibration run on {member} ended ({rec.outcome})", entry.job)
+    return Decision("wait", f"{member} is calibrating the model of {entry.job}", entry.job)
