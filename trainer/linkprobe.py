@@ -98,7 +98,7 @@ def _line(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
     """(latency, bandwidth): the bandwidth from the two largest messages' difference (a token
     bucket lets a burst through at line rate, so small messages overstate a capped link; the
     difference of two large ones cancels it), the latency from the smallest message."""
-    from trainer.profiler import fit_affine
+    from trainer.profiler.network import fit_affine
 
     if len(sizes) >= 2 and times[-1] > times[-2]:
         bw = (sizes[-1] - sizes[-2]) / (times[-1] - times[-2])

@@ -1,0 +1,114 @@
+"""All of a model's compute measurements (segments, then optimizer steps) as one job, run alone
+or in one forked process per slot of a host whose every slot is busy at once."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from trainer.engine.precision import Precision
+from trainer.errors import ConfigError
+from trainer.graph.partition import StageSlice
+from trainer.profiler.common import _fork_and_collect
+from trainer.profiler.segments import SegmentMeasurement, measure_segments, measure_segments_interleaved
+from trainer.profiler.steps import OptimizerFactory, measure_steps
+
+__all__: list[str] = []
+
+
+@dataclass
+class _Job:
+    slices: list[StageSlice]
+    batches: dict[int, dict[str, torch.Tensor]]
+    segments: list[int]
+    device: torch.device
+    precision: Precision
+    repeats: int
+    warmup: int
+    factory: OptimizerFactory | None
+    optimizer_factor: float
+    in_flight: int = 1
+
+    def run(self, between: Callable[[], object] | None = None
+            ) -> tuple[dict[int, dict[int, SegmentMeasurement]], list[tuple[float, int]]]:
+        """Segments, then (after `between()`: the slots meet there) optimizer steps."""
+        per_size = {b: measure_segments_interleaved(self.slices, batch, device=self.device, precision=self.precision,
+                                                    segments=self.segments, repeats=self.repeats, warmup=self.warmup,
+                                                    in_flight=self.in_flight)
+                    for b, batch in self.batches.items()}
+        if between is not None:
+            between()
+        groups = [list(self.slices[k].module.parameters()) for k in self.segments]
+        steps = measure_steps(groups, self.factory, optimizer_factor=self.optimizer_factor,
+                              repeats=self.repeats, warmup=self.warmup, device=self.device)
+        # A stage runs one STEP over all of its segments: one call's fixed costs, not one per
+        # segment. Scale the segments' times so that together they make one STEP of them all
+        # (on CPU, where measure_steps holds every group's copies anyway; a GPU may not fit them).
+        union = list({id(p): p for g in groups for p in g}.values())
+        total = sum(t for t, _ in steps)
+        if self.device.type == "cpu" and len(groups) > 1 and union and total > 0:
+            (whole, _), = measure_steps([union], self.factory, optimizer_factor=self.optimizer_factor,
+                                        repeats=self.repeats, warmup=self.warmup, device=self.device)
+            steps = [(t * min(1.0, whole / total), b) for t, b in steps]
+        return per_size, steps
+
+    def filler(self) -> None:
+        """Some of the same work, results dropped: keeps a finished slot busy for the others."""
+        b = min(self.batches)
+        measure_segments(self.slices, self.batches[b], device=self.device, precision=self.precision,
+                         segments=self.segments[:1], repeats=1, warmup=0)
+
+
+def _slot_main(job: _Job, threads: int, barrier, done, conn) -> None:
+    try:
+        torch.set_num_threads(threads)
+        barrier.wait(timeout=60)
+        # The workers of a host step their optimizers at the same moment (the step's all-reduce
+        # lines them up), and the step is bound by memory bandwidth: time it with every slot
+        # stepping too, not beside another slot's compute.
+        result = job.run(between=lambda: barrier.wait(timeout=1800))
+        conn.send(result)
+        while not done.is_set():
+            job.filler()
+    except BaseException as exc:  # reported to the parent, which raises
+        try:
+            conn.send(f"{type(exc).__name__}: {exc}")
+        except Exception:
+            pass
+    finally:
+        conn.close()
+
+
+def _run_concurrently(job: _Job, slots: int, timeout_s: float = 1800.0):
+    """Run `job` in `slots` forked processes at once (one torch thread each), as the workers of
+    a host whose every slot is busy share its cores and memory bandwidth; each number is the
+    slowest slot's (each slot's being a median over repeats): replicas run in lock-step and a
+    pipeline is paced by its slowest stage, so the slowest core sets the pace. A slot that
+    finishes first repeats some work until all have finished, so every measurement sees a fully
+    loaded host."""
+    if "fork" not in mp.get_all_start_methods():
+        raise ConfigError("profiling several CPU slots at once needs fork (Linux)", hint="use gpus_per_node=None")
+    threads = torch.get_num_threads()
+    if threads != 1:
+        # GNU OpenMP's thread pool does not survive fork: a forked child that runs parallel
+        # regions may hang once the parent has used them.
+        raise ConfigError(f"profiling {slots} CPU slots at once forks one process per slot, which needs one "
+                          f"torch thread per slot (this process has {threads})",
+                          hint="call torch.set_num_threads(1) before profiling, as each worker of such a host runs")
+    ctx = mp.get_context("fork")
+    barrier, done = ctx.Barrier(slots), ctx.Event()
+    results = _fork_and_collect(ctx, _slot_main, [(job, threads, barrier, done)] * slots, timeout_s=timeout_s,
+                                what="concurrent profiling", who="a profiling slot", on_exit=done.set, join_s=30.0)
+    per_size = {}
+    for b in results[0][0]:
+        per_size[b] = {}
+        for k in results[0][0][b]:
+            ms = [res[0][b][k] for res in results]
+            per_size[b][k] = SegmentMeasurement(
+                max(m.forward_s for m in ms), max(m.recompute_s for m in ms),
+                max(m.backward_s for m in ms), ms[0].activation_bytes, ms[0].peak_activation_bytes)
+    steps = [(max(res[1][i][0] for res in results), results[0][1][i][1]) for i in range(len(results[0][1]))]
+    return per_size, steps
