@@ -3,5 +3,6 @@ schedule table, activations between stages (comm), gradient reduction across rep
 (data_parallel), mixed precision, the worker's control line to its daemon, and Chrome traces.
 
 May import: trainer.planning (the schedule table), trainer.graph, trainer.checkpoint, trainer.net,
-trainer.worker_env, trainer.errors, trainer.profiler (lazily), protocol, torch. Never varunad.
+trainer.worker_env, trainer.errors, protocol, torch. Never the profiler
+(a calibration run reaches it through `hooks`, set by the package root) nor varunad.
 """

@@ -32,7 +32,7 @@ from torch import nn
 from protocol.errors import SecurityError
 from protocol.security import Security, SecurityConfig
 from trainer.checkpoint import contents as checkpointing, store as ckpt_store
-from trainer.engine.calibration_run import CalibrationRun
+from trainer.engine import hooks
 from trainer.engine.comm import PeerChannel
 from trainer.engine.control import ControlClient, StopRequested
 from trainer.engine.data_parallel import GradReducer
@@ -56,7 +56,7 @@ _TRACE_STEPS = int(os.environ.get("VARUNA_TRACE_STEPS", "10"))
 
 class Varuna:
     # Set only in a calibration run (VARUNA_PROFILE), which profiles at set_optimizer and exits.
-    _calibration_run: CalibrationRun | None = None
+    _calibration_run: hooks.CalibrationRunHook | None = None
     _owns_process_group = False
 
     def __init__(self, model: nn.Module, stage_to_rank_map: Mapping[int, Sequence[int]] | None,
@@ -315,9 +315,13 @@ class Varuna:
     def _begin_calibration_run(self, model: nn.Module, get_batch_fn, batch_size: int, chunk_size: int,
                                precision: Precision, device: torch.device) -> None:
         """A calibration run: the script sees a lone worker holding the whole model until it sets
-        its optimizer, which is then profiled with the model (trainer.engine.calibration_run)."""
-        self._calibration_run = CalibrationRun(model, get_batch_fn, self.assignment, batch_size, chunk_size,
-                                               precision, device)
+        its optimizer, which is then profiled with the model (trainer.profiler.calibration_run,
+        reached through trainer.engine.hooks)."""
+        if hooks.calibration_run is None:
+            raise ConfigError("VARUNA_PROFILE is set but no calibration run is wired into the engine",
+                              hint="import the package `trainer` (it sets trainer.engine.hooks.calibration_run)")
+        self._calibration_run = hooks.calibration_run(model, get_batch_fn, self.assignment, batch_size,
+                                                      chunk_size, precision, device)
         atexit.register(self._calibration_run.check_done)
         self.rank, self.stage, self.replica = 0, 0, 0
         self.pipeline_depth = self.data_depth = 1

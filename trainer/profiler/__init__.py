@@ -64,10 +64,11 @@ The package, one module per job: `segments` (segment timing), `steps` (optimizer
 `slots` (a model's compute measurements, alone or in one forked process per busy slot),
 `network` (loopback link and all-reduce costs, the affine fit), `identity` (fingerprint, device
 kind, file name), `calibrate` (the Profiler: measure, merge with the saved calibration, write),
-and `common` (the error, small helpers and the fork harness).
+`calibration_run` (a worker's VARUNA_PROFILE run, hooked into the engine by the package root
+`trainer`), and `common` (the error, small helpers and the fork harness).
 
 May import: trainer.engine, trainer.launch, trainer.graph, trainer.planning, trainer.errors,
-trainer.worker_env, protocol, torch.
+trainer.worker_env, protocol, torch. The engine never imports the profiler.
 """
 
 from trainer.profiler.calibrate import Profiler

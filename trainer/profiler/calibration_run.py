@@ -5,6 +5,9 @@ workers will train on, the calibration written, and the script ended before any 
 The profile waits for `set_optimizer` because the optimizer's step is part of every step the
 planner estimates: timed with a stand-in (AdamW) it was several times a plain SGD step's cost for
 a job that trains with SGD, and the optimizer's state bytes were guessed instead of measured.
+
+The engine never imports the profiler: it calls `trainer.engine.hooks.calibration_run`, which the
+package root `trainer` (above both) sets to build a `CalibrationRun`.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from trainer.worker_env import WorkerAssignment
 from trainer.engine.precision import Precision
+from trainer.profiler.calibrate import Profiler
+from trainer.worker_env import WorkerAssignment
 
 __all__ = ["CalibrationRun", "profile_sizes"]
 
@@ -45,8 +49,6 @@ class CalibrationRun:
     def run(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Profile (the optimizer's class and settings time the STEP; None: the profiler's
         default), write the calibration to VARUNA_PROFILE's path and end the script."""
-        from trainer.profiler import Profiler   # only calibration runs pay for the profiler
-
         self.started = True
         a = self.assignment
         if a.threads:
