@@ -1,4 +1,4 @@
-"""The tree the step statistics are summed over (trainer.engine.varuna._stats_tree).
+"""The tree the step statistics are summed over (trainer.engine.setup.stats_tree).
 
 The sum itself is shown against real workers by test_correctness (the loss every P x D reports
 is the tree's sum) and test_worker_control (checkpoint and stop requests travel in it)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.engine.varuna import _stats_tree
+from trainer.engine.setup import stats_tree
 
 
 def _layout(P: int, D: int) -> dict[int, list[int]]:
@@ -17,7 +17,7 @@ def _layout(P: int, D: int) -> dict[int, list[int]]:
 @pytest.mark.parametrize("P,D", [(2, 1), (1, 3), (3, 2), (4, 4), (8, 32)])
 def test_every_worker_reaches_the_root_through_consistent_edges(P, D):
     layout = _layout(P, D)
-    tree = {layout[s][r]: _stats_tree(layout, s, r) for s in range(P) for r in range(D)}
+    tree = {layout[s][r]: stats_tree(layout, s, r) for s in range(P) for r in range(D)}
     roots = [rank for rank, (parent, _) in tree.items() if parent is None]
     assert roots == [layout[0][0]]
     for rank, (parent, children) in tree.items():
@@ -34,6 +34,6 @@ def test_every_worker_reaches_the_root_through_consistent_edges(P, D):
 
 def test_stage_zero_of_each_replica_gathers_its_own_pipeline():
     layout = {0: [5, 2], 1: [0, 7], 2: [3, 1]}   # any rank numbering, as a daemon's plan may give
-    assert _stats_tree(layout, 0, 1) == (5, [7, 1])
-    assert _stats_tree(layout, 0, 0) == (None, [0, 3, 2])
-    assert _stats_tree(layout, 2, 1) == (2, [])
+    assert stats_tree(layout, 0, 1) == (5, [7, 1])
+    assert stats_tree(layout, 0, 0) == (None, [0, 3, 2])
+    assert stats_tree(layout, 2, 1) == (2, [])

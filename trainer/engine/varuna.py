@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import json
 import logging
 import math
 import os
@@ -29,10 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from protocol.errors import SecurityError
-from protocol.security import Security, SecurityConfig
 from trainer.checkpoint import contents as checkpointing, store as ckpt_store
-from trainer.engine import hooks
+from trainer.engine import hooks, setup
 from trainer.engine.comm import PeerChannel
 from trainer.engine.control import ControlClient, StopRequested
 from trainer.engine.data_parallel import GradReducer
@@ -43,7 +40,7 @@ from trainer.net.netaddr import bound_gloo_backend, nccl_environment
 from trainer.graph.partition import balance, capture_model, dry_run, slice_stages
 from trainer.net.rendezvous import RendezvousStore, parse_url
 from trainer.engine.precision import LossScaler, Precision, squared_norms
-from trainer.planning.schedule import SCHEDULES, Action, Kind, build_table
+from trainer.planning.schedule import Action, Kind, build_table
 from trainer.engine.trace import NullRecorder, recorder_for
 from trainer.worker_env import WorkerAssignment
 
@@ -66,11 +63,12 @@ class Varuna:
                  from_cache: bool = True, *, precision: Precision | None = None,
                  schedule: str | None = None, recompute: bool | None = None,
                  assignment: WorkerAssignment | None = None) -> None:
-        self.assignment = assignment or _assignment(stage_to_rank_map)
+        self.assignment = assignment or setup.assignment_for(stage_to_rank_map)
         a = self.assignment
         if a.profile:
             self._begin_calibration_run(model, get_batch_fn, batch_size, chunk_size,
-                                        precision or ("fp16" if fp16 else "fp32"), _device(a, local_rank, device))
+                                        precision or ("fp16" if fp16 else "fp32"),
+                                        setup.choose_device(a, local_rank, device))
             return
         self.rank = a.rank
         self.stage, self.replica = a.position()
@@ -86,31 +84,31 @@ class Varuna:
         self.recompute: bool | tuple[bool, ...] = (
             recompute if recompute is not None else tuple(a.recompute) if a.recompute is not None else True)
         self.iteration = 0
-        _check_sizes(self.batch_size, self.micro_batch_size, self.data_depth, self.precision, self.schedule)
+        setup.check_sizes(self.batch_size, self.micro_batch_size, self.data_depth, self.precision, self.schedule)
         if a.threads:
             torch.set_num_threads(a.threads)
-        self.device = _device(a, local_rank, device)
+        self.device = setup.choose_device(a, local_rank, device)
         self._init_distributed()
         atexit.register(self.close)
 
-        traced = capture_model(model, get_batch_fn(self.micro_batch_size, _device_of(model)))
+        traced = capture_model(model, get_batch_fn(self.micro_batch_size, setup.device_of(model)))
         cuts = self._agree_on_cuts(traced, get_batch_fn)
         slices = slice_stages(traced, cuts)
-        aliases = _aliases(model, traced.canonical)
+        aliases = setup.aliases(model, traced.canonical)
         self.layout: Layout = build_layout(traced, slices, shared_weights or (), aliases)
         self.cuts = cuts
         mine = slices[self.stage]
         self.module = mine.module
-        self._named = _named_tensors(model, traced.canonical, mine)
-        _free_other_stages(model, traced.canonical, set(mine.owned) | set(mine.owned_buffers))
+        self._named = setup.named_tensors(model, traced.canonical, mine)
+        setup.free_other_stages(model, traced.canonical, set(mine.owned) | set(mine.owned_buffers))
         del traced, slices
-        _move_in_place(self._named.values(), self.device)
+        setup.move_in_place(self._named.values(), self.device)
         self.module.to(self.device)   # what else the slice holds (graph constants)
         self.input_names = mine.input_names
 
         self._build_groups()
         # Where this worker sends its step statistics and whose it gathers (see `_agree`).
-        self._stats_parent, self._stats_children = _stats_tree(a.stage_to_rank, self.stage, self.replica)
+        self._stats_parent, self._stats_children = setup.stats_tree(a.stage_to_rank, self.stage, self.replica)
         # Pure data parallelism (P = 1) opens one too: the step's statistics travel on it.
         self.channel = self._open_channel() if a.world_size > 1 else None
         self.recorder = recorder_for(a.trace_dir or None, rank=a.rank, stage=self.stage, replica=self.replica)
@@ -227,7 +225,7 @@ class Varuna:
     @torch.no_grad()
     def evaluate(self, inputs: Mapping[str, torch.Tensor], batch_size: int | None = None) -> float:
         """Global mean loss of an evaluation batch (this replica's shard in `inputs`)."""
-        shard = _shard_size(inputs)
+        shard = setup.shard_size(inputs)
         total = batch_size or shard * self.data_depth
         micro, weights = self._micro_batches(inputs, total)
         actions = []
@@ -420,7 +418,7 @@ class Varuna:
         return PeerChannel(bind=a.endpoints[self.rank],
                            prev=None if prev is None else a.endpoints[prev],
                            nxt=None if nxt is None else a.endpoints[nxt],
-                           job=a.job, epoch=a.epoch, stage=self.stage, security=_stream_security(a.endpoints),
+                           job=a.job, epoch=a.epoch, stage=self.stage, security=setup.stream_security(a.endpoints),
                            rank=self.rank, stats_peers={r: a.endpoints[r] for r in peers})
 
     def _agree(self, stats: torch.Tensor) -> torch.Tensor:
@@ -450,7 +448,7 @@ class Varuna:
         return self._tables[key]
 
     def _micro_batches(self, inputs: Mapping[str, torch.Tensor], global_batch: int):
-        shard = _shard_size(inputs)
+        shard = setup.shard_size(inputs)
         expected = global_batch // self.data_depth
         if global_batch == self.batch_size and shard != expected:
             raise ConfigError(f"step() got {shard} examples; this replica's shard of the global batch "
@@ -508,113 +506,3 @@ class Varuna:
         self.scaler.update(overflow)
         self.grad_norm = norm
         return {"loss": float(stats[1]), "overflow": overflow}
-
-
-# -- construction helpers ------------------------------------------------------------------------
-
-def _assignment(stage_to_rank_map) -> WorkerAssignment:
-    if "VARUNA_RANK" not in os.environ:
-        if stage_to_rank_map is None or sum(len(r) for r in stage_to_rank_map.values()) == 1:
-            log.warning("no worker assignment in the environment: running as a single worker (1 x 1); "
-                        "start with `python -m trainer.launch` for more")
-            return WorkerAssignment(rank=0, stage_to_rank={0: [0]}, endpoints=["inproc://varuna-0"], dist_url="")
-    a = WorkerAssignment.from_env()
-    if stage_to_rank_map is not None:
-        given = {int(s): [int(r) for r in ranks] for s, ranks in stage_to_rank_map.items()}
-        a = WorkerAssignment(**{**{f: getattr(a, f) for f in a.__dataclass_fields__}, "stage_to_rank": given})
-    return a
-
-
-def _stats_tree(stage_to_rank: Mapping[int, Sequence[int]], stage: int, replica: int
-                ) -> tuple[int | None, list[int]]:
-    """(parent, children) of this worker in the tree the step statistics are summed over: each
-    replica's stage 0 gathers its pipeline, and replica 0's stage 0 (the root) the other
-    replicas' stage 0s. Sums go up, the root's total comes back down the same edges."""
-    P, D = len(stage_to_rank), len(stage_to_rank[0])
-    head = stage_to_rank[0][replica]
-    if stage > 0:
-        return head, []
-    pipeline = [stage_to_rank[s][replica] for s in range(1, P)]
-    if replica > 0:
-        return stage_to_rank[0][0], pipeline
-    return None, pipeline + [stage_to_rank[0][r] for r in range(1, D)]
-
-
-def _check_sizes(batch: int, chunk: int, D: int, precision: str, schedule: str) -> None:
-    if batch <= 0 or chunk <= 0:
-        raise ConfigError(f"batch_size and chunk_size must be positive, got {batch}, {chunk}")
-    if batch % D:
-        raise ConfigError(f"global batch {batch} does not split over {D} replicas",
-                          hint=f"use a batch size divisible by {D}")
-    if precision not in ("fp32", "fp16", "bf16"):
-        raise ConfigError(f"precision must be fp32, fp16 or bf16, got {precision!r}")
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {sorted(SCHEDULES)}")
-
-
-def _device(a: WorkerAssignment, local_rank: int, device: int | str) -> torch.device:
-    choice = a.device if a.device is not None else device
-    if isinstance(choice, str) and choice not in ("-1", ""):
-        return torch.device(choice if not choice.isdigit() else f"cuda:{choice}")
-    if isinstance(choice, int) and choice >= 0:
-        return torch.device(f"cuda:{choice}")
-    if local_rank >= 0 and torch.cuda.is_available():
-        return torch.device(f"cuda:{local_rank}")
-    return torch.device("cpu")
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    """Where the model's tensors are, so that the capture's sample batch is there too."""
-    t = next(iter(model.parameters()), None)
-    return t.device if t is not None else torch.device("cpu")
-
-
-def _aliases(model: nn.Module, canonical: Mapping[int, str]) -> dict[str, str]:
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        out[name] = canonical.get(id(p), name)
-    return out
-
-
-def _named_tensors(model, canonical, mine) -> dict[str, torch.Tensor]:
-    by_name = {canonical[id(t)]: t for t in (*model.parameters(), *model.buffers()) if id(t) in canonical}
-    return {n: by_name[n] for n in (*mine.owned, *mine.owned_buffers)}
-
-
-def _move_in_place(tensors, device: torch.device) -> None:
-    """Move tensors to `device` keeping each the same Python object. Module.to replaces buffers
-    with new tensors, which would leave `_named` (what checkpoints save and load) holding the
-    stale host copies while the stage computes with the device ones."""
-    with torch.no_grad():
-        for t in tensors:
-            if t.device != device:
-                t.data = t.data.to(device)
-
-
-def _free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
-    """Release the storage of tensors other stages own (per-stage memory ~ 1/P); the user's
-    model object keeps empty placeholders for them."""
-    for t in (*model.parameters(), *model.buffers()):
-        if canonical.get(id(t)) not in keep:
-            t.data = torch.empty(0, dtype=t.dtype)
-
-
-def _stream_security(endpoints: Sequence[str]) -> Security:
-    """CURVE for the tensor streams unless the environment says plaintext or a trusted network
-    (protocol.security.SecurityConfig.from_env); neighbours' server keys by endpoint come in
-    VARUNA_PEER_KEYS as JSON {endpoint: z85 public key}, "*" standing for any other endpoint."""
-    try:
-        keys = json.loads(os.environ.get("VARUNA_PEER_KEYS", "{}"))
-        peers = {ep: keys.get(ep, keys.get("*")) for ep in endpoints if keys.get(ep, keys.get("*"))}
-        return Security(SecurityConfig.from_env(os.environ), peers=peers)
-    except (SecurityError, ValueError) as exc:
-        raise ConfigError(f"cannot secure the tensor streams: {exc}",
-                          hint="start workers with trainer.launch or varunad, which set VARUNA_SECURITY "
-                               "and the keys; VARUNA_SECURITY=plaintext only on a private machine") from exc
-
-
-def _shard_size(inputs: Mapping[str, torch.Tensor]) -> int:
-    sizes = {k: v.shape[0] for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-    if not sizes or len(set(sizes.values())) != 1:
-        raise ConfigError(f"inputs must be batch-first tensors of one batch size, got {sizes}")
-    return next(iter(sizes.values()))

@@ -1,0 +1,145 @@
+"""How a worker sets itself up, apart from the Varuna object that does it: its assignment (from the
+environment, or a lone worker's), the tree its step statistics are summed over, the sizes it
+accepts, its device, where its stage's tensors live (aliases, placement, freeing the rest), its
+tensor streams' security, and the size of a shard it is given. Plain functions of their
+arguments, so each is tested and read without a worker."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from protocol.errors import SecurityError
+from protocol.security import Security, SecurityConfig
+from trainer.errors import ConfigError
+from trainer.planning.schedule import SCHEDULES
+from trainer.worker_env import WorkerAssignment
+
+__all__ = [
+    "assignment_for",
+    "stats_tree",
+    "check_sizes",
+    "choose_device",
+    "device_of",
+    "aliases",
+    "named_tensors",
+    "move_in_place",
+    "free_other_stages",
+    "stream_security",
+    "shard_size",
+]
+
+log = logging.getLogger("varuna")
+
+
+def assignment_for(stage_to_rank_map) -> WorkerAssignment:
+    if "VARUNA_RANK" not in os.environ:
+        if stage_to_rank_map is None or sum(len(r) for r in stage_to_rank_map.values()) == 1:
+            log.warning("no worker assignment in the environment: running as a single worker (1 x 1); "
+                        "start with `python -m trainer.launch` for more")
+            return WorkerAssignment(rank=0, stage_to_rank={0: [0]}, endpoints=["inproc://varuna-0"], dist_url="")
+    a = WorkerAssignment.from_env()
+    if stage_to_rank_map is not None:
+        given = {int(s): [int(r) for r in ranks] for s, ranks in stage_to_rank_map.items()}
+        a = WorkerAssignment(**{**{f: getattr(a, f) for f in a.__dataclass_fields__}, "stage_to_rank": given})
+    return a
+
+
+def stats_tree(stage_to_rank: Mapping[int, Sequence[int]], stage: int, replica: int
+                ) -> tuple[int | None, list[int]]:
+    """(parent, children) of this worker in the tree the step statistics are summed over: each
+    replica's stage 0 gathers its pipeline, and replica 0's stage 0 (the root) the other
+    replicas' stage 0s. Sums go up, the root's total comes back down the same edges."""
+    P, D = len(stage_to_rank), len(stage_to_rank[0])
+    head = stage_to_rank[0][replica]
+    if stage > 0:
+        return head, []
+    pipeline = [stage_to_rank[s][replica] for s in range(1, P)]
+    if replica > 0:
+        return stage_to_rank[0][0], pipeline
+    return None, pipeline + [stage_to_rank[0][r] for r in range(1, D)]
+
+
+def check_sizes(batch: int, chunk: int, D: int, precision: str, schedule: str) -> None:
+    if batch <= 0 or chunk <= 0:
+        raise ConfigError(f"batch_size and chunk_size must be positive, got {batch}, {chunk}")
+    if batch % D:
+        raise ConfigError(f"global batch {batch} does not split over {D} replicas",
+                          hint=f"use a batch size divisible by {D}")
+    if precision not in ("fp32", "fp16", "bf16"):
+        raise ConfigError(f"precision must be fp32, fp16 or bf16, got {precision!r}")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {sorted(SCHEDULES)}")
+
+
+def choose_device(a: WorkerAssignment, local_rank: int, device: int | str) -> torch.device:
+    choice = a.device if a.device is not None else device
+    if isinstance(choice, str) and choice not in ("-1", ""):
+        return torch.device(choice if not choice.isdigit() else f"cuda:{choice}")
+    if isinstance(choice, int) and choice >= 0:
+        return torch.device(f"cuda:{choice}")
+    if local_rank >= 0 and torch.cuda.is_available():
+        return torch.device(f"cuda:{local_rank}")
+    return torch.device("cpu")
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's tensors are, so that the capture's sample batch is there too."""
+    t = next(iter(model.parameters()), None)
+    return t.device if t is not None else torch.device("cpu")
+
+
+def aliases(model: nn.Module, canonical: Mapping[int, str]) -> dict[str, str]:
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = canonical.get(id(p), name)
+    return out
+
+
+def named_tensors(model, canonical, mine) -> dict[str, torch.Tensor]:
+    by_name = {canonical[id(t)]: t for t in (*model.parameters(), *model.buffers()) if id(t) in canonical}
+    return {n: by_name[n] for n in (*mine.owned, *mine.owned_buffers)}
+
+
+def move_in_place(tensors, device: torch.device) -> None:
+    """Move tensors to `device` keeping each the same Python object. Module.to replaces buffers
+    with new tensors, which would leave `_named` (what checkpoints save and load) holding the
+    stale host copies while the stage computes with the device ones."""
+    with torch.no_grad():
+        for t in tensors:
+            if t.device != device:
+                t.data = t.data.to(device)
+
+
+def free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
+    """Release the storage of tensors other stages own (per-stage memory ~ 1/P); the user's
+    model object keeps empty placeholders for them."""
+    for t in (*model.parameters(), *model.buffers()):
+        if canonical.get(id(t)) not in keep:
+            t.data = torch.empty(0, dtype=t.dtype)
+
+
+def stream_security(endpoints: Sequence[str]) -> Security:
+    """CURVE for the tensor streams unless the environment says plaintext or a trusted network
+    (protocol.security.SecurityConfig.from_env); neighbours' server keys by endpoint come in
+    VARUNA_PEER_KEYS as JSON {endpoint: z85 public key}, "*" standing for any other endpoint."""
+    try:
+        keys = json.loads(os.environ.get("VARUNA_PEER_KEYS", "{}"))
+        peers = {ep: keys.get(ep, keys.get("*")) for ep in endpoints if keys.get(ep, keys.get("*"))}
+        return Security(SecurityConfig.from_env(os.environ), peers=peers)
+    except (SecurityError, ValueError) as exc:
+        raise ConfigError(f"cannot secure the tensor streams: {exc}",
+                          hint="start workers with trainer.launch or varunad, which set VARUNA_SECURITY "
+                               "and the keys; VARUNA_SECURITY=plaintext only on a private machine") from exc
+
+
+def shard_size(inputs: Mapping[str, torch.Tensor]) -> int:
+    sizes = {k: v.shape[0] for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if not sizes or len(set(sizes.values())) != 1:
+        raise ConfigError(f"inputs must be batch-first tensors of one batch size, got {sizes}")
+    return next(iter(sizes.values()))
