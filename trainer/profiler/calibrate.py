@@ -18,7 +18,8 @@ from trainer.errors import ConfigError
 from trainer.graph.partition import capture_model
 from trainer.planning.calibration import LINK_KINDS, Calibration, CalibrationError, LinkCost, SegmentProfile
 from trainer.profiler.common import _nbytes
-from trainer.profiler.identity import _device_of, calibration_path, device_kind_of, model_fingerprint
+from trainer.engine.setup import device_of
+from trainer.profiler.identity import calibration_path, device_kind_of, model_fingerprint
 from trainer.profiler.network import measure_network
 from trainer.profiler.segments import IN_FLIGHT, _batch_size_of, segment_slices, tied_weights
 from trainer.profiler.slots import _Job, _run_concurrently
@@ -83,7 +84,7 @@ class Profiler:
             self._links["inter"] = inter_link
         if inter_allreduce is not None:
             self._allreduce["inter"] = inter_allreduce
-        self.traced = capture_model(model, get_batch_fn(2, _device_of(model)))
+        self.traced = capture_model(model, get_batch_fn(2, device_of(model)))
         self.fingerprint = model_fingerprint(model, traced=self.traced, precision=self.precision)
         self.device_kind = device_kind or device_kind_of(self.device, self.slots)
         self.n_segments = len(self.traced.markers) + 1

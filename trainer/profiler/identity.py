@@ -47,11 +47,6 @@ def model_fingerprint(model: nn.Module, *, traced: TracedModel | None = None,
     return h.hexdigest()[:32]
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    t = next(iter(model.parameters()), None)
-    return t.device if t is not None else torch.device("cpu")
-
-
 def device_kind_of(device: torch.device, slots: int = 1) -> str:
     """The CUDA device's name (e.g. 'NVIDIA H200'), or 'cpu' for a host running one CPU worker
     and 'cpu-<n>slots' for a CPU slot of a host running n workers at once (they share its cores'
