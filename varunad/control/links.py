@@ -49,6 +49,7 @@ from trainer.planning.calibration import Calibration, LinkCost
 
 from varunad.cluster.facts import PortReservation
 
+from varunad.store import schemas
 from varunad.store.fleetkeys import FleetKeys
 from varunad.store.contract import Store, StoreError
 
@@ -78,34 +79,37 @@ def _pair_key(keys: FleetKeys, a: str, b: str) -> str:
     return f"{_pair_prefix(keys)}{a}/{b}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LinkMeasurement:
     """One pair's link, as measured; ``hosts`` are the addresses it was measured between."""
 
     members: tuple[str, str]
     hosts: tuple[str, str]
-    started: tuple[float, float]   # the members' start times: a restarted VM (it may have moved) is measured again
+    # the members' start times: a restarted VM (it may have moved) is measured again
+    started: tuple[float, float] = (0.0, 0.0)
     latency_s: float
     bandwidth_Bps: float
     allreduce_latency_s: float
     allreduce_Bps: float
-    at: float
+    at: float = 0.0
+
+    def __post_init__(self) -> None:
+        _as_tuples(self, "members", "hosts", "started")
+        if self.bandwidth_Bps <= 0 or self.allreduce_Bps <= 0:
+            raise ValueError(f"a link measurement needs positive bandwidths: {self}")
 
     def encode(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> LinkMeasurement:
-        raw = json.loads(data)
-        if not isinstance(raw, dict):
-            raise ValueError("a link measurement is a JSON object")
-        m = cls(members=tuple(raw["members"]), hosts=tuple(raw["hosts"]),
-                started=tuple(float(x) for x in raw.get("started", (0.0, 0.0))), latency_s=float(raw["latency_s"]),
-                bandwidth_Bps=float(raw["bandwidth_Bps"]), allreduce_latency_s=float(raw["allreduce_latency_s"]),
-                allreduce_Bps=float(raw["allreduce_Bps"]), at=float(raw.get("at", 0.0)))
-        if len(m.members) != 2 or len(m.hosts) != 2 or m.bandwidth_Bps <= 0 or m.allreduce_Bps <= 0:
-            raise ValueError(f"a link measurement needs two members, two hosts and positive bandwidths: {raw}")
-        return m
+        return schemas.decode(cls, data, "link measurement")
+
+
+def _as_tuples(doc, *names: str) -> None:
+    """JSON gives lists where the dataclass says tuples: hashable, and equal to what was written."""
+    for name in names:
+        object.__setattr__(doc, name, tuple(getattr(doc, name)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,22 +129,17 @@ class ProbeRequest:
     started: tuple[float, float]
     term: int
 
+    def __post_init__(self) -> None:
+        _as_tuples(self, "pair", "hosts", "ports", "started")
+        if self.rank not in (0, 1) or any(not 0 < p < 65536 for p in self.ports):
+            raise ValueError(f"rank {self.rank} is not 0 or 1, or one of the ports {list(self.ports)} is out of range")
+
     def encode(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> ProbeRequest:
-        try:
-            raw = json.loads(data)
-            req = cls(id=str(raw["id"]), rank=int(raw["rank"]), pair=tuple(str(n) for n in raw["pair"]),
-                      hosts=tuple(str(h) for h in raw["hosts"]), ports=tuple(int(p) for p in raw["ports"]),
-                      started=tuple(float(t) for t in raw["started"]), term=int(raw["term"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"not a link probe request: {exc!r}") from None
-        if (req.rank not in (0, 1) or len(req.pair) != 2 or len(req.hosts) != 2 or len(req.ports) != 3
-                or len(req.started) != 2 or any(not 0 < p < 65536 for p in req.ports)):
-            raise ValueError(f"not a link probe request: {raw}")
-        return req
+        return schemas.decode(cls, data, "link probe request")
 
     @property
     def mine(self) -> tuple[int, ...]:
@@ -158,7 +157,7 @@ async def read_links(store: Store, keys: FleetKeys, *, timeout: float) -> dict[t
     for kv in await store.get_prefix(_pair_prefix(keys), timeout=timeout):
         try:
             m = LinkMeasurement.decode(kv.value)
-        except (ValueError, KeyError, TypeError) as exc:
+        except ValueError as exc:
             log.warning("ignoring link measurement %s: %s", kv.key, exc)
             continue
         out[tuple(sorted(m.members))] = m
