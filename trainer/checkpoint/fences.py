@@ -16,8 +16,8 @@ import re
 from trainer.checkpoint.storage import names_in, storage_for, write_error
 from trainer.errors import CheckpointError
 
-__all__ = ["EPOCHS", "write_epoch_fence", "read_epoch_fences", "superseded", "superseded_why", "refuse_superseded",
-           "check_epoch"]
+__all__ = ["EPOCHS", "is_count", "write_epoch_fence", "read_epoch_fences", "superseded", "superseded_why",
+           "refuse_superseded", "check_epoch"]
 
 log = logging.getLogger("varuna.checkpoint")
 
@@ -25,8 +25,13 @@ log = logging.getLogger("varuna.checkpoint")
 EPOCHS = "epochs"
 
 
+def is_count(x: object) -> bool:
+    """An int >= 0 (JSON's true/false are not)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def check_epoch(epoch: object) -> None:
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+    if not is_count(epoch):
         raise ValueError(f"a plan epoch is an int >= 0, got {epoch!r}")
 
 
@@ -35,8 +40,7 @@ def write_epoch_fence(store: str, epoch: int, resumed_from: int | None) -> None:
     that a checkpoint an older epoch commits past it is never loaded. Rank 0 of the epoch
     calls it once, after choosing the checkpoint and before loading it."""
     check_epoch(epoch)
-    if resumed_from is not None and (isinstance(resumed_from, bool) or not isinstance(resumed_from, int)
-                                     or resumed_from < 0):
+    if resumed_from is not None and not is_count(resumed_from):
         raise ValueError(f"resumed_from is a checkpoint iteration or None, got {resumed_from!r}")
     storage = storage_for(store)
     path = posixpath.join(store, EPOCHS, f"{epoch}.json")
@@ -62,7 +66,7 @@ def read_epoch_fences(store: str, *, newer_than: int = -1) -> dict[int, int]:
             with storage.open_read(posixpath.join(base, name)) as f:
                 doc = json.loads(f.read())
             resumed = doc["resumed_from"]
-            if doc["epoch"] != int(m.group(1)) or not (resumed is None or (type(resumed) is int and resumed >= 0)):
+            if doc["epoch"] != int(m.group(1)) or not (resumed is None or is_count(resumed)):
                 raise ValueError(f"not a fence: {doc!r}")
         except FileNotFoundError:
             continue

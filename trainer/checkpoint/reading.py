@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.fences import superseded, superseded_why
+from trainer.checkpoint.fences import is_count, superseded, superseded_why
 from trainer.checkpoint.storage import CHUNK, MOUNT_HINT, CheckpointStorage, names_in, storage_for
 from trainer.errors import CheckpointError
 
@@ -49,7 +49,7 @@ class FileEntry:
 
 def checkpoint_dir(store: str, iteration: int) -> str:
     """The directory of checkpoint ``iteration`` under ``store``."""
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+    if not is_count(iteration):
         raise ValueError(f"checkpoint iteration must be an int >= 0, got {iteration!r}")
     return posixpath.join(store, f"{CKPT_PREFIX}{iteration}")
 
