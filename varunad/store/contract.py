@@ -245,7 +245,6 @@ class Store(abc.ABC):
     ) -> bool: ...
 
     # Guarded writes.
-    @abc.abstractmethod
     async def put_if(
         self,
         key: Key,
@@ -256,7 +255,10 @@ class Store(abc.ABC):
         guard_create_revision: int | None = None,
         lease: Lease | int | None = None,
         timeout: float | None = None,
-    ) -> int | None: ...
+    ) -> int | None:
+        """:meth:`put_all_if` of one key."""
+        return await self.put_all_if([(key, value)], guard_key=guard_key, guard_value=guard_value,
+                                     guard_create_revision=guard_create_revision, lease=lease, timeout=timeout)
 
     @abc.abstractmethod
     async def put_all_if(
@@ -267,11 +269,13 @@ class Store(abc.ABC):
         guard_value: Value,
         guard_create_revision: int | None = None,
         guard_mod_revision: int | None = None,
+        lease: Lease | int | None = None,
         timeout: float | None = None,
     ) -> int | None:
-        """Put every (key, value) in one transaction, only while ``guard_key`` holds ``guard_value``
-        (and, if given, was created / last modified at those revisions); the write's revision, or
-        None when the guard did not hold and nothing was written."""
+        """Put every (key, value) in one transaction (under ``lease``, if given), only while
+        ``guard_key`` holds ``guard_value`` (and, if given, was created / last modified at those
+        revisions); the write's revision, or None when the guard did not hold and nothing was
+        written."""
 
     @abc.abstractmethod
     async def compare_and_swap(

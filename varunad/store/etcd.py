@@ -428,28 +428,6 @@ class EtcdStore(Store):
         )
         return rev is not None
 
-    async def put_if(
-        self,
-        key: Key,
-        value: Value,
-        *,
-        guard_key: Key,
-        guard_value: Value,
-        guard_create_revision: int | None = None,
-        lease: Lease | int | None = None,
-        timeout: float | None = None,
-    ) -> int | None:
-        g = _encode(guard_key)
-        compare = [_tx.Value(g) == _encode(guard_value)]
-        if guard_create_revision is not None:
-            compare.append(_tx.Create(g) == guard_create_revision)
-        return await self._txn(
-            f"put {key!r} guarded by {guard_key!r}",
-            compare,
-            [_tx.Put(_encode(key), _encode(value), lease=_lease_id(lease))],
-            timeout,
-        )
-
     async def put_all_if(
         self,
         items: Sequence[tuple[Key, Value]],
@@ -458,6 +436,7 @@ class EtcdStore(Store):
         guard_value: Value,
         guard_create_revision: int | None = None,
         guard_mod_revision: int | None = None,
+        lease: Lease | int | None = None,
         timeout: float | None = None,
     ) -> int | None:
         if not items:
@@ -471,7 +450,7 @@ class EtcdStore(Store):
         return await self._txn(
             f"put {', '.join(repr(k) for k, _ in items)} guarded by {guard_key!r}",
             compare,
-            [_tx.Put(_encode(k), _encode(v)) for k, v in items],
+            [_tx.Put(_encode(k), _encode(v), lease=_lease_id(lease)) for k, v in items],
             timeout,
         )
 
