@@ -48,6 +48,7 @@ __all__ = [
     "WorkerCheckpointed",
     "WorkerFailed",
     "WorkerProgress",
+    "WorkerRescuing",
     "decode",
     "encode",
     "message_types",
@@ -495,6 +496,20 @@ class WorkerCheckpointed(Message):
     step: int = _f(_STEP)
     path: str = _f(_PATH)
     stalled_s: float = _f(_Float(0.0))
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerRescuing(Message):
+    """A worker whose epoch broke is writing the state it holds, that of `step` completed steps,
+    into the store for the next epoch (trainer.checkpoint.rescue): its daemon gives it the time
+    of a checkpoint, not the short grace of a worker blocked on a dead peer, before SIGKILL."""
+
+    TYPE: ClassVar[str] = "worker_rescuing"
+    job: str = _f(_ID)
+    epoch: int = _f(_EPOCH)
+    rank: int = _f(_RANK)
+    step: int = _f(_STEP)
 
 
 @_register

@@ -164,6 +164,11 @@ def test_kill9_of_a_non_leader_morphs_and_the_job_finishes(healthy, reference):
     assert lost and lost[0]["reason"].startswith(f"{victim} was lost ("), st["morphs"]
     assert "re-planning on the VMs left" in lost[0]["reason"] and "[rank" not in lost[0]["reason"], lost[0]
     assert lost[0]["cause"] == f"{victim} was lost" and not lost[0]["restart"]
+    # one replica per stage (P x 1): the lost VM's stage has no survivor, so the new epoch resumes
+    # from the store, and the morph record says which stage and why
+    assert lost[0]["source"] == "checkpoint" and f"had no live replica ({victim})" in lost[0]["source_why"], lost[0]
+    by_epoch = dict(sorted((int(e), tuple(r)) for e, r in st["epochs"].items()))
+    assert by_epoch[lost[0]["to_epoch"]][0] == lost[0]["resumed_from"], (by_epoch, lost[0])
     # the epoch after the loss fenced the store where it resumed, and wrote its epoch into its checkpoints
     # (so nothing the lost epoch's workers committed after that could be loaded: trainer.checkpoint.fences)
     from trainer.checkpoint.fences import read_epoch_fences
@@ -180,6 +185,41 @@ def test_kill9_of_a_non_leader_morphs_and_the_job_finishes(healthy, reference):
     assert {"P", "D", "micro_batch_size"} <= doc["plan"].keys()
     text = ring.varunactl("status", "kill-member")
     assert text.returncode == 0 and f": {victim} was lost (" in text.stdout, text.stdout
+
+
+@pytest.mark.chaos
+def test_kill9_in_a_2x2_resumes_from_the_survivors_memory(healthy, reference):
+    """Every stage keeps a live replica when one VM of a 2x2 job dies: the survivors abandon the
+    broken step, save the step they hold, and the new epoch starts there. No step is trained twice."""
+    ring = healthy
+    d4 = ring.start("d4")
+    try:
+        ring.wait_members(NAMES + ["d4"])
+        # a checkpoint every 12 steps: the store's newest is well behind the step the VM dies in
+        ring.submit("replicas", steps=STEPS, every=12, script_args=SLEEP + ("--cheap-allreduce",))
+        st = ring.wait_step("replicas", 2, timeout=180)
+        assert (st["plan"]["P"], st["plan"]["D"]) == (2, 2), st["plan"]
+        st = ring.wait_step("replicas", 15)
+        epoch = st["epoch"]
+        leader = ring.leader()
+        victim = "d4" if leader != "d4" else next(m for m in st["plan"]["members"] if m != leader)
+        ring.daemons[victim].kill9()
+        st = ring.wait_state("replicas", ("done", "failed"))
+        assert st["state"] == "done", st
+        assert st["restarts"] == 0 and victim not in st["plan"]["members"], st
+        ranges = dict(check_history(st, reference, every=0))   # every step once: none redone
+        lost = next(m for m in st["morphs"] if m["from_epoch"] == epoch)
+        assert lost["source"] == "replicas" and lost["cause"] == f"{victim} was lost", lost
+        assert ranges[lost["to_epoch"]][0] == ranges[epoch][1] + 1 == lost["resumed_from"] > 12, (ranges, lost)
+        from trainer.checkpoint.reading import checkpoint_dir, verify
+        manifest = verify(checkpoint_dir(str(ring.store_dir / "replicas"), lost["resumed_from"]))
+        assert manifest["meta"]["source"] == "replicas" and manifest["epoch"] == epoch, manifest
+        text = ring.varunactl("status", "replicas", "--json")
+        assert json.loads(text.stdout)["morphs"][-1]["source"] == "replicas", text.stdout
+    finally:
+        if d4.alive:
+            d4.proc.send_signal(signal.SIGTERM)
+            d4.proc.wait(60)
 
 
 @pytest.mark.chaos  # the chaos suite's kill -9 of this kind (tests/chaos/ does not repeat it)

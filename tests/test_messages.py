@@ -25,6 +25,7 @@ from protocol.messages import (
     StopWorkers,
     WorkerCheckpointed,
     WorkerFailed,
+    WorkerRescuing,
     WorkerProgress,
     decode,
     encode,
@@ -71,6 +72,7 @@ MESSAGES = {
                                   stalled_s=st.floats(0, 1e6)),
     WorkerFailed: st.builds(WorkerFailed, job=ids, epoch=epochs, rank=ranks, error=texts,
                             exit_code=st.none() | st.integers(-255, 255)),
+    WorkerRescuing: st.builds(WorkerRescuing, job=ids, epoch=epochs, rank=ranks, step=epochs),
 }
 any_message = st.one_of(*MESSAGES.values())
 
@@ -87,6 +89,7 @@ def _examples() -> list[Message]:
         WorkerProgress(job="gpt-1", epoch=12, rank=3, step=101, loss=2.5, samples_per_s=812.5, busy_fraction=0.93),
         WorkerCheckpointed(job="gpt-1", epoch=12, rank=3, step=100, path="/ckpt/gpt-1/100/rank3", stalled_s=1.25),
         WorkerFailed(job="gpt-1", epoch=12, rank=1, error="CUDA out of memory", exit_code=-9),
+        WorkerRescuing(job="gpt-1", epoch=12, rank=2, step=101),
     ]
 
 

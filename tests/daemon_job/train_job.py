@@ -19,6 +19,8 @@ p.add_argument("--fail-at", type=int, default=None, help="exit 3 after this step
 p.add_argument("--stop-at", type=int, default=None, help="leave the loop before this step and exit 0 (a script "
                "that ignores the job's step count)")
 p.add_argument("--script-batch", type=int, default=None, help="pass this global batch to Varuna instead of the job's")
+p.add_argument("--cheap-allreduce", action="store_true", help="calibrate all-reduces as nearly free: the planner "
+               "then runs 4 slots as 2x2 (replicas to recover from) instead of 4x1")
 args = p.parse_args()
 
 if os.environ.get("VARUNA_PROFILE"):
@@ -26,13 +28,15 @@ if os.environ.get("VARUNA_PROFILE"):
 
     # Five equal segments (the tiny GPT has four cut points) whose weights and optimizer state
     # take 300 MB each: a daemon started with --memory 1073741824 cannot hold the whole model,
-    # so the planner must pipeline it: 2 slots run 2x1, 3 slots 3x1, 4 slots 4x1.
+    # so the planner must pipeline it: 2 slots run 2x1, 3 slots 3x1, 4 slots 4x1 (2x2 with
+    # --cheap-allreduce).
     links = {"intra": LinkCost(50e-6, 5e9), "inter": LinkCost(200e-6, 1e9)}
+    allreduce = {"intra": LinkCost(50e-6, 1e11), "inter": LinkCost(1e-6, 1e11)} if args.cheap_allreduce else links
     sizes = (1, 2, 3, 4, 6)
     costs = tuple(SegmentCost(1e-3 + 1e-3 * b, 2e-3 + 2e-3 * b, 1e-3 + 1e-3 * b, 1000 * b, 1000 * b) for b in sizes)
     Calibration(model="tiny-gpt", device_kind="cpu", micro_batch_sizes=sizes, input_bytes=tuple(100 * b for b in sizes),
                 segments=(SegmentProfile(100_000_000, 100_000_000, 0.0, costs),) * 5, links=links,
-                allreduce=links).save(os.environ["VARUNA_PROFILE"])
+                allreduce=allreduce).save(os.environ["VARUNA_PROFILE"])
     sys.exit(0)
 
 import torch  # noqa: E402

@@ -40,7 +40,8 @@ from torch import nn
 from trainer.checkpoint import fences, reading, store as ckpt_store
 from trainer.errors import CheckpointError
 
-__all__ = ["save", "load", "agree", "resume_point", "Upload", "Checkpointed"]
+__all__ = ["save", "load", "agree", "resume_point", "Upload", "Checkpointed", "stage_files", "meta_of",
+           "manifest_meta", "epoch_of", "META"]
 
 log = logging.getLogger("varuna.checkpoint")
 
@@ -86,9 +87,10 @@ class _Ranked(Protocol):
     rank: int
 
 
-def _my_files(v: Checkpointed, shard: bool) -> dict[str, dict]:
+def stage_files(v: Checkpointed, shard: bool = False, *, any_replica: bool = False) -> dict[str, dict]:
     """The files this worker writes: its stage is the lowest owner of their tensors; with
-    D replicas, replica 0 writes all of them (or, sharded, every D-th file each)."""
+    D replicas, replica 0 writes all of them (or, sharded, every D-th file each). `any_replica`:
+    all of its stage's files, whichever replica it is (a rescue, trainer.checkpoint.rescue)."""
     layout = v.layout
     all_files = sorted(set(layout.files.values()))
     files: dict[str, dict] = {}
@@ -97,7 +99,7 @@ def _my_files(v: Checkpointed, shard: bool) -> dict[str, dict]:
             continue
         fname = layout.files[name]
         writer = all_files.index(fname) % v.data_depth if shard else 0
-        if writer != v.replica:
+        if writer != v.replica and not any_replica:
             continue
         content = files.setdefault(fname, {"params": {}, "buffers": {}, "optim": {}})
         if isinstance(t, nn.Parameter):
@@ -111,7 +113,7 @@ def _my_files(v: Checkpointed, shard: bool) -> dict[str, dict]:
     return files
 
 
-def _meta(v: Checkpointed, iteration: int) -> dict:
+def meta_of(v: Checkpointed, iteration: int) -> dict:
     groups = []
     if v.optimizer is not None:
         for g in v.optimizer.param_groups:
@@ -127,7 +129,7 @@ def _meta(v: Checkpointed, iteration: int) -> dict:
     }
 
 
-def _epoch(v: Checkpointed) -> int | None:
+def epoch_of(v: Checkpointed) -> int | None:
     """The plan epoch this worker runs in (None outside the daemon: its checkpoints are not fenced)."""
     return v.assignment.epoch or None
 
@@ -137,8 +139,8 @@ def resume_point(v: Checkpointed, store: str) -> int | None:
     fences the store with it first, so that nothing an older epoch commits later is loaded."""
     def choose() -> int | None:
         newest = ckpt_store.latest_complete(store)
-        if _epoch(v) is not None:
-            fences.write_epoch_fence(store, _epoch(v), newest)
+        if epoch_of(v) is not None:
+            fences.write_epoch_fence(store, epoch_of(v), newest)
         return newest
     return agree(v, choose)
 
@@ -151,7 +153,7 @@ def save(v: Checkpointed, store: str, iteration: int, *, tmpdir: str | None = No
     Refused (CheckpointError on every rank) when a newer epoch has fenced it out."""
     start = time.perf_counter()
     final_dir = reading.checkpoint_dir(store, iteration)
-    epoch = _epoch(v)
+    epoch = epoch_of(v)
 
     def not_superseded(then):
         fences.refuse_superseded(store, epoch, iteration)
@@ -165,7 +167,7 @@ def save(v: Checkpointed, store: str, iteration: int, *, tmpdir: str | None = No
         entries = _write_mine(v, stage_dir, iteration, shard)
         stalled = time.perf_counter() - start
         upload = Upload(stage_dir, final_dir, entries, iteration=iteration, token=token, rank=v.rank,
-                           world=v.assignment.world_size, meta=_manifest_meta(v) if v.rank == 0 else None,
+                           world=v.assignment.world_size, meta=manifest_meta(v) if v.rank == 0 else None,
                            stalled_s=stalled, epoch=epoch)
         log.info("rank %d: checkpoint %d staged in %s in %.2fs; copying it to %s in the background", v.rank,
                  iteration, stage_dir, stalled, final_dir)
@@ -176,7 +178,7 @@ def save(v: Checkpointed, store: str, iteration: int, *, tmpdir: str | None = No
     gathered: list[list | None] = [None] * v.assignment.world_size
     dist.all_gather_object(gathered, entries)
     if v.rank == 0:
-        ckpt_store.write_manifest(final_dir, [e for es in gathered for e in es], _manifest_meta(v),
+        ckpt_store.write_manifest(final_dir, [e for es in gathered for e in es], manifest_meta(v),
                                   iteration=iteration, epoch=epoch)
     dist.barrier()
     log.info("rank %d: checkpoint %d written to %s in %.2fs", v.rank, iteration, final_dir,
@@ -186,13 +188,13 @@ def save(v: Checkpointed, store: str, iteration: int, *, tmpdir: str | None = No
 
 def _write_mine(v: Checkpointed, directory: str, iteration: int, shard: bool) -> list[reading.FileEntry]:
     entries = [ckpt_store.write_tensors(directory, fname, content)
-               for fname, content in sorted(_my_files(v, shard).items())]
+               for fname, content in sorted(stage_files(v, shard).items())]
     if v.rank == 0:
-        entries.append(ckpt_store.write_tensors(directory, META, _meta(v, iteration)))
+        entries.append(ckpt_store.write_tensors(directory, META, meta_of(v, iteration)))
     return entries
 
 
-def _manifest_meta(v: Checkpointed) -> dict:
+def manifest_meta(v: Checkpointed) -> dict:
     return {"P": v.pipeline_depth, "D": v.data_depth, "cuts": list(v.cuts),
             "index": dict(sorted(v.layout.files.items()))}
 
@@ -301,7 +303,8 @@ def load(v: Checkpointed, store: str, iteration: int | None, *, check_complete: 
                 if name in named:
                     p = named[name]
                     v.optimizer.state[p] = _optimizer_state_on(group_of.get(id(p), {}), p, state)
-    meta = reading.read_tensors(ckpt_dir, META)
+    # a rescue names the meta file of the survivor whose copy it took (trainer.checkpoint.rescue)
+    meta = reading.read_tensors(ckpt_dir, manifest["meta"].get("meta_file", META))
     _restore_meta(v, meta, iteration)
     dist.barrier()
     log.info("rank %d: loaded checkpoint %d (written by %sx%s) in %.2fs", v.rank, iteration,

@@ -16,14 +16,19 @@ import signal
 import zmq
 
 from protocol.errors import ProtocolError
-from protocol.messages import CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
+from protocol.messages import (CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, WorkerRescuing, decode,
+                               encode)
 
-__all__ = ["ControlClient", "StopRequested", "STOPPED_EXIT_CODE", "TOKEN_ENV", "control_identity"]
+__all__ = ["ControlClient", "StopRequested", "StepAbandoned", "RESCUE_SIGNAL", "STOPPED_EXIT_CODE", "TOKEN_ENV",
+           "control_identity"]
 
 log = logging.getLogger("varuna.control")
 
 # EX_TEMPFAIL: the worker stopped because it was asked to, not because it failed.
 STOPPED_EXIT_CODE = 75
+
+# The daemon's "your epoch is broken: abandon the step, save what you hold, leave".
+RESCUE_SIGNAL = signal.SIGUSR1
 
 # The secret the daemon drew for this worker (varunad.node.control_channel): part of its identity on
 # the control socket, so that no other local process can speak for it.
@@ -42,11 +47,17 @@ class StopRequested(SystemExit):
         self.step = step
 
 
+class StepAbandoned(Exception):
+    """Raised in the step in progress when the daemon signals that the epoch is broken."""
+
+
 class ControlClient:
     def __init__(self, endpoint: str | None, *, job: str, epoch: int, rank: int) -> None:
         self.job, self.epoch, self.rank = job, epoch, rank
         self.checkpoint_requested = False
         self.stop_requested = False
+        self.rescue_requested = False
+        self.abandonable = False   # set by the engine while the step holds nothing half-applied
         self._sock = None
         if endpoint:
             self._sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -58,8 +69,15 @@ class ControlClient:
     def _install_sigterm(self) -> None:
         try:
             signal.signal(signal.SIGTERM, self._on_sigterm)
+            signal.signal(RESCUE_SIGNAL, self._on_rescue)
         except ValueError:   # not the main thread: the embedding program handles signals
             pass
+
+    def _on_rescue(self, signum, frame) -> None:
+        self.rescue_requested = True
+        if self.abandonable:
+            self.abandonable = False   # raised once: the rescue itself must not be interrupted
+            raise StepAbandoned("the daemon says this epoch is broken (a peer was lost)")
 
     def _on_sigterm(self, signum, frame) -> None:
         log.warning("rank %d: SIGTERM: will checkpoint and stop at the next step boundary", self.rank)
@@ -101,6 +119,10 @@ class ControlClient:
     def checkpointed(self, step: int, path: str, stalled_s: float) -> None:
         self._send(WorkerCheckpointed(job=self.job, epoch=self.epoch, rank=self.rank, step=step, path=path,
                                       stalled_s=max(0.0, stalled_s)))
+
+    def rescuing(self, step: int) -> None:
+        """Tell the daemon this worker is saving `step` from memory: it waits for that before SIGKILL."""
+        self._send(WorkerRescuing(job=self.job, epoch=self.epoch, rank=self.rank, step=step))
 
     def _send(self, msg) -> None:
         if self._sock is None:

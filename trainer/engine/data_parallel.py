@@ -16,6 +16,7 @@ autograd hooks fire. Keeping the two sets apart makes that impossible for any ho
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -43,6 +44,18 @@ def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Paramet
     if current:
         out.append(current)
     return out
+
+
+def _wait(work, on_gpu: bool) -> None:
+    """`work.wait()`, entered (for gloo) only once the collective is over. A wait inside the C++
+    call could not be interrupted: a peer that vanished without a reset would hold this thread
+    until the process group's timeout, and the daemon's rescue signal (trainer.engine.control)
+    with it. NCCL's wait only orders the streams; polling it would make the CPU wait for the GPU."""
+    pause = 20e-6
+    while not on_gpu and not work.is_completed():
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    work.wait()   # raises the collective's error, if it failed
 
 
 def _unique(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
@@ -128,7 +141,7 @@ class GradReducer:
 
     def wait(self) -> None:
         for bucket, flat, work in self._pending:
-            work.wait()
+            _wait(work, flat.is_cuda)
             offset = 0
             for p in bucket:
                 n = p.numel()
@@ -137,7 +150,7 @@ class GradReducer:
         self._pending.clear()
         for copies, total, work in self._pending_tied:
             if work is not None:
-                work.wait()
+                _wait(work, total.is_cuda)
             # a tensor of its own per copy: in-place scaling (unscale, clipping) of one copy's
             # `.grad` must not scale another's a second time
             for i, p in enumerate(copies):

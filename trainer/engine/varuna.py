@@ -20,7 +20,9 @@ import gc
 import logging
 import math
 import os
+import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
@@ -28,12 +30,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import contents as checkpointing, store as ckpt_store
+import zmq
+
+from trainer.checkpoint import contents as checkpointing, rescue, store as ckpt_store
 from trainer.engine import hooks, setup
 from trainer.engine.comm import PeerChannel
-from trainer.engine.control import ControlClient, StopRequested
+from trainer.engine.control import STOPPED_EXIT_CODE, ControlClient, StepAbandoned, StopRequested
 from trainer.engine.data_parallel import GradReducer
-from trainer.errors import CheckpointError, ConfigError
+from trainer.errors import CheckpointError, ConfigError, WorkerError
 from trainer.engine.executor import StageExecutor
 from trainer.graph.layout import Layout, build_layout
 from trainer.net.netaddr import bound_gloo_backend, nccl_environment
@@ -49,6 +53,10 @@ __all__ = ["Varuna"]
 log = logging.getLogger("varuna")
 
 _TRACE_STEPS = int(os.environ.get("VARUNA_TRACE_STEPS", "10"))
+
+# What a lost peer looks like from inside a step: a failed collective (gloo, NCCL), a peer that
+# never answered (WorkerError), a broken socket, or the daemon saying the epoch is broken.
+_BROKEN_EPOCH = (RuntimeError, WorkerError, zmq.ZMQError, StepAbandoned)
 
 
 class Varuna:
@@ -124,6 +132,11 @@ class Varuna:
         self._upload: checkpointing.Upload | None = None   # a staged checkpoint on its way to the store
         self.control = ControlClient(a.control, job=a.job, epoch=a.epoch, rank=a.rank)
         self._agreed = {"checkpoint": False, "stop": False}
+        # Where the state stands within a step (see `_abandon`): the optimizer is applying it, or
+        # has applied it before the step returned.
+        self._applying = self._applied = False
+        self._held_since = 0              # the iteration the state came from (init or a checkpoint)
+        self._scheduler_steps: int | None = None   # the scheduler's last_epoch as this engine left it
         log.info("rank %d: stage %d/%d replica %d/%d, %d parameters (%.1f MB), cuts %s",
                  self.rank, self.stage, self.pipeline_depth, self.replica, self.data_depth,
                  sum(p.numel() for p in self.parameters()), self.parameter_bytes() / 2**20, cuts)
@@ -143,6 +156,9 @@ class Varuna:
     def set_optimizer(self, optimizer: torch.optim.Optimizer, loss_scale: float | str = "dynamic",
                       init_loss_scale: float = 2.0**20, min_loss_scale: float = 1.0,
                       lr_scheduler=None) -> None:
+        """`lr_scheduler`, if given, is stepped by `step()` after each optimizer step it applies
+        (an fp16 step skipped for overflow does not advance it), and checkpointed with it, so a
+        resumed job uses the learning rate the uninterrupted one would have."""
         if self._calibration_run is not None:
             self._calibration_run.run(optimizer)   # profiles with this optimizer and ends the script
         mine = {id(p) for p in self.parameters()}
@@ -162,6 +178,8 @@ class Varuna:
             if newest is not None:
                 self.load_checkpoint(a.store, newest)
                 log.info("rank %d: resumed from checkpoint %d", self.rank, newest)
+        self._held_since = self.iteration
+        self._scheduler_steps = getattr(lr_scheduler, "last_epoch", None)
 
     def step(self, inputs: Mapping[str, torch.Tensor], clip_grad_max_norm: float | None = None
              ) -> tuple[float, bool]:
@@ -172,6 +190,7 @@ class Varuna:
             raise ConfigError(f"step() takes a dict of batch-first tensors keyed by forward's argument names "
                               f"({', '.join(self.input_names)}), got a {type(inputs).__name__}",
                               hint="pass {name: tensor}, e.g. dict(zip(%r, batch))" % (tuple(self.input_names),))
+        self._rescue_if_asked()
         self.recorder.set_step(self.iteration)
         start = time.perf_counter()
         waited = self.channel.wait_s if self.channel is not None else 0.0
@@ -179,13 +198,21 @@ class Varuna:
         table = self._table(self.schedule, len(micro), self.recompute)
         self.optimizer.zero_grad(set_to_none=True)
         result: dict[str, object] = {}
-        self.executor.run(
-            table, micro, weights, loss_scale=self.scaler.scale,
-            handlers={Kind.ALLREDUCE: self._allreduce,
-                      Kind.STEP: lambda: result.update(self._optimizer_step(clip_grad_max_norm))},
-            before_last_backward=self.reducer.arm,
-        )
+        try:
+            self.control.abandonable = True
+            self.executor.run(
+                table, micro, weights, loss_scale=self.scaler.scale,
+                handlers={Kind.ALLREDUCE: self._allreduce,
+                          Kind.STEP: lambda: result.update(self._optimizer_step(clip_grad_max_norm))},
+                before_last_backward=self.reducer.arm,
+            )
+        except _BROKEN_EPOCH as exc:
+            self._abandon(exc)
+            raise
+        finally:
+            self.control.abandonable = False
         self.iteration += 1
+        self._applied = False
         if self.recorder.enabled:
             self.recorder.save()
             self._traced_steps += 1
@@ -195,7 +222,15 @@ class Varuna:
         blocked = (self.channel.wait_s if self.channel is not None else 0.0) - waited
         self.control.progress(self.iteration - 1, result["loss"], self.batch_size / elapsed,
                               1.0 - blocked / elapsed)
-        self._after_step()
+        try:
+            self.control.abandonable = True   # a checkpoint's collectives: the state is the step's, whole
+            self._after_step()
+        except _BROKEN_EPOCH as exc:
+            self._abandon(exc)
+            raise
+        finally:
+            self.control.abandonable = False
+        self._rescue_if_asked()
         return result["loss"], result["overflow"]
 
     def _after_step(self) -> None:
@@ -282,7 +317,63 @@ class Varuna:
     def load_checkpoint(self, global_store: str, iteration: int | None = None, check_complete: bool = True) -> int:
         """Load `varuna_ckpt_<iteration>` (default: the newest complete one); collective.
         Call after set_optimizer so the optimizer state is restored too. Returns the iteration."""
-        return checkpointing.load(self, global_store, iteration, check_complete=check_complete)
+        loaded = checkpointing.load(self, global_store, iteration, check_complete=check_complete)
+        self._held_since = self.iteration
+        self._scheduler_steps = getattr(self.lr_scheduler, "last_epoch", None)
+        return loaded
+
+    def _abandon(self, exc: BaseException) -> None:
+        """The epoch broke inside a step: keep the state of the last completed step, save it from
+        memory for the next epoch (trainer.checkpoint.rescue), and leave; the caller re-raises a
+        failure. Nothing is saved when the failure hit the optimizer half-way through the step."""
+        self.control.abandonable = False
+        if self._applying:
+            log.error("rank %d: the epoch broke while the optimizer applied step %d: this worker's state is "
+                      "half-updated and is not saved", self.rank, self.iteration)
+            return
+        if self._applied:   # the step was applied before the failure: the state is the next one
+            self.iteration += 1
+            self._applied = False
+        log.warning("rank %d: abandoning step %d: %s", self.rank, self.iteration, str(exc).splitlines()[0][:300]
+                    if str(exc) else type(exc).__name__)
+        self._rescue()
+        if self.assignment.control:
+            self._leave(exc)
+        if isinstance(exc, StepAbandoned):
+            raise StopRequested(self.iteration) from exc
+
+    def _leave(self, exc: BaseException) -> None:
+        """Exit now, under the daemon, once a broken epoch's state is saved: tearing the process
+        group down waits on collectives a dead peer will never join, and the daemon must see this
+        worker gone (a failure: the leader acts on it at once; a stop it asked for: 75)."""
+        traceback.print_exception(exc)
+        self._settle_upload()   # a staged checkpoint still on its way is worth its wait
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(STOPPED_EXIT_CODE if isinstance(exc, StepAbandoned) else 1)
+
+    def _rescue_if_asked(self) -> None:
+        """A rescue asked for between steps, or while the optimizer applied one: the state is whole."""
+        if self.control.rescue_requested:
+            self.control.abandonable = False
+            self._rescue()
+            if self.assignment.control:
+                self._leave(StepAbandoned("the daemon says this epoch is broken"))
+            raise StopRequested(self.iteration)
+
+    def _rescue(self) -> None:
+        a = self.assignment
+        if not a.store or self.iteration == self._held_since:
+            return   # nothing newer than what the store (or the initialisation) already gives
+        self.control.rescuing(self.iteration)
+        try:
+            saved = rescue.save_from_memory(self, a.store)
+        except (CheckpointError, OSError) as exc:
+            log.error("rank %d: could not save step %d from memory: %s", self.rank, self.iteration, exc)
+            return
+        log.warning("rank %d: saved this stage's state of step %d from memory (%s)", self.rank, self.iteration,
+                    f"the checkpoint is complete: {saved}" if saved else "other stages' survivors complete it")
 
     def close(self) -> None:
         """Release sockets and the process group; also run at interpreter exit."""
@@ -489,6 +580,9 @@ class Varuna:
                               float(self.control.checkpoint_requested), float(self.control.stop_requested)],
                              dtype=torch.float64)
         stats = self._agree(stats)
+        # From here the step is applied: a rescue waits for it to be whole (the next boundary).
+        self.control.abandonable = False
+        self._applying = True
         self._agreed = {"checkpoint": bool(stats[3] > 0), "stop": bool(stats[4] > 0)}
         scale = self.scaler.scale
         overflow = bool(stats[2] > 0)
@@ -503,6 +597,20 @@ class Varuna:
                     if p.grad is not None:
                         p.grad.mul_(factor)
             self.optimizer.step()
+            self._step_scheduler()
         self.scaler.update(overflow)
         self.grad_norm = norm
+        self._applying, self._applied = False, True
         return {"loss": float(stats[1]), "overflow": overflow}
+
+    def _step_scheduler(self) -> None:
+        sched = self.lr_scheduler
+        if sched is None:
+            return
+        if self._scheduler_steps is not None and getattr(sched, "last_epoch", None) != self._scheduler_steps:
+            raise ConfigError(f"the learning-rate scheduler was stepped outside Varuna (last_epoch "
+                              f"{sched.last_epoch}, {self._scheduler_steps} expected)",
+                              hint="step() steps the scheduler given to set_optimizer: remove the script's "
+                                   "own scheduler.step()")
+        sched.step()
+        self._scheduler_steps = getattr(sched, "last_epoch", None)

@@ -204,6 +204,11 @@ class MorphEvent:
     checkpoint: bool  # whether the old workers were asked to checkpoint
     restart: bool = False  # a worker failed and no VM was lost: the same work started again
     cause: str = ""  # what happened, in a few words ("vm4 was lost"), for progress lines and plots
+    # where the new epoch resumed from (varunad.control.resume): "replicas" (saved from the
+    # survivors' memory), "checkpoint", "scratch"; "" when the leader could not read the store
+    source: str = ""
+    resumed_from: int = -1  # the step it resumed at (-1: unknown)
+    source_why: str = ""    # for a fallback to the store: what the replicas could not provide
 
     @property
     def duration_s(self) -> float:

@@ -110,7 +110,8 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
         "morphs": [{"reason": m.reason, "from": m.from_shape, "to": m.to_shape, "from_epoch": m.from_epoch,
                     "to_epoch": m.to_epoch, "noticed_at": m.noticed_at, "stopped_at": m.stopped_at,
                     "planned_at": m.planned_at, "duration_s": round(m.duration_s, 3), "checkpoint": m.checkpoint,
-                    "restart": m.restart, "cause": m.cause}
+                    "restart": m.restart, "cause": m.cause, "source": m.source, "resumed_from": m.resumed_from,
+                    "source_why": m.source_why}
                    for m in state.morphs],
         "last_morph": None if last is None else f"{last.from_shape} -> {last.to_shape} because {last.reason}",
         "loss_history": [[s, v] for s, v in history],

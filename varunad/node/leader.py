@@ -43,6 +43,7 @@ from varunad.control.links import LinkSurvey, apply_links
 from varunad.node.metrics import DaemonMetrics
 from varunad.node.peers import PeerClients
 from varunad.control.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
+from varunad.control.resume import ResumeSource, resume_source
 from varunad.store.contract import Store, StoreError, Watch
 
 __all__ = ["Leader"]
@@ -227,7 +228,7 @@ class Leader:
         if d.action == "await_stop":
             plan = snap.plan
             assert plan is not None
-            if not await self._wait_stopped(plan.stop_epoch, plan.checkpoint):
+            if not await self._wait_stopped(plan.stop_epoch):
                 log.warning("leader: workers of epoch %d did not all stop in time; planning without waiting",
                             plan.stop_epoch)
             return await self._start(d.job, d.reason)
@@ -279,7 +280,7 @@ class Leader:
             return
         target = snap.plan_epoch if plan.kind != "stop" else plan.stop_epoch
         await self._write_stop(snap, job, target, checkpoint=checkpoint, reason=reason)
-        await self._wait_stopped(target, checkpoint)
+        await self._wait_stopped(target)
 
     async def _write_stop(self, snap: FleetSnapshot, job: str, epoch: int, *, checkpoint: bool, reason: str) -> None:
         # Without a checkpoint the epoch is broken (a member lost, a worker failed, a cancel): no
@@ -290,10 +291,11 @@ class Leader:
         for name, (member, _) in snap.members.items():
             await self.clients.send(name, member.endpoint, msg)
 
-    async def _wait_stopped(self, epoch: int, checkpoint: bool) -> bool:
-        """Until no live member reports a worker of ``epoch`` or older alive (bounded)."""
-        grace = self.config.stop_grace if checkpoint else self.config.abort_grace
-        limit = grace + 2 * self.t + 5.0
+    async def _wait_stopped(self, epoch: int) -> bool:
+        """Until no live member reports a worker of ``epoch`` or older alive (bounded). Without a
+        checkpoint too the bound is ``stop_grace``: survivors save their state from memory first
+        (the daemons SIGKILL a worker that does not say it is doing so after ``abort_grace``)."""
+        limit = self.config.stop_grace + 2 * self.t + 5.0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
         while loop.time() < deadline:
@@ -346,10 +348,11 @@ class Leader:
         await self._put_state(state.but(state="morphing", reason=(
             f"a worker failed ({who}): stopping the epoch, then checking which VMs answer" if d.failure else d.reason)))
         await self._write_stop(snap, job, epoch, checkpoint=d.checkpoint, reason=d.reason)
-        if not await self._wait_stopped(epoch, d.checkpoint):
+        if not await self._wait_stopped(epoch):
             log.warning("leader: not every worker of epoch %d reported stopping; planning without them", epoch)
         stopped = time.time()
         restart = False
+        lost: list[str] = []
         cause = cause_of(reason)
         if d.failure:
             answered = await self.clients.ping(
@@ -384,9 +387,29 @@ class Leader:
                 cause = "a worker failed"
                 reason = (f"{what} ({who}): starting the same plan again from the newest checkpoint "
                           f"(restart {restarts} of at most {self.config.max_restarts})")
+        resumed = await self._resume_source(job, plan, lost if d.failure else [])
         self.memory.morph[job] = dict(reason=reason, from_shape=plan.shape, from_epoch=epoch, noticed_at=noticed,
-                                      stopped_at=stopped, checkpoint=d.checkpoint, restart=restart, cause=cause)
+                                      stopped_at=stopped, checkpoint=d.checkpoint, restart=restart, cause=cause,
+                                      source=resumed.source, resumed_from=-1 if resumed.step is None else resumed.step,
+                                      source_why=resumed.why)
+        if resumed.words:
+            log.info("leader: %s resumes %s", job, resumed.words)
         return await self._start(job, reason)
+
+    async def _resume_source(self, job: str, plan: PlanDoc, lost: list[str]) -> ResumeSource:
+        """Where the next epoch will resume, read from the store once the old workers are gone."""
+        snap = await read_fleet(self.store, self.keys, timeout=self.t)
+        gone = sorted(set(lost) | {m for m in plan.members if m not in snap.members})
+        entry = snap.entry(job)
+        state = snap.states.get(job)
+        store = (state.store if state is not None and state.store else
+                 job_store(entry.spec, self.config.store) if entry is not None and entry.spec is not None else "")
+        if not store:
+            return ResumeSource("", None, "")
+        found = await asyncio.to_thread(resume_source, store, plan, gone)
+        if found.source != "replicas" and gone and not found.why:
+            found = ResumeSource(found.source, found.step, "the survivors held no common step newer than it")
+        return found
 
     def _ping_timeout(self) -> float:
         return max(0.5, min(2.0, self.config.ttl / 4))

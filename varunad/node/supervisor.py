@@ -15,7 +15,11 @@ Each worker
 
 A stop request gives the workers a grace period (``stop_grace`` with a checkpoint,
 ``abort_grace`` without: a worker blocked on a dead peer never reaches a step boundary), then
-the daemon SIGKILLs their process groups. What the workers did goes to etcd through
+the daemon SIGKILLs their process groups. A stop without a checkpoint means the epoch is broken:
+each worker that has trained a step gets the rescue signal (``RESCUE_SIGNAL``), abandons its
+step and saves what it holds from memory (trainer.checkpoint.rescue); one that says it is doing
+so (``WorkerRescuing``) is given ``stop_grace`` instead, and a new epoch's workers start only
+once it is done. What the workers did goes to etcd through
 ``varunad.node.reporter`` (the report at once, progress and loss history throttled, logs in chunks).
 
 One module over 500 lines: starting, stopping and hearing from the workers all act on the one table
@@ -42,8 +46,9 @@ import zmq
 import zmq.asyncio
 
 from protocol.errors import ProtocolError
-from protocol.messages import CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
-from trainer.engine.control import STOPPED_EXIT_CODE
+from protocol.messages import (CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, WorkerRescuing, decode,
+                               encode)
+from trainer.engine.control import RESCUE_SIGNAL, STOPPED_EXIT_CODE
 from trainer.worker_env import WorkerAssignment
 from trainer.launch import worker_environment as launch_environment
 from trainer.net.netaddr import numeric_address
@@ -131,6 +136,7 @@ class _SupervisedWorker:
     log_offset: int = 0
     token: str = ""  # the secret this worker names itself by on the control socket
     stop_request: bytes | None = None  # resent until the worker exits (a stop may be lost)
+    rescuing: int | None = None  # the step it is saving from memory (WorkerRescuing)
 
     @property
     def identity(self) -> bytes:
@@ -223,6 +229,7 @@ class Supervisor:
     async def start_epoch(self, doc: PlanDoc, epoch: int, spec: JobSpec, script: Path) -> None:
         """Start a worker for each slot ``doc`` gives this member (after ending any older ones):
         ``script`` (the job's unpacked entry point) with ``spec``'s arguments and settings."""
+        await self._rescues_done()
         await self.kill_all("a newer plan replaces them")
         member = self.membership.member
         store_dir = job_store(spec, self.config.store)
@@ -259,6 +266,7 @@ class Supervisor:
         It measures what a training worker of this host will see: as many torch threads, and on a
         CPU host whose slots share the cores, all of them busy at once (the profiler forks one
         process per slot; that needs one thread each, else the lone slot is measured)."""
+        await self._rescues_done()
         await self.kill_all("a newer plan replaces them")
         member = self.membership.member
         self._begin(doc.job or "", epoch)
@@ -386,18 +394,16 @@ class Supervisor:
         if grace is None:
             grace = self.config.stop_grace if checkpoint else self.config.abort_grace
         if grace <= 0:
-            for w in targets:
-                w.killed_by_daemon = True
-                if w.proc is not None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(w.proc.pid, signal.SIGKILL)
-            if targets:
-                log.info("%s: killed %d worker(s) of a broken epoch (%s)", self.name, len(targets), reason)
+            self._rescue_or_kill(targets, reason)
             return len(targets)
         for w in targets:
             msg = StopWorkers(job=w.job, epoch=w.epoch, reason=str(reason)[:1000], checkpoint=checkpoint)
             w.stop_request = encode(msg)
             self._deliver(w, msg)
+            if not checkpoint:
+                self._signal_rescue(w)
+            if w.rescuing is not None:
+                continue   # its timer is stop_grace already (_on_rescuing)
             if w.kill_task is None or checkpoint is False:
                 if w.kill_task is not None:
                     w.kill_task.cancel()
@@ -406,6 +412,58 @@ class Supervisor:
             log.info("%s: asked %d worker(s) to stop (%s; checkpoint=%s, SIGKILL after %.0fs)", self.name,
                      len(targets), reason, checkpoint, grace)
         return len(targets)
+
+    def _rescue_or_kill(self, targets: list[_SupervisedWorker], reason: str) -> None:
+        """A broken epoch: a worker that trained a step may hold state newer than the store's, so it
+        gets the rescue signal and ``abort_grace`` (``stop_grace`` once it says it is saving);
+        one that never reported a step has nothing to save and is SIGKILLed now."""
+        rescued = 0
+        for w in targets:
+            if self._signal_rescue(w):
+                rescued += 1
+                if w.kill_task is None:
+                    w.kill_task = asyncio.get_running_loop().create_task(
+                        self._kill_after(w, self.config.abort_grace))
+                continue
+            w.killed_by_daemon = True
+            if w.proc is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(w.proc.pid, signal.SIGKILL)
+        if targets:
+            log.info("%s: %d worker(s) of a broken epoch (%s): %d asked to save their state from memory, "
+                     "the others killed", self.name, len(targets), reason, rescued)
+
+    def _signal_rescue(self, w: _SupervisedWorker) -> bool:
+        """Send the rescue signal to a worker that has trained a step (only it has state to save)."""
+        if w.proc is None or (w.step < 0 and w.rescuing is None):
+            return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(w.proc.pid, RESCUE_SIGNAL)
+        return True
+
+    def _on_rescuing(self, w: _SupervisedWorker, msg: WorkerRescuing) -> None:
+        w.rescuing = msg.step
+        log.info("%s: rank %d of %s epoch %d is saving step %d from memory (SIGKILL in %.0fs at the latest)",
+                 self.name, w.rank, w.job, w.epoch, msg.step, self.config.stop_grace)
+        if w.kill_task is not None:
+            w.kill_task.cancel()
+        w.kill_task = asyncio.get_running_loop().create_task(self._kill_after(w, self.config.stop_grace))
+
+    async def _rescues_done(self) -> None:
+        """Wait for the workers saving a broken epoch's state (bounded: they are SIGKILLed at their
+        deadline): the new epoch must find their checkpoint whole when it chooses where to resume."""
+        saving = [w for w in self.alive() if w.rescuing is not None]
+        if not saving:
+            return
+        log.info("%s: waiting for %d worker(s) saving step %s from memory before starting the new epoch",
+                 self.name, len(saving), sorted({w.rescuing for w in saving}))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.stop_grace + 1.0
+        while any(w.alive for w in saving) and loop.time() < deadline:
+            self._exited.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await self._exited.wait()
 
     def checkpoint_now(self, job: str, epoch: int, reason: str) -> None:
         for w in self.alive():
@@ -501,7 +559,7 @@ class Supervisor:
             except ProtocolError as exc:
                 self._drop(str(exc))
                 continue
-            if not isinstance(msg, (WorkerProgress, WorkerCheckpointed)):
+            if not isinstance(msg, (WorkerProgress, WorkerCheckpointed, WorkerRescuing)):
                 self._drop(f"unexpected {type(msg).__name__} from a worker")
                 continue
             w = self.workers.get(msg.rank)
@@ -520,6 +578,8 @@ class Supervisor:
                 self._send(w, w.stop_request)  # idempotent; confirmed only by the worker's exit
             if isinstance(msg, WorkerProgress):
                 self._on_progress(w, msg)
+            elif isinstance(msg, WorkerRescuing):
+                self._on_rescuing(w, msg)
             else:
                 self.metrics.worker_checkpointed(job=msg.job, stalled_s=msg.stalled_s)
                 log.info("%s: rank %d checkpointed step %d of %s (training stood still %.2fs for it)", self.name,

@@ -1,0 +1,91 @@
+"""Where a job's next epoch resumes from, as the leader can tell from the store: the step and why.
+
+After a broken epoch the survivors save what they hold from memory (trainer.checkpoint.rescue);
+the new epoch's workers then resume from the newest complete checkpoint, which is that rescue
+when every stage kept a live replica, and the store's newest periodic (or notice) checkpoint
+when some stage lost all of its replicas. The leader reads the same manifests (plain JSON: the
+control plane does not import torch) to write the morph's source into the job's record, in
+words a user can act on: "replicas", "checkpoint 60" and, for a fallback, which stages had no
+live replica on which VMs. Checksums are the workers' to verify: a checkpoint that turns out
+corrupt makes them fall back further, and the report's redone steps (from the steps the new
+epoch actually trained) say so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from varunad.control.plans import PlanDoc
+
+__all__ = ["ResumeSource", "resume_source"]
+
+_CKPT = re.compile(r"varuna_ckpt_(0|[1-9][0-9]*)")
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeSource:
+    source: str            # "replicas" | "checkpoint" | "scratch" | "" (a store the leader cannot read)
+    step: int | None       # the step the next epoch starts at
+    why: str               # for a fallback: what the replicas could not provide
+
+    @property
+    def words(self) -> str:
+        if self.source == "replicas":
+            return f"from replicas at step {self.step}"
+        if self.source == "checkpoint":
+            return f"from checkpoint {self.step}" + (f" ({self.why})" if self.why else "")
+        if self.source == "scratch":
+            return "from scratch" + (f" ({self.why})" if self.why else "")
+        return ""
+
+
+def _newest_complete(store: str) -> tuple[int, dict] | None:
+    try:
+        names = os.listdir(store)
+    except OSError:
+        return None
+    for step in sorted((int(m.group(1)) for n in names if (m := _CKPT.fullmatch(n))), reverse=True):
+        try:
+            with open(os.path.join(store, f"varuna_ckpt_{step}", "manifest.json"), encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue   # not committed (yet), or damaged: the workers skip it too
+        if isinstance(doc, dict) and doc.get("complete") is True and doc.get("iteration") == step:
+            return step, doc
+    return None
+
+
+def _orphaned_stages(plan: PlanDoc | None, lost: Collection[str]) -> str:
+    """'stage 1 had no live replica (vm3)' for the stages whose every replica was on a lost VM."""
+    if plan is None or plan.kind != "run" or not lost:
+        return ""
+    gone: dict[int, set[str]] = {}
+    for stage in range(plan.pipeline_depth):
+        members = {s.member for s in plan.slots if s.stage == stage}
+        if members and members <= set(lost):
+            gone[stage] = members
+    if not gone:
+        return ""
+    stages = sorted(gone)
+    vms = sorted(set().union(*gone.values()))
+    label = f"stage {stages[0]}" if len(stages) == 1 else "stages " + ", ".join(map(str, stages))
+    return f"{label} had no live replica ({', '.join(vms)})"
+
+
+def resume_source(store: str, plan: PlanDoc | None, lost: Collection[str]) -> ResumeSource:
+    """What the next epoch of the job whose old plan was `plan` will resume from, given the VMs
+    `lost` with it. A store that is not a local path (an object store URL) is not read."""
+    if "://" in store:
+        return ResumeSource("", None, "")
+    newest = _newest_complete(store)
+    if newest is None:
+        return ResumeSource("scratch", 0, _orphaned_stages(plan, lost) or "no complete checkpoint yet")
+    step, doc = newest
+    meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
+    if meta.get("source") == "replicas":
+        return ResumeSource("replicas", step, "")
+    return ResumeSource("checkpoint", step, _orphaned_stages(plan, lost))
