@@ -1,27 +1,37 @@
 """Morph latency: from a lost VM (kill -9) or a preemption notice (SIGTERM) to the job's first step
-in its new epoch, split into where the time goes.
+in its new epoch, split into where the time goes, and how many steps the new epoch trained again.
 
-A ring of three real varunad processes on loopback (one slot each, a private etcd, CURVE off)
+A ring of four real varunad processes on loopback (one slot each, a private etcd, CURVE off)
 trains the tiny GPT as a pipeline (the daemons calibrate it with the test job's synthetic
-calibration, which does not fit one slot) with a checkpoint every 3 steps. Each trial waits for
-the job to run on all three members, then:
+calibration, which does not fit one slot) with a checkpoint every 10 steps, in two shapes:
+
+* 2x2 (`--cheap-allreduce`: the calibration makes data parallelism nearly free): every stage has
+  a second replica, so after a kill -9 the survivors save the step they hold and the new epoch
+  starts there (trainer.checkpoint.rescue);
+* 4x1: the lost VM's stage has no other replica, so the new epoch falls back to the store's
+  newest checkpoint and redoes the steps since.
+
+Each trial waits for the job to run on all four members, then:
 
 * kill:   SIGKILL to a non-leading member's process group (its workers die with it);
 * notice: SIGTERM to a non-leading member (checkpoint, then leave the fleet).
 
-It then reads the leader's morph record and the new epoch's worker logs and reports
+It then reads the leader's morph record, the job's status and the new epoch's worker logs:
   detect   the event -> the leader decides to morph: after kill -9 the lease TTL, or sooner when a
            surviving worker's all-reduce fails and the lost member does not answer a ping; after a
            notice, the leaving member marks itself at once
-  stop     the decision -> every old worker gone
+  stop     the decision -> every old worker gone (after a kill, the survivors' save from memory)
   plan     every old worker gone -> the new plan written in etcd
   restart  plan written -> the slowest new worker is ready to load (spawn, imports, tracing, rendezvous)
-  load     the slowest checkpoint load
+  load     the slowest checkpoint load (the transfer of the saved state into the new workers)
   step     -> the first step of the new epoch done
-The killed member is restarted between trials (a scale-up morph, threshold 0, brings it back in).
+  redone   steps the new epoch trained that the old one had already trained
+  source   where the new epoch's state came from, as the morph record says
+The lost member is restarted between trials (a scale-up morph, threshold 0, brings it back in).
 
 Run:  python benchmarks/morph.py [--quick] [--trials N]
-The last line is `bench morph: kill_to_resume_s=<median, TTL 5 s> notice_to_resume_s=<median>`.
+The last line is `bench morph: kill_to_resume_s=<median, 2x2, TTL 5 s> notice_to_resume_s=<median,
+2x2> steps_redone=<median, 2x2 kill>`.
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from etcd_server import EtcdServer  # noqa: E402
 from ring import Ring  # noqa: E402
 
-NAMES = ["d1", "d2", "d3"]
+NAMES = ["d1", "d2", "d3", "d4"]
+SHAPES = {"2x2": ("--cheap-allreduce",), "4x1": ()}
 _TIMING = re.compile(r"TIMING start=([\d.]+) before_load=([\d.]+) loaded=([\d.]+)")
 _STEP = re.compile(r"^step (\d+) loss [\d.]+ t=([\d.]+)", re.M)
 
@@ -77,8 +88,17 @@ def _wait_full(ring: Ring, job: str) -> dict:
     return ring.status(job)
 
 
-def trial(ring: Ring, job: str, how: str) -> dict[str, float]:
+def _redone(st: dict, old_epoch: int, new_epoch: int) -> int:
+    epochs = st["epochs"]
+    if str(old_epoch) not in epochs or str(new_epoch) not in epochs:
+        return -1
+    return max(0, epochs[str(old_epoch)][1] - epochs[str(new_epoch)][0] + 1)
+
+
+def trial(ring: Ring, job: str, how: str, shape: str) -> dict:
     st = _wait_full(ring, job)
+    if f"{st['plan']['P']}x{st['plan']['D']}" != shape:
+        raise SystemExit(f"the job runs as {st['plan']['P']}x{st['plan']['D']}, not {shape}: the calibration changed?")
     leader = ring.leader()
     victim = next(m for m in st["plan"]["members"] if m != leader)
     morphs = len(st["morphs"])
@@ -91,6 +111,8 @@ def trial(ring: Ring, job: str, how: str) -> dict[str, float]:
                    and victim not in s["plan"]["members"] and s, timeout=180, what="the morph")
     first_morph, morph = st["morphs"][morphs], st["morphs"][-1]  # more than one when a restart came between
     ready, loaded, first = _epoch_timing(ring, job, morph["to_epoch"])
+    st = ring.poll(lambda: str(morph["to_epoch"]) in (s := ring.status(job))["epochs"] and s, timeout=60,
+                   what="the new epoch's first step in the status")
     if how != "kill":
         ring.daemons[victim].proc.wait(60)
     ring.start(victim)  # back for the next trial (a scale-up morph)
@@ -102,11 +124,14 @@ def trial(ring: Ring, job: str, how: str) -> dict[str, float]:
         "load": loaded - ready,
         "step": first - loaded,
         "total": first - event,
+        "redone": _redone(st, first_morph["from_epoch"], morph["to_epoch"]),
+        "source": (morph.get("source") or "?") + (f" {morph['resumed_from']}" if morph.get("resumed_from", -1) >= 0
+                                                  else ""),
         "trigger": first_morph["reason"],
     }
 
 
-def run_config(base: Path, ttl: float, hows: list[str], trials: int) -> dict[str, list[dict]]:
+def run_config(base: Path, ttl: float, shape: str, hows: list[str], trials: int) -> dict[str, list[dict]]:
     server = EtcdServer()
     server.start()
     ring = Ring(base, server.endpoint, root="/bench/", ttl=ttl,
@@ -117,15 +142,16 @@ def run_config(base: Path, ttl: float, hows: list[str], trials: int) -> dict[str
         for name in NAMES:
             ring.start(name)
         ring.wait_members(NAMES)
-        job = f"bench-ttl{int(ttl)}"
-        ring.submit(job, steps=100000, script_args=("--step-sleep", "0.2"))
+        job = f"bench-{shape}-ttl{int(ttl)}"
+        ring.submit(job, steps=100000, every=10, script_args=("--step-sleep", "0.2", *SHAPES[shape]))
         for i in range(trials):
             for how in hows:
-                r = trial(ring, job, how)
+                r = trial(ring, job, how, shape)
                 results[how].append(r)
-                print(f"  ttl={ttl:>4.0f}s {how:<6} trial {i + 1}: total {r['total']:6.2f}s = detect {r['detect']:5.2f} "
-                      f"+ stop {r['stop']:5.2f} + plan {r['plan']:5.2f} + restart {r['restart']:5.2f} + load "
-                      f"{r['load']:5.2f} + step {r['step']:5.2f}   ({r['trigger'][:70]})", flush=True)
+                print(f"  {shape} ttl={ttl:>2.0f}s {how:<6} trial {i + 1}: total {r['total']:6.2f}s = detect "
+                      f"{r['detect']:5.2f} + stop {r['stop']:5.2f} + plan {r['plan']:5.2f} + restart {r['restart']:5.2f}"
+                      f" + load {r['load']:5.2f} + step {r['step']:5.2f}; redone {r['redone']}, from {r['source']}"
+                      f"   ({r['trigger'][:60]})", flush=True)
         ring.varunactl("cancel", job)
     finally:
         ring.close()
@@ -133,28 +159,38 @@ def run_config(base: Path, ttl: float, hows: list[str], trials: int) -> dict[str
     return results
 
 
-def _median_row(label: str, rows: list[dict]) -> float:
-    keys = ["detect", "stop", "plan", "restart", "load", "step", "total"]
+def _median_row(label: str, rows: list[dict]) -> tuple[float, float]:
+    keys = ["detect", "stop", "plan", "restart", "load", "step", "total", "redone"]
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
-    print(f"{label:<22} " + "  ".join(f"{k} {med[k]:6.2f}" for k in keys))
-    return med["total"]
+    sources = sorted({r["source"].split()[0] for r in rows})
+    print(f"| {label} | " + " | ".join(f"{med[k]:.2f}" for k in keys[:-1]) + f" | {med['redone']:g} | "
+          f"{', '.join(sources)} |")
+    return med["total"], med["redone"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="one trial per case, TTL 5 s only for kill -9")
+    p.add_argument("--quick", action="store_true", help="one trial per case")
     p.add_argument("--trials", type=int, default=3, help="trials per case (default 3)")
+    p.add_argument("--shapes", default="2x2,4x1", help="comma-separated, of " + ", ".join(SHAPES))
     args = p.parse_args()
     trials = 1 if args.quick else args.trials
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        p.error(f"unknown shape(s) {unknown}: choose from {sorted(SHAPES)}")
     with tempfile.TemporaryDirectory(prefix="bench-morph-") as tmp:
-        five = run_config(Path(tmp) / "ttl5", 5.0, ["kill", "notice"], trials)
-        ten = {} if args.quick else run_config(Path(tmp) / "ttl10", 10.0, ["kill"], trials)
-    print("median seconds:")
-    kill5 = _median_row("kill -9, TTL 5 s", five["kill"])
-    if ten:
-        _median_row("kill -9, TTL 10 s", ten["kill"])
-    notice = _median_row("SIGTERM notice, TTL 5 s", five["notice"])
-    print(f"bench morph: kill_to_resume_s={kill5:.2f} notice_to_resume_s={notice:.2f}")
+        results = {shape: run_config(Path(tmp) / shape, 5.0, shape, ["kill", "notice"], trials) for shape in shapes}
+    print("\nmedian seconds, TTL 5 s:")
+    print("| case | detect | stop | plan | restart | load | step | total | steps redone | source |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    summary = {}
+    for shape, by_how in results.items():
+        for how, rows in by_how.items():
+            summary[shape, how] = _median_row(f"{shape} {'kill -9' if how == 'kill' else 'SIGTERM notice'}", rows)
+    head = shapes[0]
+    print(f"bench morph: kill_to_resume_s={summary[head, 'kill'][0]:.2f} "
+          f"notice_to_resume_s={summary[head, 'notice'][0]:.2f} steps_redone={summary[head, 'kill'][1]:g}")
 
 
 if __name__ == "__main__":

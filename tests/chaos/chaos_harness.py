@@ -355,8 +355,20 @@ def corrupt_newest_checkpoint(run: Run) -> None:
     victim.write_bytes(bytes(data))
     run.checks.append(lambda st: None if any(f"skipping checkpoint {newest}" in w for w in st.get("warnings", []))
                       else f"status does not say checkpoint {newest} was refused: {st.get('warnings')}")
-    # and make the epoch restart from it: kill a member, as a lost VM would
-    kill9_member(run)
+    # and make the epoch restart from the store: every worker dies at once (an OOM killer's sweep),
+    # so no replica survives to save a newer step from memory (a lost VM no longer would do)
+    kill9_all_workers(run)
+
+
+def kill9_all_workers(run: Run) -> None:
+    workers = [child for d in run.ring.daemons.values() if d.alive
+               for child in psutil.Process(d.proc.pid).children(recursive=True)]
+    assert workers, "no worker to kill"
+    for w in workers:
+        try:
+            w.kill()
+        except psutil.Error:
+            pass
 
 
 GARBAGE = [b'{"kind":"idle","reason":12345}', b'{"kind":"stop","reason":"x","job":"j","stop_epoch":"abc"}',

@@ -596,21 +596,22 @@ class Varuna:
                 for p in self.parameters():
                     if p.grad is not None:
                         p.grad.mul_(factor)
+            self._check_scheduler()
             self.optimizer.step()
-            self._step_scheduler()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+                self._scheduler_steps = getattr(self.lr_scheduler, "last_epoch", None)
         self.scaler.update(overflow)
         self.grad_norm = norm
         self._applying, self._applied = False, True
         return {"loss": float(stats[1]), "overflow": overflow}
 
-    def _step_scheduler(self) -> None:
+    def _check_scheduler(self) -> None:
         sched = self.lr_scheduler
-        if sched is None:
+        if sched is None or self._scheduler_steps is None:
             return
-        if self._scheduler_steps is not None and getattr(sched, "last_epoch", None) != self._scheduler_steps:
+        if getattr(sched, "last_epoch", None) != self._scheduler_steps:
             raise ConfigError(f"the learning-rate scheduler was stepped outside Varuna (last_epoch "
                               f"{sched.last_epoch}, {self._scheduler_steps} expected)",
                               hint="step() steps the scheduler given to set_optimizer: remove the script's "
                                    "own scheduler.step()")
-        sched.step()
-        self._scheduler_steps = getattr(sched, "last_epoch", None)

@@ -96,6 +96,10 @@ class Leader:
         self.clients = clients
         self.clock = clock
         self.memory = LeaderMemory()
+        # member -> (lease, when) of a member that did not answer a ping while its lease still
+        # stood: a vanished VM. Not pinged again, so each phase of one morph does not wait the
+        # ping timeout for it once more; it comes back with a new lease (a new registration).
+        self._silent: dict[str, tuple[int, float]] = {}
         self.metrics = metrics if metrics is not None else DaemonMetrics()
         self._changed = asyncio.Event()
         self._last_sentence = ""
@@ -298,15 +302,29 @@ class Leader:
         limit = self.config.stop_grace + 2 * self.t + 5.0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
+        # A vanished VM's last report says its workers are alive until its lease runs out: one that
+        # does not answer a ping is not waited for (its workers died with it).
+        silent: set[str] = set()
+        next_ping = loop.time() + 0.5
         while loop.time() < deadline:
             try:
                 snap = await read_fleet(self.store, self.keys, timeout=self.t)
             except StoreError as exc:
                 log.debug("leader: reading reports while waiting for a stop: %s", exc)
             else:
-                alive = [m for m, r in snap.reports.items() if m in snap.members and r.alive(epoch)]
+                alive = [m for m, r in snap.reports.items()
+                         if m in snap.members and m not in silent and r.alive(epoch)]
                 if not alive:
                     return True
+                if loop.time() >= next_ping:
+                    answered = await self.clients.ping([(m, snap.members[m][0].endpoint) for m in alive],
+                                                       self._ping_timeout())
+                    if set(alive) - answered:
+                        log.info("leader: not waiting for %s: it does not answer a ping",
+                                 ", ".join(sorted(set(alive) - answered)))
+                    silent |= set(alive) - answered
+                    self._mark_silent(snap, set(alive) - answered)
+                    next_ping = loop.time() + 1.0
             if not self.election.is_leader():
                 raise NotLeader("lost leadership while waiting for workers to stop")
             await asyncio.sleep(0.1)
@@ -355,9 +373,7 @@ class Leader:
         lost: list[str] = []
         cause = cause_of(reason)
         if d.failure:
-            answered = await self.clients.ping(
-                [(m, snap.members[m][0].endpoint) for m in plan.members if m in snap.members],
-                self._ping_timeout())
+            answered = await self._answering(await read_fleet(self.store, self.keys, timeout=self.t), plan.members)
             lost = sorted(set(plan.members) - answered)
             state = await self._state(job)
             # the worker's own words (often gloo's, from a peer that vanished) stay in this log and in
@@ -414,6 +430,30 @@ class Leader:
     def _ping_timeout(self) -> float:
         return max(0.5, min(2.0, self.config.ttl / 4))
 
+    def _mark_silent(self, snap: FleetSnapshot, names: set[str]) -> None:
+        now = time.time()
+        for m in names:
+            if m in snap.members:
+                self._silent[m] = (snap.members[m][1], now)
+
+    def _known_silent(self, snap: FleetSnapshot, name: str) -> bool:
+        """Whether `name` went silent under the lease it still holds (within two TTLs)."""
+        seen = self._silent.get(name)
+        if seen is None or name not in snap.members:
+            return False
+        lease, when = seen
+        if snap.members[name][1] != lease or time.time() - when > 2 * self.config.ttl:
+            del self._silent[name]
+            return False
+        return True
+
+    async def _answering(self, snap: FleetSnapshot, names) -> set[str]:
+        """The members of `names` that answer a ping, not waiting again for one known silent."""
+        ask = [(m, snap.members[m][0].endpoint) for m in names if m in snap.members and not self._known_silent(snap, m)]
+        answered = await self.clients.ping(ask, self._ping_timeout())
+        self._mark_silent(snap, {m for m, _ in ask} - answered)
+        return answered
+
     # -- planning -------------------------------------------------------------------------------------------
 
     async def _calibrations(self, spec: JobSpec, kinds: list[str]) -> tuple[dict[str, Calibration], bool, list[str]]:
@@ -433,7 +473,7 @@ class Leader:
 
     async def _candidates(self, snap: FleetSnapshot) -> list[tuple]:
         usable = snap.usable()
-        answered = await self.clients.ping([(m.name, m.endpoint) for m, _ in usable], self._ping_timeout())
+        answered = await self._answering(snap, [m.name for m, _ in usable])
         for m, _ in usable:
             if m.name not in answered:
                 log.warning("leader: %s did not answer a ping; planning without it", m.name)

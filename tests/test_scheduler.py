@@ -1,0 +1,71 @@
+"""A learning-rate scheduler given to set_optimizer is stepped by Varuna, once per applied
+optimizer step, so the checkpoint taken inside step() holds it in step with the parameters and
+a resumed run uses the learning rates the uninterrupted one did. One real worker in this process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_stage_tensors import Normed, _batch
+from trainer import Varuna
+from trainer.errors import ConfigError
+
+
+def _worker(lr_lambda):
+    v = Varuna(Normed(), {0: [0]}, _batch, 8, 4)
+    opt = torch.optim.SGD(v.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    v.set_optimizer(opt, lr_scheduler=sched)
+    return v, opt, sched
+
+
+def _train(v, opt, steps):
+    out = []
+    for _ in range(steps):
+        lr = opt.param_groups[0]["lr"]
+        loss, _ = v.step(_batch(8))
+        out.append((v.iteration - 1, lr, loss))
+    return out
+
+
+def _decay(step):
+    return 1.0 / (1 + step)
+
+
+def test_a_resumed_run_uses_the_uninterrupted_learning_rates(tmp_path):
+    v, opt, _ = _worker(_decay)
+    try:
+        whole = _train(v, opt, 6)
+    finally:
+        v.close()
+    assert [lr for _, lr, _ in whole] == pytest.approx([0.05 * _decay(s) for s in range(6)])
+    v, opt, _ = _worker(_decay)
+    try:
+        first = _train(v, opt, 3)
+        v.checkpoint(str(tmp_path))
+    finally:
+        v.close()
+    v, opt, sched = _worker(_decay)
+    try:
+        assert v.load_checkpoint(str(tmp_path)) == 3 and sched.last_epoch == 3
+        rest = _train(v, opt, 3)
+    finally:
+        v.close()
+    resumed = first + rest
+    assert [s for s, _, _ in resumed] == list(range(6))
+    for (_, lr_a, loss_a), (_, lr_b, loss_b) in zip(whole, resumed):
+        assert lr_b == pytest.approx(lr_a) and loss_b == pytest.approx(loss_a, rel=1e-6)
+
+
+def test_a_script_that_also_steps_the_scheduler_is_told_to_stop(tmp_path):
+    v, opt, sched = _worker(_decay)
+    try:
+        v.step(_batch(8))
+        sched.step()   # the habit of plain PyTorch loops: here it would skip a step of the schedule
+        with pytest.raises(ConfigError, match="stepped outside Varuna") as err:
+            v.step(_batch(8))
+        assert "remove the script's own scheduler.step()" in str(err.value.hint)
+    finally:
+        v.close()
