@@ -6,8 +6,8 @@ What it does, with the library calls behind `varunactl up`, `submit`, `watch` an
 starts a private etcd and N daemons on loopback (varunad.ctl.local.up), submits
 examples/train_gpt.py on this package's own Python source (shipped, nothing to download), shows
 the job's live progress (varunad.ctl.progress), kill -9s one daemon that is not the leader halfway
-(a spot VM vanishing: the fleet notices when its lease expires, re-plans and carries on from
-the newest checkpoint with the same global batch), waits until the job is done, saves what
+(a spot VM vanishing: the fleet notices, re-plans and carries on with the same global batch, from
+the survivors' memory when every stage kept a replica, else from the newest checkpoint), waits until the job is done, saves what
 each daemon's metrics endpoint serves (DIR/metrics/), writes the report (`varunactl report`
 into DIR/report/: the data, and with matplotlib, pip install 'varunad[report]', the pictures
 loss.png, timeline.png, timeline_predicted.png and throughput.png), and stops everything
@@ -78,7 +78,7 @@ class Preemption:
         local.kill_daemon(victims[0].name, self.ring.dir)
         self.done = True
         return (f"*** kill -9 {victims[0].name} at step {doc['step']}: a spot VM vanished; the fleet notices "
-                f"when its {self.ring.ttl:g}s lease expires")
+                f"when its peers' connections break or its {self.ring.ttl:g}s lease expires")
 
 
 async def train(store, ring: local.Ring, args: argparse.Namespace) -> dict[str, Any]:
@@ -98,8 +98,16 @@ def summary(doc: dict[str, Any], seconds: float) -> str:
     history = doc["loss_history"]
     loss = f"loss {history[0][1]:.3f} -> {history[-1][1]:.3f}" if history else "no loss recorded"
     shapes = " -> ".join([doc["morphs"][0]["from"], *(m["to"] for m in doc["morphs"])]) if doc["morphs"] else "-"
+    sources = [progress.morph_source(m) for m in doc["morphs"]]
+    resumed = f" {'; '.join(s for s in sources if s)}" if any(sources) else ""
     return (f"demo: {JOB} {doc['state']} at step {doc['step']} in {seconds:.0f}s, {len(doc['morphs'])} morph(s) "
-            f"({shapes}), {loss}")
+            f"({shapes}){resumed}, {redone(doc)} step(s) trained twice, {loss}")
+
+
+def redone(doc: dict[str, Any]) -> int:
+    """Steps an epoch trained that the epoch before it had already trained (resumed from behind)."""
+    ranges = sorted((int(e), r) for e, r in (doc.get("epochs") or {}).items())
+    return sum(max(0, before[1] - after[0] + 1) for (_, before), (_, after) in zip(ranges, ranges[1:]))
 
 
 def report(ring: local.Ring) -> None:

@@ -131,6 +131,15 @@ def test_a_restart_after_a_failure_is_not_called_a_morph():
     assert progress.morph_line(MORPH | {"restart": False}).startswith("morph 2x2 -> 3x1 ")
 
 
+def test_morph_line_says_where_the_new_epoch_resumes_from():
+    assert progress.morph_line(MORPH | {"source": "replicas", "resumed_from": 137}) == \
+        "morph 2x2 -> 3x1 (stopped, re-planned in 4.8s, resuming from replicas at step 137): " \
+        "vm3 left the fleet (its lease ended)"
+    fallback = MORPH | {"source": "checkpoint", "resumed_from": 120, "source_why": "stage 1 had no live replica (vm3)"}
+    assert "resuming from checkpoint 120 (stage 1 had no live replica (vm3))): vm3 left" in progress.morph_line(fallback)
+    assert "resuming" not in progress.morph_line(MORPH | {"source": "", "resumed_from": -1})
+
+
 def test_morph_line_is_one_line_even_when_the_reason_quotes_output():
     morph = MORPH | {"reason": "rank 0 on vm1 failed: exited with code 1; last output:\nTraceback (most recent..."}
     assert progress.morph_line(morph) == \
@@ -268,13 +277,17 @@ def test_quick_demo_morphs_and_finishes_with_lower_loss(tmp_path):
     assert run.returncode == 0, out[-3000:] + run.stderr[-3000:]
     assert leftovers == [] and not (state / local.RING_FILE).exists()
     assert re.search(r"^\*\*\* kill -9 vm\d at step \d+", out, re.M), out
-    assert re.search(r"^morph \d+x\d+ -> \d+x\d+ \(stopped, re-planned in [\d.]+s\): ", out, re.M), out
+    # the morph line says where the new epoch's state comes from
+    assert re.search(r"^morph \d+x\d+ -> \d+x\d+ \(stopped, re-planned in [\d.]+s, resuming from "
+                     r"(replicas at step \d+|checkpoint \d+ \(.+\))\): ", out, re.M), out
     assert re.search(r"^resumed at step \d+ in epoch \d+ after training stood still [\d.]+s "
                      r"\(the report counts the same\)$", out, re.M), out
-    summary = re.search(r"^demo: gpt done at step 240 in \d+s, (\d+) morph\(s\) .*loss ([\d.]+) -> ([\d.]+)$", out,
-                        re.M)
+    summary = re.search(r"^demo: gpt done at step 240 in \d+s, (\d+) morph\(s\) .* resuming from .*, (\d+) step\(s\) "
+                        r"trained twice, loss ([\d.]+) -> ([\d.]+)$", out, re.M)
     assert summary, out
-    morphs, first, last = int(summary[1]), float(summary[2]), float(summary[3])
+    morphs, first, last = int(summary[1]), float(summary[3]), float(summary[4])
+    if "resuming from replicas" in out:   # nothing is trained twice when the survivors held every stage
+        assert int(summary[2]) == 0, out
     assert morphs >= 1 and last < first
     assert "stopped etcd" in out
 
@@ -291,7 +304,7 @@ def test_quick_demo_morphs_and_finishes_with_lower_loss(tmp_path):
     assert cost["device_hours"] > 0
     # The stall runs from the last step before the kill to the first after: beyond the leader's
     # stop and re-plan, it holds the lease wait and the new workers' start-up (seconds, at least).
-    replanned = sum(float(x) for x in re.findall(r"^morph .*re-planned in ([\d.]+)s\)", out, re.M))
+    replanned = sum(float(x) for x in re.findall(r"^morph .*re-planned in ([\d.]+)s[,)]", out, re.M))
     assert cost["morphs"]["downtime_s"] >= replanned + 1.0, (cost["morphs"], replanned)
     served = [(state / "metrics" / f"{name}.txt").read_text() for name in ("vm1", "vm2", "vm3")
               if (state / "metrics" / f"{name}.txt").exists()]

@@ -136,8 +136,7 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
         return Decision("abort", why, job, failure=True)
     verdict = judge_members(plan, epoch, snap.members, snap.reports, now=now, outage_until=outage_until)
     if verdict.gone:
-        return Decision("abort", f"{was_lost(verdict.gone)} (its lease ended): re-planning on the VMs left, from the "
-                                 "newest checkpoint", job)
+        return Decision("abort", f"{was_lost(verdict.gone)} (its lease ended): re-planning on the VMs left", job)
     if verdict.awaited:
         return Decision("wait", f"etcd was unavailable: waiting up to {outage_until - now:.0f}s for "
                                 f"{', '.join(verdict.awaited)} to register again before counting it lost", job)

@@ -184,7 +184,8 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
         "submit", help="submit a training script as a job",
         description="Bundle SCRIPT and the files next to it (size-limited) into etcd as job NAME. The fleet's "
                     "leader runs it when it reaches the head of the queue, as P x D workers chosen for the live "
-                    "VMs, and morphs it (same global batch, from the newest checkpoint) when VMs come and go.")
+                    "VMs, and morphs it (same global batch, from the survivors' memory or the newest checkpoint) "
+                    "when VMs come and go.")
     p.add_argument("--name", required=True, help="job name: letters, digits, . _ - : @")
     p.add_argument("--batch-size", type=int, required=True, metavar="B", help="global batch per step")
     p.add_argument("--chunk-size", default="auto", metavar="M|auto",

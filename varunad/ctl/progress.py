@@ -32,7 +32,7 @@ from typing import Any, TextIO
 from varunad.control.records import stall_before
 from varunad.control.resume import ResumeSource
 
-__all__ = ["Shown", "start", "advance", "finish", "bar_line", "plain_line", "morph_line", "watch"]
+__all__ = ["Shown", "start", "advance", "finish", "bar_line", "plain_line", "morph_line", "morph_source", "watch"]
 
 _CLEAR = "\r\x1b[K"
 _TERMINAL = ("done", "failed", "cancelled")
@@ -122,17 +122,18 @@ def morph_line(morph: dict[str, Any]) -> str:
     # any steps redone from the checkpoint come after it (`varunactl report` counts those).
     what = (f"restart {morph['to']} after a worker failed" if morph.get("restart")
             else f"morph {morph['from']} -> {morph['to']}")
-    return (f"{what} (stopped, re-planned in {morph['duration_s']:.1f}s{_source(morph)}): "
+    source = morph_source(morph)
+    return (f"{what} (stopped, re-planned in {morph['duration_s']:.1f}s{', ' + source if source else ''}): "
             f"{_one_line(morph['reason'], 100)}")
 
 
-def _source(morph: dict[str, Any]) -> str:
-    """', resuming from replicas at step 137' / ', resuming from checkpoint 120 (stage 1 had no live
+def morph_source(morph: dict[str, Any]) -> str:
+    """'resuming from replicas at step 137' / 'resuming from checkpoint 120 (stage 1 had no live
     replica (vm3))': where the state of the new epoch comes from (varunad.control.resume)."""
     step = morph.get("resumed_from")
     words = ResumeSource(str(morph.get("source") or ""), step if isinstance(step, int) and step >= 0 else None,
                          str(morph.get("source_why") or "")).words
-    return f", resuming {words}" if words else ""
+    return f"resuming {words}" if words else ""
 
 
 def _resumed(shown: Shown, doc: dict[str, Any], wall: float) -> tuple[Shown, list[str]]:

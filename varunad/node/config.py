@@ -114,9 +114,11 @@ class DaemonConfig:
     threads: int = 0
     """torch threads per worker (0 = cores / slots)."""
     stop_grace: float = 60.0
-    """Seconds workers get to checkpoint and stop before SIGKILL."""
+    """Seconds workers get to checkpoint and stop before SIGKILL (also a broken epoch's workers saving
+    their state from memory)."""
     abort_grace: float = 3.0
-    """Seconds workers stopped without a checkpoint get before SIGKILL (they may be blocked on a dead peer)."""
+    """Seconds a broken epoch's workers get before SIGKILL unless they say they are saving their state
+    (they may be blocked on a dead peer)."""
     notice_timeout: float = 0.0
     """On SIGTERM, how long to wait for the checkpoint before leaving (0 = stop_grace + 5)."""
     scale_up_threshold: float = 0.1
@@ -264,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The varunad daemon: one per VM. It registers the VM's device slots in etcd under a lease,\n"
                     "takes part in leader election, runs the trainer workers the leader assigns to it, and\n"
                     "reports their progress. The leader plans each job (P stages x D replicas) for the live\n"
-                    "fleet and morphs it from the newest checkpoint when VMs leave or join.\n\n"
+                    "fleet and morphs it (from the survivors' memory or the newest checkpoint) when VMs leave or join.\n\n"
                     "SIGTERM (a preemption notice) makes the workers checkpoint, then the daemon leaves the\n"
                     "fleet at once so the others re-plan without waiting for the lease to expire.",
         epilog="Every flag can also be set as VARUNAD_<FLAG> (e.g. VARUNAD_ETCD, VARUNAD_STOP_GRACE) in the\n"
@@ -312,9 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="memory per slot (default: the GPU's, from nvidia-smi; on a CPU host its memory / slots)")
     a("--threads", type=int, metavar="N", help="torch threads per worker (default: cores / slots)")
     a("--stop-grace", type=float, metavar="SECONDS",
-      help="seconds workers get to checkpoint and stop before SIGKILL (default 60)")
+      help="seconds workers get to checkpoint and stop before SIGKILL, also a broken epoch's workers "
+           "saving the step they hold from memory (default 60)")
     a("--abort-grace", type=float, metavar="SECONDS",
-      help="seconds before SIGKILL for workers stopped without checkpoint (default 3)")
+      help="seconds before SIGKILL for a broken epoch's workers that do not say they are saving their "
+           "state (blocked on a dead peer) (default 3)")
     a("--notice-timeout", type=float, metavar="SECONDS",
       help="on SIGTERM, longest wait for the checkpoint (default stop-grace + 5)")
     a("--scale-up-threshold", type=float, metavar="FRACTION",

@@ -383,8 +383,7 @@ class Leader:
                 log.info("leader: %s did not answer a ping: not counting the failure as a restart", ", ".join(lost))
                 # A vanished VM breaks its neighbours' workers before its lease expires: name the cause.
                 cause = was_lost(lost)
-                reason = (f"{cause} (it stopped answering; its peer {who}): re-planning on the VMs left, "
-                          "from the newest checkpoint")
+                reason = f"{cause} (it stopped answering; its peer {who}): re-planning on the VMs left"
             else:
                 verdict = classify(d.reason, state.error if state.restarts else None)
                 restarts = state.restarts + 1
