@@ -44,7 +44,9 @@ Variables (all strings):
                            host's workers share its cores), one torch thread each
     VARUNA_SECURITY, VARUNA_SECRET_KEY_FILE, VARUNA_ALLOWED_KEYS_DIR, VARUNA_TRUSTED_NETWORK
                            how the tensor streams are secured (protocol.security.SecurityConfig)
-    VARUNA_PEER_KEYS       JSON {endpoint: z85 public key} of the neighbours' stream sockets
+    VARUNA_PEER_KEYS       optional: JSON {endpoint: z85 public key} of the neighbours' stream
+                           sockets, "*" standing for any other endpoint (`peer_keys`)
+    VARUNA_TRACE_STEPS     optional: steps each worker records in its trace (`trace_steps`; 10)
 """
 
 from __future__ import annotations
@@ -76,6 +78,15 @@ def _opt_flags(text: str | None) -> list[bool] | None:
     if not isinstance(flags, list) or not all(isinstance(f, bool) for f in flags):
         raise ValueError(f"VARUNA_RECOMPUTE must be a JSON list of true/false, not {text!r}")
     return flags
+
+
+def _opt_keys(text: str | None) -> dict[str, str] | None:
+    if text is None:
+        return None
+    keys = json.loads(text)
+    if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
+        raise ValueError(f"VARUNA_PEER_KEYS must be a JSON object of strings, got {text[:100]!r}")
+    return keys
 
 
 def _opt_str(value: int | None) -> str | None:
@@ -125,6 +136,8 @@ class WorkerAssignment:
     profile: str | None = None
     profile_slots: int | None = None
     bind_address: str | None = None
+    peer_keys: dict[str, str] | None = None   # stream sockets' public keys by endpoint ("*": any other)
+    trace_steps: int | None = None            # steps traced when trace_dir is set (None: 10)
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -199,6 +212,8 @@ class WorkerAssignment:
             "VARUNA_PROFILE": self.profile,
             "VARUNA_PROFILE_SLOTS": _opt_str(self.profile_slots),
             "VARUNA_BIND_ADDRESS": self.bind_address,
+            "VARUNA_PEER_KEYS": None if self.peer_keys is None else json.dumps(self.peer_keys, sort_keys=True),
+            "VARUNA_TRACE_STEPS": _opt_str(self.trace_steps),
         }
         env.update({k: v for k, v in optional.items() if v is not None})
         env.update(self.extra)
@@ -242,6 +257,8 @@ class WorkerAssignment:
                 profile=environ.get("VARUNA_PROFILE"),
                 profile_slots=_opt_int(environ.get("VARUNA_PROFILE_SLOTS")),
                 bind_address=environ.get("VARUNA_BIND_ADDRESS") or None,
+                peer_keys=_opt_keys(environ.get("VARUNA_PEER_KEYS")),
+                trace_steps=_opt_int(environ.get("VARUNA_TRACE_STEPS")),
             )
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"malformed worker assignment in the environment: {exc}") from exc

@@ -6,7 +6,6 @@ arguments, so each is tested and read without a worker."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -124,12 +123,12 @@ def free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
             t.data = torch.empty(0, dtype=t.dtype)
 
 
-def stream_security(endpoints: Sequence[str]) -> Security:
+def stream_security(endpoints: Sequence[str], keys: Mapping[str, str] | None) -> Security:
     """CURVE for the tensor streams unless the environment says plaintext or a trusted network
-    (protocol.security.SecurityConfig.from_env); neighbours' server keys by endpoint come in
-    VARUNA_PEER_KEYS as JSON {endpoint: z85 public key}, "*" standing for any other endpoint."""
+    (protocol.security.SecurityConfig.from_env); `keys` are the neighbours' server keys by
+    endpoint (`WorkerAssignment.peer_keys`), "*" standing for any other endpoint."""
+    keys = keys or {}
     try:
-        keys = json.loads(os.environ.get("VARUNA_PEER_KEYS", "{}"))
         peers = {ep: keys.get(ep, keys.get("*")) for ep in endpoints if keys.get(ep, keys.get("*"))}
         return Security(SecurityConfig.from_env(os.environ), peers=peers)
     except (SecurityError, ValueError) as exc:

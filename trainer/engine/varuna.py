@@ -52,7 +52,7 @@ __all__ = ["Varuna"]
 
 log = logging.getLogger("varuna")
 
-_TRACE_STEPS = int(os.environ.get("VARUNA_TRACE_STEPS", "10"))
+_TRACE_STEPS = 10   # unless the assignment says how many (WorkerAssignment.trace_steps)
 
 # What a lost peer looks like from inside a step: a failed collective (gloo, NCCL), a peer that
 # never answered (WorkerError), a broken socket, or the daemon saying the epoch is broken.
@@ -216,7 +216,7 @@ class Varuna:
         if self.recorder.enabled:
             self.recorder.save()
             self._traced_steps += 1
-            if self._traced_steps >= _TRACE_STEPS:   # a few steps show the schedule; more only grow the file
+            if self._traced_steps >= (self.assignment.trace_steps or _TRACE_STEPS):   # a few steps show the schedule; more only grow the file
                 self.recorder = self.executor.recorder = NullRecorder()
         elapsed = time.perf_counter() - start
         blocked = (self.channel.wait_s if self.channel is not None else 0.0) - waited
@@ -509,7 +509,7 @@ class Varuna:
         return PeerChannel(bind=a.endpoints[self.rank],
                            prev=None if prev is None else a.endpoints[prev],
                            nxt=None if nxt is None else a.endpoints[nxt],
-                           job=a.job, epoch=a.epoch, stage=self.stage, security=setup.stream_security(a.endpoints),
+                           job=a.job, epoch=a.epoch, stage=self.stage, security=setup.stream_security(a.endpoints, a.peer_keys),
                            rank=self.rank, stats_peers={r: a.endpoints[r] for r in peers})
 
     def _agree(self, stats: torch.Tensor) -> torch.Tensor:

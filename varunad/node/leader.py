@@ -305,7 +305,7 @@ class Leader:
         # A vanished VM's last report says its workers are alive until its lease runs out: one that
         # does not answer a ping is not waited for (its workers died with it).
         silent: set[str] = set()
-        next_ping = loop.time() + 0.5
+        next_ping = loop.time()   # at once: the survivors' save takes about as long as a ping timeout
         while loop.time() < deadline:
             try:
                 snap = await read_fleet(self.store, self.keys, timeout=self.t)

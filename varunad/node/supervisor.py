@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -237,9 +236,10 @@ class Supervisor:
         self._begin(doc.job or "", epoch)
         self.metrics.begin_epoch({s.rank: s.stage for s in mine}, doc.job or "")
         threads = self._threads(member)
-        extra = {**self.security_env, "VARUNA_TRACE_STEPS": str(_TRACE_STEPS)}
-        if self.security_env.get("VARUNA_SECURITY") == "curve" and self.security_env.get("VARUNA_TRUSTED_NETWORK") != "1":
-            extra["VARUNA_PEER_KEYS"] = json.dumps(self.peer_keys(doc))
+        extra = dict(self.security_env)
+        curve = (self.security_env.get("VARUNA_SECURITY") == "curve"
+                 and self.security_env.get("VARUNA_TRUSTED_NETWORK") != "1")
+        peer_keys = self.peer_keys(doc) if curve else None
         for s in mine:
             assignment = WorkerAssignment(
                 rank=s.rank, stage_to_rank=doc.stage_to_rank(), endpoints=doc.endpoints(), dist_url=doc.dist_url,
@@ -250,7 +250,7 @@ class Supervisor:
                 batch_size=spec.batch_size, micro_batch_size=doc.micro_batch_size, steps=spec.steps,
                 trace_dir=job_trace_dir(store_dir, epoch),
                 checkpoint_tmpdir=str(self._staging_dir(doc.job or "")) if self.config.stage_checkpoints else None,
-                bind_address=self.bind_address,
+                bind_address=self.bind_address, peer_keys=peer_keys, trace_steps=_TRACE_STEPS,
             )
             ports = [member.worker_ports[s.slot]] + ([member.rendezvous_port] if s.rank == 0 else [])
             token = new_token()
