@@ -216,6 +216,10 @@ def test_kill9_in_a_2x2_resumes_from_the_survivors_memory(healthy, reference):
         assert manifest["meta"]["source"] == "replicas" and manifest["epoch"] == epoch, manifest
         text = ring.varunactl("status", "replicas", "--json")
         assert json.loads(text.stdout)["morphs"][-1]["source"] == "replicas", text.stdout
+        # the survivors' daemons started the new epoch's workers in spares, torch already imported
+        spared = [n for n in st["plan"]["members"]
+                  if f"epoch {lost['to_epoch']} runs in the spare of slot 0" in ring.daemons[n].log_text()]
+        assert spared, "no worker of the new epoch ran in a spare"
     finally:
         if d4.alive:
             d4.proc.send_signal(signal.SIGTERM)

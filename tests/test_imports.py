@@ -90,6 +90,7 @@ def test_every_module_imports_on_its_own():
 # `import trainer` to find the package depends on nothing by it.
 TRAINER_ORDER = (
     "trainer.errors",
+    "trainer.spare",        # imports no part of trainer before it runs a worker script
     "trainer.planning",     # numpy only: the one part of trainer the control plane imports
     "trainer.worker_env",
     "trainer.graph",

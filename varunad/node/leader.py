@@ -96,9 +96,10 @@ class Leader:
         self.clients = clients
         self.clock = clock
         self.memory = LeaderMemory()
-        # member -> (lease, when) of a member that did not answer a ping while its lease still
-        # stood: a vanished VM. Not pinged again, so each phase of one morph does not wait the
-        # ping timeout for it once more; it comes back with a new lease (a new registration).
+        # member -> (lease, when) of a member of a stopping epoch that did not answer a ping while
+        # its lease still stood: a vanished VM. Not pinged again in the same morph, so each of its
+        # phases does not wait the ping timeout for it once more; forgotten once the morph's plan
+        # is written, or when the member registers again (a new lease).
         self._silent: dict[str, tuple[int, float]] = {}
         self.metrics = metrics if metrics is not None else DaemonMetrics()
         self._changed = asyncio.Event()
@@ -373,7 +374,8 @@ class Leader:
         lost: list[str] = []
         cause = cause_of(reason)
         if d.failure:
-            answered = await self._answering(await read_fleet(self.store, self.keys, timeout=self.t), plan.members)
+            answered = await self._answering(await read_fleet(self.store, self.keys, timeout=self.t), plan.members,
+                                             mark=True)
             lost = sorted(set(plan.members) - answered)
             state = await self._state(job)
             # the worker's own words (often gloo's, from a peer that vanished) stay in this log and in
@@ -446,11 +448,14 @@ class Leader:
             return False
         return True
 
-    async def _answering(self, snap: FleetSnapshot, names) -> set[str]:
-        """The members of `names` that answer a ping, not waiting again for one known silent."""
+    async def _answering(self, snap: FleetSnapshot, names, *, mark: bool) -> set[str]:
+        """The members of `names` that answer a ping, not waiting again for one known silent in
+        this morph; `mark`: remember those that do not (a member of the stopped epoch: not one
+        that may have just joined, whose socket may not answer yet)."""
         ask = [(m, snap.members[m][0].endpoint) for m in names if m in snap.members and not self._known_silent(snap, m)]
         answered = await self.clients.ping(ask, self._ping_timeout())
-        self._mark_silent(snap, {m for m, _ in ask} - answered)
+        if mark:
+            self._mark_silent(snap, {m for m, _ in ask} - answered)
         return answered
 
     # -- planning -------------------------------------------------------------------------------------------
@@ -472,7 +477,7 @@ class Leader:
 
     async def _candidates(self, snap: FleetSnapshot) -> list[tuple]:
         usable = snap.usable()
-        answered = await self._answering(snap, [m.name for m, _ in usable])
+        answered = await self._answering(snap, [m.name for m, _ in usable], mark=False)
         for m, _ in usable:
             if m.name not in answered:
                 log.warning("leader: %s did not answer a ping; planning without it", m.name)
@@ -526,6 +531,7 @@ class Leader:
             return False
         self.memory.waiting.pop(job, None)
         epoch = await self.election.write_plan(doc.encode())
+        self._silent.clear()   # it served this morph; a later decision pings everyone afresh
         planned_at = time.time()
         self.memory.epoch_seen[epoch] = self.clock()
         morphs = state.morphs

@@ -1,0 +1,66 @@
+"""A worker process started before its job is known: torch is imported while the fleet trains.
+
+A morph's restart is mostly a new process importing torch, then capturing the model. A daemon
+keeps one spare per slot (`python -m trainer.spare`, started in the environment its slot's workers
+get): it imports torch and the engine's dependencies, then waits for one line on stdin, a JSON
+object {"script", "args", "cwd", "env", "log"}. It then appends its output to `log`, takes `env` as
+its whole environment, and runs `script` as `__main__`, as `python script args` would (sys.argv,
+sys.path[0] the script's directory, the script's exit status; an uncaught exception is printed
+and exits 1). stdin closed without a line means the spare is not needed: it exits 0.
+
+Only what is read after start-up may differ between the spare's environment and the job's:
+`STARTUP_KEYS` (thread counts torch reads when imported, malloc tuning glibc reads at exec, the
+module path) must be equal, or the daemon starts a fresh process instead (`fits`). The engine's
+own modules are not imported ahead: some read the environment when imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from collections.abc import Mapping
+
+__all__ = ["STARTUP_KEYS", "fits", "main"]
+
+STARTUP_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD",
+                "LD_LIBRARY_PATH")
+
+
+def fits(spare_env: Mapping[str, str], job_env: Mapping[str, str]) -> bool:
+    """Whether a spare started in `spare_env` can run a worker whose environment is `job_env`."""
+    return all(spare_env.get(k) == job_env.get(k) for k in STARTUP_KEYS)
+
+
+def _run(order: dict) -> None:
+    log = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(order["env"])
+    os.chdir(order["cwd"])
+    script = order["script"]
+    sys.argv = [script, *order["args"]]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    import runpy
+
+    runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    for name in ("torch", "numpy", "zmq", "msgpack"):   # the point of a spare: imported before it is needed
+        importlib.import_module(name)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return
+    devnull = os.open(os.devnull, os.O_RDONLY)   # a worker's stdin, as the daemon starts one afresh
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    _run(json.loads(line))
+
+
+if __name__ == "__main__":
+    main()
