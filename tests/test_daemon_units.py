@@ -406,8 +406,13 @@ def test_decide_considers_a_newcomer_once():
     snap = snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50))
     dec = d(snap, memory)
     assert dec.action == "consider" and "d3" in dec.reason
-    memory.considered = (50, frozenset({"d1", "d2", "d3"}))
+    memory.considered = (50, frozenset((m.name, lease) for m, lease in snap.usable()))
     assert d(snap, memory).action == "nothing"
+    # the same VM back under its name with a new registration (lost, then restarted) is a newcomer again
+    members = dict(snap.members)
+    members["d3"] = (members["d3"][0], members["d3"][1] + 1000)
+    again = snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50), members=members)
+    assert d(again, memory).action == "consider"
 
 
 def test_decide_waits_for_a_stop_then_plans():

@@ -347,7 +347,9 @@ class Varuna:
         group down waits on collectives a dead peer will never join, and the daemon must see this
         worker gone (a failure: the leader acts on it at once; a stop it asked for: 75)."""
         traceback.print_exception(exc)
-        self._settle_upload()   # a staged checkpoint still on its way is worth its wait
+        if self._upload is not None:
+            # its copy may still finish; not its commit if a writer died: that one never comes
+            self._upload.wait(timeout=5.0)
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()

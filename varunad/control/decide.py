@@ -41,7 +41,7 @@ class LeaderMemory:
     """What this leader saw, kept only while it leads (a new leader starts empty)."""
 
     epoch_seen: dict[int, float] = field(default_factory=dict)  # epoch -> monotonic time first seen
-    considered: tuple[int, frozenset[str]] | None = None
+    considered: tuple[int, frozenset[tuple[str, int]]] | None = None  # (epoch, usable (member, lease))
     waiting: dict[str, str] = field(default_factory=dict)  # job -> reason last recorded for waiting
     profile_failed: set[str] = field(default_factory=set)
     # job -> the MorphEvent fields known when it stopped (the new plan adds to_shape, to_epoch, planned_at)
@@ -151,8 +151,10 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     if not started and now - seen > start_timeout:
         return Decision("abort", f"the workers of epoch {epoch} did not reach a first step within "
                                  f"{start_timeout:.0f}s", job, failure=True)
-    usable = frozenset(m.name for m, _ in snap.usable())
-    newcomers = sorted(usable - set(plan.members))
+    # by registration, not name: a VM lost and back under the same name (a new lease) is
+    # considered again, though the one that vanished was considered while its lease still stood
+    usable = frozenset((m.name, lease) for m, lease in snap.usable())
+    newcomers = sorted({name for name, _ in usable} - set(plan.members))
     if newcomers and memory.considered != (epoch, usable):
         return Decision("consider", f"{', '.join(newcomers)} could join {job}", job)
     return Decision("nothing", f"{job} runs epoch {epoch} as {plan.shape}", job)

@@ -571,7 +571,7 @@ class Leader:
     async def _consider(self, snap: FleetSnapshot, d: Decision) -> bool:
         assert d.job is not None and snap.plan is not None
         plan, epoch = snap.plan, snap.plan_epoch
-        usable = frozenset(m.name for m, _ in snap.usable())
+        usable = frozenset((m.name, lease) for m, lease in snap.usable())
         self.memory.considered = (epoch, usable)
         entry = snap.entry(d.job)
         if entry is None or entry.spec is None:
