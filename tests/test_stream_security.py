@@ -41,4 +41,5 @@ def test_unallowed_key_delivers_nothing(tmp_path):
     result = launch(WORKER, ["--out", str(tmp_path / "out"), "--steps", "2"], stages=2, replicas=1,
                     timeout=180, env=curve_env(tmp_path, allow_self=False))
     assert not result.ok
-    assert "got no act" in "".join(result.errors) or "got no grad" in "".join(result.errors)
+    # refused at the handshake, and said so at once (not a peer timeout later)
+    assert "refused the stream handshake (its keys do not allow this worker)" in "".join(result.errors), result.errors

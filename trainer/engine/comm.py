@@ -8,8 +8,11 @@ until the wanted micro-batch arrives, keeping frames that arrive early (a neighb
 the next step) in per-key FIFOs. A frame of another job or epoch is dropped and logged: after
 a morph, stragglers of the old plan cannot leak in.
 
-A receive is a blocking ZeroMQ recv with a receive timeout (RCVTIMEO, at most a second, so the
-peer timeout is checked that often): no poller is built per message.
+A receive is a blocking ZeroMQ recv with a receive timeout (RCVTIMEO, at most `_WAKE_MS`, so the
+peer timeout is checked that often): no poller is built per message. At each such wake it also
+looks at its sockets' monitors: ZeroMQ reconnects silently, so a neighbour whose process died
+(its connection reset) would otherwise be waited for until the peer timeout; a dropped
+connection to a worker this one waits on ends the wait at once with a WorkerError.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Mapping
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from protocol.errors import ProtocolError
 from protocol.frames import recv_tensor, send_tensor
@@ -33,7 +37,10 @@ __all__ = ["PeerChannel"]
 log = logging.getLogger("varuna.comm")
 
 _DEFAULT_TIMEOUT_S = float(os.environ.get("VARUNA_PEER_TIMEOUT", "600"))
-_WAKE_MS = 1000   # longest single blocking recv: how often the peer timeout is checked
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_WATCHED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
+_WAKE_MS = 250    # longest single blocking recv: how often the peer timeout and connections are checked
 
 
 class PeerChannel:
@@ -58,6 +65,9 @@ class PeerChannel:
             if endpoint is not None:
                 self._push[direction] = self._connect(endpoint)
         self._stats_to = {r: self._connect(ep) for r, ep in (stats_peers or {}).items()}
+        # one monitor per connection: a disconnect means the worker at that endpoint is gone
+        self._monitors = {ep: sock.get_monitor_socket(_WATCHED) for ep, sock in self._by_endpoint.items()}
+        self._connected: set[str] = set()   # endpoints whose handshake succeeded
         self._early: dict[tuple[str, int], deque] = defaultdict(deque)
         self.wait_s = 0.0   # time spent blocked in recv, for the busy fraction
 
@@ -112,7 +122,9 @@ class PeerChannel:
                 self._pull.setsockopt(zmq.RCVTIMEO, self._wake_ms)
 
     def _wait_less(self, remaining: float, direction: str, micro_batch: int) -> None:
-        """Raise WorkerError once the peer timeout has passed; shorten the next wait to it."""
+        """Raise WorkerError once the peer timeout has passed or a peer's connection dropped;
+        shorten the next wait to the timeout."""
+        self._check_connections()
         if remaining <= 0:
             if direction == "stats":
                 what = f"no step statistics from rank {micro_batch}"
@@ -127,6 +139,22 @@ class PeerChannel:
         if wanted != self._rcvtimeo:
             self._rcvtimeo = wanted
             self._pull.setsockopt(zmq.RCVTIMEO, wanted)
+
+    def _check_connections(self) -> None:
+        for endpoint, monitor in self._monitors.items():
+            while monitor.poll(0):
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._connected.add(endpoint)
+                elif event == zmq.EVENT_DISCONNECTED and endpoint in self._connected:
+                    raise WorkerError(
+                        f"stage {self.stage}: the connection to the worker at {endpoint} broke: it probably died",
+                        hint="the daemon re-plans when a member is lost; locally, check the other workers' output")
+                elif event & _HANDSHAKE_FAILED:
+                    raise WorkerError(
+                        f"stage {self.stage}: the worker at {endpoint} refused the stream handshake "
+                        f"({'its keys do not allow this worker' if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else 'a protocol or security mismatch'})",
+                        hint="every VM needs the fleet's public keys (varunactl keys); check VARUNA_SECURITY on both")
 
     def _accept(self) -> tuple[tuple[str, int], torch.Tensor] | None:
         try:
@@ -146,6 +174,9 @@ class PeerChannel:
         return (header.direction, header.micro_batch), tensor
 
     def close(self) -> None:
+        for endpoint, sock in self._by_endpoint.items():
+            sock.disable_monitor()
+            self._monitors[endpoint].close(linger=0)
         for sock in (*self._by_endpoint.values(), self._pull):
             sock.close(linger=2000 if sock is not self._pull else 0)
         if self._security is not None:

@@ -317,14 +317,17 @@ class Leader:
                          if m in snap.members and m not in silent and r.alive(epoch)]
                 if not alive:
                     return True
-                if loop.time() >= next_ping:
-                    answered = await self.clients.ping([(m, snap.members[m][0].endpoint) for m in alive],
+                # a member leaving on a notice closes its socket once its workers are gone: it is
+                # not pinged (its report and then its key say when it is done)
+                staying = [m for m in alive if not snap.members[m][0].draining]
+                if staying and loop.time() >= next_ping:
+                    answered = await self.clients.ping([(m, snap.members[m][0].endpoint) for m in staying],
                                                        self._ping_timeout())
-                    if set(alive) - answered:
-                        log.info("leader: not waiting for %s: it does not answer a ping",
-                                 ", ".join(sorted(set(alive) - answered)))
-                    silent |= set(alive) - answered
-                    self._mark_silent(snap, set(alive) - answered)
+                    gone = set(staying) - answered
+                    if gone:
+                        log.info("leader: not waiting for %s: it does not answer a ping", ", ".join(sorted(gone)))
+                    silent |= gone
+                    self._mark_silent(snap, gone)
                     next_ping = loop.time() + 1.0
             if not self.election.is_leader():
                 raise NotLeader("lost leadership while waiting for workers to stop")
