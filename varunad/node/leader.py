@@ -407,7 +407,7 @@ class Leader:
                 cause = "a worker failed"
                 reason = (f"{what} ({who}): starting the same plan again from the newest checkpoint "
                           f"(restart {restarts} of at most {self.config.max_restarts})")
-        resumed = await self._resume_source(job, plan, lost if d.failure else [])
+        resumed = await self._resume_source(job, plan, lost if d.failure else [], checkpointed=d.checkpoint)
         self.memory.morph[job] = dict(reason=reason, from_shape=plan.shape, from_epoch=epoch, noticed_at=noticed,
                                       stopped_at=stopped, checkpoint=d.checkpoint, restart=restart, cause=cause,
                                       source=resumed.source, resumed_from=-1 if resumed.step is None else resumed.step,
@@ -416,10 +416,11 @@ class Leader:
             log.info("leader: %s resumes %s", job, resumed.words)
         return await self._start(job, reason)
 
-    async def _resume_source(self, job: str, plan: PlanDoc, lost: list[str]) -> ResumeSource:
-        """Where the next epoch will resume, read from the store once the old workers are gone."""
+    async def _resume_source(self, job: str, plan: PlanDoc, lost: list[str], *, checkpointed: bool) -> ResumeSource:
+        """Where the next epoch will resume, read from the store once the old workers are gone
+        (after a checkpoint at the step boundary, no VM was lost: a member that left, left)."""
         snap = await read_fleet(self.store, self.keys, timeout=self.t)
-        gone = sorted(set(lost) | {m for m in plan.members if m not in snap.members})
+        gone = [] if checkpointed else sorted(set(lost) | {m for m in plan.members if m not in snap.members})
         entry = snap.entry(job)
         state = snap.states.get(job)
         store = (state.store if state is not None and state.store else
