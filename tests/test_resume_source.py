@@ -1,0 +1,59 @@
+"""varunad.control.resume: the leader reads, from the store's manifests, where a new epoch resumes
+and, for a fallback to the store, which stages had no live replica on which VMs. Manifests here
+are written by the real checkpoint store (the workers' code), read by the torch-free control plane.
+"""
+
+from __future__ import annotations
+
+import os
+
+from trainer.checkpoint import reading, store as ckpt_store
+from varunad.control.plans import PlanDoc, PlanSlot
+from varunad.control.resume import resume_source
+
+
+def _plan() -> PlanDoc:
+    """2 x 2: stage 0 on vm1 and vm3, stage 1 on vm2 and vm4."""
+    slots = [PlanSlot(rank=r * 2 + s, stage=s, replica=r, member=f"vm{r * 2 + s + 1}", slot=0,
+                      endpoint=f"tcp://10.0.0.{r * 2 + s + 1}:6000") for r in range(2) for s in range(2)]
+    return PlanDoc(kind="run", reason="t", job="j", pipeline_depth=2, data_depth=2, micro_batch_size=2, cuts=(3,),
+                   slots=tuple(slots), dist_url="tcp://10.0.0.1:29500")
+
+
+def _commit(store: str, step: int, **meta) -> None:
+    d = reading.checkpoint_dir(store, step)
+    entry = ckpt_store.write_tensors(d, "layer_000.pt", {"params": {}})
+    ckpt_store.write_manifest(d, [entry], {"P": 2, "D": 2, **meta}, iteration=step)
+
+
+def test_the_survivors_checkpoint_is_named_replicas(tmp_path):
+    store = str(tmp_path)
+    _commit(store, 20)
+    _commit(store, 27, source="replicas")
+    found = resume_source(store, _plan(), ["vm4"])
+    assert (found.source, found.step, found.why) == ("replicas", 27, "")
+    assert found.words == "from replicas at step 27"
+
+
+def test_a_fallback_names_the_stage_that_lost_every_replica(tmp_path):
+    store = str(tmp_path)
+    _commit(store, 20)
+    os.makedirs(reading.checkpoint_dir(store, 27))   # a rescue that stayed incomplete: no manifest
+    found = resume_source(store, _plan(), ["vm2", "vm4"])
+    assert (found.source, found.step) == ("checkpoint", 20)
+    assert found.why == "stage 1 had no live replica (vm2, vm4)"
+    assert found.words == "from checkpoint 20 (stage 1 had no live replica (vm2, vm4))"
+    # one replica of each stage lost: no stage is orphaned, so there is no such reason to give
+    assert resume_source(store, _plan(), ["vm1", "vm4"]).why == ""
+
+
+def test_no_checkpoint_yet_is_from_scratch_and_an_object_store_is_not_read(tmp_path):
+    found = resume_source(str(tmp_path), _plan(), ["vm2", "vm4"])
+    assert (found.source, found.step) == ("scratch", 0) and "stage 1" in found.why
+    assert resume_source("s3://bucket/job", _plan(), ["vm2"]).source == ""
+    # a damaged manifest is skipped, as the workers skip it
+    _commit(str(tmp_path), 5)
+    _commit(str(tmp_path), 9, source="replicas")
+    with open(os.path.join(reading.checkpoint_dir(str(tmp_path), 9), "manifest.json"), "w") as f:
+        f.write("{not json")
+    assert resume_source(str(tmp_path), _plan(), []).step == 5
