@@ -149,7 +149,8 @@ def run_config(base: Path, ttl: float, shape: str, hows: list[str], trials: int)
                 r = trial(ring, job, how, shape)
                 results[how].append(r)
                 print(f"  {shape} ttl={ttl:>2.0f}s {how:<6} trial {i + 1}: total {r['total']:6.2f}s = detect "
-                      f"{r['detect']:5.2f} + stop {r['stop']:5.2f} + plan {r['plan']:5.2f} + restart {r['restart']:5.2f}"
+                      f"{r['detect']:5.2f} + stop {r['stop']:5.2f} + plan {r['plan']:5.2f} "
+                      f"+ restart {r['restart']:5.2f}"
                       f" + load {r['load']:5.2f} + step {r['step']:5.2f}; redone {r['redone']}, from {r['source']}"
                       f"   ({r['trigger'][:60]})", flush=True)
         ring.varunactl("cancel", job)

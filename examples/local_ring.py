@@ -7,10 +7,11 @@ starts a private etcd and N daemons on loopback (varunad.ctl.local.up), submits
 examples/train_gpt.py on this package's own Python source (shipped, nothing to download), shows
 the job's live progress (varunad.ctl.progress), kill -9s one daemon that is not the leader halfway
 (a spot VM vanishing: the fleet notices, re-plans and carries on with the same global batch, from
-the survivors' memory when every stage kept a replica, else from the newest checkpoint), waits until the job is done, saves what
-each daemon's metrics endpoint serves (DIR/metrics/), writes the report (`varunactl report`
-into DIR/report/: the data, and with matplotlib, pip install 'varunad[report]', the pictures
-loss.png, timeline.png, timeline_predicted.png and throughput.png), and stops everything
+the survivors' memory when every stage kept a replica, else from the newest checkpoint), waits
+until the job is done, saves what each daemon's metrics endpoint serves (DIR/metrics/), writes
+the report (`varunactl report` into DIR/report/: the data, and with matplotlib, pip install
+'varunad[report]', the pictures loss.png, timeline.png, timeline_predicted.png and
+throughput.png), and stops everything
 (varunad.ctl.local.down), also on Ctrl-C or an error. Logs stay under DIR/logs.
 
 --quick is the small size CI runs: the tiny GPT, 3 daemons, 240 short steps, a 3 s lease.

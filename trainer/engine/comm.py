@@ -151,9 +151,10 @@ class PeerChannel:
                         f"stage {self.stage}: the connection to the worker at {endpoint} broke: it probably died",
                         hint="the daemon re-plans when a member is lost; locally, check the other workers' output")
                 elif event & _HANDSHAKE_FAILED:
+                    why = ("its keys do not allow this worker" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                           else "a protocol or security mismatch")
                     raise WorkerError(
-                        f"stage {self.stage}: the worker at {endpoint} refused the stream handshake "
-                        f"({'its keys do not allow this worker' if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else 'a protocol or security mismatch'})",
+                        f"stage {self.stage}: the worker at {endpoint} refused the stream handshake ({why})",
                         hint="every VM needs the fleet's public keys (varunactl keys); check VARUNA_SECURITY on both")
 
     def _accept(self) -> tuple[tuple[str, int], torch.Tensor] | None:

@@ -11,6 +11,13 @@ Each worker captures the whole model (torch.export), keeps only its stage (the r
 freed), and runs the schedule's action list for its stage every step. Gradients are summed
 over replicas (the loss is normalised by the global batch), so every P x D computes the same
 update as a single process would (DESIGN idea 3).
+
+When the epoch breaks (a peer lost mid-step), the step is abandoned and the state of the last
+completed step is saved from memory for the next epoch (`_abandon`, trainer.checkpoint.rescue).
+
+One module over 500 lines: a step's whole life (run, agree, apply, checkpoint, abandon) acts on
+one worker's state and its flags; what can live apart (setup, executor, comm, reduction,
+precision, checkpoint contents) already does.
 """
 
 from __future__ import annotations
@@ -28,9 +35,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 import zmq
+from torch import nn
 
 from trainer.checkpoint import contents as checkpointing, rescue, store as ckpt_store
 from trainer.engine import hooks, setup
@@ -226,7 +232,8 @@ class Varuna:
         if self.recorder.enabled:
             self.recorder.save()
             self._traced_steps += 1
-            if self._traced_steps >= (self.assignment.trace_steps or _TRACE_STEPS):   # a few steps show the schedule; more only grow the file
+            # a few steps show the schedule; more only grow the file
+            if self._traced_steps >= (self.assignment.trace_steps or _TRACE_STEPS):
                 self.recorder = self.executor.recorder = NullRecorder()
         elapsed = time.perf_counter() - start
         blocked = (self.channel.wait_s if self.channel is not None else 0.0) - waited
@@ -521,7 +528,8 @@ class Varuna:
         return PeerChannel(bind=a.endpoints[self.rank],
                            prev=None if prev is None else a.endpoints[prev],
                            nxt=None if nxt is None else a.endpoints[nxt],
-                           job=a.job, epoch=a.epoch, stage=self.stage, security=setup.stream_security(a.endpoints, a.peer_keys),
+                           job=a.job, epoch=a.epoch, stage=self.stage,
+                           security=setup.stream_security(a.endpoints, a.peer_keys),
                            rank=self.rank, stats_peers={r: a.endpoints[r] for r in peers})
 
     def _agree(self, stats: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """One VM's daemon: the process (daemon), its settings (config), the leader loop it runs while it
 leads (leader), supervision of its workers and what they report (supervisor, reporter,
-log_shipper), the ZeroMQ server and clients between daemons (peers), the Unix control channel to
+log_shipper), the spare worker processes kept per slot (spares), the ZeroMQ server and clients between daemons (peers), the Unix control channel to
 its workers, Prometheus metrics, local housekeeping and job signatures.
 
 Layer 5 of varunad (store < cluster < control < report < node < ctl; tests/test_imports.py checks it).
 May import: varunad.store, varunad.cluster, varunad.control, varunad.report (the leader writes the
 end-of-job report, lazily), trainer.planning, trainer.worker_env,
 trainer.launch, trainer.net.netaddr, trainer.engine.control (the workers' side of the channel),
-protocol. Never torch at import time: the daemon image starts without it.
+trainer.spare (what a spare runs), protocol. Never torch at import time: the daemon image starts without it.
 """

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -48,7 +47,6 @@ import zmq.asyncio
 from protocol.errors import ProtocolError
 from protocol.messages import (CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, WorkerRescuing, decode,
                                encode)
-from trainer import spare
 from trainer.engine.control import RESCUE_SIGNAL, STOPPED_EXIT_CODE
 from trainer.worker_env import WorkerAssignment
 from trainer.launch import worker_environment as launch_environment
@@ -65,6 +63,7 @@ from varunad.node.metrics import DaemonMetrics
 from varunad.control.plans import PlanDoc
 from varunad.control.records import Progress, WorkerRecord, WorkerReport
 from varunad.node.reporter import Reporter
+from varunad.node.spares import SparePool
 from varunad.store.contract import Store
 
 __all__ = ["Supervisor", "STOPPED_EXIT_CODE", "worker_environment"]
@@ -205,7 +204,8 @@ class Supervisor:
         self._step_interval: dict[int, float] = {}  # rank -> seconds between its last two reports
         self.dropped = 0
         # slot -> a spare worker process (trainer.spare) and the environment it started in
-        self._spares: dict[int, tuple[asyncio.subprocess.Process, dict[str, str]]] = {}
+        self.spares = SparePool(name=self.name, state_dir=config.state_dir, enabled=config.spare_workers,
+                                preexec=lambda: _die_with(os.getpid()))
         self._spare_task: asyncio.Task[None] | None = None
 
     # -- the epoch's workers -------------------------------------------------------------------------
@@ -338,7 +338,8 @@ class Supervisor:
         w.started_at = time.time()
         with open(w.log_path, "ab") as out:
             w.log_offset = out.tell()
-        w.proc = await self._run_in_spare(w, script, args, env) if w.profile_path is None else None
+        what = f"rank {w.rank} of {w.job} epoch {w.epoch}"
+        w.proc = await self.spares.run(w.slot, script, args, env, w.log_path, what) if w.profile_path is None else None
         if w.proc is None:
             with open(w.log_path, "ab") as out:
                 try:
@@ -355,62 +356,15 @@ class Supervisor:
         self.reporter.mark()
         w.wait_task = asyncio.get_running_loop().create_task(self._wait(w), name=f"worker-{w.job}-e{w.epoch}-r{w.rank}")
 
-    # -- spare workers (trainer.spare) ---------------------------------------------------------------------
-
-    async def _run_in_spare(self, w: _SupervisedWorker, script: Path, args: list[str],
-                            env: dict[str, str]) -> asyncio.subprocess.Process | None:
-        """Hand the worker to this slot's spare, if one is alive and its start-up environment fits;
-        None: start a fresh process."""
-        proc, spare_env = self._spares.pop(w.slot, (None, {}))
-        if proc is None:
-            return None
-        if proc.returncode is not None or not spare.fits(spare_env, env):
-            self._drop_spare(proc)
-            return None
-        order = {"script": str(script), "args": list(args), "cwd": str(script.parent), "env": env,
-                 "log": str(w.log_path)}
-        try:
-            assert proc.stdin is not None
-            proc.stdin.write(json.dumps(order).encode() + b"\n")
-            await proc.stdin.drain()
-            proc.stdin.close()
-        except (OSError, AssertionError) as exc:   # it died in between: a fresh process it is
-            log.info("%s: the spare of slot %d is gone (%s); starting rank %d afresh", self.name, w.slot, exc, w.rank)
-            self._drop_spare(proc)
-            return None
-        log.info("%s: rank %d of %s epoch %d runs in the spare of slot %d (pid %d)", self.name, w.rank, w.job,
-                 w.epoch, w.slot, proc.pid)
-        return proc
-
-    async def _start_spares(self) -> None:
-        """A spare per slot of this member without one (once an epoch trains here: its import then
-        competes with training, not with a start-up)."""
-        if not self.config.spare_workers:
-            return
+    async def _fill_spares(self) -> None:
+        """A spare per slot of this member (once an epoch trains here: its import then competes
+        with training, not with a start-up), in the environment the slot's workers start with."""
         member = self.membership.member
         base = launch_environment(WorkerAssignment(rank=0, stage_to_rank={0: [0]}, endpoints=[""], dist_url="",
                                                    threads=self._threads(member)),
                                   {**self.security_env}, base={k: v for k, v in os.environ.items()
                                                                if not k.startswith(("VARUNA_", "VARUNAD_"))})
-        folder = Path(self.config.state_dir) / "spares"
-        folder.mkdir(parents=True, exist_ok=True)
-        for slot in range(member.usable_slots):
-            if slot in self._spares and self._spares[slot][0].returncode is None:
-                continue
-            try:
-                with open(folder / f"slot{slot}.log", "ab") as out:
-                    proc = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "trainer.spare", cwd=self.config.state_dir, env=base,
-                        stdin=asyncio.subprocess.PIPE, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                        start_new_session=True, preexec_fn=_die_with(os.getpid()))
-            except OSError as exc:
-                log.warning("%s: could not start a spare worker for slot %d: %s", self.name, slot, exc)
-                return
-            self._spares[slot] = (proc, base)
-
-    def _drop_spare(self, proc: asyncio.subprocess.Process) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        await self.spares.fill(range(member.usable_slots), base)
 
     async def _wait(self, w: _SupervisedWorker) -> None:
         assert w.proc is not None
@@ -664,7 +618,7 @@ class Supervisor:
         if w.step < 0 and not self.first_step_at:
             self.first_step_at = now
             self.reporter.mark()
-            task = asyncio.get_running_loop().create_task(self._start_spares(), name="spare-workers")
+            task = asyncio.get_running_loop().create_task(self._fill_spares(), name="spare-workers")
             self._spare_task = task   # kept: a task without a reference may be collected mid-way
         w.step = max(w.step, msg.step)
         last = self.reporter.progress.get(w.rank)
@@ -679,8 +633,6 @@ class Supervisor:
                                      reports_job=reports_job)
 
     def close(self) -> None:
-        for proc, _ in self._spares.values():
-            self._drop_spare(proc)
-        self._spares.clear()
+        self.spares.close()
         self.sock.close(0)
         self.channel.close()

@@ -1,0 +1,85 @@
+"""A daemon's spare worker processes (trainer.spare): one per slot, torch already imported, so
+that the next epoch's worker on the slot (after a morph) starts without the import.
+
+`fill` starts the missing ones in the environment the slots' workers start with; `run` hands a
+worker to its slot's spare when the spare is alive and its start-up environment fits the
+worker's (`trainer.spare.fits`), else says to start a fresh process. A spare is the daemon's
+child in a session of its own that dies with the daemon (the supervisor's `preexec`), watched
+like any worker once it runs one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+from trainer import spare
+
+__all__ = ["SparePool"]
+
+log = logging.getLogger(__name__)
+
+
+class SparePool:
+    def __init__(self, *, name: str, state_dir: str, enabled: bool, preexec: Callable[[], Callable[[], None]]) -> None:
+        self.name, self.state_dir, self.enabled = name, state_dir, enabled
+        self._preexec = preexec   # makes each spare die with the daemon
+        self._spares: dict[int, tuple[asyncio.subprocess.Process, dict[str, str]]] = {}
+
+    async def fill(self, slots: Iterable[int], env: Mapping[str, str]) -> None:
+        if not self.enabled:
+            return
+        folder = Path(self.state_dir) / "spares"
+        folder.mkdir(parents=True, exist_ok=True)
+        for slot in slots:
+            if slot in self._spares and self._spares[slot][0].returncode is None:
+                continue
+            try:
+                with open(folder / f"slot{slot}.log", "ab") as out:
+                    proc = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", "trainer.spare", cwd=self.state_dir, env=dict(env),
+                        stdin=asyncio.subprocess.PIPE, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                        start_new_session=True, preexec_fn=self._preexec())
+            except OSError as exc:
+                log.warning("%s: could not start a spare worker for slot %d: %s", self.name, slot, exc)
+                return
+            self._spares[slot] = (proc, dict(env))
+
+    async def run(self, slot: int, script: Path, args: list[str], env: dict[str, str], log_path: Path,
+                  what: str) -> asyncio.subprocess.Process | None:
+        """The slot's spare, now running `script`; None: start a fresh process."""
+        proc, spare_env = self._spares.pop(slot, (None, {}))
+        if proc is None:
+            return None
+        if proc.returncode is not None or not spare.fits(spare_env, env):
+            self._kill(proc)
+            return None
+        order = {"script": str(script), "args": list(args), "cwd": str(script.parent), "env": env, "log": str(log_path)}
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(order).encode() + b"\n")
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (OSError, AssertionError) as exc:   # it died in between: a fresh process it is
+            log.info("%s: the spare of slot %d is gone (%s); starting %s afresh", self.name, slot, exc, what)
+            self._kill(proc)
+            return None
+        log.info("%s: %s runs in the spare of slot %d (pid %d)", self.name, what, slot, proc.pid)
+        return proc
+
+    def close(self) -> None:
+        for proc, _ in self._spares.values():
+            self._kill(proc)
+        self._spares.clear()
+
+    @staticmethod
+    def _kill(proc: asyncio.subprocess.Process) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
