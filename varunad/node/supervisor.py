@@ -513,6 +513,7 @@ class Supervisor:
         any more (the fleet may have planned without them). Kill them now, and drop the progress
         not yet written: it belongs to an epoch that may be over."""
         killed = self.kill_now()
+        self.spares.close()   # a fenced VM runs nothing of the fleet's, not even an idle spare
         self.reporter.forget_progress()
         if killed:
             log.warning("%s: killed %d worker(s): %s", self.name, len(killed), reason)
