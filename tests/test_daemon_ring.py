@@ -226,6 +226,51 @@ def test_kill9_in_a_2x2_resumes_from_the_survivors_memory(healthy, reference):
             d4.proc.wait(60)
 
 
+@pytest.mark.chaos
+def test_losing_both_replicas_of_a_stage_falls_back_to_the_store(healthy, reference):
+    """Two VMs of a 2x2 job die at once, and they held both replicas of one stage: that stage's
+    state survives nowhere, so the new epoch resumes from the store's checkpoint and says why."""
+    ring = healthy
+    d4 = ring.start("d4")
+    try:
+        ring.wait_members(NAMES + ["d4"])
+        ring.submit("both", steps=STEPS, every=6, script_args=SLEEP + ("--cheap-allreduce",))
+        st = ring.wait_step("both", 2, timeout=180)
+        assert (st["plan"]["P"], st["plan"]["D"]) == (2, 2), st["plan"]
+        ring.wait_checkpoint("both", 6)
+        st = ring.wait_step("both", 8)
+        epoch, leader = st["epoch"], ring.leader()
+        # the stage none of whose replicas runs on the leader; the second VM dies while the
+        # survivors of the first loss may already be saving their state
+        stage_of = _stage_members(ring)
+        stage = next(s for s, ms in stage_of.items() if leader not in ms)
+        victims = sorted(stage_of[stage])
+        assert len(victims) == 2, stage_of
+        for v in victims:
+            ring.daemons[v].kill9()
+        st = ring.wait_state("both", ("done", "failed"))
+        assert st["state"] == "done", st
+        check_history(st, reference, every=6)
+        lost = next(m for m in st["morphs"] if m["from_epoch"] == epoch)
+        assert lost["source"] == "checkpoint" and lost["resumed_from"] >= 6, lost
+        assert f"stage {stage} had no live replica ({', '.join(victims)})" in lost["source_why"], lost
+    finally:
+        if d4.alive:
+            d4.proc.send_signal(signal.SIGTERM)
+            d4.proc.wait(60)
+
+
+def _stage_members(ring) -> dict[int, set[str]]:
+    """stage -> the members running it, from the plan in etcd."""
+    from varunad.control.fleet import read_plan
+
+    doc, _ = ring.call(read_plan(ring.store, ring.keys, timeout=5.0))
+    out: dict[int, set[str]] = {}
+    for slot in doc.slots:
+        out.setdefault(slot.stage, set()).add(slot.member)
+    return out
+
+
 @pytest.mark.chaos  # the chaos suite's kill -9 of this kind (tests/chaos/ does not repeat it)
 def test_kill9_of_the_leader_elects_another_within_a_ttl_and_the_job_finishes(healthy, reference):
     ring = healthy

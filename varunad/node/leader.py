@@ -388,7 +388,8 @@ class Leader:
                 log.info("leader: %s did not answer a ping: not counting the failure as a restart", ", ".join(lost))
                 # A vanished VM breaks its neighbours' workers before its lease expires: name the cause.
                 cause = was_lost(lost)
-                reason = f"{cause} (it stopped answering; its peer {who}): re-planning on the VMs left"
+                they = "it stopped answering; its" if len(lost) == 1 else "they stopped answering; their"
+                reason = f"{cause} ({they} peer {who}): re-planning on the VMs left"
             else:
                 verdict = classify(d.reason, state.error if state.restarts else None)
                 restarts = state.restarts + 1
