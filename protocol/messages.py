@@ -42,6 +42,7 @@ __all__ = [
     "CheckpointNow",
     "Message",
     "Ping",
+    "PlanChanged",
     "Pong",
     "SlotAssignment",
     "StopWorkers",
@@ -359,6 +360,16 @@ class Ping(Message):
     TYPE: ClassVar[str] = "ping"
     sender: str = _f(_ID)
     nonce: int = _f(_Int(0, _U64_MAX))
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanChanged(Message):
+    """The leader wrote a new plan at `epoch`: read it from etcd now, not at the next watch event.
+    etcd holds the plan; this push only saves the wait, so it carries nothing else."""
+
+    TYPE: ClassVar[str] = "plan_changed"
+    epoch: int = _f(_EPOCH)
 
 
 @_register

@@ -20,6 +20,7 @@ from protocol.messages import (
     CheckpointNow,
     Message,
     Ping,
+    PlanChanged,
     Pong,
     SlotAssignment,
     StopWorkers,
@@ -62,6 +63,7 @@ def assignments(draw) -> Assignment:
 MESSAGES = {
     Ping: st.builds(Ping, sender=ids, nonce=st.integers(0, 2**64 - 1)),
     Pong: st.builds(Pong, sender=ids, nonce=st.integers(0, 2**64 - 1)),
+    PlanChanged: st.builds(PlanChanged, epoch=epochs),
     Assignment: assignments(),
     StopWorkers: st.builds(StopWorkers, job=ids, epoch=epochs, reason=texts, checkpoint=st.booleans()),
     CheckpointNow: st.builds(CheckpointNow, job=ids, epoch=epochs, reason=texts),
@@ -90,6 +92,7 @@ def _examples() -> list[Message]:
         WorkerCheckpointed(job="gpt-1", epoch=12, rank=3, step=100, path="/ckpt/gpt-1/100/rank3", stalled_s=1.25),
         WorkerFailed(job="gpt-1", epoch=12, rank=1, error="CUDA out of memory", exit_code=-9),
         WorkerRescuing(job="gpt-1", epoch=12, rank=2, step=101),
+        PlanChanged(epoch=301),
     ]
 
 

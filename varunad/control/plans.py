@@ -12,9 +12,9 @@ Kinds:
   so no worker can reach another step boundary and waiting would only delay the morph);
 * ``profile`` — the job's script runs once on one slot with VARUNA_PROFILE to calibrate.
 
-The value is JSON (readable with etcdctl). The leader also pushes a ``run`` plan over ZeroMQ as
-a ``protocol.messages.Assignment``; both carry the same facts, and a daemon that missed the push
-reads the plan back from etcd.
+The value is JSON (readable with etcdctl). The leader also pushes ``PlanChanged(epoch)`` over
+ZeroMQ to the members of a ``run`` plan, which only makes them read the plan now; a daemon that
+missed the push reads it at the next watch event.
 """
 
 from __future__ import annotations

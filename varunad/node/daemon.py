@@ -5,7 +5,7 @@ One asyncio loop, no threads of its own. Tasks:
 * membership keepalive (``varunad.cluster.membership``) and election (``varunad.cluster.election``);
 * the control server (``varunad.node.peers``): assignments and stop requests from the leader, pings;
 * the plan follower: watches ``plan`` and applies each new epoch (start, stop or clear workers);
-  a pushed Assignment only makes it read the plan at once: etcd holds the truth;
+  a pushed PlanChanged only makes it read the plan at once: etcd holds the truth;
 * the supervisor (``varunad.node.supervisor``): workers and their control socket; its reporter (``varunad.node.reporter``)
   writes what they did to etcd;
 * the leader (``varunad.node.leader``), only while this daemon leads.
@@ -46,7 +46,7 @@ import zmq
 import zmq.asyncio
 
 from protocol.errors import SecurityError
-from protocol.messages import Assignment, CheckpointNow, StopWorkers
+from protocol.messages import Assignment, CheckpointNow, PlanChanged, StopWorkers
 from protocol.security import Security, SecurityConfig
 from trainer.planning.calibration import Calibration
 
@@ -287,7 +287,8 @@ class Daemon:
 
     async def _serve(self) -> None:
         async for _identity, msg in self.server.messages():
-            if isinstance(msg, Assignment):
+            # an Assignment is what a leader of the previous release pushes: the same news
+            if isinstance(msg, (PlanChanged, Assignment)):
                 if msg.epoch > self.applied_epoch:
                     # a task: starting workers must not keep this socket from answering pings
                     task = asyncio.get_running_loop().create_task(self._read_plan(f"pushed epoch {msg.epoch}"))

@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from protocol.messages import StopWorkers
+from protocol.messages import PlanChanged, StopWorkers
 from trainer.planning.calibration import Calibration
 from trainer.planning.planner import Plan, PlanError
 
@@ -558,9 +558,8 @@ class Leader:
                                         store=job_store(spec, self.config.store)))
         log.info("leader: %s epoch %d: %s on %s (estimated %.3fs per step)\n%s", job, epoch, doc.shape,
                  ", ".join(doc.members), doc.estimated_s, planned.explain())
-        assignment = doc.assignment(epoch)
         for name in doc.members:
-            await self.clients.send(name, snap.members[name][0].endpoint, assignment)
+            await self.clients.send(name, snap.members[name][0].endpoint, PlanChanged(epoch=epoch))
         await forget_progress(self.store, self.keys, job, len(doc.slots), timeout=self.t)
         return True
 
