@@ -12,6 +12,7 @@ checkpoint interval.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -192,13 +193,8 @@ def test_kill9_in_a_2x2_resumes_from_the_survivors_memory(healthy, reference):
     """Every stage keeps a live replica when one VM of a 2x2 job dies: the survivors abandon the
     broken step, save the step they hold, and the new epoch starts there. No step is trained twice."""
     ring = healthy
-    d4 = ring.start("d4")
-    try:
-        ring.wait_members(NAMES + ["d4"])
-        # a checkpoint every 12 steps: the store's newest is well behind the step the VM dies in
-        ring.submit("replicas", steps=STEPS, every=12, script_args=SLEEP + ("--cheap-allreduce",))
-        st = ring.wait_step("replicas", 2, timeout=180)
-        assert (st["plan"]["P"], st["plan"]["D"]) == (2, 2), st["plan"]
+    # a checkpoint every 12 steps: the store's newest is well behind the step the VM dies in
+    with _a_2x2_job(ring, "replicas", every=12):
         st = ring.wait_step("replicas", 15)
         epoch = st["epoch"]
         leader = ring.leader()
@@ -220,10 +216,6 @@ def test_kill9_in_a_2x2_resumes_from_the_survivors_memory(healthy, reference):
         spared = [n for n in st["plan"]["members"]
                   if f"epoch {lost['to_epoch']} runs in the spare of slot 0" in ring.daemons[n].log_text()]
         assert spared, "no worker of the new epoch ran in a spare"
-    finally:
-        if d4.alive:
-            d4.proc.send_signal(signal.SIGTERM)
-            d4.proc.wait(60)
 
 
 @pytest.mark.chaos
@@ -231,12 +223,7 @@ def test_losing_both_replicas_of_a_stage_falls_back_to_the_store(healthy, refere
     """Two VMs of a 2x2 job die at once, and they held both replicas of one stage: that stage's
     state survives nowhere, so the new epoch resumes from the store's checkpoint and says why."""
     ring = healthy
-    d4 = ring.start("d4")
-    try:
-        ring.wait_members(NAMES + ["d4"])
-        ring.submit("both", steps=STEPS, every=6, script_args=SLEEP + ("--cheap-allreduce",))
-        st = ring.wait_step("both", 2, timeout=180)
-        assert (st["plan"]["P"], st["plan"]["D"]) == (2, 2), st["plan"]
+    with _a_2x2_job(ring, "both", every=6):
         ring.wait_checkpoint("both", 6)
         st = ring.wait_step("both", 8)
         epoch, leader = st["epoch"], ring.leader()
@@ -254,6 +241,19 @@ def test_losing_both_replicas_of_a_stage_falls_back_to_the_store(healthy, refere
         lost = next(m for m in st["morphs"] if m["from_epoch"] == epoch)
         assert lost["source"] == "checkpoint" and lost["resumed_from"] >= 6, lost
         assert f"stage {stage} had no live replica ({', '.join(victims)})" in lost["source_why"], lost
+
+
+@contextlib.contextmanager
+def _a_2x2_job(ring, job: str, *, every: int):
+    """d4 joins d1..d3 and `job` runs as 2x2 (its calibration makes data parallelism nearly free);
+    d4 leaves again afterwards, if it is still alive."""
+    d4 = ring.start("d4")
+    try:
+        ring.wait_members(NAMES + ["d4"])
+        ring.submit(job, steps=STEPS, every=every, script_args=SLEEP + ("--cheap-allreduce",))
+        st = ring.wait_step(job, 2, timeout=180)
+        assert (st["plan"]["P"], st["plan"]["D"]) == (2, 2), st["plan"]
+        yield
     finally:
         if d4.alive:
             d4.proc.send_signal(signal.SIGTERM)
