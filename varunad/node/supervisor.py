@@ -203,7 +203,7 @@ class Supervisor:
         self._on_exit: list[Callable[[_SupervisedWorker], Any]] = []
         self._step_interval: dict[int, float] = {}  # rank -> seconds between its last two reports
         self.dropped = 0
-        # slot -> a spare worker process (trainer.spare) and the environment it started in
+        # a spare worker process per slot, torch imported (varunad.node.spares)
         self.spares = SparePool(name=self.name, state_dir=config.state_dir, enabled=config.spare_workers,
                                 preexec=lambda: _die_with(os.getpid()))
         self._spare_task: asyncio.Task[None] | None = None
@@ -360,10 +360,9 @@ class Supervisor:
         """A spare per slot of this member (once an epoch trains here: its import then competes
         with training, not with a start-up), in the environment the slot's workers start with."""
         member = self.membership.member
-        base = launch_environment(WorkerAssignment(rank=0, stage_to_rank={0: [0]}, endpoints=[""], dist_url="",
-                                                   threads=self._threads(member)),
-                                  {**self.security_env}, base={k: v for k, v in os.environ.items()
-                                                               if not k.startswith(("VARUNA_", "VARUNAD_"))})
+        # what a worker's environment is before its assignment (read after start-up) goes over it
+        base = worker_environment(WorkerAssignment(rank=0, stage_to_rank={0: [0]}, endpoints=[""], dist_url="",
+                                                   threads=self._threads(member)), extra=self.security_env)
         await self.spares.fill(range(member.usable_slots), base)
 
     async def _wait(self, w: _SupervisedWorker) -> None:
