@@ -375,11 +375,7 @@ class Varuna:
     def _rescue_if_asked(self) -> None:
         """A rescue asked for between steps, or while the optimizer applied one: the state is whole."""
         if self.control.rescue_requested:
-            self.control.abandonable = False
-            self._rescue()
-            if self.assignment.control:
-                self._leave(StepAbandoned("the daemon says this epoch is broken"))
-            raise StopRequested(self.iteration)
+            self._abandon(StepAbandoned("the daemon says this epoch is broken"))
 
     def _rescue(self) -> None:
         a = self.assignment
