@@ -43,8 +43,10 @@ def test_a_fallback_names_the_stage_that_lost_every_replica(tmp_path):
     assert (found.source, found.step) == ("checkpoint", 20)
     assert found.why == "stage 1 had no live replica (vm2, vm4)"
     assert found.words == "from checkpoint 20 (stage 1 had no live replica (vm2, vm4))"
-    # one replica of each stage lost: no stage is orphaned, so there is no such reason to give
-    assert resume_source(store, _plan(), ["vm1", "vm4"]).why == ""
+    # one replica of each stage lost: no stage is orphaned, so the reason is that the survivors
+    # did not save one step between them; nothing lost (a notice), no reason at all
+    assert resume_source(store, _plan(), ["vm1", "vm4"]).why == "the survivors held no common step newer than it"
+    assert resume_source(store, _plan(), []).why == ""
 
 
 def test_no_checkpoint_yet_is_from_scratch_and_an_object_store_is_not_read(tmp_path):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from varunad.control.plans import PlanDoc
 
-__all__ = ["ResumeSource", "resume_source"]
+__all__ = ["ResumeSource", "complete_manifest", "resume_source"]
 
 _CKPT = re.compile(r"varuna_ckpt_(0|[1-9][0-9]*)")
 
@@ -43,18 +43,27 @@ class ResumeSource:
         return ""
 
 
+def complete_manifest(store: str, step: int) -> dict | None:
+    """The manifest of checkpoint `step` in `store` if it is committed (the manifest is written
+    last), else None. Plain JSON: the control plane does not import torch."""
+    try:
+        with open(os.path.join(store, f"varuna_ckpt_{step}", "manifest.json"), encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None   # not committed (yet), or damaged: the workers skip it too
+    if isinstance(doc, dict) and doc.get("complete") is True and doc.get("iteration") == step:
+        return doc
+    return None
+
+
 def _newest_complete(store: str) -> tuple[int, dict] | None:
     try:
         names = os.listdir(store)
     except OSError:
         return None
     for step in sorted((int(m.group(1)) for n in names if (m := _CKPT.fullmatch(n))), reverse=True):
-        try:
-            with open(os.path.join(store, f"varuna_ckpt_{step}", "manifest.json"), encoding="utf-8") as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            continue   # not committed (yet), or damaged: the workers skip it too
-        if isinstance(doc, dict) and doc.get("complete") is True and doc.get("iteration") == step:
+        doc = complete_manifest(store, step)
+        if doc is not None:
             return step, doc
     return None
 
@@ -88,4 +97,5 @@ def resume_source(store: str, plan: PlanDoc | None, lost: Collection[str]) -> Re
     meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
     if meta.get("source") == "replicas":
         return ResumeSource("replicas", step, "")
-    return ResumeSource("checkpoint", step, _orphaned_stages(plan, lost))
+    why = _orphaned_stages(plan, lost) or ("the survivors held no common step newer than it" if lost else "")
+    return ResumeSource("checkpoint", step, why)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from varunad.control.links import LinkSurvey, apply_links
 from varunad.node.metrics import DaemonMetrics
 from varunad.node.peers import PeerClients
 from varunad.control.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
-from varunad.control.resume import ResumeSource, resume_source
+from varunad.control.resume import ResumeSource, complete_manifest, resume_source
 from varunad.store.contract import Store, StoreError, Watch
 
 __all__ = ["Leader"]
@@ -53,11 +52,10 @@ log = logging.getLogger(__name__)
 
 def _final_checkpoint(store: str, steps: int) -> bool | None:
     """Whether the checkpoint of the job's last step is complete (its manifest is written last);
-    None when the store is not a path the leader can look at (an object store URL). Plain file
-    tests: the daemon does not import torch (trainer.checkpoint.store does)."""
+    None when the store is not a path the leader can look at (an object store URL)."""
     if "://" in store:
         return None
-    return os.path.isfile(os.path.join(store, f"varuna_ckpt_{steps}", "manifest.json"))
+    return complete_manifest(store, steps) is not None
 
 
 class _Deposed(Exception):
@@ -321,13 +319,10 @@ class Leader:
                 # not pinged (its report and then its key say when it is done)
                 staying = [m for m in alive if not snap.members[m][0].draining]
                 if staying and loop.time() >= next_ping:
-                    answered = await self.clients.ping([(m, snap.members[m][0].endpoint) for m in staying],
-                                                       self._ping_timeout())
-                    gone = set(staying) - answered
-                    if gone:
-                        log.info("leader: not waiting for %s: it does not answer a ping", ", ".join(sorted(gone)))
+                    gone = set(staying) - await self._answering(snap, staying, mark=True)
+                    if gone - silent:
+                        log.info("leader: not waiting for %s: it does not answer a ping", ", ".join(sorted(gone - silent)))
                     silent |= gone
-                    self._mark_silent(snap, gone)
                     next_ping = loop.time() + 1.0
             if not self.election.is_leader():
                 raise NotLeader("lost leadership while waiting for workers to stop")
@@ -373,12 +368,12 @@ class Leader:
         if not await self._wait_stopped(epoch):
             log.warning("leader: not every worker of epoch %d reported stopping; planning without them", epoch)
         stopped = time.time()
+        after = await read_fleet(self.store, self.keys, timeout=self.t)   # the fleet once the epoch stopped
         restart = False
         lost: list[str] = []
         cause = cause_of(reason)
         if d.failure:
-            answered = await self._answering(await read_fleet(self.store, self.keys, timeout=self.t), plan.members,
-                                             mark=True)
+            answered = await self._answering(after, plan.members, mark=True)
             lost = sorted(set(plan.members) - answered)
             state = await self._state(job)
             # the worker's own words (often gloo's, from a peer that vanished) stay in this log and in
@@ -408,7 +403,7 @@ class Leader:
                 cause = "a worker failed"
                 reason = (f"{what} ({who}): starting the same plan again from the newest checkpoint "
                           f"(restart {restarts} of at most {self.config.max_restarts})")
-        resumed = await self._resume_source(job, plan, lost if d.failure else [], checkpointed=d.checkpoint)
+        resumed = await self._resume_source(after, job, plan, lost, checkpointed=d.checkpoint)
         self.memory.morph[job] = dict(reason=reason, from_shape=plan.shape, from_epoch=epoch, noticed_at=noticed,
                                       stopped_at=stopped, checkpoint=d.checkpoint, restart=restart, cause=cause,
                                       source=resumed.source, resumed_from=-1 if resumed.step is None else resumed.step,
@@ -417,10 +412,10 @@ class Leader:
             log.info("leader: %s resumes %s", job, resumed.words)
         return await self._start(job, reason)
 
-    async def _resume_source(self, job: str, plan: PlanDoc, lost: list[str], *, checkpointed: bool) -> ResumeSource:
+    async def _resume_source(self, snap: FleetSnapshot, job: str, plan: PlanDoc, lost: list[str], *,
+                             checkpointed: bool) -> ResumeSource:
         """Where the next epoch will resume, read from the store once the old workers are gone
         (after a checkpoint at the step boundary, no VM was lost: a member that left, left)."""
-        snap = await read_fleet(self.store, self.keys, timeout=self.t)
         gone = [] if checkpointed else sorted(set(lost) | {m for m in plan.members if m not in snap.members})
         entry = snap.entry(job)
         state = snap.states.get(job)
@@ -428,10 +423,7 @@ class Leader:
                  job_store(entry.spec, self.config.store) if entry is not None and entry.spec is not None else "")
         if not store:
             return ResumeSource("", None, "")
-        found = await asyncio.to_thread(resume_source, store, plan, gone)
-        if found.source != "replicas" and gone and not found.why:
-            found = ResumeSource(found.source, found.step, "the survivors held no common step newer than it")
-        return found
+        return await asyncio.to_thread(resume_source, store, plan, gone)
 
     def _ping_timeout(self) -> float:
         return max(0.5, min(2.0, self.config.ttl / 4))
