@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.engine.setup import stats_tree
+from trainer.engine.setup import stats_tree as _stats_tree
+from trainer.planning.parallel import ParallelPlan
 
 
 def _layout(P: int, D: int) -> dict[int, list[int]]:
     return {s: [r * P + s for r in range(D)] for s in range(P)}
+
+
+def stats_tree(layout: dict[int, list[int]], stage: int, replica: int):
+    return _stats_tree(ParallelPlan.from_stage_to_rank(layout), stage, replica)
 
 
 @pytest.mark.parametrize("P,D", [(2, 1), (1, 3), (3, 2), (4, 4), (8, 32)])
@@ -33,7 +38,7 @@ def test_every_worker_reaches_the_root_through_consistent_edges(P, D):
 
 
 def test_stage_zero_of_each_replica_gathers_its_own_pipeline():
-    layout = {0: [5, 2], 1: [0, 7], 2: [3, 1]}   # any rank numbering, as a daemon's plan may give
-    assert stats_tree(layout, 0, 1) == (5, [7, 1])
+    layout = {0: [5, 2], 1: [0, 4], 2: [3, 1]}   # any rank numbering, as a script's map may give
+    assert stats_tree(layout, 0, 1) == (5, [4, 1])
     assert stats_tree(layout, 0, 0) == (None, [0, 3, 2])
     assert stats_tree(layout, 2, 1) == (2, [])

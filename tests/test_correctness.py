@@ -95,15 +95,15 @@ def test_bf16_tracks_the_bf16_reference(tmp_path):
 
 
 def test_planner_recompute_flags_reach_the_workers_and_recompute_replays_dropout(tmp_path):
-    """A script that leaves `recompute` unset follows VARUNA_RECOMPUTE (the planner's per-stage choice,
-    passed on by the daemon): stage 0 told not to recompute runs no recompute action. With dropout,
+    """A script that leaves `recompute` unset follows the plan's per-stage flags (the planner's
+    choice, passed on by the daemon): stage 0 told not to recompute runs no recompute action. With dropout,
     recompute on and off give the same gradients: the masks are replayed (the same cut in both runs,
     so both compare the same stage's gradients)."""
     runs = {}
-    for flags in ("[false, false]", "[true, false]"):
-        name = "off" if "true" not in flags else "on"
+    for flags in ([False, False], [True, False]):
+        name = "on" if flags[0] else "off"
         runs[name] = run_workers(tmp_path, 2, 1, "--dropout", "0.2", "--grads", "--recompute", "-1", name=name,
-                                 cuts=[1], env={"VARUNA_RECOMPUTE": flags}, trace_dir=tmp_path / f"trace_{name}")
+                                 cuts=[1], recompute=flags, trace_dir=tmp_path / f"trace_{name}")
     recomputes = {name: [e for e in load_events([tmp_path / f"trace_{name}"]) if e["cat"] == "recompute"]
                   for name in runs}
     assert recomputes["off"] == [] and recomputes["on"]

@@ -265,10 +265,7 @@ def _stage_members(ring) -> dict[int, set[str]]:
     from varunad.control.fleet import read_plan
 
     doc, _ = ring.call(read_plan(ring.store, ring.keys, timeout=5.0))
-    out: dict[int, set[str]] = {}
-    for slot in doc.slots:
-        out.setdefault(slot.stage, set()).add(slot.member)
-    return out
+    return doc.members_by_stage()
 
 
 @pytest.mark.chaos  # the chaos suite's kill -9 of this kind (tests/chaos/ does not repeat it)

@@ -23,7 +23,7 @@ from varunad.control.decide import LeaderMemory, decide, error_summary
 from varunad.control.plans import PlanDoc, make_plan, uniform_calibration
 from varunad.node.housekeeping import LOGS, job_dir, prune_jobs
 from varunad.control.records import (WorkerRecord, WorkerReport, decode_history, encode_history, epoch_ranges,
-                             merge_history, merge_spans)
+                                     merge_history, merge_spans)
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["--etcd", "127.0.0.1:2379", "--store", "/tmp/store", "--plaintext"]
@@ -307,21 +307,39 @@ def test_make_plan_places_ranks_and_the_rendezvous_on_rank_0():
     s = spec()
     members = [(member(f"d{i}"), 100 + i) for i in (1, 2, 3)] + [(member("d4", draining=True), 104)]
     doc, _ = make_plan(s, members, {"cpu": uniform_calibration(s, "cpu")}, calibrated=False, reason="test")
-    assert (doc.pipeline_depth, doc.data_depth) == (1, 3)  # synthetic calibration: data parallel only
+    assert (doc.plan.P, doc.plan.D) == (1, 3)  # synthetic calibration: data parallel only
     assert doc.members == ("d1", "d2", "d3") and doc.incarnations == {"d1": 101, "d2": 102, "d3": 103}
     rank0 = next(x for x in doc.slots if x.rank == 0)
     assert doc.dist_url == f"tcp://10.0.0.{rank0.member[-1]}:{20000 + 10 * int(rank0.member[-1]) + 9}"
     assert doc.endpoints() == [f"tcp://10.0.0.{x.member[-1]}:{20000 + 10 * int(x.member[-1]) + 1}"
                                for x in sorted(doc.slots, key=lambda x: x.rank)]
     assert PlanDoc.decode(doc.encode()) == doc
-    assert doc.recompute == (False,)  # the planner's per-stage choice travels with the plan
-    older = json.loads(doc.encode())
-    del older["recompute"]  # a plan written before the field existed: the script decides
-    assert PlanDoc.decode(json.dumps(older).encode()).recompute == ()
-    with pytest.raises(ValueError, match="2 recompute flags for 1 stages"):
-        PlanDoc(**{**older, "recompute": [True, False]})
-    a = doc.assignment(42)
-    assert a.epoch == 42 and a.slots_on("d2")[0].endpoint.endswith(":20021")
+    assert doc.plan.recompute == (False,)  # the planner's per-stage choice travels with the plan
+    assert doc.slots_on("d2")[0].endpoint.endswith(":20021")
+
+
+def test_a_plan_document_checks_its_placement_and_reads_the_previous_release_form():
+    s = spec()
+    members = [(member(f"d{i}"), 100 + i) for i in (1, 2)]
+    doc, _ = make_plan(s, members, {"cpu": uniform_calibration(s, "cpu")}, calibrated=False, reason="test")
+    raw = json.loads(doc.encode())
+    with pytest.raises(ValueError, match="ranks 0..1 once each"):
+        PlanDoc(**{**raw, "slots": raw["slots"][:1]})
+    with pytest.raises(ValueError, match="two workers on one slot"):
+        PlanDoc(**{**raw, "slots": [{**x, "member": "d1", "slot": 0} for x in raw["slots"]]})
+    with pytest.raises(ValueError, match="plan is malformed.*increasing cut points"):
+        PlanDoc.decode(json.dumps({**raw, "plan": {**raw["plan"], "cuts": [3]}}).encode())
+    with pytest.raises(ValueError, match="plan is malformed.*P"):
+        PlanDoc.decode(json.dumps({**raw, "plan": {"D": 2}}).encode())
+    # The release before ParallelPlan wrote P, D, ... flat, and each slot's stage and replica.
+    flat = {k: v for k, v in raw.items() if k != "plan"}
+    flat.update(pipeline_depth=1, data_depth=2, micro_batch_size=doc.plan.micro_batch_size, schedule="varuna",
+                cuts=[], recompute=[False])
+    flat["slots"] = [{**x, "stage": 0, "replica": x["rank"]} for x in raw["slots"]]
+    assert PlanDoc.decode(json.dumps(flat).encode()) == doc
+    flat["slots"][1]["replica"] = 0   # two workers in one cell: refused, not guessed at
+    with pytest.raises(ValueError, match="plan is malformed"):
+        PlanDoc.decode(json.dumps(flat).encode())
 
 
 # --- the leader's decisions -------------------------------------------------------------------------

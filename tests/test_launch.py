@@ -30,12 +30,11 @@ _PRINT_ASSIGNMENT = """
     import json, os, sys
     print(json.dumps({
         "rank": int(os.environ["VARUNA_RANK"]),
-        "stage_to_rank": json.loads(os.environ["VARUNA_STAGE_TO_RANK"]),
+        "plan": json.loads(os.environ["VARUNA_PLAN"]),
         "endpoints": json.loads(os.environ["VARUNA_ENDPOINTS"]),
         "dist_url": os.environ["VARUNA_DIST_URL"],
         "threads": os.environ["VARUNA_THREADS"],
         "omp": os.environ["OMP_NUM_THREADS"],
-        "schedule": os.environ.get("VARUNA_SCHEDULE"),
         "extra": os.environ.get("EXTRA_FOR_TEST"),
         "argv": sys.argv[1:],
     }))
@@ -86,7 +85,8 @@ def _cli_env() -> dict[str, str]:
 def test_plan_numbers_ranks_replica_major_with_distinct_endpoints():
     plan = plan_assignments(3, 2, schedule="gpipe", threads=1)
     assert [a.rank for a in plan] == list(range(6))
-    assert plan[0].stage_to_rank == {0: [0, 3], 1: [1, 4], 2: [2, 5]}
+    assert plan[0].plan.stage_to_rank == {0: [0, 3], 1: [1, 4], 2: [2, 5]}
+    assert all(a.plan == plan[0].plan for a in plan) and plan[0].plan.schedule == "gpipe"
     assert [a.position() for a in plan] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
     endpoints = plan[0].endpoints
     assert len(set(endpoints)) == 6 and all(e.startswith("tcp://127.0.0.1:") for e in endpoints)
@@ -105,7 +105,7 @@ def test_plan_numbers_ranks_replica_major_with_distinct_endpoints():
         plan_assignments(2, 1, checkpoint_every=5)
     with pytest.raises(ConfigError, match="need --store DIR"):
         plan_assignments(2, 1, checkpoint_tmpdir="/tmp/x")
-    assert plan_assignments(3, 1, cuts=[1, 2], store="/tmp/s", checkpoint_every=5)[0].cuts == [1, 2]
+    assert plan_assignments(3, 1, cuts=[1, 2], store="/tmp/s", checkpoint_every=5)[0].plan.cuts == (1, 2)
     # one GPU per worker, or a refusal that says how many there are
     if torch.cuda.device_count() >= 2:
         assert [a.device for a in plan_assignments(2, 1, device="cuda")] == ["0", "1"]
@@ -134,9 +134,9 @@ def test_every_worker_sees_its_own_assignment(tmp_path):
     for rank, info in enumerate(seen):
         assert info["rank"] == rank
         stage, replica = rank % 2, rank // 2
-        assert info["stage_to_rank"][str(stage)][replica] == rank
+        assert info["plan"]["ranks"][stage][replica] == rank
         assert info["threads"] == info["omp"] == threads
-        assert info["schedule"] == "1f1b" and info["extra"] == "yes"
+        assert info["plan"]["schedule"] == "1f1b" and info["extra"] == "yes"
         assert info["argv"] == ["--flag", "7"]
         assert info["endpoints"] == seen[0]["endpoints"] and info["dist_url"] == seen[0]["dist_url"]
     assert len(set(seen[0]["endpoints"])) == 4
@@ -225,17 +225,22 @@ def _read_lines_until(proc: subprocess.Popen, *, count: int, marker: bytes, limi
     return data.count(marker)
 
 
-def test_per_stage_recompute_flags_round_trip_through_the_environment():
+def test_the_plan_round_trips_through_the_environment_whole():
     a = plan_assignments(2, 1)[1]
-    flagged = replace(a, recompute=[False, True])
+    flagged = replace(a, plan=a.plan.replace(recompute=(False, True), cuts=(3,), micro_batch_size=4))
     env = flagged.to_env()
-    assert json.loads(env["VARUNA_RECOMPUTE"]) == [False, True]
-    assert WorkerAssignment.from_env(env).recompute == [False, True]
-    assert "VARUNA_RECOMPUTE" not in a.to_env() and WorkerAssignment.from_env(a.to_env()).recompute is None
-    with pytest.raises(ConfigError, match="3 recompute flags for 2 stages"):
-        replace(a, recompute=[True, True, False])
-    with pytest.raises(ConfigError, match="VARUNA_RECOMPUTE must be a JSON list"):
-        WorkerAssignment.from_env({**env, "VARUNA_RECOMPUTE": "[1, 0]"})
+    assert json.loads(env["VARUNA_PLAN"])["recompute"] == [False, True]
+    back = WorkerAssignment.from_env(env)
+    assert back == flagged and back.plan.recompute == (False, True) and back.position() == (1, 0)
+    assert WorkerAssignment.from_env(a.to_env()).plan.recompute is None
+    with pytest.raises(ValueError, match=r"one true/false per stage \(2\)"):
+        a.plan.replace(recompute=(True, True, False))
+    with pytest.raises(ConfigError, match="malformed worker assignment.*one true/false per stage"):
+        WorkerAssignment.from_env({**env, "VARUNA_PLAN": env["VARUNA_PLAN"].replace("[false, true]", "[1, 0]")})
+    with pytest.raises(ConfigError, match="malformed worker assignment.*JSON"):
+        WorkerAssignment.from_env({**env, "VARUNA_PLAN": "{P: 2"})
+    with pytest.raises(ConfigError, match="4 endpoints for 2 ranks"):
+        replace(a, endpoints=a.endpoints * 2)
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
@@ -249,3 +254,16 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_job_settings_read_the_plan_for_what_the_plan_decides(monkeypatch):
+    from trainer.worker_env import job_setting
+    a = plan_assignments(2, 2)[0]
+    monkeypatch.delenv("VARUNA_PLAN", raising=False)
+    assert job_setting("micro_batch", 8) == 8
+    monkeypatch.setenv("VARUNA_PLAN", a.plan.to_json())   # the launcher's plan: micro-batch left to the script
+    assert job_setting("micro_batch", 8) == 8
+    monkeypatch.setenv("VARUNA_PLAN", a.plan.replace(micro_batch_size=3).to_json())
+    assert job_setting("micro_batch", 8) == 3
+    monkeypatch.setenv("VARUNA_STEPS", "17")
+    assert job_setting("steps", 5) == 17

@@ -12,6 +12,7 @@ import re
 import pytest
 
 from trainer.planning.calibration import Calibration, LinkCost
+from trainer.planning.parallel import ParallelPlan
 from trainer.planning.plan import Plan, PlanError, Slot, StagePlan
 from trainer.planning.planner import plan
 from trainer.planning.schedule import validate
@@ -194,16 +195,20 @@ def test_inputs_are_checked():
 
 def test_plan_validates_itself():
     stage = StagePlan(0, 4, "gpu", False, 1, 2, 1.0)
-    good = dict(P=1, D=2, micro_batch_size=1, micro_batches=4, global_batch=8, schedule="varuna", cuts=(),
-                stages=(stage,), assignment={"a": (0, 0), "b": (0, 1)}, link_kinds=(),
-                allreduce_kinds=("intra",), estimated_s=1.0)
-    Plan(**good)
+    par = ParallelPlan(P=1, D=2, micro_batch_size=1, schedule="varuna", cuts=(), recompute=(False,))
+    good = dict(parallel=par, micro_batches=4, global_batch=8, stages=(stage,),
+                assignment={"a": (0, 0), "b": (0, 1)}, link_kinds=(), allreduce_kinds=("intra",), estimated_s=1.0)
+    assert (Plan(**good).P, Plan(**good).D, Plan(**good).recompute) == (1, 2, (False,))
     with pytest.raises(PlanError, match="global batch"):
         Plan(**{**good, "micro_batches": 3})
     with pytest.raises(PlanError, match="exactly one slot"):
         Plan(**{**good, "assignment": {"a": (0, 0), "b": (0, 0)}})
-    with pytest.raises(PlanError, match="increasing cuts"):
-        Plan(**{**good, "cuts": (1,)})
+    with pytest.raises(PlanError, match="recompute flags"):
+        Plan(**{**good, "parallel": par.replace(recompute=(True,))})
+    with pytest.raises(PlanError, match="decides micro-batch"):
+        Plan(**{**good, "parallel": par.replace(cuts=None)})
+    with pytest.raises(ValueError, match="increasing cut points"):
+        par.replace(cuts=(1,))
 
 
 def test_the_plan_names_its_alternatives_and_what_ruled_out_the_obvious_ones():

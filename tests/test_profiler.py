@@ -286,11 +286,12 @@ def test_a_calibration_run_profiles_with_the_scripts_optimizer(tmp_path, caplog)
     SGD with momentum keeps one buffer per parameter, where the profiler's stand-in (AdamW) keeps
     two: the state bytes show which optimizer was stepped."""
     from trainer.engine.varuna import Varuna
+    from trainer.planning.parallel import ParallelPlan
     from trainer.worker_env import WorkerAssignment
 
     model, data = _tiny(n_layer=2)
     out = tmp_path / "calibration.json"
-    a = WorkerAssignment(rank=0, stage_to_rank={0: [0]}, endpoints=["inproc://calibration-run"], dist_url="",
+    a = WorkerAssignment(rank=0, plan=ParallelPlan(P=1, D=1), endpoints=["inproc://calibration-run"], dist_url="",
                          profile=str(out))
     varuna = Varuna(model, None, data.sample_batch, 2, 2, assignment=a)
     assert (varuna.rank, varuna.stage, varuna.pipeline_depth, varuna.data_depth, varuna.iteration) == (0, 0, 1, 1, 0)

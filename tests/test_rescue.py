@@ -18,6 +18,7 @@ from torch import nn
 from trainer.checkpoint import contents, fences, reading, rescue, store as ckpt_store
 from trainer.engine.precision import LossScaler
 from trainer.errors import CheckpointError
+from trainer.planning.parallel import ParallelPlan
 
 # Two stages, one layer file each; stage 1 also owns a buffer.
 FILES = {"a.weight": "layer_000.pt", "b.weight": "layer_001.pt", "b.running": "layer_001.pt"}
@@ -41,7 +42,7 @@ def _worker(rank: int, stage: int, replica: int, *, iteration: int, epoch: int =
     for p in params:   # momentum state, equal on both replicas
         opt.state[p] = {"momentum_buffer": p.detach() * 0.5}
     torch.manual_seed(seed)   # per-worker RNG: it differs between replicas, hence one meta file each
-    return SimpleNamespace(rank=rank, stage=stage, replica=replica, pipeline_depth=2, data_depth=2, cuts=[1],
+    return SimpleNamespace(rank=rank, stage=stage, replica=replica, plan=ParallelPlan(P=2, D=2), cuts=[1],
                            layout=_Layout(), assignment=SimpleNamespace(epoch=epoch, world_size=4),
                            device=torch.device("cpu"), optimizer=opt, scaler=LossScaler(1.0, 1.0, 1.0),
                            lr_scheduler=None, iteration=iteration, named_tensors=lambda named=named: named)
@@ -130,7 +131,7 @@ def test_the_next_epoch_loads_a_rescued_step_resharded(tmp_path):
     rescue.save_from_memory(s1, store)
     whole = {n: (nn.Parameter(torch.zeros(4, 3)) if n.endswith("weight") else torch.zeros(3)) for n in FILES}
     opt = torch.optim.SGD([t for t in whole.values() if isinstance(t, nn.Parameter)], lr=0.1, momentum=0.9)
-    fresh = SimpleNamespace(rank=0, stage=0, replica=0, pipeline_depth=1, data_depth=1, cuts=[], layout=_Layout(),
+    fresh = SimpleNamespace(rank=0, stage=0, replica=0, plan=ParallelPlan(P=1, D=1), cuts=[], layout=_Layout(),
                             assignment=SimpleNamespace(epoch=8, world_size=1), device=torch.device("cpu"),
                             optimizer=opt, scaler=LossScaler("dynamic", 1.0, 1.0), lr_scheduler=None, iteration=0,
                             named_tensors=lambda: whole)

@@ -8,15 +8,15 @@ from __future__ import annotations
 import os
 
 from trainer.checkpoint import reading, store as ckpt_store
+from trainer.planning.parallel import ParallelPlan
 from varunad.control.plans import PlanDoc, PlanSlot
 from varunad.control.resume import resume_source
 
 
 def _plan() -> PlanDoc:
     """2 x 2: stage 0 on vm1 and vm3, stage 1 on vm2 and vm4."""
-    slots = [PlanSlot(rank=r * 2 + s, stage=s, replica=r, member=f"vm{r * 2 + s + 1}", slot=0,
-                      endpoint=f"tcp://10.0.0.{r * 2 + s + 1}:6000") for r in range(2) for s in range(2)]
-    return PlanDoc(kind="run", reason="t", job="j", pipeline_depth=2, data_depth=2, micro_batch_size=2, cuts=(3,),
+    slots = [PlanSlot(rank=r, member=f"vm{r + 1}", slot=0, endpoint=f"tcp://10.0.0.{r + 1}:6000") for r in range(4)]
+    return PlanDoc(kind="run", reason="t", job="j", plan=ParallelPlan(P=2, D=2, micro_batch_size=2, cuts=(3,)),
                    slots=tuple(slots), dist_url="tcp://10.0.0.1:29500")
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import trainer
 from trainer.worker_env import WorkerAssignment
 from trainer.errors import ConfigError
+from trainer.planning.parallel import ParallelPlan, ParallelPlanError
 from trainer.planning.schedule import SCHEDULES
 
 __all__ = ["LaunchResult", "launch", "plan_assignments", "main"]
@@ -147,6 +148,7 @@ def plan_assignments(
     job: str = "local",
     schedule: str | None = None,
     cuts: Sequence[int] | None = None,
+    recompute: Sequence[bool] | None = None,
     threads: int | None = None,
     trace_dir: str | None = None,
     store: str | None = None,
@@ -155,6 +157,7 @@ def plan_assignments(
     checkpoint_tmpdir: str | None = None,
 ) -> list[WorkerAssignment]:
     """One WorkerAssignment per rank (rank = replica * stages + stage), with fresh loopback ports.
+    `recompute` is one flag per stage, as the daemon's planner sets them (None: the script's).
     With a store, the workers resume from its newest complete checkpoint by themselves.
     `device` "cuda" gives rank r the r-th visible GPU (NCCL wants one GPU per rank); any other
     value (a torch device, "cpu") goes to every rank as it is; None leaves it to the script."""
@@ -185,17 +188,19 @@ def plan_assignments(
         threads = max(1, _available_cores() // world)
     ports = free_ports(world + 1)
     endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[:world]]
-    stage_to_rank = {s: [r * stages + s for r in range(replicas)] for s in range(stages)}
+    try:
+        plan = ParallelPlan(P=stages, D=replicas, schedule=schedule, cuts=None if cuts is None else tuple(sorted(cuts)),
+                            recompute=None if recompute is None else tuple(recompute))
+    except ParallelPlanError as exc:
+        raise ConfigError(f"{exc} (--stages, --replicas, --cuts, --schedule)") from None
     return [
         WorkerAssignment(
             rank=rank,
-            stage_to_rank=stage_to_rank,
+            plan=plan,
             endpoints=endpoints,
             dist_url=f"tcp://127.0.0.1:{ports[world]}",
             bind_address="127.0.0.1",
             job=job,
-            cuts=None if cuts is None else list(cuts),
-            schedule=schedule,
             threads=threads,
             trace_dir=trace_dir,
             store=store,
@@ -355,6 +360,7 @@ def launch(
     job: str = "local",
     schedule: str | None = None,
     cuts: Sequence[int] | None = None,
+    recompute: Sequence[bool] | None = None,
     threads: int | None = None,
     trace_dir: str | os.PathLike[str] | None = None,
     store: str | os.PathLike[str] | None = None,
@@ -378,7 +384,7 @@ def launch(
         raise ConfigError(f"{script} is a directory, not a script" if os.path.isdir(script)
                           else f"no such script: {script}")
     assignments = plan_assignments(
-        stages, replicas, job=job, schedule=schedule, cuts=cuts, threads=threads,
+        stages, replicas, job=job, schedule=schedule, cuts=cuts, recompute=recompute, threads=threads,
         trace_dir=None if trace_dir is None else os.fspath(trace_dir),
         store=None if store is None else os.fspath(store), device=device,
         checkpoint_every=checkpoint_every,

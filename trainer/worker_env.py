@@ -8,7 +8,10 @@ Variables (all strings):
 
     VARUNA_RANK            this worker's global rank, 0 .. world-1
     VARUNA_WORLD_SIZE      P * D
-    VARUNA_STAGE_TO_RANK   JSON {"<stage>": [rank of replica 0, rank of replica 1, ...]}
+    VARUNA_PLAN            JSON of the job's `trainer.planning.parallel.ParallelPlan` (P, D,
+                           micro-batch, schedule, cuts, recompute, which rank holds each
+                           (stage, replica)); its unset fields leave the choice to the script
+                           or to Varuna (the local launcher sets P and D only)
     VARUNA_ENDPOINTS       JSON list, by rank, of the ZeroMQ endpoint each worker binds
                            for activations/gradients ("tcp://host:port")
     VARUNA_DIST_URL        torch.distributed rendezvous ("tcp://host:port") for gloo/NCCL
@@ -17,12 +20,6 @@ Variables (all strings):
                            advertises. Absent: torch's default (the host name's address)
     VARUNA_JOB             job id (tags every tensor frame)
     VARUNA_EPOCH           plan epoch (frames from another epoch are dropped)
-    VARUNA_CUTS            optional JSON list of the active cut-point indices, decided by
-                           whoever planned; absent means Varuna balances them itself
-    VARUNA_RECOMPUTE       optional JSON list, one flag per stage: recompute activations in
-                           backward (the planner turns it off where the stash fits memory);
-                           absent means Varuna's `recompute` argument (default on)
-    VARUNA_SCHEDULE        optional: varuna | gpipe | 1f1b
     VARUNA_THREADS         torch intra-op threads for this worker
     VARUNA_TRACE_DIR       optional: write a Chrome trace of each step here
     VARUNA_STORE           optional: the job's checkpoint store (global_store)
@@ -36,7 +33,6 @@ Variables (all strings):
     VARUNA_RESUME          optional: "latest" loads the newest complete checkpoint of
                            VARUNA_STORE in set_optimizer, so scripts need no resume code
     VARUNA_BATCH_SIZE      optional: the job's global batch; the script's must agree
-    VARUNA_MICRO_BATCH     optional: the planner's micro-batch size (overrides chunk_size)
     VARUNA_STEPS           optional: the job's total steps (`WorkerAssignment.steps`, for scripts)
     VARUNA_PROFILE         optional: profile the model into this calibration file when the
                            script sets its optimizer (timing that optimizer), and exit
@@ -57,27 +53,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from trainer.errors import ConfigError
+from trainer.planning.parallel import ParallelPlan
 
-__all__ = ["WorkerAssignment", "job_setting", "stage_to_rank_from_json", "stage_to_rank_to_json"]
+__all__ = ["WorkerAssignment", "job_setting"]
+
+
+# Job settings that the plan decides, read from it: the name a script uses -> the plan's field.
+_FROM_PLAN = {"micro_batch": "micro_batch_size"}
 
 
 def job_setting(name: str, default: int) -> int:
     """A job-level number the daemon (or launcher) may set, e.g. job_setting("steps", 50)
-    reads VARUNA_STEPS: scripts use it as their flag's default so one script runs both ways."""
+    reads VARUNA_STEPS, job_setting("micro_batch", 8) the plan's micro-batch: scripts use it as
+    their flag's default so one script runs both ways."""
+    if name in _FROM_PLAN:
+        text = os.environ.get("VARUNA_PLAN")
+        value = getattr(ParallelPlan.from_json(text), _FROM_PLAN[name]) if text else None
+        return default if value is None else int(value)
     return int(os.environ.get(f"VARUNA_{name.upper()}", default))
 
 
 def _opt_int(text: str | None) -> int | None:
     return int(text) if text else None
-
-
-def _opt_flags(text: str | None) -> list[bool] | None:
-    if not text:
-        return None
-    flags = json.loads(text)
-    if not isinstance(flags, list) or not all(isinstance(f, bool) for f in flags):
-        raise ValueError(f"VARUNA_RECOMPUTE must be a JSON list of true/false, not {text!r}")
-    return flags
 
 
 def _opt_keys(text: str | None) -> dict[str, str] | None:
@@ -93,34 +90,16 @@ def _opt_str(value: int | None) -> str | None:
     return None if value is None else str(value)
 
 
-def stage_to_rank_to_json(stage_to_rank: Mapping[int, list[int]]) -> str:
-    return json.dumps({str(s): list(r) for s, r in sorted(stage_to_rank.items())})
-
-
-def stage_to_rank_from_json(text: str) -> dict[int, list[int]]:
-    try:
-        raw = json.loads(text)
-        return {int(s): [int(r) for r in ranks] for s, ranks in raw.items()}
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise ConfigError(
-            f"VARUNA_STAGE_TO_RANK is not a JSON object of stage -> [ranks]: {text!r}",
-            hint='set it like {"0": [0, 2], "1": [1, 3]}',
-        ) from exc
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerAssignment:
     """Where one worker sits in a P x D plan, and how it reaches its peers."""
 
     rank: int
-    stage_to_rank: dict[int, list[int]]
-    endpoints: list[str]
+    plan: ParallelPlan
+    endpoints: list[str]  # by rank
     dist_url: str
     job: str = "local"
     epoch: int = 0
-    cuts: list[int] | None = None
-    recompute: list[bool] | None = None  # per stage, from the planner; None = the script's choice
-    schedule: str | None = None
     threads: int | None = None
     trace_dir: str | None = None
     store: str | None = None
@@ -131,7 +110,6 @@ class WorkerAssignment:
     checkpoint_tmpdir: str | None = None
     resume: str | None = None
     batch_size: int | None = None
-    micro_batch_size: int | None = None
     steps: int | None = None
     profile: str | None = None
     profile_slots: int | None = None
@@ -141,21 +119,13 @@ class WorkerAssignment:
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        stages = sorted(self.stage_to_rank)
-        if stages != list(range(len(stages))) or not stages:
-            raise ConfigError(f"stages must be numbered 0..P-1, got {stages}")
-        widths = {len(r) for r in self.stage_to_rank.values()}
-        if len(widths) != 1:
-            raise ConfigError(f"every stage needs the same number of replicas, got {self.stage_to_rank}")
-        ranks = sorted(r for rs in self.stage_to_rank.values() for r in rs)
-        if ranks != list(range(len(ranks))):
-            raise ConfigError(f"ranks must be 0..P*D-1, each once, got {ranks}")
-        if len(self.endpoints) != len(ranks):
-            raise ConfigError(f"{len(self.endpoints)} endpoints for {len(ranks)} ranks")
-        if not 0 <= self.rank < len(ranks):
-            raise ConfigError(f"rank {self.rank} outside 0..{len(ranks) - 1}")
-        if self.recompute is not None and len(self.recompute) != len(stages):
-            raise ConfigError(f"{len(self.recompute)} recompute flags for {len(stages)} stages")
+        if not isinstance(self.plan, ParallelPlan):
+            raise ConfigError(f"a worker's plan must be a ParallelPlan, got {self.plan!r:.100}")
+        world = self.plan.world_size
+        if len(self.endpoints) != world:
+            raise ConfigError(f"{len(self.endpoints)} endpoints for {world} ranks")
+        if not 0 <= self.rank < world:
+            raise ConfigError(f"rank {self.rank} outside 0..{world - 1}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint interval must be >= 1 step, got {self.checkpoint_every}")
         if (self.checkpoint_every or self.resume == "latest") and not self.store:
@@ -164,39 +134,24 @@ class WorkerAssignment:
             raise ConfigError(f"VARUNA_RESUME must be 'latest' or 'none', got {self.resume!r}")
 
     @property
-    def pipeline_depth(self) -> int:
-        return len(self.stage_to_rank)
-
-    @property
-    def data_depth(self) -> int:
-        return len(self.stage_to_rank[0])
-
-    @property
     def world_size(self) -> int:
-        return self.pipeline_depth * self.data_depth
+        return self.plan.world_size
 
-    def position(self, rank: int | None = None) -> tuple[int, int]:
-        """(stage, replica) of `rank` (default: this worker)."""
-        rank = self.rank if rank is None else rank
-        for stage, ranks in self.stage_to_rank.items():
-            if rank in ranks:
-                return stage, ranks.index(rank)
-        raise ConfigError(f"rank {rank} is in no stage of {self.stage_to_rank}")
+    def position(self) -> tuple[int, int]:
+        """(stage, replica) of this worker."""
+        return self.plan.position(self.rank)
 
     def to_env(self) -> dict[str, str]:
         env = {
             "VARUNA_RANK": str(self.rank),
             "VARUNA_WORLD_SIZE": str(self.world_size),
-            "VARUNA_STAGE_TO_RANK": stage_to_rank_to_json(self.stage_to_rank),
+            "VARUNA_PLAN": self.plan.to_json(),
             "VARUNA_ENDPOINTS": json.dumps(self.endpoints),
             "VARUNA_DIST_URL": self.dist_url,
             "VARUNA_JOB": self.job,
             "VARUNA_EPOCH": str(self.epoch),
         }
         optional = {
-            "VARUNA_CUTS": None if self.cuts is None else json.dumps(self.cuts),
-            "VARUNA_RECOMPUTE": None if self.recompute is None else json.dumps([bool(r) for r in self.recompute]),
-            "VARUNA_SCHEDULE": self.schedule,
             "VARUNA_THREADS": None if self.threads is None else str(self.threads),
             "VARUNA_TRACE_DIR": self.trace_dir,
             "VARUNA_STORE": self.store,
@@ -207,7 +162,6 @@ class WorkerAssignment:
             "VARUNA_CHECKPOINT_TMPDIR": self.checkpoint_tmpdir,
             "VARUNA_RESUME": self.resume,
             "VARUNA_BATCH_SIZE": _opt_str(self.batch_size),
-            "VARUNA_MICRO_BATCH": _opt_str(self.micro_batch_size),
             "VARUNA_STEPS": _opt_str(self.steps),
             "VARUNA_PROFILE": self.profile,
             "VARUNA_PROFILE_SLOTS": _opt_str(self.profile_slots),
@@ -222,7 +176,7 @@ class WorkerAssignment:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerAssignment:
         environ = os.environ if environ is None else environ
-        missing = [k for k in ("VARUNA_RANK", "VARUNA_STAGE_TO_RANK", "VARUNA_ENDPOINTS", "VARUNA_DIST_URL")
+        missing = [k for k in ("VARUNA_RANK", "VARUNA_PLAN", "VARUNA_ENDPOINTS", "VARUNA_DIST_URL")
                    if k not in environ]
         if missing:
             raise ConfigError(
@@ -231,17 +185,13 @@ class WorkerAssignment:
                      "under varunad, or pass stage_to_rank_map to Varuna",
             )
         try:
-            cuts = environ.get("VARUNA_CUTS")
             return cls(
                 rank=int(environ["VARUNA_RANK"]),
-                stage_to_rank=stage_to_rank_from_json(environ["VARUNA_STAGE_TO_RANK"]),
+                plan=ParallelPlan.from_json(environ["VARUNA_PLAN"]),
                 endpoints=list(json.loads(environ["VARUNA_ENDPOINTS"])),
                 dist_url=environ["VARUNA_DIST_URL"],
                 job=environ.get("VARUNA_JOB", "local"),
                 epoch=int(environ.get("VARUNA_EPOCH", "0")),
-                cuts=None if cuts is None else [int(c) for c in json.loads(cuts)],
-                recompute=_opt_flags(environ.get("VARUNA_RECOMPUTE")),
-                schedule=environ.get("VARUNA_SCHEDULE"),
                 threads=int(environ["VARUNA_THREADS"]) if "VARUNA_THREADS" in environ else None,
                 trace_dir=environ.get("VARUNA_TRACE_DIR"),
                 store=environ.get("VARUNA_STORE"),
@@ -252,7 +202,6 @@ class WorkerAssignment:
                 checkpoint_tmpdir=environ.get("VARUNA_CHECKPOINT_TMPDIR") or None,
                 resume=environ.get("VARUNA_RESUME"),
                 batch_size=_opt_int(environ.get("VARUNA_BATCH_SIZE")),
-                micro_batch_size=_opt_int(environ.get("VARUNA_MICRO_BATCH")),
                 steps=_opt_int(environ.get("VARUNA_STEPS")),
                 profile=environ.get("VARUNA_PROFILE"),
                 profile_slots=_opt_int(environ.get("VARUNA_PROFILE_SLOTS")),

@@ -39,6 +39,7 @@ from torch import nn
 
 from trainer.checkpoint import fences, reading, store as ckpt_store
 from trainer.errors import CheckpointError
+from trainer.planning.parallel import ParallelPlan
 
 __all__ = ["save", "load", "agree", "resume_point", "Upload", "Checkpointed", "stage_files", "meta_of",
            "manifest_meta", "epoch_of", "META"]
@@ -67,8 +68,7 @@ class Checkpointed(Protocol):
     rank: int
     stage: int
     replica: int
-    pipeline_depth: int
-    data_depth: int
+    plan: ParallelPlan
     cuts: Sequence[Any]
     layout: _Layout
     assignment: _Placement
@@ -98,7 +98,7 @@ def stage_files(v: Checkpointed, shard: bool = False, *, any_replica: bool = Fal
         if layout.writer_stage(name) != v.stage:
             continue
         fname = layout.files[name]
-        writer = all_files.index(fname) % v.data_depth if shard else 0
+        writer = all_files.index(fname) % v.plan.D if shard else 0
         if writer != v.replica and not any_replica:
             continue
         content = files.setdefault(fname, {"params": {}, "buffers": {}, "optim": {}})
@@ -195,7 +195,7 @@ def _write_mine(v: Checkpointed, directory: str, iteration: int, shard: bool) ->
 
 
 def manifest_meta(v: Checkpointed) -> dict:
-    return {"P": v.pipeline_depth, "D": v.data_depth, "cuts": list(v.cuts),
+    return {"P": v.plan.P, "D": v.plan.D, "cuts": list(v.cuts),
             "index": dict(sorted(v.layout.files.items()))}
 
 

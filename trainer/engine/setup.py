@@ -6,6 +6,7 @@ arguments, so each is tested and read without a worker."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ from torch import nn
 from protocol.errors import SecurityError
 from protocol.security import Security, SecurityConfig
 from trainer.errors import ConfigError
+from trainer.planning.parallel import ParallelPlan, ParallelPlanError
 from trainer.planning.schedule import SCHEDULES
 from trainer.worker_env import WorkerAssignment
 
@@ -41,20 +43,28 @@ def assignment_for(stage_to_rank_map) -> WorkerAssignment:
         if stage_to_rank_map is None or sum(len(r) for r in stage_to_rank_map.values()) == 1:
             log.warning("no worker assignment in the environment: running as a single worker (1 x 1); "
                         "start with `python -m trainer.launch` for more")
-            return WorkerAssignment(rank=0, stage_to_rank={0: [0]}, endpoints=["inproc://varuna-0"], dist_url="")
+            return WorkerAssignment(rank=0, plan=ParallelPlan(P=1, D=1), endpoints=["inproc://varuna-0"], dist_url="")
     a = WorkerAssignment.from_env()
     if stage_to_rank_map is not None:
-        given = {int(s): [int(r) for r in ranks] for s, ranks in stage_to_rank_map.items()}
-        a = WorkerAssignment(**{**{f: getattr(a, f) for f in a.__dataclass_fields__}, "stage_to_rank": given})
+        try:
+            given = ParallelPlan.from_stage_to_rank(stage_to_rank_map)
+        except ParallelPlanError as exc:
+            raise ConfigError(str(exc), hint='pass stage_to_rank_map like {0: [0, 2], 1: [1, 3]}, or None') from None
+        if given.world_size != a.plan.world_size:
+            raise ConfigError(f"stage_to_rank_map has {given.world_size} ranks, the job was started with "
+                              f"{a.plan.world_size} workers", hint="pass None to use the launcher's or daemon's plan")
+        # Same shape: the map only renumbers. Another shape: the plan's per-stage choices no longer apply.
+        plan = (a.plan.replace(ranks=given.ranks) if given.shape == a.plan.shape else
+                given.replace(micro_batch_size=a.plan.micro_batch_size, schedule=a.plan.schedule))
+        a = dataclasses.replace(a, plan=plan)
     return a
 
 
-def stats_tree(stage_to_rank: Mapping[int, Sequence[int]], stage: int, replica: int
-                ) -> tuple[int | None, list[int]]:
+def stats_tree(plan: ParallelPlan, stage: int, replica: int) -> tuple[int | None, list[int]]:
     """(parent, children) of this worker in the tree the step statistics are summed over: each
     replica's stage 0 gathers its pipeline, and replica 0's stage 0 (the root) the other
     replicas' stage 0s. Sums go up, the root's total comes back down the same edges."""
-    P, D = len(stage_to_rank), len(stage_to_rank[0])
+    P, D, stage_to_rank = plan.P, plan.D, plan.ranks
     head = stage_to_rank[0][replica]
     if stage > 0:
         return head, []

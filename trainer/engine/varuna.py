@@ -50,6 +50,7 @@ from trainer.net.netaddr import bound_gloo_backend, nccl_environment
 from trainer.graph.partition import balance, capture_model, dry_run, slice_stages
 from trainer.net.rendezvous import RendezvousStore, parse_url
 from trainer.engine.precision import LossScaler, Precision, squared_norms
+from trainer.planning.parallel import ParallelPlan
 from trainer.planning.schedule import Action, Kind, build_table
 from trainer.engine.trace import NullRecorder, recorder_for
 from trainer.worker_env import WorkerAssignment
@@ -85,20 +86,20 @@ class Varuna:
                                         setup.choose_device(a, local_rank, device))
             return
         self.rank = a.rank
+        self.plan = a.plan   # as started; `cuts`, `schedule`, `recompute` below are what this worker runs
         self.stage, self.replica = a.position()
-        self.pipeline_depth, self.data_depth = a.pipeline_depth, a.data_depth
-        self.batch_size, self.micro_batch_size = int(batch_size), int(a.micro_batch_size or chunk_size)
+        self.batch_size, self.micro_batch_size = int(batch_size), int(a.plan.micro_batch_size or chunk_size)
         if a.batch_size is not None and a.batch_size != self.batch_size:
             raise ConfigError(f"the job was submitted with global batch {a.batch_size}, the script passes "
                               f"batch_size={self.batch_size} to Varuna",
                               hint="make the script read the batch size it is given, or submit it with the script's")
         self.precision: Precision = precision or ("fp16" if fp16 else "fp32")
-        self.schedule = schedule or a.schedule or "varuna"
+        self.schedule = schedule or a.plan.schedule or "varuna"
         # An explicit argument wins; else the planner's per-stage choice; else recompute everywhere.
         self.recompute: bool | tuple[bool, ...] = (
-            recompute if recompute is not None else tuple(a.recompute) if a.recompute is not None else True)
+            recompute if recompute is not None else a.plan.recompute if a.plan.recompute is not None else True)
         self.iteration = 0
-        setup.check_sizes(self.batch_size, self.micro_batch_size, self.data_depth, self.precision, self.schedule)
+        setup.check_sizes(self.batch_size, self.micro_batch_size, self.plan.D, self.precision, self.schedule)
         if a.threads:
             torch.set_num_threads(a.threads)
         self.device = setup.choose_device(a, local_rank, device)
@@ -132,12 +133,12 @@ class Varuna:
             gc.freeze()
         self._build_groups()
         # Where this worker sends its step statistics and whose it gathers (see `_agree`).
-        self._stats_parent, self._stats_children = setup.stats_tree(a.stage_to_rank, self.stage, self.replica)
+        self._stats_parent, self._stats_children = setup.stats_tree(a.plan, self.stage, self.replica)
         # Pure data parallelism (P = 1) opens one too: the step's statistics travel on it.
         self.channel = self._open_channel() if a.world_size > 1 else None
         self.recorder = recorder_for(a.trace_dir or None, rank=a.rank, stage=self.stage, replica=self.replica)
         self._traced_steps = 0  # counted per process: a resumed epoch starts past step _TRACE_STEPS
-        self.executor = StageExecutor(self.module, stage=self.stage, stages=self.pipeline_depth,
+        self.executor = StageExecutor(self.module, stage=self.stage, stages=self.plan.P,
                                       takes_activation=mine.takes_activation, channel=self.channel,
                                       device=self.device, precision=self.precision, recorder=self.recorder)
         self._tables: dict[tuple[str, int, bool], list[Action]] = {}
@@ -154,7 +155,7 @@ class Varuna:
         self._held_since = 0              # the iteration the state came from (init or a checkpoint)
         self._scheduler_steps: int | None = None   # the scheduler's last_epoch as this engine left it
         log.info("rank %d: stage %d/%d replica %d/%d, %d parameters (%.1f MB), cuts %s",
-                 self.rank, self.stage, self.pipeline_depth, self.replica, self.data_depth,
+                 self.rank, self.stage, self.plan.P, self.replica, self.plan.D,
                  sum(p.numel() for p in self.parameters()), self.parameter_bytes() / 2**20, cuts)
 
     # -- public API ----------------------------------------------------------------------------
@@ -278,14 +279,14 @@ class Varuna:
     def evaluate(self, inputs: Mapping[str, torch.Tensor], batch_size: int | None = None) -> float:
         """Global mean loss of an evaluation batch (this replica's shard in `inputs`)."""
         shard = setup.shard_size(inputs)
-        total = batch_size or shard * self.data_depth
+        total = batch_size or shard * self.plan.D
         micro, weights = self._micro_batches(inputs, total)
         actions = []
         for m in range(len(micro)):
             if self.stage > 0:
                 actions.append(Action(self.stage, Kind.RECV_ACT, m))
             actions.append(Action(self.stage, Kind.FORWARD, m))
-            if self.stage < self.pipeline_depth - 1:
+            if self.stage < self.plan.P - 1:
                 actions.append(Action(self.stage, Kind.SEND_ACT, m))
         local = self.executor.run(actions, micro, weights, training=False)
         out = torch.tensor([local], dtype=torch.float64)
@@ -428,11 +429,20 @@ class Varuna:
                                                       chunk_size, precision, device)
         atexit.register(self._calibration_run.check_done)
         self.rank, self.stage, self.replica = 0, 0, 0
-        self.pipeline_depth = self.data_depth = 1
+        self.plan = ParallelPlan(P=1, D=1)
         self.batch_size, self.micro_batch_size = int(batch_size), int(chunk_size)
         self.precision, self.device, self.iteration = precision, device, 0
         self.optimizer = None
         self._named = dict(model.named_parameters())
+
+    # The script's names for P and D (the original Varuna API's): `GlobalBatches.shard` takes D.
+    @property
+    def pipeline_depth(self) -> int:
+        return self.plan.P
+
+    @property
+    def data_depth(self) -> int:
+        return self.plan.D
 
     def _init_distributed(self) -> None:
         a = self.assignment
@@ -467,12 +477,9 @@ class Varuna:
 
     def _agree_on_cuts(self, traced, get_batch_fn) -> list[int]:
         """Every worker must cut the same way: rank 0 times the segments and decides."""
-        P = self.pipeline_depth
-        if self.assignment.cuts is not None:
-            cuts = sorted(self.assignment.cuts)
-            if len(cuts) != P - 1:
-                raise ConfigError(f"VARUNA_CUTS has {len(cuts)} cut points for {P} stages")
-            return cuts
+        P = self.plan.P
+        if self.plan.cuts is not None:   # the plan checked their number and order
+            return list(self.plan.cuts)
         if P == 1:
             return []
         decision: list[object] = [None]
@@ -491,20 +498,20 @@ class Varuna:
         """Process groups: one per stage (its replicas) and one per tied tensor set spanning
         stages. Every rank creates every group, in the same order, as torch.distributed requires."""
         a, layout = self.assignment, self.layout
-        stage_groups = [dist.new_group(sorted(a.stage_to_rank[s])) for s in range(self.pipeline_depth)]
+        stage_groups = [dist.new_group(sorted(a.plan.ranks[s])) for s in range(self.plan.P)]
         self.stage_group = stage_groups[self.stage]
         tied = []
         for names in layout.tied:
             stages = sorted({s for n in names for s in layout.owners[n]})
             # Every replica of every stage holding a copy sums it; on one stage, its replicas.
             group = stage_groups[stages[0]] if len(stages) == 1 else dist.new_group(
-                sorted(r for s in stages for r in a.stage_to_rank[s]))
+                sorted(r for s in stages for r in a.plan.ranks[s]))
             if self.stage in stages:
                 tied.append(([self._named[n] for n in names if n in self._named],
-                             group if self.data_depth * len(stages) > 1 else None))
+                             group if self.plan.D * len(stages) > 1 else None))
         # One reducer owns every gradient: tied copies, on one stage or several, are summed and
         # all-reduced after the backward, never in the buckets that overlap it (data_parallel).
-        self.reducer = GradReducer(self.parameters(), self.stage_group, self.data_depth, tied=tied)
+        self.reducer = GradReducer(self.parameters(), self.stage_group, self.plan.D, tied=tied)
         # A tied set is counted once in the gradient norm: on its lowest stage, first name.
         self._norm_params = [p for n, p in self.named_parameters() if self._counts_in_norm(n)]
 
@@ -518,8 +525,8 @@ class Varuna:
 
     def _open_channel(self) -> PeerChannel:
         a = self.assignment
-        prev = a.stage_to_rank[self.stage - 1][self.replica] if self.stage > 0 else None
-        nxt = a.stage_to_rank[self.stage + 1][self.replica] if self.stage < self.pipeline_depth - 1 else None
+        prev = a.plan.ranks[self.stage - 1][self.replica] if self.stage > 0 else None
+        nxt = a.plan.ranks[self.stage + 1][self.replica] if self.stage < self.plan.P - 1 else None
         peers = [r for r in (self._stats_parent, *self._stats_children) if r is not None]
         return PeerChannel(bind=a.endpoints[self.rank],
                            prev=None if prev is None else a.endpoints[prev],
@@ -551,15 +558,15 @@ class Varuna:
     def _table(self, name: str, m: int, recompute: bool) -> list[Action]:
         key = (name, m, recompute)
         if key not in self._tables:
-            self._tables[key] = build_table(name, self.pipeline_depth, m, recompute)[self.stage]
+            self._tables[key] = build_table(name, self.plan.P, m, recompute)[self.stage]
         return self._tables[key]
 
     def _micro_batches(self, inputs: Mapping[str, torch.Tensor], global_batch: int):
         shard = setup.shard_size(inputs)
-        expected = global_batch // self.data_depth
+        expected = global_batch // self.plan.D
         if global_batch == self.batch_size and shard != expected:
             raise ConfigError(f"step() got {shard} examples; this replica's shard of the global batch "
-                              f"{self.batch_size} over {self.data_depth} replicas is {expected}",
+                              f"{self.batch_size} over {self.plan.D} replicas is {expected}",
                               hint="pass GlobalBatches(...).shard(step, varuna.replica, varuna.data_depth)")
         wanted = {k: v for k, v in inputs.items() if k in self.input_names}
         missing = set(self.input_names) - set(wanted)
@@ -589,7 +596,7 @@ class Varuna:
         if not finite and self.precision != "fp16":
             log.warning("rank %d: non-finite gradients at step %d in %s; skipping the step",
                         self.rank, self.iteration, self.precision)
-        last = self.stage == self.pipeline_depth - 1
+        last = self.stage == self.plan.P - 1
         local_loss = self.executor.loss_so_far() if last else 0.0
         self.control.poll()
         stats = torch.tensor([sq if finite else math.inf, local_loss, 0.0 if finite else 1.0,
@@ -603,7 +610,7 @@ class Varuna:
         scale = self.scaler.scale
         overflow = bool(stats[2] > 0)
         # every replica holds the same reduced gradients: the norm counts one replica's stages
-        norm = math.sqrt(stats[0] / self.data_depth) / scale if not overflow else math.inf
+        norm = math.sqrt(stats[0] / self.plan.D) / scale if not overflow else math.inf
         if not overflow:
             factor = 1.0 / scale
             if clip is not None and norm > clip:

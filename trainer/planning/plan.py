@@ -1,8 +1,10 @@
-"""What the planner returns: a `Plan` (P x D, micro-batch, schedule, cuts, per-stage layout and
-memory, the slot of each (stage, replica), the estimate and the runners-up), checked on
+"""What the planner returns: a `Plan`, which is the `ParallelPlan` the workers will run (P x D,
+micro-batch, schedule, cuts, recompute) with the planner's reasons around it (per-stage layout
+and memory, the slot of each (stage, replica), the estimate and the runners-up), checked on
 construction, and the `Slot`s it places workers on. trainer.planning.planner builds them.
 
-May import: trainer.planning.schedule, trainer.errors, the standard library (no torch, no numpy).
+May import: trainer.planning.schedule, trainer.planning.parallel, trainer.errors, the standard
+library (no torch, no numpy).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from trainer.errors import VarunaError
-from trainer.planning.schedule import SCHEDULES, Action, build_table
+from trainer.planning.parallel import ParallelPlan
+from trainer.planning.schedule import Action, build_table
 
 __all__ = ["PlanError", "Slot", "StagePlan", "Candidate", "Plan"]
 
@@ -66,13 +69,9 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    P: int
-    D: int
-    micro_batch_size: int
+    parallel: ParallelPlan  # what the workers run; the fields below say why
     micro_batches: int  # m, per replica
     global_batch: int
-    schedule: str
-    cuts: tuple[int, ...]
     stages: tuple[StagePlan, ...]
     assignment: Mapping[str, tuple[int, int]]  # slot id -> (stage, replica)
     link_kinds: tuple[str, ...]  # between stage s and s+1
@@ -89,25 +88,49 @@ class Plan:
         return [c for c in self.candidates if (c.P, c.D, c.micro_batch_size) != mine][:n]
 
     def __post_init__(self) -> None:
-        if self.P < 1 or self.D < 1 or self.micro_batch_size < 1 or self.micro_batches < 1:
-            raise PlanError(f"P, D, micro-batch size and m must be >= 1 (got {self.P}, {self.D}, ...)")
+        par = self.parallel
+        if par.micro_batch_size is None or par.schedule is None or par.cuts is None or par.recompute is None:
+            raise PlanError(f"a planned ParallelPlan decides micro-batch, schedule, cuts and recompute: {par}")
+        if self.micro_batches < 1:
+            raise PlanError(f"m must be >= 1, got {self.micro_batches}")
+        if par.recompute != tuple(s.recompute for s in self.stages):
+            raise PlanError(f"the plan's recompute flags {par.recompute} are not its stages'")
         if self.micro_batches * self.micro_batch_size * self.D != self.global_batch:
             raise PlanError(f"m x micro-batch x D = {self.micro_batches}x{self.micro_batch_size}x{self.D} "
                             f"is not the global batch {self.global_batch}")
-        if len(self.stages) != self.P or len(self.cuts) != self.P - 1 or list(self.cuts) != sorted(set(self.cuts)):
-            raise PlanError(f"a plan of {self.P} stages needs {self.P} stages and {self.P - 1} increasing cuts")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"unknown schedule {self.schedule!r}")
+        if len(self.stages) != self.P:
+            raise PlanError(f"a plan of {self.P} stages needs {self.P} stage plans, got {len(self.stages)}")
         if sorted(self.assignment.values()) != [(s, r) for s in range(self.P) for r in range(self.D)]:
             raise PlanError("the assignment must give every (stage, replica) exactly one slot")
         object.__setattr__(self, "assignment", MappingProxyType(dict(self.assignment)))
 
     def __hash__(self) -> int:
-        return hash((self.P, self.D, self.micro_batch_size, self.cuts, tuple(sorted(self.assignment.items()))))
+        return hash((self.parallel, tuple(sorted(self.assignment.items()))))
+
+    # The parallel plan's fields, read through: the planner's callers and tests say plan.P.
+    @property
+    def P(self) -> int:
+        return self.parallel.P
+
+    @property
+    def D(self) -> int:
+        return self.parallel.D
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.parallel.micro_batch_size
+
+    @property
+    def schedule(self) -> str:
+        return self.parallel.schedule
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        return self.parallel.cuts
 
     @property
     def recompute(self) -> tuple[bool, ...]:
-        return tuple(s.recompute for s in self.stages)
+        return self.parallel.recompute
 
     def table(self) -> dict[int, list[Action]]:
         """The action lists the executor runs (and the simulator replayed)."""

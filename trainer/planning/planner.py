@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from trainer.planning.calibration import Calibration
+from trainer.planning.parallel import ParallelPlan
 from trainer.planning.plan import Candidate, Plan, PlanError, Slot, StagePlan
 from trainer.planning.schedule import SCHEDULES, build_table, stash_bound, stash_bounds
 from trainer.planning.simulator import simulate, stage_costs
@@ -416,9 +417,10 @@ def plan(
         mem = k.static[b] - k.static[a] + (c * in_b + act if flags[s] else c * (in_b + act))
         pre = k.fbr[j] if flags[s] else k.fb[j]
         stages.append(StagePlan(a, b, name, flags[s], int(mem), k.capacity, pre[b] - pre[a]))
+    parallel = ParallelPlan(P=P, D=D, micro_batch_size=int(mbs), schedule=schedule,
+                            cuts=tuple(int(b) - 1 for b in bounds[1:-1]), recompute=tuple(bool(f) for f in flags))
     return Plan(
-        P=P, D=D, micro_batch_size=mbs, micro_batches=m, global_batch=global_batch, schedule=schedule,
-        cuts=tuple(b - 1 for b in bounds[1:-1]), stages=tuple(stages), assignment=assignment,
+        parallel=parallel, micro_batches=m, global_batch=global_batch, stages=tuple(stages), assignment=assignment,
         link_kinds=tuple(links), allreduce_kinds=tuple(ar), estimated_s=sim, unused=unused,
         notes=tuple(notes), candidates=tuple(shown), ruled_out=ruled_out,
     )

@@ -4,15 +4,18 @@ The ``plan`` key holds what the fleet should be doing now; its mod revision is t
 Kinds:
 
 * ``idle``  — no job runs; a daemon stops whatever workers it still has;
-* ``run``   — job J runs as P x D workers on the listed (member, slot)s. Every daemon in it
-  starts its workers with VARUNA_RESUME=latest (the newest complete checkpoint of the job);
+* ``run``   — job J runs the ``plan`` (a `trainer.planning.parallel.ParallelPlan`: P x D,
+  micro-batch, schedule, cuts, recompute, the rank of each (stage, replica)) with each rank on the
+  listed (member, slot). Every daemon in it hands the plan as it is to its workers, which start
+  with VARUNA_RESUME=latest (the newest complete checkpoint of the job, or the survivors' rescue);
 * ``stop``  — phase one of a morph: the workers of ``stop_epoch`` stop, after a checkpoint when
   ``checkpoint`` is true; daemons SIGKILL those that have not stopped after their grace period,
   or at once when ``kill`` is true (the epoch is broken: a member was lost or a worker failed,
   so no worker can reach another step boundary and waiting would only delay the morph);
 * ``profile`` — the job's script runs once on one slot with VARUNA_PROFILE to calibrate.
 
-The value is JSON (readable with etcdctl). The leader also pushes ``PlanChanged(epoch)`` over
+The value is JSON (readable with etcdctl). A ``run`` plan of the release before the
+`ParallelPlan` (its fields flat: ``pipeline_depth``, ``data_depth``, ...) is read as the same plan. The leader also pushes ``PlanChanged(epoch)`` over
 ZeroMQ to the members of a ``run`` plan, which only makes them read the plan now; a daemon that
 missed the push reads it at the next watch event.
 """
@@ -25,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from protocol.messages import Assignment, SlotAssignment
 from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
+from trainer.planning.parallel import ParallelPlan
 from trainer.planning.planner import Plan, PlanError, Slot, plan as run_planner
 
 from varunad.store import schemas
@@ -42,9 +45,9 @@ KINDS = ("idle", "run", "stop", "profile")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanSlot:
+    """Where one rank of the plan runs."""
+
     rank: int
-    stage: int
-    replica: int
     member: str
     slot: int
     endpoint: str
@@ -56,13 +59,8 @@ class PlanDoc:
     reason: str
     job: str | None = None
     # run
-    pipeline_depth: int = 0
-    data_depth: int = 0
-    micro_batch_size: int = 0
-    schedule: str = "varuna"
-    cuts: tuple[int, ...] = ()
-    recompute: tuple[bool, ...] = ()  # per stage, as the planner decided by memory; () = the script's choice
-    slots: tuple[PlanSlot, ...] = ()
+    plan: ParallelPlan | None = None  # what every worker runs, passed to them whole
+    slots: tuple[PlanSlot, ...] = ()  # where each rank runs
     dist_url: str = ""
     estimated_s: float = 0.0
     calibrated: bool = False  # from a measured calibration (else synthetic: data-parallel only)
@@ -78,20 +76,32 @@ class PlanDoc:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"plan kind {self.kind!r} is not one of {KINDS}")
-        object.__setattr__(self, "cuts", tuple(self.cuts))
-        object.__setattr__(self, "recompute", tuple(bool(r) for r in self.recompute))
-        if self.recompute and len(self.recompute) != self.pipeline_depth:
-            raise ValueError(f"plan has {len(self.recompute)} recompute flags for {self.pipeline_depth} stages")
+        if self.plan is not None and not isinstance(self.plan, ParallelPlan):
+            object.__setattr__(self, "plan", ParallelPlan.from_dict(self.plan))  # read from etcd
         object.__setattr__(self, "slots", tuple(s if isinstance(s, PlanSlot) else PlanSlot(**s) for s in self.slots))
         object.__setattr__(self, "incarnations", dict(self.incarnations))
         if self.kind != "idle" and not self.job:
             raise ValueError(f"a {self.kind} plan needs a job")
         if self.kind == "run":
-            self.assignment(0)  # the protocol's checks: one slot per rank, P-1 increasing cuts, ...
+            self._check_placement()
+
+    def _check_placement(self) -> None:
+        """One slot per rank of the plan, no device twice."""
+        if self.plan is None:
+            raise ValueError("a run plan needs its parallel plan")
+        world = self.plan.world_size
+        ranks = sorted(s.rank for s in self.slots)
+        if ranks != list(range(world)):
+            raise ValueError(f"a {self.plan.shape} plan places ranks 0..{world - 1} once each, got {ranks}")
+        devices = [(s.member, s.slot) for s in self.slots]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"a plan puts two workers on one slot: {sorted(devices)}")
+        if not self.dist_url:
+            raise ValueError("a run plan needs its rendezvous (dist_url)")
 
     @property
     def shape(self) -> str:
-        return f"{self.pipeline_depth}x{self.data_depth}" if self.kind == "run" else "-"
+        return self.plan.shape if self.kind == "run" and self.plan is not None else "-"
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -100,32 +110,27 @@ class PlanDoc:
     def slots_on(self, member: str) -> tuple[PlanSlot, ...]:
         return tuple(sorted((s for s in self.slots if s.member == member), key=lambda s: s.rank))
 
+    def members_by_stage(self) -> dict[int, set[str]]:
+        """stage -> the members that run a replica of it."""
+        out: dict[int, set[str]] = {}
+        for s in self.slots:
+            out.setdefault(self.plan.position(s.rank)[0], set()).add(s.member)
+        return out
+
     def endpoints(self) -> list[str]:
         return [s.endpoint for s in sorted(self.slots, key=lambda s: s.rank)]
 
-    def stage_to_rank(self) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {s: [0] * self.data_depth for s in range(self.pipeline_depth)}
-        for s in self.slots:
-            out[s.stage][s.replica] = s.rank
-        return out
-
-    def assignment(self, epoch: int) -> Assignment:
-        """The ZeroMQ form of a run plan (raises protocol.MessageValueError if inconsistent)."""
-        return Assignment(
-            job=self.job or "", epoch=epoch, pipeline_depth=self.pipeline_depth, data_depth=self.data_depth,
-            micro_batch_size=self.micro_batch_size, schedule=self.schedule, cuts=self.cuts,
-            slots=tuple(SlotAssignment(**asdict(s)) for s in self.slots), dist_url=self.dist_url,
-            resume_step=None,
-        )
-
     def encode(self) -> bytes:
-        doc = asdict(self)
-        doc["cuts"] = list(self.cuts)
-        doc["recompute"] = list(self.recompute)
-        return json.dumps(doc, sort_keys=True).encode()
+        return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> PlanDoc:
+        try:
+            raw = json.loads(data)
+        except ValueError:
+            raw = None   # schemas.decode names what is wrong
+        if isinstance(raw, dict) and raw.get("kind") == "run" and "plan" not in raw and "pipeline_depth" in raw:
+            data = json.dumps(_from_flat(raw)).encode()
         return schemas.decode(cls, data, "plan")
 
     @classmethod
@@ -135,6 +140,26 @@ class PlanDoc:
     @classmethod
     def stop(cls, job: str, epoch: int, *, checkpoint: bool, reason: str, kill: bool = False) -> PlanDoc:
         return cls(kind="stop", job=job, stop_epoch=epoch, checkpoint=checkpoint, reason=reason, kill=kill)
+
+
+def _from_flat(raw: dict[str, Any]) -> dict[str, Any]:
+    """A run plan of the release before `ParallelPlan` (P, D, ... flat in the document, each slot
+    with its stage and replica), in this release's form."""
+    flat = ("pipeline_depth", "data_depth", "micro_batch_size", "schedule", "cuts", "recompute")
+    doc = {k: v for k, v in raw.items() if k not in flat}
+    P, D = raw.get("pipeline_depth"), raw.get("data_depth")
+    slots = raw.get("slots") if isinstance(raw.get("slots"), list) else []
+    ranks = [[None] * D for _ in range(P)] if isinstance(P, int) and isinstance(D, int) and 0 < P * D <= 4096 else []
+    try:
+        for s in slots:
+            ranks[s["stage"]][s["replica"]] = s["rank"]
+    except (TypeError, KeyError, IndexError):
+        ranks = []   # the plan's own check refuses what this leaves
+    doc["plan"] = {"P": P, "D": D, "micro_batch_size": raw.get("micro_batch_size"), "schedule": raw.get("schedule"),
+                   "cuts": raw.get("cuts"), "recompute": raw.get("recompute") or None, "ranks": ranks}
+    doc["slots"] = [{k: v for k, v in s.items() if k not in ("stage", "replica")} if isinstance(s, dict) else s
+                    for s in slots]
+    return doc
 
 
 def shape(doc: PlanDoc | None) -> str:
@@ -186,19 +211,17 @@ def make_plan(
     sizes = spec.micro_batch_sizes()
     result = run_planner(slots, spec.batch_size, dict(calibrations), schedule=spec.schedule,
                          micro_batch_sizes=sizes)
-    P, D = result.P, result.D
     plan_slots = []
     for slot_id, (stage, replica) in sorted(result.assignment.items()):
         member, i = by_id[slot_id]
-        plan_slots.append(PlanSlot(rank=replica * P + stage, stage=stage, replica=replica, member=member.name,
+        plan_slots.append(PlanSlot(rank=result.parallel.rank_of(stage, replica), member=member.name,
                                    slot=i, endpoint=member.stream_endpoint(i)))
     plan_slots.sort(key=lambda s: s.rank)
     host0 = next(by_id[f"{s.member}/{s.slot}"][0] for s in plan_slots if s.rank == 0)
     used = {s.member for s in plan_slots}
     doc = PlanDoc(
-        kind="run", reason=reason, job=spec.job, pipeline_depth=P, data_depth=D,
-        micro_batch_size=result.micro_batch_size, schedule=result.schedule, cuts=tuple(result.cuts),
-        recompute=tuple(result.recompute), slots=tuple(plan_slots), dist_url=host0.rendezvous_url(),
+        kind="run", reason=reason, job=spec.job, plan=result.parallel, slots=tuple(plan_slots),
+        dist_url=host0.rendezvous_url(),
         estimated_s=float(result.estimated_s),
         calibrated=calibrated, incarnations={m: lease for m, lease in incarnations.items() if m in used},
     )
@@ -228,8 +251,7 @@ def calibrations_for(
 def describe(doc: PlanDoc, epoch: int) -> dict[str, Any]:
     """The plan as job state and ``status`` show it."""
     return {
-        "epoch": epoch, "P": doc.pipeline_depth, "D": doc.data_depth, "micro_batch_size": doc.micro_batch_size,
-        "schedule": doc.schedule, "cuts": list(doc.cuts), "recompute": list(doc.recompute),
+        "epoch": epoch, **(doc.plan.to_dict() if doc.plan is not None else {}),
         "members": list(doc.members),
         "estimated_s": doc.estimated_s, "calibrated": doc.calibrated,
     }

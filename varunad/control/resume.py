@@ -68,15 +68,11 @@ def _newest_complete(store: str) -> tuple[int, dict] | None:
     return None
 
 
-def _orphaned_stages(plan: PlanDoc | None, lost: Collection[str]) -> str:
+def _orphaned_stages(doc: PlanDoc | None, lost: Collection[str]) -> str:
     """'stage 1 had no live replica (vm3)' for the stages whose every replica was on a lost VM."""
-    if plan is None or plan.kind != "run" or not lost:
+    if doc is None or doc.kind != "run" or not lost:
         return ""
-    gone: dict[int, set[str]] = {}
-    for stage in range(plan.pipeline_depth):
-        members = {s.member for s in plan.slots if s.stage == stage}
-        if members and members <= set(lost):
-            gone[stage] = members
+    gone = {stage: members for stage, members in doc.members_by_stage().items() if members <= set(lost)}
     if not gone:
         return ""
     stages = sorted(gone)

@@ -250,8 +250,9 @@ def print_fleet(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
     plan = doc["plan"]
     if plan and "kind" in plan:
         if plan["kind"] == "run":
-            print(f"plan      epoch {plan['epoch']}: {plan['job']} as {plan['pipeline_depth']}x{plan['data_depth']}, "
-                  f"micro-batch {plan['micro_batch_size']}", file=out)
+            par = plan["plan"]
+            print(f"plan      epoch {plan['epoch']}: {plan['job']} as {par['P']}x{par['D']}, "
+                  f"micro-batch {par['micro_batch_size']}", file=out)
         else:
             print(f"plan      epoch {plan['epoch']}: {plan['kind']} {plan.get('job') or ''} ({plan['reason']})",
                   file=out)

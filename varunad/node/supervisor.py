@@ -48,6 +48,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import (CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, WorkerRescuing, decode,
                                encode)
 from trainer.engine.control import RESCUE_SIGNAL, STOPPED_EXIT_CODE
+from trainer.planning.parallel import ParallelPlan
 from trainer.worker_env import WorkerAssignment
 from trainer.launch import worker_environment as launch_environment
 from trainer.net.netaddr import numeric_address
@@ -239,7 +240,7 @@ class Supervisor:
         store_dir = job_store(spec, self.config.store)
         mine = doc.slots_on(self.name)
         self._begin(doc.job or "", epoch)
-        self.metrics.begin_epoch({s.rank: s.stage for s in mine}, doc.job or "")
+        self.metrics.begin_epoch({s.rank: doc.plan.position(s.rank)[0] for s in mine}, doc.job or "")
         threads = self._threads(member)
         extra = dict(self.security_env)
         curve = (self.security_env.get("VARUNA_SECURITY") == "curve"
@@ -247,12 +248,11 @@ class Supervisor:
         peer_keys = self.peer_keys(doc) if curve else None
         for s in mine:
             assignment = WorkerAssignment(
-                rank=s.rank, stage_to_rank=doc.stage_to_rank(), endpoints=doc.endpoints(), dist_url=doc.dist_url,
-                job=doc.job or "", epoch=epoch, cuts=list(doc.cuts), schedule=doc.schedule, threads=threads,
-                recompute=list(doc.recompute) or None,
+                rank=s.rank, plan=doc.plan, endpoints=doc.endpoints(), dist_url=doc.dist_url,
+                job=doc.job or "", epoch=epoch, threads=threads,
                 store=store_dir, device=self._device(member, s.slot), control=self.control_endpoint,
                 checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints, resume="latest",
-                batch_size=spec.batch_size, micro_batch_size=doc.micro_batch_size, steps=spec.steps,
+                batch_size=spec.batch_size, steps=spec.steps,
                 trace_dir=job_trace_dir(store_dir, epoch),
                 checkpoint_tmpdir=str(self._staging_dir(doc.job or "")) if self.config.stage_checkpoints else None,
                 bind_address=self.bind_address, peer_keys=peer_keys, trace_steps=_TRACE_STEPS,
@@ -283,7 +283,7 @@ class Supervisor:
             log.warning("%s: calibrating one of %d CPU slots alone (%d threads each; profiling them at once needs "
                         "one): the plan's step-time estimate will be optimistic", self.name, member.slots, threads)
         assignment = WorkerAssignment(
-            rank=0, stage_to_rank={0: [0]}, endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
+            rank=0, plan=ParallelPlan(P=1, D=1), endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
             job=doc.job or "", epoch=epoch, threads=threads,
             device=self._device(member, 0), control=self.control_endpoint, batch_size=spec.batch_size, steps=spec.steps,
             profile=out_path, profile_slots=busy_slots, bind_address=self.bind_address,
@@ -361,7 +361,7 @@ class Supervisor:
         with training, not with a start-up), in the environment the slot's workers start with."""
         member = self.membership.member
         # what a worker's environment is before its assignment (read after start-up) goes over it
-        base = worker_environment(WorkerAssignment(rank=0, stage_to_rank={0: [0]}, endpoints=[""], dist_url="",
+        base = worker_environment(WorkerAssignment(rank=0, plan=ParallelPlan(P=1, D=1), endpoints=[""], dist_url="",
                                                    threads=self._threads(member)), extra=self.security_env)
         await self.spares.fill(range(member.usable_slots), base)
 

@@ -1,0 +1,153 @@
+"""`ParallelPlan`: how one job's workers split the model and the batch, the one value that
+crosses every boundary on the way from the planner to a worker.
+
+The planner returns it (inside its `Plan`), the leader stores it in etcd inside the plan
+document, the daemon hands it to each worker (the environment variable ``VARUNA_PLAN``) and
+`Varuna` reads it. Every hop passes it whole: `to_dict`/`from_dict` go by the dataclass's
+fields, so a field added here reaches the worker without touching the hops in between.
+
+A worker's rank is the position of its process in torch.distributed; ``ranks[stage][replica]``
+says which (stage, replica) it holds. The planner and the launcher number replica-major
+(rank = replica * P + stage, the default); a script may pass another map to `Varuna`.
+
+May import: trainer.planning.schedule, trainer.errors, the standard library (no torch, no numpy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.errors import VarunaError
+from trainer.planning.schedule import SCHEDULES
+
+__all__ = ["ParallelPlan", "ParallelPlanError"]
+
+
+class ParallelPlanError(VarunaError, ValueError):
+    """A parallel plan that is not one: shapes that disagree, ranks twice, unknown schedule."""
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples the fields hold (a frozen value must not hold a list)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def _lists(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_lists(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelPlan:
+    P: int                                      # pipeline stages
+    D: int                                      # data-parallel replicas of each stage
+    micro_batch_size: int | None = None         # None: the script's chunk_size
+    schedule: str | None = None                 # None: the script's (default varuna)
+    cuts: tuple[int, ...] | None = None         # active cut points; None: Varuna balances them
+    recompute: tuple[bool, ...] | None = None   # per stage; None: the script's choice
+    ranks: tuple[tuple[int, ...], ...] | None = None  # [stage][replica] -> rank; None: replica-major
+
+    def __post_init__(self) -> None:
+        for name in ("P", "D"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ParallelPlanError(f"{name} must be an int >= 1, got {value!r}")
+        P, D = self.P, self.D
+        mbs = self.micro_batch_size
+        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
+            raise ParallelPlanError(f"micro_batch_size must be an int >= 1, got {mbs!r}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ParallelPlanError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.cuts is not None:
+            cuts = _tuples(self.cuts)
+            if (len(cuts) != P - 1 or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cuts)
+                    or list(cuts) != sorted(set(cuts))):
+                raise ParallelPlanError(f"a plan of {P} stages needs {P - 1} increasing cut points, got {list(cuts)}")
+            object.__setattr__(self, "cuts", cuts)
+        if self.recompute is not None:
+            flags = _tuples(self.recompute)
+            if len(flags) != P or not all(isinstance(f, bool) for f in flags):
+                raise ParallelPlanError(f"recompute needs one true/false per stage ({P}), got {list(flags)}")
+            object.__setattr__(self, "recompute", flags)
+        ranks = _tuples(self.ranks) if self.ranks is not None else tuple(
+            tuple(r * P + s for r in range(D)) for s in range(P))
+        if len(ranks) != P or any(len(row) != D for row in ranks):
+            raise ParallelPlanError(f"ranks must be {P} stages of {D} replicas, got {_lists(ranks)}")
+        flat = sorted(r for row in ranks for r in row) if all(
+            isinstance(r, int) and not isinstance(r, bool) for row in ranks for r in row) else None
+        if flat != list(range(P * D)):
+            raise ParallelPlanError(f"ranks must hold 0..{P * D - 1} once each, got {_lists(ranks)}")
+        object.__setattr__(self, "ranks", ranks)
+
+    @classmethod
+    def from_stage_to_rank(cls, stage_to_rank: Mapping[Any, Sequence[Any]], **fields: Any) -> ParallelPlan:
+        """The plan of the original Varuna API's ``stage_to_rank_map`` ({stage: [rank per replica]})."""
+        try:
+            rows = {int(s): tuple(int(r) for r in ranks) for s, ranks in stage_to_rank.items()}
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ParallelPlanError(f"stage_to_rank_map must map stage -> [ranks], got {stage_to_rank!r:.100}") from exc
+        if sorted(rows) != list(range(len(rows))) or not rows:
+            raise ParallelPlanError(f"stages must be numbered 0..P-1, got {sorted(rows)}")
+        widths = {len(r) for r in rows.values()}
+        if len(widths) != 1:
+            raise ParallelPlanError(f"every stage needs the same number of replicas, got {stage_to_rank!r:.100}")
+        return cls(P=len(rows), D=widths.pop(), ranks=tuple(rows[s] for s in range(len(rows))), **fields)
+
+    @property
+    def world_size(self) -> int:
+        return self.P * self.D
+
+    @property
+    def shape(self) -> str:
+        return f"{self.P}x{self.D}"
+
+    @property
+    def stage_to_rank(self) -> dict[int, list[int]]:
+        return {s: list(row) for s, row in enumerate(self.ranks)}
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        return self.ranks[stage][replica]
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of ``rank``."""
+        for stage, row in enumerate(self.ranks):
+            if rank in row:
+                return stage, row.index(rank)
+        raise ParallelPlanError(f"rank {rank} is in no stage of a {self.shape} plan")
+
+    def replace(self, **changes: Any) -> ParallelPlan:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: every field, tuples as lists."""
+        return {f.name: _lists(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> ParallelPlan:
+        """The plan from `to_dict`'s form; fields this release does not know (a newer one's) are
+        left out, anything else wrong is a ParallelPlanError."""
+        if not isinstance(doc, Mapping):
+            raise ParallelPlanError(f"a parallel plan is a JSON object, got {doc!r:.100}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: _tuples(v) for k, v in doc.items() if k in known})
+        except TypeError as exc:   # a required field missing
+            raise ParallelPlanError(f"malformed parallel plan: {exc}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ParallelPlan:
+        try:
+            doc = json.loads(text)
+        except ValueError as exc:
+            raise ParallelPlanError(f"a parallel plan is JSON, got {text[:100]!r}: {exc}") from None
+        return cls.from_dict(doc)
