@@ -6,14 +6,15 @@ Wire layout: one ZeroMQ frame holding one msgpack array of three items::
 
 `PROTOCOL_VERSION` is an int (1), separate from the package version; a peer speaking another version
 is refused, never guessed at. `type_tag` is a short string naming the message class (`"ping"`,
-`"assignment"`, ...). The map holds exactly the class's fields, by name, every one of them (optional
-values are sent as nil). Values are msgpack nil, bool, int, float, str, array and map only: tuples
-travel as arrays, nested value objects (`SlotAssignment`) as maps of their fields. No bin, no ext, no
-timestamps. Nothing is ever unpickled.
+`"plan_changed"`, ...). The map holds exactly the class's fields, by name, every one of them (optional
+values are sent as nil). Values are msgpack nil, bool, int, float, str and array (a tuple field)
+only. No bin, no ext, no
+timestamps. Nothing is ever unpickled. A plan never travels here: the leader only says which epoch
+to read (`PlanChanged`), and the plan itself is read from etcd.
 
 `decode` trusts nothing: size first, then msgpack with bounded lengths and unique str keys, then the
 version, the tag, the exact field set, each field's type (a bool is not an int) and range, then the
-cross-field rules of the class (`Assignment`'s slot table). Any failure is a `ProtocolError` with the
+cross-field rules of the class, if it has any. Any failure is a `ProtocolError` with the
 reason. Building a message locally runs the same checks and raises `MessageValueError` (a ValueError).
 
 Identifiers (job ids, member names, schedule names) are 1..128 characters of letters, digits and
@@ -38,13 +39,11 @@ from protocol.errors import MessageValueError, ProtocolError
 __all__ = [
     "MAX_MESSAGE_SIZE",
     "PROTOCOL_VERSION",
-    "Assignment",
     "CheckpointNow",
     "Message",
     "Ping",
     "PlanChanged",
     "Pong",
-    "SlotAssignment",
     "StopWorkers",
     "WorkerCheckpointed",
     "WorkerFailed",
@@ -64,8 +63,6 @@ _SMALL_MAX = (1 << 31) - 1    # ranks, stages, slots, sizes: anything that index
 _MAX_ID = 128
 _MAX_TEXT = 16 * 1024         # reasons and error text: enough for a traceback tail, not a log file
 _MAX_PATH = 4096
-_MAX_URL = 1024
-_MAX_ITEMS = 1 << 16          # slots per assignment, cuts per pipeline
 _ID_RE = re.compile(r"[A-Za-z0-9._:@-]+")
 
 
@@ -171,7 +168,7 @@ class _Optional(_Kind):
 
 
 class _Tuple(_Kind):
-    def __init__(self, item: _Kind, max_items: int = _MAX_ITEMS) -> None:
+    def __init__(self, item: _Kind, max_items: int) -> None:
         self.item, self.max_items = item, max_items
 
     def _items(self, where: str, value: Any) -> list | tuple:
@@ -193,27 +190,6 @@ class _Tuple(_Kind):
         return [self.item.load(f"{where}[{i}]", v) for i, v in enumerate(self._items(where, wire))]
 
 
-class _Nested(_Kind):
-    def __init__(self, cls: type[_Record]) -> None:
-        self.cls = cls
-
-    def check(self, where: str, value: Any) -> Any:
-        if not isinstance(value, self.cls):
-            raise MessageValueError(f"{where} must be a {self.cls.__name__}, got {_type_name(value)}")
-        return value
-
-    def dump(self, value: Any) -> dict:
-        return _dump_record(value)
-
-    def load(self, where: str, wire: Any) -> Any:
-        try:
-            return _load_record(self.cls, wire, where)
-        except MessageValueError as exc:
-            if exc.reason.startswith(where):
-                raise
-            raise MessageValueError(f"{where}: {exc.reason}") from None
-
-
 def _f(kind: _Kind) -> Any:
     """A dataclass field checked by `kind` on construction and on decode."""
     return field(metadata={"kind": kind})
@@ -222,7 +198,6 @@ def _f(kind: _Kind) -> Any:
 _ID = _Str(_MAX_ID, pattern=_ID_RE, what="an identifier of letters, digits and . _ - : @")
 _TEXT = _Str(_MAX_TEXT, min_len=0, nul=True)   # free text: error output may hold anything
 _PATH = _Str(_MAX_PATH)
-_URL = _Str(_MAX_URL, pattern=re.compile(r"[a-z][a-z0-9+.-]*://\S*"), what="a URL like tcp://host:port or env://")
 _EPOCH = _Int()
 _RANK = _Int(0, _SMALL_MAX)
 _STEP = _Int()
@@ -378,80 +353,6 @@ class Pong(Message):
     TYPE: ClassVar[str] = "pong"
     sender: str = _f(_ID)
     nonce: int = _f(_Int(0, _U64_MAX))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SlotAssignment(_Record):
-    """One worker of a plan: global `rank`, its pipeline `stage` and data-parallel `replica`, the
-    daemon (`member`) and device `slot` it runs on, and the ZeroMQ `endpoint` it binds for tensors."""
-
-    rank: int = _f(_RANK)
-    stage: int = _f(_RANK)
-    replica: int = _f(_RANK)
-    member: str = _f(_ID)
-    slot: int = _f(_RANK)
-    endpoint: str = _f(_URL)
-
-
-@_register
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Assignment(Message):
-    """A plan for one epoch: P = `pipeline_depth` stages x D = `data_depth` replicas.
-
-    `cuts` are the P-1 cut-point (marker) indices where stages split, strictly increasing, as
-    `trainer.graph.partition.slice_stages` takes them. `slots` has one entry per rank 0..P*D-1. `dist_url`
-    is the torch.distributed init_method for this epoch's all-reduce groups. `resume_step` is the
-    checkpointed step to load, or None to start from scratch.
-    """
-
-    TYPE: ClassVar[str] = "assignment"
-    job: str = _f(_ID)
-    epoch: int = _f(_EPOCH)
-    pipeline_depth: int = _f(_Int(1, _MAX_ITEMS))
-    data_depth: int = _f(_Int(1, _MAX_ITEMS))
-    micro_batch_size: int = _f(_Int(1, _SMALL_MAX))
-    schedule: str = _f(_ID)
-    cuts: tuple[int, ...] = _f(_Tuple(_Int(0, _SMALL_MAX)))
-    slots: tuple[SlotAssignment, ...] = _f(_Tuple(_Nested(SlotAssignment)))
-    dist_url: str = _f(_URL)
-    resume_step: int | None = _f(_Optional(_STEP))
-
-    def _validate(self) -> None:
-        p, d = self.pipeline_depth, self.data_depth
-        if len(self.cuts) != p - 1:
-            raise MessageValueError(
-                f"Assignment.cuts must hold pipeline_depth-1 = {p - 1} cut points, got {len(self.cuts)}")
-        if any(a >= b for a, b in zip(self.cuts, self.cuts[1:])):
-            raise MessageValueError(f"Assignment.cuts must be strictly increasing, got {_short(self.cuts)}")
-        if len(self.slots) != p * d:
-            raise MessageValueError(
-                f"Assignment.slots must hold pipeline_depth*data_depth = {p * d} entries, got {len(self.slots)}")
-        ranks, cells, devices = set(), set(), set()
-        for s in self.slots:
-            if s.stage >= p or s.replica >= d:
-                raise MessageValueError(
-                    f"Assignment slot of rank {s.rank} has stage {s.stage}, replica {s.replica}; "
-                    f"this plan has stages < {p} and replicas < {d}")
-            if s.rank >= p * d or s.rank in ranks:
-                raise MessageValueError(f"Assignment ranks must be 0..{p * d - 1} each once; rank {s.rank} is not")
-            if (s.stage, s.replica) in cells:
-                raise MessageValueError(f"Assignment has two workers for stage {s.stage}, replica {s.replica}")
-            if (s.member, s.slot) in devices:
-                raise MessageValueError(f"Assignment puts two workers on slot {s.slot} of member {s.member}")
-            ranks.add(s.rank)
-            cells.add((s.stage, s.replica))
-            devices.add((s.member, s.slot))
-
-    def slot_of(self, rank: int) -> SlotAssignment:
-        """The entry for `rank`; KeyError if the plan has no such rank."""
-        for s in self.slots:
-            if s.rank == rank:
-                return s
-        raise KeyError(rank)
-
-    def slots_on(self, member: str) -> tuple[SlotAssignment, ...]:
-        """The workers this plan runs on `member`, in rank order."""
-        return tuple(sorted((s for s in self.slots if s.member == member), key=lambda s: s.rank))
 
 
 @_register

@@ -40,7 +40,6 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from protocol.errors import SecurityError
-from protocol.messages import Assignment
 
 __all__ = [
     "MODES",
@@ -275,8 +274,8 @@ class Security:
     Servers: `apply_control_server(sock)` / `apply_stream_server(sock)` before bind; they start the
     context's authenticator on first use (a thread for sync sockets, a task for asyncio sockets, so
     call them from inside the loop there). Clients: `apply_control_client(sock, server_key)`, or
-    `apply_stream_client(sock, endpoint)` for an endpoint registered with `add_peer` (or
-    `add_peers_from(assignment)`). `close()` stops the authenticators.
+    `apply_stream_client(sock, endpoint)` for an endpoint registered with `add_peer` (a daemon's
+    worker's key is `member_public_key(member)`). `close()` stops the authenticators.
     """
 
     def __init__(self, config: SecurityConfig, *, peers: Mapping[str, bytes | str] | None = None) -> None:
@@ -330,8 +329,7 @@ class Security:
         key = self._peers.get(endpoint)
         if key is None:
             raise SecurityError(
-                f"no server key known for stream endpoint {endpoint}; register it with add_peer(endpoint, key) "
-                "or add_peers_from(assignment)")
+                f"no server key known for stream endpoint {endpoint}; register it with add_peer(endpoint, key)")
         configure_curve_client(sock, self.public_key, self._secret_key, key)  # type: ignore[arg-type]
 
     def add_peer(self, endpoint: str, server_public_key: bytes | str) -> None:
@@ -343,12 +341,6 @@ class Security:
         if not self.config.allowed_keys_dir or not _NAME_RE.fullmatch(member):
             raise SecurityError(f"no key file can be named after member {member!r}")
         return load_public_key(Path(self.config.allowed_keys_dir) / f"{member}.key")
-
-    def add_peers_from(self, assignment: Assignment) -> None:
-        """Register every worker endpoint of a plan with the key of the member that runs it."""
-        if self.curve_streams:
-            for slot in assignment.slots:
-                self.add_peer(slot.endpoint, self.member_public_key(slot.member))
 
     def reload_allowed_keys(self) -> None:
         """Re-read the allow-list directory; new connections are checked against the new set."""

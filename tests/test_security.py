@@ -14,7 +14,6 @@ import zmq.asyncio
 
 from protocol.errors import SecurityError
 from protocol.frames import recv_tensor, send_tensor
-from protocol.messages import Assignment, SlotAssignment
 from protocol.security import (
     Security,
     SecurityConfig,
@@ -112,7 +111,7 @@ async def test_asyncio_server_admits_only_allowed_clients(keys, ctx):
         actx.destroy(linger=0)
 
 
-def test_tensor_stream_over_curve_with_peers_from_an_assignment(keys, ctx):
+def test_tensor_stream_over_curve_with_the_peer_key_named_after_its_member(keys, ctx):
     client_config = SecurityConfig(secret_key_file=str(keys.client), allowed_keys_dir=str(keys.allowed))
     with Security(keys.config) as receiver, Security(client_config) as sender:
         pull = ctx.socket(zmq.PULL)
@@ -121,12 +120,7 @@ def test_tensor_stream_over_curve_with_peers_from_an_assignment(keys, ctx):
         pull.bind("tcp://127.0.0.1:*")
         endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
         # Key files are named after members: the worker on member "server" serves `endpoint`.
-        plan = Assignment(
-            job="j", epoch=1, pipeline_depth=2, data_depth=1, micro_batch_size=1, schedule="gpipe", cuts=(0,),
-            slots=(SlotAssignment(rank=0, stage=0, replica=0, member="client", slot=0, endpoint="tcp://127.0.0.1:1"),
-                   SlotAssignment(rank=1, stage=1, replica=0, member="server", slot=0, endpoint=endpoint)),
-            dist_url="tcp://127.0.0.1:2", resume_step=None)
-        sender.add_peers_from(plan)
+        sender.add_peer(endpoint, sender.member_public_key("server"))
         push = ctx.socket(zmq.PUSH)
         push.linger = 0
         sender.apply_stream_client(push, endpoint)

@@ -46,7 +46,7 @@ import zmq
 import zmq.asyncio
 
 from protocol.errors import SecurityError
-from protocol.messages import Assignment, CheckpointNow, PlanChanged, StopWorkers
+from protocol.messages import CheckpointNow, PlanChanged, StopWorkers
 from protocol.security import Security, SecurityConfig
 from trainer.planning.calibration import Calibration
 
@@ -287,8 +287,9 @@ class Daemon:
 
     async def _serve(self) -> None:
         async for _identity, msg in self.server.messages():
-            # an Assignment is what a leader of the previous release pushes: the same news
-            if isinstance(msg, (PlanChanged, Assignment)):
+            # (a leader of an older release pushed an "assignment": dropped as an unknown type by
+            # the server; this daemon reads that plan at the next watch event all the same)
+            if isinstance(msg, PlanChanged):
                 if msg.epoch > self.applied_epoch:
                     # a task: starting workers must not keep this socket from answering pings
                     task = asyncio.get_running_loop().create_task(self._read_plan(f"pushed epoch {msg.epoch}"))
