@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from etcd_server import EtcdServer  # noqa: E402
 from ring import Ring  # noqa: E402
+from varunad.control.records import steps_trained_twice  # noqa: E402
 
 NAMES = ["d1", "d2", "d3", "d4"]
 SHAPES = {"2x2": ("--cheap-allreduce",), "4x1": ()}
@@ -92,7 +93,7 @@ def _redone(st: dict, old_epoch: int, new_epoch: int) -> int:
     epochs = st["epochs"]
     if str(old_epoch) not in epochs or str(new_epoch) not in epochs:
         return -1
-    return max(0, epochs[str(old_epoch)][1] - epochs[str(new_epoch)][0] + 1)
+    return steps_trained_twice({e: epochs[str(e)] for e in (old_epoch, new_epoch)})
 
 
 def trial(ring: Ring, job: str, how: str, shape: str) -> dict:

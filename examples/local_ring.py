@@ -102,13 +102,7 @@ def summary(doc: dict[str, Any], seconds: float) -> str:
     sources = [progress.morph_source(m) for m in doc["morphs"]]
     resumed = f" {'; '.join(s for s in sources if s)}" if any(sources) else ""
     return (f"demo: {JOB} {doc['state']} at step {doc['step']} in {seconds:.0f}s, {len(doc['morphs'])} morph(s) "
-            f"({shapes}){resumed}, {redone(doc)} step(s) trained twice, {loss}")
-
-
-def redone(doc: dict[str, Any]) -> int:
-    """Steps an epoch trained that the epoch before it had already trained (resumed from behind)."""
-    ranges = sorted((int(e), r) for e, r in (doc.get("epochs") or {}).items())
-    return sum(max(0, before[1] - after[0] + 1) for (_, before), (_, after) in zip(ranges, ranges[1:]))
+            f"({shapes}){resumed}, {doc['steps_trained_twice']} step(s) trained twice, {loss}")
 
 
 def report(ring: local.Ring) -> None:

@@ -23,7 +23,7 @@ from varunad.control.decide import LeaderMemory, decide, error_summary
 from varunad.control.plans import PlanDoc, make_plan, uniform_calibration
 from varunad.node.housekeeping import LOGS, job_dir, prune_jobs
 from varunad.control.records import (WorkerRecord, WorkerReport, decode_history, encode_history, epoch_ranges,
-                                     merge_history, merge_spans)
+                                     merge_history, merge_spans, steps_trained_twice)
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["--etcd", "127.0.0.1:2379", "--store", "/tmp/store", "--plaintext"]
@@ -461,6 +461,16 @@ def test_history_merge_keeps_the_newest_epoch_per_step():
     per_epoch = {10: [(0, 1.0), (1, 2.0), (2, 3.0)], 20: [(2, 3.5), (3, 4.0)]}
     assert merge_history(per_epoch) == [(0, 1.0), (1, 2.0), (2, 3.5), (3, 4.0)]
     assert epoch_ranges(per_epoch) == {10: (0, 2), 20: (2, 3)}
+    assert steps_trained_twice(epoch_ranges(per_epoch)) == 1
+
+
+def test_steps_trained_twice_counts_each_step_an_earlier_epoch_had_reached():
+    assert steps_trained_twice({}) == 0
+    assert steps_trained_twice({"5": [0, 9], "7": [10, 19]}) == 0          # resumed right after
+    assert steps_trained_twice({"5": [0, 9], "7": [6, 19]}) == 4           # from a checkpoint at 6
+    # an epoch that died early still redoes only what the furthest epoch before it had reached
+    assert steps_trained_twice({5: (0, 9), 7: (6, 7), 9: (8, 12)}) == 2 + 2
+    assert steps_trained_twice({9: (8, 12), 5: (0, 9)}) == 2               # by epoch, not by key order
 
 
 def test_history_entries_carry_their_span_and_refuse_a_bad_one():

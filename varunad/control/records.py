@@ -18,14 +18,14 @@ Outcomes of a worker: ``running``; ``done`` (exit 0); ``stopped`` (exit 75, aske
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from varunad.store import schemas
 
 __all__ = ["OUTCOMES", "WorkerRecord", "WorkerReport", "Progress", "encode_history", "decode_history",
-           "merge_history", "epoch_ranges", "merge_spans", "stall_before"]
+           "merge_history", "epoch_ranges", "steps_trained_twice", "merge_spans", "stall_before"]
 
 OUTCOMES = ("starting", "running", "done", "stopped", "killed", "failed")
 
@@ -163,3 +163,13 @@ def epoch_ranges(per_epoch: Mapping[int, Iterable[tuple[int, float]]]) -> dict[i
         if steps:
             out[epoch] = (min(steps), max(steps))
     return out
+
+
+def steps_trained_twice(ranges: Mapping[int | str, Sequence[int]]) -> int:
+    """Steps an epoch trained that an earlier epoch had already trained (it resumed from behind),
+    from epoch -> (first step, last step) as `epoch_ranges` gives it (JSON's string keys too)."""
+    redone, reached = 0, -1
+    for _, (first, last) in sorted((int(e), (int(r[0]), int(r[1]))) for e, r in ranges.items()):
+        redone += max(0, min(reached, last) - first + 1)
+        reached = max(reached, last)
+    return redone

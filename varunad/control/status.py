@@ -12,7 +12,8 @@ from typing import Any
 
 from varunad.control.fleet import read_newest
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
-from varunad.control.records import Progress, decode_history, epoch_ranges, merge_history, merge_spans
+from varunad.control.records import (Progress, decode_history, epoch_ranges, merge_history, merge_spans,
+                                     steps_trained_twice)
 from varunad.store.contract import Store
 from varunad.store.fleetkeys import FleetKeys
 
@@ -106,6 +107,7 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
         "restarts": state.restarts, "error": state.error,
         "warnings": await _notes(store, keys, job),
         "epochs": {str(e): list(r) for e, r in sorted(ranges.items())},
+        "steps_trained_twice": steps_trained_twice(ranges),
         "epoch_spans": {str(e): list(merge_spans(v)) for e, v in sorted(spans.items())},
         "morphs": [{"reason": m.reason, "from": m.from_shape, "to": m.to_shape, "from_epoch": m.from_epoch,
                     "to_epoch": m.to_epoch, "noticed_at": m.noticed_at, "stopped_at": m.stopped_at,

@@ -22,7 +22,7 @@ from typing import Any
 
 from varunad.control.jobs import JobState
 from varunad.report.prices import DevicePrice, price_of
-from varunad.control.records import stall_before
+from varunad.control.records import stall_before, steps_trained_twice
 
 __all__ = ["Interval", "run_intervals", "morph_losses", "cost_report", "cost_lines", "plural", "restarts_text"]
 
@@ -70,10 +70,7 @@ def morph_losses(state: JobState, epoch_steps: Mapping[str, Sequence[int]],
     [wall time of the first step, of the last]. Morphs into an epoch that never ran a step (a
     morph during a morph's start-up) are measured together with the next one that did."""
     ranges = sorted((int(e), int(r[0]), int(r[1])) for e, r in epoch_steps.items())
-    redone, reached = 0, -1
-    for _, first, last in ranges:
-        redone += max(0, min(reached, last) - first + 1)
-        reached = max(reached, last)
+    redone = steps_trained_twice(epoch_steps)
     spans = {int(e): (float(v[0]), float(v[1])) for e, v in (epoch_spans or {}).items()}
     step_s = step_s if step_s is not None else _steady_step_s(ranges, spans)
     ran = [e for e, _, _ in ranges]
