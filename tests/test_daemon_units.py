@@ -340,6 +340,9 @@ def test_a_plan_document_checks_its_placement_and_reads_the_previous_release_for
     flat["slots"][1]["replica"] = 0   # two workers in one cell: refused, not guessed at
     with pytest.raises(ValueError, match="plan is malformed"):
         PlanDoc.decode(json.dumps(flat).encode())
+    for P, D in ((10**9, 10**9), (-2, -3), ("2", 1)):   # junk sizes: refused at once, nothing built from them
+        with pytest.raises(ValueError, match="plan is malformed"):
+            PlanDoc.decode(json.dumps({**flat, "pipeline_depth": P, "data_depth": D}).encode())
 
 
 # --- the leader's decisions -------------------------------------------------------------------------

@@ -29,6 +29,7 @@ def test_ranks_default_to_replica_major_and_positions_invert_them():
 
 @pytest.mark.parametrize("fields, words", [
     (dict(P=0, D=1), "P must be an int >= 1"),
+    (dict(P=10**9, D=10**9), "more than 65536 workers"),
     (dict(P=True, D=1), "P must be an int"),
     (dict(P=2, D=1.0), "D must be an int"),
     (dict(P=1, D=1, micro_batch_size=0), "micro_batch_size"),

@@ -24,7 +24,11 @@ from typing import Any
 from trainer.errors import VarunaError
 from trainer.planning.schedule import SCHEDULES
 
-__all__ = ["ParallelPlan", "ParallelPlanError"]
+__all__ = ["ParallelPlan", "ParallelPlanError", "MAX_WORKERS"]
+
+# More workers than any fleet has; a plan read from etcd that claims more is refused before its
+# rank table is built (P = D = 10**9 would otherwise be 10**18 entries).
+MAX_WORKERS = 1 << 16
 
 
 class ParallelPlanError(VarunaError, ValueError):
@@ -60,6 +64,8 @@ class ParallelPlan:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParallelPlanError(f"{name} must be an int >= 1, got {value!r}")
         P, D = self.P, self.D
+        if P * D > MAX_WORKERS:
+            raise ParallelPlanError(f"a {P}x{D} plan has more than {MAX_WORKERS} workers")
         mbs = self.micro_batch_size
         if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
             raise ParallelPlanError(f"micro_batch_size must be an int >= 1, got {mbs!r}")

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
-from trainer.planning.parallel import ParallelPlan
+from trainer.planning.parallel import MAX_WORKERS, ParallelPlan
 from trainer.planning.planner import Plan, PlanError, Slot, plan as run_planner
 
 from varunad.store import schemas
@@ -149,7 +149,8 @@ def _from_flat(raw: dict[str, Any]) -> dict[str, Any]:
     doc = {k: v for k, v in raw.items() if k not in flat}
     P, D = raw.get("pipeline_depth"), raw.get("data_depth")
     slots = raw.get("slots") if isinstance(raw.get("slots"), list) else []
-    ranks = [[None] * D for _ in range(P)] if isinstance(P, int) and isinstance(D, int) and 0 < P * D <= 4096 else []
+    sized = isinstance(P, int) and isinstance(D, int) and 0 < P and 0 < D and P * D <= MAX_WORKERS
+    ranks = [[None] * D for _ in range(P)] if sized else []
     try:
         for s in slots:
             ranks[s["stage"]][s["replica"]] = s["rank"]
