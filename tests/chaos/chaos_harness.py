@@ -385,6 +385,11 @@ def garbage_in_etcd(run: Run) -> None:
     victim = next(m for m in run.plan_members() if m != run.leader())
     for value in GARBAGE:
         run.put(k.plan, value)
+    # run plans that parse as JSON but whose parallel plan is no plan: a billion squared workers
+    # (a reader that built its rank table first would never return), cuts out of order
+    for par in ({"P": 10**9, "D": 10**9}, {"P": 2, "D": 1, "cuts": [5, 1]}):
+        run.put(k.plan, json.dumps({"kind": "run", "reason": "junk", "job": job, "plan": par, "slots": [],
+                                    "dist_url": "tcp://127.0.0.1:1"}))
     # etcdctl put of a plan that parses: a copy of the one in force (a new epoch of the same plan)
     # and a stop that kills the workers. Neither is the leader's, so the epoch goes on (before,
     # the workers were stopped and the job planned again: the epoch jumped 11 -> 81, 27 s lost).
