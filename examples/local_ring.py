@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from varunad.ctl import cli, commands as ctl, local, progress
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = "gpt"
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Preemption:
     """Kills a daemon that is not the leader once the job is halfway (the watch's on_status hook)."""
 
-    def __init__(self, store, keys: FleetKeys, ring: local.Ring, at_step: int) -> None:
+    def __init__(self, store, keys: Keys, ring: local.Ring, at_step: int) -> None:
         self.store, self.keys, self.ring, self.at_step = store, keys, ring, at_step
         self.done = False
 
@@ -84,7 +84,7 @@ class Preemption:
 
 async def train(store, ring: local.Ring, args: argparse.Namespace) -> dict[str, Any]:
     """Submit the GPT, watch it to the end with a preemption halfway; returns the final status."""
-    keys = FleetKeys(ring.root)
+    keys = Keys(ring.root)
     spec, bundle = ctl.build_spec(
         name=JOB, script=str(REPO / "examples" / "train_gpt.py"), args=["--preset", args.preset, "--corpus", "source"],
         batch_size=args.batch_size, chunk_size="auto", steps=args.steps, checkpoint_every=args.checkpoint_every,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from varunad.ctl import commands as ctl
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.store.etcd import EtcdStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ class Ring:
         self.curve_keys = curve_keys
         self.extra = list(extra or [])
         self.store_dir = base / "store"
-        self.keys = FleetKeys(root)
+        self.keys = Keys(root)
         self.daemons: dict[str, DaemonProc] = {}
         self._incarnation: dict[str, int] = {}
         self.loop = asyncio.new_event_loop()

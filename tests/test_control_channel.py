@@ -19,7 +19,7 @@ import zmq.asyncio
 from trainer.engine.control import TOKEN_ENV, ControlClient
 from varunad.node.config import load_config
 from varunad.cluster.facts import PortReservation
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.cluster.membership import Membership
 from varunad.store.etcd import EtcdStore
 from varunad.node.supervisor import Supervisor, _SupervisedWorker
@@ -32,7 +32,7 @@ def _supervisor(tmp_path: Path, ctx: zmq.asyncio.Context) -> Supervisor:
     config = load_config(["--etcd", "127.0.0.1:1", "--store", str(tmp_path / "store"), "--plaintext",
                           "--state-dir", str(tmp_path / "state"), "--name", "vm1"], environ={})
     store = EtcdStore("127.0.0.1:1")   # never called: nothing here reports to etcd
-    keys = FleetKeys("/t/")
+    keys = Keys("/t/")
     return Supervisor(config=config, store=store, keys=keys, membership=Membership(store, keys, make_member("vm1")),
                       ports=PortReservation("127.0.0.1"), ctx=ctx, security_env={}, peer_keys=lambda doc: {})
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from varunad.ctl import commands as ctl
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobState, MorphEvent
 from varunad.control.records import encode_history
 from varunad.store.etcd import EtcdStore
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 async def test_a_resumed_epoch_shows_the_step_it_is_at_not_the_highest_reached(etcd, etcd_root):
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     spec = JobSpec(job="j", script="t.py", batch_size=8, steps=100, checkpoint_every=10, bundle_digest="0" * 64,
                    bundle_bytes=1)
     async with EtcdStore(etcd.endpoint) as store:
@@ -62,7 +62,7 @@ def test_output_cut_short_by_a_pipe_is_not_an_error():
 
 
 async def test_a_queued_job_says_what_it_waits_for(etcd, etcd_root):
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     async with EtcdStore(etcd.endpoint) as store:
         for job in ("first", "second", "third"):
             spec = JobSpec(job=job, script="t.py", batch_size=8, steps=10, checkpoint_every=5,

@@ -18,7 +18,7 @@ import pytest
 from etcd_server import EtcdServer, make_pki
 from ring import REPO
 
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.store.contract import StoreAuthError
 from varunad.store.etcd import EtcdStore
 
@@ -93,7 +93,7 @@ async def test_a_daemon_whose_user_may_only_touch_the_prefix_joins(tmp_path):
                 time.sleep(0.3)
             # the leader key is there too, and plan writes work: it leads and cleared the plan
             async with EtcdStore(server.endpoint, user="fleet", password="fleetpw", probe_key=ROOT) as store:
-                kv = await store.get(FleetKeys(ROOT).leader)
+                kv = await store.get(Keys(ROOT).leader)
                 assert kv is not None and kv.value == b"vm1"
             # without the password varunactl says what is missing, in one line
             r = _varunactl("nodes", env=_env(VARUNAD_ETCD=server.endpoint, VARUNAD_ETCD_USER="fleet"))

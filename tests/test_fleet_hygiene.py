@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 
 from varunad.control.fleet import forget_progress, read_fleet
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.control.records import Progress
 from varunad.store.etcd import EtcdStore
 
 
 async def test_progress_of_ranks_a_shrunk_plan_dropped_is_forgotten(etcd, etcd_root):
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     async with EtcdStore(etcd.endpoint) as store:
         for rank in range(4):
             p = Progress(job="j", epoch=5, rank=rank, step=9, loss=1.0, samples_per_s=1.0, busy_fraction=0.5)
@@ -24,7 +24,7 @@ async def test_progress_of_ranks_a_shrunk_plan_dropped_is_forgotten(etcd, etcd_r
 
 
 async def test_a_junk_member_key_is_logged_once_however_often_the_leader_reads(etcd, etcd_root, caplog):
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     async with EtcdStore(etcd.endpoint) as store:
         await store.put(keys.members + "junk", b"not json")
         await store.put(keys.workers + "junk", b'{"member": 7}')

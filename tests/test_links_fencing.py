@@ -12,7 +12,7 @@ import pytest
 from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
 from varunad.cluster.facts import DaemonMember, PortReservation
 from varunad.cluster.fencing import put_for_epoch
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.control.links import LinkMeasurement, LinkProber, LinkSurvey, ProbeRequest, apply_links, read_links
 from varunad.store.etcd import EtcdStore
 
@@ -112,7 +112,7 @@ async def _until(predicate, what, timeout=30.0):
 
 
 async def test_a_stale_probe_request_is_deleted_not_run(etcd, etcd_root, tmp_path):
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     ran = tmp_path / "ran"
     async with EtcdStore(etcd.endpoint, timeout=3.0) as store:
         await store.put(keys.leader, b"vm9")
@@ -166,7 +166,7 @@ async def test_the_leader_plans_as_soon_as_a_probe_ends_and_leaves_no_request(et
     """A failed probe is known as soon as a side withdraws its request (not after PROBE_TIMEOUT):
     the job waiting for it is planned with the calibration's link; either way no request is
     left behind for a later start of the daemons to run."""
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     async with EtcdStore(etcd.endpoint, timeout=3.0) as store:
         await store.put(keys.leader, b"vm1")
         term = (await store.get(keys.leader)).create_revision

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from varunad.node import log_shipper
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.node.log_shipper import LogShipper
 from varunad.store.etcd import EtcdStore
 
@@ -26,7 +26,7 @@ async def _chunks(store, keys, job, member) -> list[bytes]:
 
 
 async def test_new_output_goes_to_etcd_once_with_a_prefix_and_refusals_become_notes(etcd, etcd_root, tmp_path):
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     path = tmp_path / "e3-r1.log"
     path.write_bytes(b"before this worker\n")
     w = _Log(job="j", epoch=3, rank=1, log_path=path, log_offset=path.stat().st_size)
@@ -56,7 +56,7 @@ async def test_new_output_goes_to_etcd_once_with_a_prefix_and_refusals_become_no
 
 async def test_a_full_chunk_ends_at_a_line_boundary(etcd, etcd_root, tmp_path, monkeypatch):
     monkeypatch.setattr(log_shipper, "_CHUNK", 16)
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     path = tmp_path / "e0-r0.log"
     path.write_bytes(b"abcdef\nghijklmnopqrstuvwxyz\n")
     w = _Log(job="j", epoch=0, rank=0, log_path=path)

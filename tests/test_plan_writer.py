@@ -14,13 +14,13 @@ from test_election import fleet, leaders, one_leader
 from varunad.store import schemas
 from varunad.cluster.election import NotLeader, PlanWriter
 from varunad.control.fleet import read_fleet, read_plan
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.control.plans import PlanDoc
 from varunad.store.etcd import EtcdStore
 
 
 async def test_a_forged_well_formed_plan_is_not_followed(etcd, etcd_root, caplog):
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     async with fleet(etcd.endpoint, keys, ["a", "b"]) as nodes, EtcdStore(etcd.endpoint) as store:
         leader = await one_leader(nodes, timeout=10)
         real = PlanDoc.stop("j", 7, checkpoint=True, reason="the leader's")
@@ -63,7 +63,7 @@ async def test_a_forged_well_formed_plan_is_not_followed(etcd, etcd_root, caplog
 
 
 async def test_a_deposed_leader_cannot_write_a_plan(etcd, etcd_root):
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     async with fleet(etcd.endpoint, keys, ["a", "b"]) as nodes, EtcdStore(etcd.endpoint) as store:
         old = await one_leader(nodes, timeout=10)
         epoch = await old.election.write_plan(PlanDoc.idle("old").encode())
@@ -86,7 +86,7 @@ async def test_a_leader_key_rewritten_in_place_fences_its_holder(etcd, etcd_root
     """``etcdctl put .../leader <the leader's own name>`` keeps the name and the create revision
     but drops the lease: the guard compares the key's mod revision too, so the holder's next
     write is refused rather than made under a key that no longer expires with it."""
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     async with fleet(etcd.endpoint, keys, ["a"]) as nodes, EtcdStore(etcd.endpoint) as store:
         node = await one_leader(nodes, timeout=10)
         node.task.cancel()

@@ -20,7 +20,7 @@ from trainer.planning.schedule import build_table
 from trainer.planning.simulator import simulate, stage_costs
 from trainer.engine.trace import CATEGORIES, TraceRecorder, trace_path
 from varunad.ctl.cli import main as varunactl
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobState, MorphEvent
 from varunad.report.prices import DEFAULT_PRICES, DevicePrice, PriceError, load_prices, price_of
 from varunad.report import (
@@ -457,7 +457,7 @@ def test_without_matplotlib_varunactl_report_says_in_one_line_which_extra_to_ins
 async def test_varunactl_report_of_a_job_writes_the_data_then_draws_or_names_the_extra(etcd, etcd_root, tmp_path):
     """What the leader and daemons leave in etcd for a finished job; `varunactl report` against it,
     once with matplotlib and once as if it were not installed."""
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     spec = JobSpec(job="j", script="t.py", batch_size=8, steps=6, checkpoint_every=3, bundle_digest="0" * 64,
                    bundle_bytes=1, store=str(tmp_path / "store"))
     async with EtcdStore(etcd.endpoint) as store:

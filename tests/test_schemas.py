@@ -17,9 +17,8 @@ from test_membership import make_member
 
 from varunad.store import schemas
 from varunad.control.fleet import read_plan
-from varunad.store.fleetkeys import FleetKeys
-from varunad.control.jobs import JobSpecError, JobState
 from varunad.store.keys import Keys
+from varunad.control.jobs import JobSpecError, JobState
 from varunad.cluster.membership import Member, Membership
 from varunad.control.plans import PlanDoc
 from varunad.control.records import Progress, WorkerReport
@@ -88,7 +87,7 @@ def test_rejections_are_counted_and_logged_once(caplog):
 
 
 async def test_a_garbage_plan_leaves_the_previous_one_in_force(etcd, etcd_root):
-    keys = FleetKeys(etcd_root)
+    keys = Keys(etcd_root)
     async with fleet(etcd.endpoint, keys, ["a"]) as nodes, EtcdStore(etcd.endpoint) as store:
         leader = await one_leader(nodes, timeout=10.0)
         good = PlanDoc.stop("j", 7, checkpoint=True, reason="a real one")

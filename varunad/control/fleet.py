@@ -15,7 +15,7 @@ from typing import TypeVar
 from varunad.store import schemas
 from varunad.cluster.election import PlanWriter
 from varunad.cluster.facts import DaemonMember, parse_member
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
 from varunad.control.plans import PlanDoc
 from varunad.control.records import WorkerReport
@@ -59,7 +59,7 @@ class FleetSnapshot:
         return [self.members[n] for n in sorted(self.members) if self.members[n][0].usable_slots > 0]
 
 
-async def read_fleet(store: Store, keys: FleetKeys, *, timeout: float) -> FleetSnapshot:
+async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:
     notes: list[str] = []
     listing = await store.get_prefix(keys.members, timeout=timeout)
     members = {}
@@ -117,7 +117,7 @@ async def read_fleet(store: Store, keys: FleetKeys, *, timeout: float) -> FleetS
                          tuple(notes))
 
 
-async def read_plan(store: Store, keys: FleetKeys, *, timeout: float | None) -> tuple[PlanDoc | None, int]:
+async def read_plan(store: Store, keys: Keys, *, timeout: float | None) -> tuple[PlanDoc | None, int]:
     """The newest plan a leader wrote and its epoch; (None, 0) when there is none.
 
     A value that does not parse, or that no leader wrote (no :class:`PlanWriter` record of its
@@ -137,7 +137,7 @@ async def read_plan(store: Store, keys: FleetKeys, *, timeout: float | None) -> 
                              kv=listing.get(keys.plan), check=forged)
 
 
-async def _not_a_leaders(store: Store, keys: FleetKeys, revision: int, written: KeyValue | None,
+async def _not_a_leaders(store: Store, keys: Keys, revision: int, written: KeyValue | None,
                          leader: KeyValue | None, *, timeout: float | None) -> str | None:
     """Why the plan written at ``revision`` is no leader's; None when a leader wrote it.
 
@@ -203,7 +203,7 @@ async def read_newest(store: Store, key: str, decode: Callable[[bytes], T], kind
     return None, 0
 
 
-async def forget_progress(store: Store, keys: FleetKeys, job: str, ranks: int, *, timeout: float) -> int:
+async def forget_progress(store: Store, keys: Keys, job: str, ranks: int, *, timeout: float) -> int:
     """Delete ``progress/<job>/<rank>`` of every rank >= ``ranks`` (a plan that shrank no longer has
     them, and status would show their last step forever); returns how many went. Best effort."""
     gone = 0

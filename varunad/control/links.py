@@ -50,7 +50,7 @@ from trainer.planning.calibration import Calibration, LinkCost
 from varunad.cluster.facts import PortReservation
 
 from varunad.store import schemas
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.store.contract import Store, StoreError
 
 __all__ = ["LinkMeasurement", "LinkProber", "LinkSurvey", "PROBE_TIMEOUT", "ProbeRequest", "apply_links",
@@ -62,19 +62,19 @@ PROBE_TIMEOUT = 90.0   # a probe starts two Python processes with torch: seconds
 RETRY_AFTER = 60.0
 
 
-def _probe_key(keys: FleetKeys, member: str) -> str:
+def _probe_key(keys: Keys, member: str) -> str:
     return f"{_probe_prefix(keys)}{member}"
 
 
-def _probe_prefix(keys: FleetKeys) -> str:
+def _probe_prefix(keys: Keys) -> str:
     return f"{keys.root}links/probe/"
 
 
-def _pair_prefix(keys: FleetKeys) -> str:
+def _pair_prefix(keys: Keys) -> str:
     return f"{keys.root}links/pair/"
 
 
-def _pair_key(keys: FleetKeys, a: str, b: str) -> str:
+def _pair_key(keys: Keys, a: str, b: str) -> str:
     a, b = sorted((a, b))
     return f"{_pair_prefix(keys)}{a}/{b}"
 
@@ -151,7 +151,7 @@ class ProbeRequest:
         return self.pair[1 - self.rank]
 
 
-async def read_links(store: Store, keys: FleetKeys, *, timeout: float) -> dict[tuple[str, str], LinkMeasurement]:
+async def read_links(store: Store, keys: Keys, *, timeout: float) -> dict[tuple[str, str], LinkMeasurement]:
     """Every stored pair measurement (malformed ones are skipped and logged)."""
     out = {}
     for kv in await store.get_prefix(_pair_prefix(keys), timeout=timeout):
@@ -200,7 +200,7 @@ class LinkSurvey:
     ``term`` is the leader's term, named in each request so a member can tell an earlier
     leader's request from the present one's."""
 
-    def __init__(self, store: Store, keys: FleetKeys, *, timeout: float,
+    def __init__(self, store: Store, keys: Keys, *, timeout: float,
                  put: Callable[[str, bytes], Awaitable[Any]] | None = None,
                  term: Callable[[], int | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -312,7 +312,7 @@ class LinkProber:
     ``ports`` the daemon's PortReservation, of which only the probe ports are released to a
     probe; ``command`` the probe's command line (the spec JSON is appended)."""
 
-    def __init__(self, *, store: Store, keys: FleetKeys, name: str, member: Callable[[], Any],
+    def __init__(self, *, store: Store, keys: Keys, name: str, member: Callable[[], Any],
                  ports: PortReservation, is_busy: Callable[[], bool], timeout: float,
                  env: Mapping[str, str] | None = None, command: Iterable[str] | None = None) -> None:
         self.store, self.keys, self.name = store, keys, name

@@ -15,7 +15,7 @@ from varunad.control.jobs import JobSpec, JobSpecError, JobState
 from varunad.control.records import (Progress, decode_history, epoch_ranges, merge_history, merge_spans,
                                      steps_trained_twice)
 from varunad.store.contract import Store
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 
 __all__ = ["UnknownJob", "read_state", "job_status", "job_queue", "plan_lines"]
 
@@ -24,13 +24,13 @@ class UnknownJob(ValueError):
     """No job by that name was submitted (varunactl prints it as its one-line refusal)."""
 
 
-async def read_state(store: Store, keys: FleetKeys, job: str) -> JobState | None:
+async def read_state(store: Store, keys: Keys, job: str) -> JobState | None:
     """The job's newest state, None before the leader wrote one."""
     state, _ = await read_newest(store, keys.state(job), JobState.decode, "state", timeout=None)
     return state
 
 
-async def _notes(store: Store, keys: FleetKeys, job: str) -> list[str]:
+async def _notes(store: Store, keys: Keys, job: str) -> list[str]:
     """What the daemons noted about the job's workers (checkpoints they refused), oldest first."""
     out: list[str] = []
     for kv in await store.get_prefix(keys.notes_of(job)):
@@ -42,7 +42,7 @@ async def _notes(store: Store, keys: FleetKeys, job: str) -> list[str]:
     return out
 
 
-async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
+async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
     """One job as `varunactl status JOB` and the end-of-job report show it (UnknownJob if none)."""
     spec_kv = await store.get(keys.job(job))
     if spec_kv is None:
@@ -120,7 +120,7 @@ async def job_status(store: Store, keys: FleetKeys, job: str) -> dict[str, Any]:
     }
 
 
-async def job_queue(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+async def job_queue(store: Store, keys: Keys) -> list[dict[str, Any]]:
     """Every submitted job in submission order, with its state and what a queued one waits for."""
     states = {}
     for kv in await store.get_prefix(keys.states):

@@ -71,9 +71,9 @@ def _add_keys(sub: argparse._SubParsersAction) -> None:
 # --- fleet commands (through etcd; implemented in varunad.ctl.commands, imported on use) ---------------------
 
 def _keys(args: argparse.Namespace):
-    from varunad.store.fleetkeys import FleetKeys
+    from varunad.store.keys import Keys
 
-    return FleetKeys(args.root)
+    return Keys(args.root)
 
 
 def _run(args: argparse.Namespace, fn) -> int:

@@ -22,7 +22,7 @@ from varunad.cluster.facts import parse_member
 from varunad.control.fleet import read_plan
 from varunad.control.jobs import BundleError, JobSpec, JobSpecError, bundle_digest, pack_bundle
 from varunad.control.status import job_queue, job_status, plan_lines, read_state
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.store.contract import Store, StoreAuthError, StoreConfigError, StoreError, StoreUnavailable
 from varunad.store.etcd import EtcdStore
 
@@ -170,7 +170,7 @@ def build_spec(*, name: str, script: str, args: list[str], batch_size: int, chun
     return spec, data
 
 
-async def submit(store: Store, keys: FleetKeys, spec: JobSpec, bundle: bytes, out: TextIO = sys.stdout, *,
+async def submit(store: Store, keys: Keys, spec: JobSpec, bundle: bytes, out: TextIO = sys.stdout, *,
                  signature: bytes | None = None) -> int:
     """Write the bundle, the signature (``signature`` of ``spec.encode()``, or none) and then the
     spec: the leader acts on the spec, so everything it needs is there first."""
@@ -191,7 +191,7 @@ async def submit(store: Store, keys: FleetKeys, spec: JobSpec, bundle: bytes, ou
 
 # --- status --------------------------------------------------------------------------------------------
 
-async def _members(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+async def _members(store: Store, keys: Keys) -> list[dict[str, Any]]:
     out = []
     for kv in await store.get_prefix(keys.members):
         try:
@@ -211,7 +211,7 @@ async def _members(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
     return out
 
 
-async def fleet_status(store: Store, keys: FleetKeys) -> dict[str, Any]:
+async def fleet_status(store: Store, keys: Keys) -> dict[str, Any]:
     leader = await store.get(keys.leader)
     # the plan the fleet follows: a value no leader wrote (garbage, a forgery) is not shown as it
     plan, epoch = await read_plan(store, keys, timeout=None)
@@ -267,7 +267,7 @@ def _seq(key: str) -> tuple[str, str]:
     return seq, member
 
 
-async def logs(store: Store, keys: FleetKeys, job: str, *, follow: bool, out: TextIO = sys.stdout) -> int:
+async def logs(store: Store, keys: Keys, job: str, *, follow: bool, out: TextIO = sys.stdout) -> int:
     if await store.get(keys.job(job)) is None:
         raise CtlError(f"no job named {job} (see `varunactl jobs`)")
     prefix = keys.logs_of(job)
@@ -294,7 +294,7 @@ async def logs(store: Store, keys: FleetKeys, job: str, *, follow: bool, out: Te
         return 0
 
 
-async def cancel(store: Store, keys: FleetKeys, job: str, *, wait: float, out: TextIO = sys.stdout) -> int:
+async def cancel(store: Store, keys: Keys, job: str, *, wait: float, out: TextIO = sys.stdout) -> int:
     if await store.get(keys.job(job)) is None:
         raise CtlError(f"no job named {job} (see `varunactl jobs`)")
     state = await read_state(store, keys, job)
@@ -316,10 +316,10 @@ def dumps(doc: Any) -> str:
     return json.dumps(doc, indent=2, sort_keys=False)
 
 
-async def nodes(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+async def nodes(store: Store, keys: Keys) -> list[dict[str, Any]]:
     return await _members(store, keys)
 
 
-async def jobs(store: Store, keys: FleetKeys) -> list[dict[str, Any]]:
+async def jobs(store: Store, keys: Keys) -> list[dict[str, Any]]:
     return await job_queue(store, keys)
 

@@ -288,10 +288,10 @@ def _start_daemon(ring: Ring, index: int) -> RingProc:
 def _wait_members(ring: Ring, names: Sequence[str], timeout: float) -> None:
     """Until every named daemon is a member; a daemon that exits fails at once with its log's tail."""
     async def wait() -> None:
-        from varunad.store.fleetkeys import FleetKeys
+        from varunad.store.keys import Keys
         from varunad.store.etcd import EtcdStore
 
-        keys = FleetKeys(ring.root)
+        keys = Keys(ring.root)
         deadline = time.monotonic() + timeout
         async with EtcdStore(ring.etcd, timeout=3.0) as store:
             while True:

@@ -56,7 +56,7 @@ from varunad.cluster.election import Election, ElectionState
 from varunad.cluster.facts import (DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, gpu_count,
                            is_local_address, version)
 from varunad.control.fleet import read_plan
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.node.housekeeping import BUNDLES, job_dir, prune_jobs
 from varunad.control.jobs import BundleError, JobSpec, JobSpecError, script_fingerprint, unpack_bundle
 from varunad.node.leader import Leader
@@ -81,7 +81,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.name = config.name
-        self.keys = FleetKeys(config.root)
+        self.keys = Keys(config.root)
         self.store = EtcdStore(config.etcd, timeout=config.retry_timeout, ca_file=config.etcd_ca,
                                cert_file=config.etcd_cert, key_file=config.etcd_key, user=config.etcd_user,
                                password=config.etcd_password, probe_key=config.root)

@@ -36,7 +36,7 @@ from varunad.cluster.election import Election, NotLeader
 from varunad.control.decide import Decision, LeaderMemory, cause_of, decide, error_summary, was_lost, who_and_cause
 from varunad.control.failures import classify
 from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet, read_newest
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
 from varunad.control.links import LinkSurvey, apply_links
 from varunad.node.metrics import DaemonMetrics
@@ -84,7 +84,7 @@ def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot) -> dict:
 class Leader:
     """Runs while this daemon leads; cancelled when it stops leading."""
 
-    def __init__(self, *, config: DaemonConfig, store: Store, keys: FleetKeys, election: Election,
+    def __init__(self, *, config: DaemonConfig, store: Store, keys: Keys, election: Election,
                  clients: PeerClients, clock: Callable[[], float] = time.monotonic,
                  metrics: DaemonMetrics | None = None) -> None:
         self.config = config

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.store.contract import Store
 
 __all__ = ["LogShipper", "ShippedLog"]
@@ -42,7 +42,7 @@ class LogShipper:
     """One daemon's worker logs, shipped to etcd in chunks. Store errors propagate to the caller;
     a worker's offset only moves once its chunk is written, so a failed write is retried next time."""
 
-    def __init__(self, *, name: str, store: Store, keys: FleetKeys) -> None:
+    def __init__(self, *, name: str, store: Store, keys: Keys) -> None:
         self.name = name
         self.store = store
         self.keys = keys

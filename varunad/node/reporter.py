@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 
 from varunad.node.config import DaemonConfig
 from varunad.cluster.fencing import put_for_epoch
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.node.log_shipper import LogShipper, ShippedLog
 from varunad.cluster.membership import Membership
 from varunad.control.records import Progress, WorkerReport, encode_history
@@ -41,7 +41,7 @@ class Reporter:
         *,
         config: DaemonConfig,
         store: Store,
-        keys: FleetKeys,
+        keys: Keys,
         membership: Membership,
         report: Callable[[], WorkerReport],
         workers: Callable[[], Iterable[ShippedLog]],

@@ -56,7 +56,7 @@ from trainer.net.netaddr import numeric_address
 from varunad.node.config import DaemonConfig
 from varunad.node.control_channel import TOKEN_ENV, ControlChannel, control_identity, new_token
 from varunad.cluster.facts import DaemonMember, PortReservation, gpu_count
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.node.housekeeping import LOGS, STAGING, job_dir
 from varunad.control.jobs import JobSpec, job_store, job_trace_dir
 from varunad.cluster.membership import Membership
@@ -161,7 +161,7 @@ class Supervisor:
         *,
         config: DaemonConfig,
         store: Store,
-        keys: FleetKeys,
+        keys: Keys,
         membership: Membership,
         ports: PortReservation,
         ctx: zmq.asyncio.Context,

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from varunad.control.status import job_status, plan_lines
-from varunad.store.fleetkeys import FleetKeys
+from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobState, script_fingerprint
 from varunad.report.prices import DevicePrice, load_prices
 from varunad.report.cost import Interval, cost_lines, cost_report, morph_losses, plural, run_intervals
@@ -61,7 +61,7 @@ class ReportInputs:
     now: float
 
 
-async def collect(store: Store, keys: FleetKeys, job: str, *, store_dir: str | None = None) -> ReportInputs:
+async def collect(store: Store, keys: Keys, job: str, *, store_dir: str | None = None) -> ReportInputs:
     """Everything the report reads from etcd (UnknownJob if there is no such job)."""
     status = await job_status(store, keys, job)
     spec = JobSpec.decode((await store.get(keys.job(job))).value, job=job)
@@ -240,7 +240,7 @@ def format_report(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def write_end_of_job_report(store: Store, keys: FleetKeys, job: str, store_dir: str, *,
+async def write_end_of_job_report(store: Store, keys: Keys, job: str, store_dir: str, *,
                                   timeout: float) -> None:
     """The leader's end-of-job report data into ``<store_dir>/report``. Never raises: a report is a
     by-product, and its failure is logged, not passed on to the job or the leader."""

@@ -1,6 +1,6 @@
 """The control plane's only door to etcd: the async store contract, its values and errors
 (contract), its etcd implementation (etcd, over aetcd's client in etcd_client), the key names
-(keys, fleetkeys) and the shape check of every document read back (schemas). Everything above
+(keys: one keyspace module) and the shape check of every document read back (schemas). Everything above
 imports the contract; only what opens a store imports etcd.
 
 Layer 1 of varunad (store < cluster < control < report < node < ctl; tests/test_imports.py checks it).

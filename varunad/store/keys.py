@@ -10,6 +10,14 @@ Layout under a root prefix (default ``/varunad/``)::
     jobs/<id>                               job specs submitted by varunactl
     calibration/<fingerprint>/<device kind> calibrated cut-point costs
     progress/<job>/<rank>                   step, loss and throughput reported by workers
+    bundles/<job>                           the job's script directory, zipped (written once by varunactl)
+    signatures/<job>                        the submitter's signature of jobs/<job> (varunad.node.signing)
+    state/<job>                             the job's state as the leader sees it (leader-written, fenced)
+    cancel/<job>                            a cancel request (varunactl)
+    workers/<member>                        a daemon's workers and how they ended (on the member's lease)
+    history/<job>/<epoch>/<member>          (step, loss) pairs one daemon saw in one epoch
+    logs/<job>/<member>/<seq>               chunks of the workers' output
+    notes/<job>/<member>                    what a daemon's workers refused (a corrupt checkpoint), for status
 
 Several fleets (or several test cases) share one etcd by using different roots.
 """
@@ -28,6 +36,14 @@ __all__ = [
     "JOBS",
     "CALIBRATION",
     "PROGRESS",
+    "BUNDLES",
+    "SIGNATURES",
+    "NOTES",
+    "STATE",
+    "CANCEL",
+    "WORKERS",
+    "HISTORY",
+    "LOGS",
     "Keys",
     "check_component",
 ]
@@ -44,6 +60,14 @@ CONFIG = "config"
 JOBS = "jobs/"
 CALIBRATION = "calibration/"
 PROGRESS = "progress/"
+BUNDLES = "bundles/"
+SIGNATURES = "signatures/"
+NOTES = "notes/"
+STATE = "state/"
+CANCEL = "cancel/"
+WORKERS = "workers/"
+HISTORY = "history/"
+LOGS = "logs/"
 
 
 def check_component(what: str, value: str) -> str:
@@ -131,7 +155,75 @@ class Keys:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
         return self.progress_of(job_id) + str(rank)
 
+    # The daemon's records of jobs and workers.
+    @property
+    def states(self) -> str:
+        return self.root + STATE
+
+    @property
+    def cancels(self) -> str:
+        return self.root + CANCEL
+
+    @property
+    def workers(self) -> str:
+        return self.root + WORKERS
+
+    def signature(self, job: str) -> str:
+        return self.root + SIGNATURES + check_component("job id", job)
+
+    def bundle(self, job: str) -> str:
+        return self.root + BUNDLES + check_component("job id", job)
+
+    def state(self, job: str) -> str:
+        return self.states + check_component("job id", job)
+
+    def cancel(self, job: str) -> str:
+        return self.cancels + check_component("job id", job)
+
+    def workers_of(self, member: str) -> str:
+        return self.workers + check_component("member name", member)
+
+    def history_of(self, job: str) -> str:
+        return self.root + HISTORY + check_component("job id", job) + "/"
+
+    def history_entry(self, job: str, epoch: int, member: str) -> str:
+        return f"{self.history_of(job)}{epoch:012d}/{check_component('member name', member)}"
+
+    def parse_history(self, job: str, key: str) -> tuple[int, str]:
+        """(epoch, member) of a ``history/<job>/<epoch>/<member>`` key; ValueError otherwise."""
+        prefix = self.history_of(job)
+        if not key.startswith(prefix):
+            raise ValueError(f"{key!r} is not under {prefix!r}")
+        epoch, sep, member = key[len(prefix):].partition("/")
+        if not sep or not epoch.isdigit() or not member or "/" in member:
+            raise ValueError(f"{key!r} is not a history entry")
+        return int(epoch), member
+
+    def notes_of(self, job: str) -> str:
+        return self.root + NOTES + check_component("job id", job) + "/"
+
+    def note_entry(self, job: str, member: str) -> str:
+        return self.notes_of(job) + check_component("member name", member)
+
+    def logs_of(self, job: str) -> str:
+        return self.root + LOGS + check_component("job id", job) + "/"
+
+    def log_chunk(self, job: str, member: str, seq: int) -> str:
+        return f"{self.logs_of(job)}{check_component('member name', member)}/{seq:020d}"
+
+    def logs_of_member(self, job: str, member: str) -> str:
+        return f"{self.logs_of(job)}{check_component('member name', member)}/"
+
     # Parsing keys read back from a prefix read or a watch.
+    def state_job(self, key: str) -> str:
+        return self._last_component(self.states, key)
+
+    def cancel_job(self, key: str) -> str:
+        return self._last_component(self.cancels, key)
+
+    def workers_member(self, key: str) -> str:
+        return self._last_component(self.workers, key)
+
     def member_name(self, key: str) -> str:
         """The member name in a ``members/<name>`` key; ValueError for any other key."""
         return self._last_component(self.members, key)
