@@ -144,3 +144,32 @@ def test_the_next_epoch_loads_a_rescued_step_resharded(tmp_path):
     for name, t in {**s0.named_tensors(), **s1.named_tensors()}.items():
         assert torch.equal(whole[name], t), name
     assert torch.equal(opt.state[whole["a.weight"]]["momentum_buffer"], s0.named_tensors()["a.weight"] * 0.5)
+
+
+def test_the_rescue_signal_is_taken_only_under_a_daemon_and_says_whose_handler_it_replaces(caplog):
+    import signal
+
+    from trainer.engine.control import RESCUE_SIGNAL, ControlClient
+
+    def scripts_own(signum, frame):
+        pass
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, RESCUE_SIGNAL)}
+    try:
+        signal.signal(RESCUE_SIGNAL, scripts_own)
+        alone = ControlClient(None, job="j", epoch=1, rank=0)   # the launcher's worker: no daemon
+        assert signal.getsignal(RESCUE_SIGNAL) is scripts_own
+        assert signal.getsignal(signal.SIGTERM) == alone._on_sigterm
+        under = ControlClient("tcp://127.0.0.1:9", job="j", epoch=1, rank=3)
+        try:
+            assert signal.getsignal(RESCUE_SIGNAL) == under._on_rescue
+            assert "the script's own handler of it will not run" in caplog.text
+            caplog.clear()
+            again = ControlClient("tcp://127.0.0.1:9", job="j", epoch=2, rank=3)   # replacing our own: quiet
+            again.close()
+            assert "will not run" not in caplog.text
+        finally:
+            under.close()
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

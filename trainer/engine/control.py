@@ -64,12 +64,19 @@ class ControlClient:
             self._sock.setsockopt(zmq.IDENTITY, control_identity(rank, os.environ.get(TOKEN_ENV, "")))
             self._sock.setsockopt(zmq.LINGER, 1000)
             self._sock.connect(endpoint)
-        self._install_sigterm()
+        self._install_handlers(under_daemon=bool(endpoint))
 
-    def _install_sigterm(self) -> None:
+    def _install_handlers(self, *, under_daemon: bool) -> None:
         try:
             signal.signal(signal.SIGTERM, self._on_sigterm)
-            signal.signal(RESCUE_SIGNAL, self._on_rescue)
+            # Only a daemon sends the rescue signal; elsewhere a script's own SIGUSR1 (a batch
+            # system's "time is nearly up") stays the script's.
+            if under_daemon:
+                theirs = signal.getsignal(RESCUE_SIGNAL)
+                if callable(theirs) and not isinstance(getattr(theirs, "__self__", None), ControlClient):
+                    log.warning("rank %d: under varunad %s is the daemon's rescue signal; the script's own "
+                                "handler of it will not run", self.rank, RESCUE_SIGNAL.name)
+                signal.signal(RESCUE_SIGNAL, self._on_rescue)
         except ValueError:   # not the main thread: the embedding program handles signals
             pass
 
