@@ -50,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from etcd_server import EtcdServer  # noqa: E402
 from ring import Ring  # noqa: E402
-from varunad.control.records import steps_trained_twice  # noqa: E402
 
 NAMES = ["d1", "d2", "d3", "d4"]
 SHAPES = {"2x2": ("--cheap-allreduce",), "4x1": ()}
@@ -90,10 +89,13 @@ def _wait_full(ring: Ring, job: str) -> dict:
 
 
 def _redone(st: dict, old_epoch: int, new_epoch: int) -> int:
+    """The steps the new epoch will train again: the old one trained them from the new one's first
+    step on. Read right after the new epoch's first step, so not status's steps_trained_twice,
+    which counts only what the new epoch has already trained twice (one step, at that moment)."""
     epochs = st["epochs"]
     if str(old_epoch) not in epochs or str(new_epoch) not in epochs:
         return -1
-    return steps_trained_twice({e: epochs[str(e)] for e in (old_epoch, new_epoch)})
+    return max(0, epochs[str(old_epoch)][1] - epochs[str(new_epoch)][0] + 1)
 
 
 def trial(ring: Ring, job: str, how: str, shape: str) -> dict:

@@ -9,7 +9,7 @@ the public key the client expects. Traffic is then encrypted.
 
 Two kinds of sockets:
 
-- control (assignments, progress, stop): always CURVE unless the mode is "plaintext";
+- control (plan-changed notices, progress, stop): always CURVE unless the mode is "plaintext";
 - stream (tensor frames between pipeline neighbours): CURVE too, unless `trusted_network` says the
   network between workers is private, in which case they skip the encryption cost.
 

@@ -267,3 +267,10 @@ def test_job_settings_read_the_plan_for_what_the_plan_decides(monkeypatch):
     assert job_setting("micro_batch", 8) == 3
     monkeypatch.setenv("VARUNA_STEPS", "17")
     assert job_setting("steps", 5) == 17
+
+
+def test_a_variable_the_plan_replaced_is_named_not_silently_ignored(caplog):
+    env = {**plan_assignments(2, 1)[0].to_env(), "VARUNA_MICRO_BATCH": "4", "VARUNA_CUTS": "[3]"}
+    a = WorkerAssignment.from_env(env)
+    assert a.plan.micro_batch_size is None and a.plan.cuts is None
+    assert "VARUNA_CUTS, VARUNA_MICRO_BATCH are no longer read" in caplog.text

@@ -11,7 +11,8 @@ Variables (all strings):
     VARUNA_PLAN            JSON of the job's `trainer.planning.parallel.ParallelPlan` (P, D,
                            micro-batch, schedule, cuts, recompute, which rank holds each
                            (stage, replica)); its unset fields leave the choice to the script
-                           or to Varuna (the local launcher sets P and D only)
+                           or to Varuna (the local launcher sets P, D and, when
+                           given, the cuts and the schedule)
     VARUNA_ENDPOINTS       JSON list, by rank, of the ZeroMQ endpoint each worker binds
                            for activations/gradients ("tcp://host:port")
     VARUNA_DIST_URL        torch.distributed rendezvous ("tcp://host:port") for gloo/NCCL
@@ -48,6 +49,7 @@ Variables (all strings):
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,6 +58,11 @@ from trainer.errors import ConfigError
 from trainer.planning.parallel import ParallelPlan
 
 __all__ = ["WorkerAssignment", "job_setting"]
+
+log = logging.getLogger("varuna")
+
+# Read by earlier releases, now fields of VARUNA_PLAN: set by hand, they would be ignored unsaid.
+_REPLACED = ("VARUNA_STAGE_TO_RANK", "VARUNA_CUTS", "VARUNA_RECOMPUTE", "VARUNA_SCHEDULE", "VARUNA_MICRO_BATCH")
 
 
 # Job settings that the plan decides, read from it: the name a script uses -> the plan's field.
@@ -184,6 +191,11 @@ class WorkerAssignment:
                 hint="start the script with `python -m trainer.launch --stages P --replicas D script.py`, "
                      "under varunad, or pass stage_to_rank_map to Varuna",
             )
+        stale = [k for k in _REPLACED if k in environ]
+        if stale:
+            log.warning("%s no longer read: the plan (VARUNA_PLAN) says P, D, micro-batch, schedule, cuts and "
+                        "recompute; with the local launcher use --cuts/--schedule, and chunk_size for the "
+                        "micro-batch", ", ".join(stale) + (" is" if len(stale) == 1 else " are"))
         try:
             return cls(
                 rank=int(environ["VARUNA_RANK"]),

@@ -3,7 +3,7 @@
 One asyncio loop, no threads of its own. Tasks:
 
 * membership keepalive (``varunad.cluster.membership``) and election (``varunad.cluster.election``);
-* the control server (``varunad.node.peers``): assignments and stop requests from the leader, pings;
+* the control server (``varunad.node.peers``): plan-changed notices and stop requests from the leader, pings;
 * the plan follower: watches ``plan`` and applies each new epoch (start, stop or clear workers);
   a pushed PlanChanged only makes it read the plan at once: etcd holds the truth;
 * the supervisor (``varunad.node.supervisor``): workers and their control socket; its reporter (``varunad.node.reporter``)

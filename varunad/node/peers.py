@@ -4,7 +4,7 @@ Wire: ``protocol.messages`` frames only. The server is a ROUTER (CURVE server un
 runs --plaintext) that yields decoded messages; anything that is not exactly one valid message
 (garbage bytes, another protocol version, extra frames) is logged and dropped, and the daemon
 carries on. The leader holds one DEALER per member (CURVE client expecting that member's public
-key) to push assignments and stop requests, and to ping: a member that does not answer a Ping
+key) to push plan-changed notices and stop requests, and to ping: a member that does not answer a Ping
 within the timeout is left out of the next plan.
 """
 
