@@ -323,19 +323,29 @@ def test_a_plan_document_checks_its_placement_and_reads_the_previous_release_for
     members = [(member(f"d{i}"), 100 + i) for i in (1, 2)]
     doc, _ = make_plan(s, members, {"cpu": uniform_calibration(s, "cpu")}, calibrated=False, reason="test")
     raw = json.loads(doc.encode())
+    mine = {k: v for k, v in raw.items() if k in PlanDoc.__dataclass_fields__}   # without the flat copy
     with pytest.raises(ValueError, match="ranks 0..1 once each"):
-        PlanDoc(**{**raw, "slots": raw["slots"][:1]})
+        PlanDoc(**{**mine, "slots": raw["slots"][:1]})
     with pytest.raises(ValueError, match="two workers on one slot"):
-        PlanDoc(**{**raw, "slots": [{**x, "member": "d1", "slot": 0} for x in raw["slots"]]})
+        PlanDoc(**{**mine, "slots": [{**x, "member": "d1", "slot": 0} for x in raw["slots"]]})
+    for bad, words in (({"slot": -5}, "slot of rank 0 must be an int >= 0"), ({"slot": True}, "int >= 0"),
+                       ({"member": "a/b"}, "member of rank 0"), ({"endpoint": "10.0.0.1:80"}, "URL"),
+                       ({"rank": "0"}, "rank must be an int")):
+        with pytest.raises(ValueError, match=words):
+            PlanDoc(**{**mine, "slots": [{**raw["slots"][0], **bad}, raw["slots"][1]]})
+    with pytest.raises(ValueError, match="rendezvous URL"):
+        PlanDoc(**{**mine, "dist_url": "somewhere"})
+    with pytest.raises(ValueError, match="plan is malformed: JSON nested too deeply"):
+        PlanDoc.decode(b"[" * 100_000)
     with pytest.raises(ValueError, match="plan is malformed.*increasing cut points"):
         PlanDoc.decode(json.dumps({**raw, "plan": {**raw["plan"], "cuts": [3]}}).encode())
     with pytest.raises(ValueError, match="plan is malformed.*P"):
         PlanDoc.decode(json.dumps({**raw, "plan": {"D": 2}}).encode())
-    # The release before ParallelPlan wrote P, D, ... flat, and each slot's stage and replica.
+    # The release before ParallelPlan wrote P, D, ... flat, and each slot's stage and replica; this
+    # one writes that form beside the plan (a daemon of that release reads it), and reads it back.
+    assert (raw["pipeline_depth"], raw["data_depth"], raw["cuts"], raw["recompute"]) == (1, 2, [], [False])
+    assert [(x["rank"], x["stage"], x["replica"]) for x in raw["slots"]] == [(0, 0, 0), (1, 0, 1)]
     flat = {k: v for k, v in raw.items() if k != "plan"}
-    flat.update(pipeline_depth=1, data_depth=2, micro_batch_size=doc.plan.micro_batch_size, schedule="varuna",
-                cuts=[], recompute=[False])
-    flat["slots"] = [{**x, "stage": 0, "replica": x["rank"]} for x in raw["slots"]]
     assert PlanDoc.decode(json.dumps(flat).encode()) == doc
     flat["slots"][1]["replica"] = 0   # two workers in one cell: refused, not guessed at
     with pytest.raises(ValueError, match="plan is malformed"):
@@ -343,6 +353,9 @@ def test_a_plan_document_checks_its_placement_and_reads_the_previous_release_for
     for P, D in ((10**9, 10**9), (-2, -3), ("2", 1)):   # junk sizes: refused at once, nothing built from them
         with pytest.raises(ValueError, match="plan is malformed"):
             PlanDoc.decode(json.dumps({**flat, "pipeline_depth": P, "data_depth": D}).encode())
+    flat["slots"][1].update(stage=-1, replica=1)   # a negative index must not count from the end
+    with pytest.raises(ValueError, match="plan is malformed"):
+        PlanDoc.decode(json.dumps(flat).encode())
 
 
 # --- the leader's decisions -------------------------------------------------------------------------

@@ -22,6 +22,7 @@ def test_ranks_default_to_replica_major_and_positions_invert_them():
     assert plan.stage_to_rank == {0: [0, 3], 1: [1, 4], 2: [2, 5]}
     assert [plan.position(r) for r in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
     assert all(plan.rank_of(*plan.position(r)) == r for r in range(6))
+    assert plan.positions() == {r: plan.position(r) for r in range(6)}
     assert (plan.world_size, plan.shape) == (6, "3x2")
     with pytest.raises(ParallelPlanError, match="rank 6 is in no stage"):
         plan.position(6)
@@ -34,6 +35,9 @@ def test_ranks_default_to_replica_major_and_positions_invert_them():
     (dict(P=2, D=1.0), "D must be an int"),
     (dict(P=1, D=1, micro_batch_size=0), "micro_batch_size"),
     (dict(P=1, D=1, schedule="zigzag"), "schedule 'zigzag' is not one of"),
+    (dict(P=1, D=1, schedule=["varuna"]), "is not one of"),
+    (dict(P=1, D=1, micro_batch_size=10**40), "micro_batch_size must be an int in 1.."),
+    (dict(P=2, D=1, cuts=(10**40,)), "increasing"),
     (dict(P=2, D=1, cuts=()), "needs 1 increasing cut points"),
     (dict(P=3, D=1, cuts=(4, 2)), "increasing"),
     (dict(P=3, D=1, cuts=(2, 2)), "increasing"),

@@ -146,3 +146,21 @@ async def test_a_member_whose_key_is_overwritten_or_deleted_registers_again(etcd
             with contextlib.suppress(asyncio.CancelledError):
                 await guard
             await m.leave()
+
+
+def test_json_nested_past_the_parsers_depth_is_a_value_error_for_every_reader():
+    # json.loads raises RecursionError on it, which no reader caught: one such value in etcd
+    # would have ended whatever loop read it.
+    from varunad.cluster.fencing import stored_epoch
+    from varunad.control.jobs import JobSpec
+    from varunad.control.records import decode_history
+    from varunad.node.signing import Signature
+
+    deep = b"[" * 100_000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        schemas.load_json(deep)
+    for decode in (PlanDoc.decode, Member.decode, JobSpec.decode, JobState.decode, decode_history,
+                   Signature.decode, lambda d: schemas.decode(Progress, d, "progress")):
+        with pytest.raises(ValueError):
+            decode(deep)
+    assert stored_epoch(deep) is None

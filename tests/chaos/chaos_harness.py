@@ -372,7 +372,7 @@ def kill9_all_workers(run: Run) -> None:
 
 
 GARBAGE = [b'{"kind":"idle","reason":12345}', b'{"kind":"stop","reason":"x","job":"j","stop_epoch":"abc"}',
-           b"\xff\xfe\x00garbage", b"[]", b'{"member":7}', b"null"]
+           b"\xff\xfe\x00garbage", b"[]", b'{"member":7}', b"null", b"[" * 100_000]
 
 
 def garbage_in_etcd(run: Run) -> None:
@@ -387,7 +387,7 @@ def garbage_in_etcd(run: Run) -> None:
         run.put(k.plan, value)
     # run plans that parse as JSON but whose parallel plan is no plan: a billion squared workers
     # (a reader that built its rank table first would never return), cuts out of order
-    for par in ({"P": 10**9, "D": 10**9}, {"P": 2, "D": 1, "cuts": [5, 1]}):
+    for par in ({"P": 10**9, "D": 10**9}, {"P": 3, "D": 1, "cuts": [5, 1]}):
         run.put(k.plan, json.dumps({"kind": "run", "reason": "junk", "job": job, "plan": par, "slots": [],
                                     "dist_url": "tcp://127.0.0.1:1"}))
     # etcdctl put of a plan that parses: a copy of the one in force (a new epoch of the same plan)

@@ -29,6 +29,7 @@ __all__ = ["ParallelPlan", "ParallelPlanError", "MAX_WORKERS"]
 # More workers than any fleet has; a plan read from etcd that claims more is refused before its
 # rank table is built (P = D = 10**9 would otherwise be 10**18 entries).
 MAX_WORKERS = 1 << 16
+_MAX_INDEX = (1 << 31) - 1   # micro-batch sizes and cut points: anything that indexes real memory
 
 
 class ParallelPlanError(VarunaError, ValueError):
@@ -67,13 +68,14 @@ class ParallelPlan:
         if P * D > MAX_WORKERS:
             raise ParallelPlanError(f"a {P}x{D} plan has more than {MAX_WORKERS} workers")
         mbs = self.micro_batch_size
-        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
-            raise ParallelPlanError(f"micro_batch_size must be an int >= 1, got {mbs!r}")
-        if self.schedule is not None and self.schedule not in SCHEDULES:
+        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or not 1 <= mbs <= _MAX_INDEX):
+            raise ParallelPlanError(f"micro_batch_size must be an int in 1..{_MAX_INDEX}, got {mbs!r}")
+        if self.schedule is not None and (not isinstance(self.schedule, str) or self.schedule not in SCHEDULES):
             raise ParallelPlanError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.cuts is not None:
             cuts = _tuples(self.cuts)
-            if (len(cuts) != P - 1 or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cuts)
+            if (len(cuts) != P - 1 or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= _MAX_INDEX
+                                              for c in cuts)
                     or list(cuts) != sorted(set(cuts))):
                 raise ParallelPlanError(f"a plan of {P} stages needs {P - 1} increasing cut points, got {list(cuts)}")
             object.__setattr__(self, "cuts", cuts)
@@ -127,6 +129,10 @@ class ParallelPlan:
             if rank in row:
                 return stage, row.index(rank)
         raise ParallelPlanError(f"rank {rank} is in no stage of a {self.shape} plan")
+
+    def positions(self) -> dict[int, tuple[int, int]]:
+        """rank -> (stage, replica), every rank at once."""
+        return {rank: (stage, replica) for stage, row in enumerate(self.ranks) for replica, rank in enumerate(row)}
 
     def replace(self, **changes: Any) -> ParallelPlan:
         return dataclasses.replace(self, **changes)

@@ -11,9 +11,9 @@ that lands in between wins too.
 
 from __future__ import annotations
 
-import json
 import logging
 
+from varunad.store import schemas
 from varunad.store.contract import Store
 
 __all__ = ["put_for_epoch", "stored_epoch"]
@@ -26,7 +26,7 @@ _TRIES = 3
 def stored_epoch(value: bytes) -> int | None:
     """The ``epoch`` field of a stored JSON record (None when it has none or is not JSON)."""
     try:
-        doc = json.loads(value)
+        doc = schemas.load_json(value)
     except ValueError:
         return None
     epoch = doc.get("epoch") if isinstance(doc, dict) else None

@@ -73,7 +73,7 @@ class Member:
     def decode(cls, data: bytes) -> Member:
         """Parse a stored value; fields added by newer daemons are ignored (rolling upgrades)."""
         try:
-            raw = json.loads(data)
+            raw = schemas.load_json(data)
         except ValueError as exc:
             raise ValueError(f"member value is not JSON: {exc}") from exc
         if not isinstance(raw, dict):

@@ -145,8 +145,8 @@ def _divisors(n: int) -> str:
 
 def _json_object(data: bytes, what: str) -> dict:
     try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+        doc = schemas.load_json(data)
+    except ValueError as exc:   # UnicodeDecodeError is one
         raise JobSpecError(f"{what} is not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise JobSpecError(f"{what} is not a JSON object")

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
@@ -33,6 +34,7 @@ from trainer.planning.parallel import MAX_WORKERS, ParallelPlan
 from trainer.planning.planner import Plan, PlanError, Slot, plan as run_planner
 
 from varunad.store import schemas
+from varunad.store.keys import check_component
 from varunad.cluster.facts import DaemonMember
 from varunad.control.jobs import JobSpec
 
@@ -41,6 +43,14 @@ __all__ = ["PlanDoc", "PlanSlot", "KINDS", "make_plan", "uniform_calibration", "
 log = logging.getLogger(__name__)
 
 KINDS = ("idle", "run", "stop", "profile")
+
+_URL = re.compile(r"[a-z][a-z0-9+.-]*://\S{1,1000}")
+
+
+def _index(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an int >= 0, got {value!r:.60}")
+    return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +61,22 @@ class PlanSlot:
     member: str
     slot: int
     endpoint: str
+
+    def __post_init__(self) -> None:
+        _index("a plan slot's rank", self.rank)
+        _index(f"the slot of rank {self.rank}", self.slot)
+        check_component(f"the member of rank {self.rank}", self.member)
+        if not isinstance(self.endpoint, str) or not _URL.fullmatch(self.endpoint):
+            raise ValueError(f"the endpoint of rank {self.rank} must be a URL like tcp://host:port, "
+                             f"got {self.endpoint!r:.80}")
+
+    @classmethod
+    def read(cls, doc: Mapping[str, Any]) -> PlanSlot:
+        """From the stored form; fields another release adds (or the previous one's stage and
+        replica) are left out."""
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"a plan slot is a JSON object, got {doc!r:.60}")
+        return cls(**{k: v for k, v in doc.items() if k in _SLOT_FIELDS})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,7 +104,7 @@ class PlanDoc:
             raise ValueError(f"plan kind {self.kind!r} is not one of {KINDS}")
         if self.plan is not None and not isinstance(self.plan, ParallelPlan):
             object.__setattr__(self, "plan", ParallelPlan.from_dict(self.plan))  # read from etcd
-        object.__setattr__(self, "slots", tuple(s if isinstance(s, PlanSlot) else PlanSlot(**s) for s in self.slots))
+        object.__setattr__(self, "slots", tuple(s if isinstance(s, PlanSlot) else PlanSlot.read(s) for s in self.slots))
         object.__setattr__(self, "incarnations", dict(self.incarnations))
         if self.kind != "idle" and not self.job:
             raise ValueError(f"a {self.kind} plan needs a job")
@@ -95,9 +121,9 @@ class PlanDoc:
             raise ValueError(f"a {self.plan.shape} plan places ranks 0..{world - 1} once each, got {ranks}")
         devices = [(s.member, s.slot) for s in self.slots]
         if len(set(devices)) != len(devices):
-            raise ValueError(f"a plan puts two workers on one slot: {sorted(devices)}")
-        if not self.dist_url:
-            raise ValueError("a run plan needs its rendezvous (dist_url)")
+            raise ValueError(f"a plan puts two workers on one slot: {sorted(devices)[:20]}")
+        if not isinstance(self.dist_url, str) or not _URL.fullmatch(self.dist_url):
+            raise ValueError(f"a run plan needs its rendezvous URL (dist_url), got {self.dist_url!r:.80}")
 
     @property
     def shape(self) -> str:
@@ -112,21 +138,25 @@ class PlanDoc:
 
     def members_by_stage(self) -> dict[int, set[str]]:
         """stage -> the members that run a replica of it."""
+        where = self.plan.positions()
         out: dict[int, set[str]] = {}
         for s in self.slots:
-            out.setdefault(self.plan.position(s.rank)[0], set()).add(s.member)
+            out.setdefault(where[s.rank][0], set()).add(s.member)
         return out
 
     def endpoints(self) -> list[str]:
         return [s.endpoint for s in sorted(self.slots, key=lambda s: s.rank)]
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        doc = asdict(self)
+        if self.kind == "run" and self.plan is not None:
+            doc.update(_flat(self))
+        return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> PlanDoc:
         try:
-            raw = json.loads(data)
+            raw = schemas.load_json(data)
         except ValueError:
             raw = None   # schemas.decode names what is wrong
         if isinstance(raw, dict) and raw.get("kind") == "run" and "plan" not in raw and "pipeline_depth" in raw:
@@ -142,24 +172,37 @@ class PlanDoc:
         return cls(kind="stop", job=job, stop_epoch=epoch, checkpoint=checkpoint, reason=reason, kill=kill)
 
 
+_SLOT_FIELDS = frozenset(f.name for f in fields(PlanSlot))
+_FLAT = ("pipeline_depth", "data_depth", "micro_batch_size", "schedule", "cuts", "recompute")
+
+
+def _flat(doc: PlanDoc) -> dict[str, Any]:
+    """The run plan as the release before `ParallelPlan` reads it (P, D, ... flat in the
+    document, stage and replica in each slot), written beside the plan so that a fleet can be
+    upgraded one VM at a time: a daemon of that release ignores ``plan``, this one the rest.
+    To be dropped in the release after this one."""
+    plan, where = doc.plan, doc.plan.positions()
+    return {"pipeline_depth": plan.P, "data_depth": plan.D, "micro_batch_size": plan.micro_batch_size or 1,
+            "schedule": plan.schedule or "varuna", "cuts": list(plan.cuts or ()), "recompute": list(plan.recompute or ()),
+            "slots": [{**asdict(s), "stage": where[s.rank][0], "replica": where[s.rank][1]} for s in doc.slots]}
+
+
 def _from_flat(raw: dict[str, Any]) -> dict[str, Any]:
     """A run plan of the release before `ParallelPlan` (P, D, ... flat in the document, each slot
     with its stage and replica), in this release's form."""
-    flat = ("pipeline_depth", "data_depth", "micro_batch_size", "schedule", "cuts", "recompute")
-    doc = {k: v for k, v in raw.items() if k not in flat}
+    doc = {k: v for k, v in raw.items() if k not in _FLAT}
     P, D = raw.get("pipeline_depth"), raw.get("data_depth")
     slots = raw.get("slots") if isinstance(raw.get("slots"), list) else []
     sized = isinstance(P, int) and isinstance(D, int) and 0 < P and 0 < D and P * D <= MAX_WORKERS
     ranks = [[None] * D for _ in range(P)] if sized else []
     try:
         for s in slots:
-            ranks[s["stage"]][s["replica"]] = s["rank"]
-    except (TypeError, KeyError, IndexError):
+            ranks[_index("stage", s["stage"])][_index("replica", s["replica"])] = s["rank"]
+    except (TypeError, KeyError, IndexError, ValueError):
         ranks = []   # the plan's own check refuses what this leaves
     doc["plan"] = {"P": P, "D": D, "micro_batch_size": raw.get("micro_batch_size"), "schedule": raw.get("schedule"),
                    "cuts": raw.get("cuts"), "recompute": raw.get("recompute") or None, "ranks": ranks}
-    doc["slots"] = [{k: v for k, v in s.items() if k not in ("stage", "replica")} if isinstance(s, dict) else s
-                    for s in slots]
+    doc["slots"] = slots   # PlanSlot.read leaves stage and replica out
     return doc
 
 

@@ -114,7 +114,7 @@ def encode_history(pairs: Iterable[tuple[int, float]], span: Span | None = None)
 
 def decode_history(data: bytes) -> tuple[list[tuple[int, float]], Span | None]:
     """(the (step, loss) pairs, the span or None: entries written before spans existed have none)."""
-    doc = json.loads(data)
+    doc = schemas.load_json(data)
     if not isinstance(doc, dict):
         raise ValueError("history is not a JSON object")
     try:

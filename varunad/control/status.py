@@ -7,13 +7,13 @@ so it lives below both.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from varunad.control.fleet import read_newest
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
 from varunad.control.records import (Progress, decode_history, epoch_ranges, merge_history, merge_spans,
                                      steps_trained_twice)
+from varunad.store import schemas
 from varunad.store.contract import Store
 from varunad.store.keys import Keys
 
@@ -35,7 +35,7 @@ async def _notes(store: Store, keys: Keys, job: str) -> list[str]:
     out: list[str] = []
     for kv in await store.get_prefix(keys.notes_of(job)):
         try:
-            notes = json.loads(kv.value)
+            notes = schemas.load_json(kv.value)
             out += [n for n in notes if isinstance(n, str)] if isinstance(notes, list) else []
         except ValueError:
             continue

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from varunad.store import schemas
+
 __all__ = ["SigningError", "Signature", "generate_submit_key", "load_signing_key", "sign_spec", "AllowList"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
@@ -51,7 +53,7 @@ class Signature:
     @classmethod
     def decode(cls, data: bytes) -> Signature:
         try:
-            doc = json.loads(data)
+            doc = schemas.load_json(data)
             if not (isinstance(doc, dict) and isinstance(doc.get("key"), str) and isinstance(doc.get("signature"), str)):
                 raise ValueError("not {key, signature}")
             bytes.fromhex(doc["signature"])

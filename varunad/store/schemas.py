@@ -27,7 +27,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, Union
 
-__all__ = ["DOCUMENTS", "check", "build", "decode", "reject", "rejected", "on_reject", "Throttle"]
+__all__ = ["DOCUMENTS", "load_json", "check", "build", "decode", "reject", "rejected", "on_reject", "Throttle"]
 
 log = logging.getLogger("varunad.store.schemas")
 
@@ -126,6 +126,15 @@ def _problem(value: Any, tp: Any) -> str | None:
     return None  # a type this checker does not know: the dataclass's own checks decide
 
 
+def load_json(data: bytes | str) -> Any:
+    """A stored value parsed as JSON; whatever is wrong with it (not text, not JSON, nested past
+    the parser's depth: a RecursionError) is a ValueError, the one error readers catch."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def check(cls: type, doc: Mapping[str, Any], what: str | None = None) -> Mapping[str, Any]:
     """Raise ValueError naming the first field of ``doc`` whose value is not of its declared type
     in dataclass ``cls``, or a required field that is missing; returns ``doc``."""
@@ -155,8 +164,8 @@ def decode(cls: type[T], data: bytes, what: str) -> T:
     """``cls`` from a stored JSON value (see :func:`build`); anything wrong with it, from bytes
     that are not JSON to a field of the wrong type, is one ValueError "<what> is malformed: ..."."""
     try:
-        return build(cls, json.loads(data), what)
-    except (ValueError, TypeError) as exc:  # JSONDecodeError, and bytes that are no text, are ValueErrors
+        return build(cls, load_json(data), what)
+    except (ValueError, TypeError) as exc:
         raise ValueError(f"{what} is malformed: {exc}") from None
 
 
