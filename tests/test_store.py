@@ -314,6 +314,11 @@ def test_key_layout():
     assert keys.progress_entry("job7", 3) == "/varunad/progress/job7/3"
     assert keys.member_name(keys.member("vm-1")) == "vm-1"
     assert Keys("/t/x/").job("j") == "/t/x/jobs/j"
+    assert keys.probe("vm1") == "/varunad/links/probe/vm1" and keys.probe("vm1").startswith(keys.probes)
+    assert keys.link_pair("vm2", "vm1") == keys.link_pair("vm1", "vm2") == "/varunad/links/pair/vm1/vm2"
+    assert keys.link_pair("vm1", "vm2").startswith(keys.link_pairs) and keys.link_pairs.startswith(keys.links)
+    assert keys.history_entry("j", 7, "vm1") == "/varunad/history/j/000000000007/vm1"
+    assert keys.parse_history("j", keys.history_entry("j", 7, "vm1")) == (7, "vm1")
     for bad in ("", "a/b", "..", "tab\there"):
         with pytest.raises(ValueError):
             keys.member(bad)

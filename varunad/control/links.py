@@ -62,23 +62,6 @@ PROBE_TIMEOUT = 90.0   # a probe starts two Python processes with torch: seconds
 RETRY_AFTER = 60.0
 
 
-def _probe_key(keys: Keys, member: str) -> str:
-    return f"{_probe_prefix(keys)}{member}"
-
-
-def _probe_prefix(keys: Keys) -> str:
-    return f"{keys.root}links/probe/"
-
-
-def _pair_prefix(keys: Keys) -> str:
-    return f"{keys.root}links/pair/"
-
-
-def _pair_key(keys: Keys, a: str, b: str) -> str:
-    a, b = sorted((a, b))
-    return f"{_pair_prefix(keys)}{a}/{b}"
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinkMeasurement:
     """One pair's link, as measured; ``hosts`` are the addresses it was measured between."""
@@ -154,7 +137,7 @@ class ProbeRequest:
 async def read_links(store: Store, keys: Keys, *, timeout: float) -> dict[tuple[str, str], LinkMeasurement]:
     """Every stored pair measurement (malformed ones are skipped and logged)."""
     out = {}
-    for kv in await store.get_prefix(_pair_prefix(keys), timeout=timeout):
+    for kv in await store.get_prefix(keys.link_pairs, timeout=timeout):
         try:
             m = LinkMeasurement.decode(kv.value)
         except ValueError as exc:
@@ -222,7 +205,7 @@ class LinkSurvey:
         # The requests first: rank 0's daemon stores a result before it deletes its request, and
         # rank 1's deletes its own only when it measured nothing, so a request gone here with no
         # result read after it is a probe that failed.
-        held = {kv.key: kv.value for kv in await self.store.get_prefix(_probe_prefix(self.keys), timeout=self.t)}
+        held = {kv.key: kv.value for kv in await self.store.get_prefix(self.keys.probes, timeout=self.t)}
         self.results = await read_links(self.store, self.keys, timeout=self.t)
         now = self.clock()
         for pair, probe in list(self.in_flight.items()):
@@ -285,7 +268,7 @@ class LinkSurvey:
         ident = self._ident(pair, members)
         hosts, started = ident
         ports = (a.probe_ports[0], b.probe_ports[0], a.probe_ports[1])
-        requests = {_probe_key(self.keys, name): ProbeRequest(id=pid, rank=rank, pair=pair, hosts=hosts, ports=ports,
+        requests = {self.keys.probe(name): ProbeRequest(id=pid, rank=rank, pair=pair, hosts=hosts, ports=ports,
                                                               started=started, term=term or 0).encode()
                     for rank, name in enumerate(pair)}
         self.in_flight[pair] = _Probe(pid, self.clock(), ident, requests)
@@ -322,7 +305,7 @@ class LinkProber:
         self.t = timeout
         self.env = dict(os.environ if env is None else env)
         self.command = list(command) if command is not None else [sys.executable, "-m", "trainer.linkprobe"]
-        self.key = _probe_key(keys, name)
+        self.key = keys.probe(name)
         self._done: set[str] = set()
         self._task: asyncio.Task | None = None
         self._value: bytes | None = None   # the request the running task serves
@@ -466,7 +449,7 @@ class LinkProber:
                                 latency_s=float(res["latency_s"]), bandwidth_Bps=float(res["bandwidth_Bps"]),
                                 allreduce_latency_s=float(res["allreduce_latency_s"]),
                                 allreduce_Bps=float(res["allreduce_Bps"]), at=time.time())
-            await self.store.put(_pair_key(self.keys, *req.pair), m.encode(), timeout=self.t)
+            await self.store.put(self.keys.link_pair(*req.pair), m.encode(), timeout=self.t)
             log.info("%s: link to %s: %.3g ms, %.3g MB/s; all-reduce %.3g MB/s", self.name, req.pair[1],
                      1e3 * m.latency_s, m.bandwidth_Bps / 1e6, m.allreduce_Bps / 1e6)
         except (ValueError, KeyError, IndexError, StoreError) as exc:

@@ -116,7 +116,7 @@ class Leader:
         watchers = [asyncio.get_running_loop().create_task(self._watch(prefix, is_prefix))
                     for prefix, is_prefix in ((self.keys.members, True), (self.keys.jobs, True),
                                               (self.keys.cancels, True), (self.keys.workers, True),
-                                              (self.keys.plan, False), (self.keys.root + "links/", True))]
+                                              (self.keys.plan, False), (self.keys.links, True))]
         try:
             while True:
                 try:

@@ -18,6 +18,8 @@ Layout under a root prefix (default ``/varunad/``)::
     history/<job>/<epoch>/<member>          (step, loss) pairs one daemon saw in one epoch
     logs/<job>/<member>/<seq>               chunks of the workers' output
     notes/<job>/<member>                    what a daemon's workers refused (a corrupt checkpoint), for status
+    links/probe/<member>                    the leader's request that a member measure one link
+    links/pair/<a>/<b>                      a measured link between members a < b
 
 Several fleets (or several test cases) share one etcd by using different roots.
 """
@@ -44,6 +46,7 @@ __all__ = [
     "WORKERS",
     "HISTORY",
     "LOGS",
+    "LINKS",
     "Keys",
     "check_component",
 ]
@@ -68,6 +71,7 @@ CANCEL = "cancel/"
 WORKERS = "workers/"
 HISTORY = "history/"
 LOGS = "logs/"
+LINKS = "links/"
 
 
 def check_component(what: str, value: str) -> str:
@@ -213,6 +217,27 @@ class Keys:
 
     def logs_of_member(self, job: str, member: str) -> str:
         return f"{self.logs_of(job)}{check_component('member name', member)}/"
+
+    # Link measurements (varunad.control.links).
+    @property
+    def links(self) -> str:
+        return self.root + LINKS
+
+    @property
+    def probes(self) -> str:
+        return self.links + "probe/"
+
+    @property
+    def link_pairs(self) -> str:
+        return self.links + "pair/"
+
+    def probe(self, member: str) -> str:
+        return self.probes + check_component("member name", member)
+
+    def link_pair(self, a: str, b: str) -> str:
+        """The one key of the link between `a` and `b`, whichever way round they are named."""
+        a, b = sorted((a, b))
+        return f"{self.link_pairs}{check_component('member name', a)}/{check_component('member name', b)}"
 
     # Parsing keys read back from a prefix read or a watch.
     def state_job(self, key: str) -> str:
