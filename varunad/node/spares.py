@@ -58,16 +58,15 @@ class SparePool:
         proc, spare_env = self._spares.pop(slot, (None, {}))
         if proc is None:
             return None
-        if proc.returncode is not None or not spare.fits(spare_env, env):
+        if proc.returncode is not None or proc.stdin is None or not spare.fits(spare_env, env):
             self._kill(proc)
             return None
         order = {"script": str(script), "args": list(args), "cwd": str(script.parent), "env": env, "log": str(log_path)}
         try:
-            assert proc.stdin is not None
             proc.stdin.write(json.dumps(order).encode() + b"\n")
             await proc.stdin.drain()
             proc.stdin.close()
-        except (OSError, AssertionError) as exc:   # it died in between: a fresh process it is
+        except OSError as exc:   # it died in between: a fresh process it is
             log.info("%s: the spare of slot %d is gone (%s); starting %s afresh", self.name, slot, exc, what)
             self._kill(proc)
             return None

@@ -336,12 +336,11 @@ class Supervisor:
         self.workers[w.rank] = w
         self._exited.clear()
         w.started_at = time.time()
+        what = f"rank {w.rank} of {w.job} epoch {w.epoch}"
         with open(w.log_path, "ab") as out:
             w.log_offset = out.tell()
-        what = f"rank {w.rank} of {w.job} epoch {w.epoch}"
-        w.proc = await self.spares.run(w.slot, script, args, env, w.log_path, what) if w.profile_path is None else None
-        if w.proc is None:
-            with open(w.log_path, "ab") as out:
+            w.proc = await self.spares.run(w.slot, script, args, env, w.log_path, what) if w.profile_path is None else None
+            if w.proc is None:
                 try:
                     w.proc = await asyncio.create_subprocess_exec(
                         sys.executable, str(script), *args, cwd=str(script.parent), env=env,
