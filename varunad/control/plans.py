@@ -14,10 +14,11 @@ Kinds:
   so no worker can reach another step boundary and waiting would only delay the morph);
 * ``profile`` — the job's script runs once on one slot with VARUNA_PROFILE to calibrate.
 
-The value is JSON (readable with etcdctl). A ``run`` plan of the release before the
-`ParallelPlan` (its fields flat: ``pipeline_depth``, ``data_depth``, ...) is read as the same plan. The leader also pushes ``PlanChanged(epoch)`` over
-ZeroMQ to the members of a ``run`` plan, which only makes them read the plan now; a daemon that
-missed the push reads it at the next watch event.
+The value is JSON (readable with etcdctl). A ``run`` plan is also written, and read, in the
+form of the release before `ParallelPlan` (its fields flat: ``pipeline_depth``, ``data_depth``,
+...), so that a fleet can be upgraded one VM at a time. The leader also pushes
+``PlanChanged(epoch)`` over ZeroMQ to the members of a ``run`` plan, which only makes them read
+the plan now; a daemon that missed the push reads it at the next watch event.
 """
 
 from __future__ import annotations
@@ -155,13 +156,7 @@ class PlanDoc:
 
     @classmethod
     def decode(cls, data: bytes) -> PlanDoc:
-        try:
-            raw = schemas.load_json(data)
-        except ValueError:
-            raw = None   # schemas.decode names what is wrong
-        if isinstance(raw, dict) and raw.get("kind") == "run" and "plan" not in raw and "pipeline_depth" in raw:
-            data = json.dumps(_from_flat(raw)).encode()
-        return schemas.decode(cls, data, "plan")
+        return schemas.decode(cls, data, "plan", upgrade=_from_flat)
 
     @classmethod
     def idle(cls, reason: str) -> PlanDoc:
@@ -187,9 +182,11 @@ def _flat(doc: PlanDoc) -> dict[str, Any]:
             "slots": [{**asdict(s), "stage": where[s.rank][0], "replica": where[s.rank][1]} for s in doc.slots]}
 
 
-def _from_flat(raw: dict[str, Any]) -> dict[str, Any]:
+def _from_flat(raw: Any) -> Any:
     """A run plan of the release before `ParallelPlan` (P, D, ... flat in the document, each slot
-    with its stage and replica), in this release's form."""
+    with its stage and replica), in this release's form; any other document as it is."""
+    if not (isinstance(raw, dict) and raw.get("kind") == "run" and "plan" not in raw and "pipeline_depth" in raw):
+        return raw
     doc = {k: v for k, v in raw.items() if k not in _FLAT}
     P, D = raw.get("pipeline_depth"), raw.get("data_depth")
     slots = raw.get("slots") if isinstance(raw.get("slots"), list) else []

@@ -160,11 +160,13 @@ def build(cls: type[T], doc: Mapping[str, Any], what: str | None = None) -> T:
     return cls(**{k: v for k, v in doc.items() if k in known})
 
 
-def decode(cls: type[T], data: bytes, what: str) -> T:
+def decode(cls: type[T], data: bytes, what: str, *, upgrade: Callable[[Any], Any] | None = None) -> T:
     """``cls`` from a stored JSON value (see :func:`build`); anything wrong with it, from bytes
-    that are not JSON to a field of the wrong type, is one ValueError "<what> is malformed: ..."."""
+    that are not JSON to a field of the wrong type, is one ValueError "<what> is malformed: ...".
+    ``upgrade`` turns the parsed JSON of an older release's form into this one's first."""
     try:
-        return build(cls, load_json(data), what)
+        doc = load_json(data)
+        return build(cls, upgrade(doc) if upgrade is not None else doc, what)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{what} is malformed: {exc}") from None
 
