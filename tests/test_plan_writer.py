@@ -16,6 +16,7 @@ from varunad.cluster.election import NotLeader, PlanWriter
 from varunad.control.fleet import read_fleet, read_plan
 from varunad.store.keys import Keys
 from varunad.control.plans import PlanDoc
+from varunad.store.contract import HistoryCompacted
 from varunad.store.etcd import EtcdStore
 
 
@@ -94,3 +95,39 @@ async def test_a_leader_key_rewritten_in_place_fences_its_holder(etcd, etcd_root
         with pytest.raises(NotLeader):
             await node.election.write_plan(PlanDoc.idle("x").encode())
         assert await read_plan(store, keys, timeout=3.0) == (None, 0)
+
+
+async def test_a_plan_stays_in_force_once_etcd_compacted_its_history(etcd, etcd_root):
+    """Issue 27: etcd compacts on its own (``--auto-compaction-*``). The check that a leader wrote the
+    plan in force reads the leader key at the plan's revision when the leader changed since; once that
+    revision is compacted it decides from the keys as they are now, instead of failing every cycle
+    (which froze the fleet: no daemon could read the plan, the leader could not read the fleet)."""
+    keys = Keys(etcd_root)
+    async with fleet(etcd.endpoint, keys, ["a", "b"]) as nodes, EtcdStore(etcd.endpoint) as store:
+        first = await one_leader(nodes, timeout=10)
+        plan = PlanDoc.stop("j", 3, checkpoint=True, reason="the first leader's")
+        epoch = await first.election.write_plan(plan.encode())
+        # the leader changes, so the check needs the leader key as it was at the plan's revision
+        await first.stop()
+        nodes.remove(first)
+        successor = await one_leader(nodes, timeout=10)
+        assert successor.election.name != first.election.name
+        before = schemas.rejected().get("plan", 0)
+
+        etcd.compact()
+        with pytest.raises(HistoryCompacted):
+            await store.get(keys.leader, revision=epoch)
+        assert await read_plan(store, keys, timeout=3.0) == (plan, epoch)
+        snap = await read_fleet(store, keys, timeout=3.0)
+        assert (snap.plan, snap.plan_epoch) == (plan, epoch)
+        assert schemas.rejected().get("plan", 0) == before  # nothing taken for a forgery
+
+        # garbage put over it: the walk back to the previous value meets the compaction and stops
+        # there (no plan is in force) instead of failing; a plan the new leader writes is followed
+        await store.put(keys.plan, b"\x00 not a plan")
+        etcd.compact()
+        assert await read_plan(store, keys, timeout=3.0) == (None, 0)
+        later = PlanDoc.idle("the successor's")
+        epoch2 = await successor.election.write_plan(later.encode())
+        etcd.compact()
+        assert await read_plan(store, keys, timeout=3.0) == (later, epoch2)

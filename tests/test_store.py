@@ -19,7 +19,7 @@ from varunad.store.contract import (
     StoreConfigError,
     StoreError,
     StoreUnavailable,
-    WatchCompacted,
+    HistoryCompacted,
 )
 from varunad.store.etcd import EtcdStore, parse_endpoints
 
@@ -182,10 +182,10 @@ async def test_watch_from_compacted_revision_raises(etcd, etcd_root):
         # Compaction is an etcd admin action; reach the raw client only in this test.
         client = await store._ensure_client()
         await client.compact(await store.revision())
-        with pytest.raises(WatchCompacted) as info:
+        with pytest.raises(HistoryCompacted) as info:
             async with store.watch(key, start_revision=r1) as watch:
                 await watch.next(timeout=5)
-        assert info.value.compact_revision > r1 and "read the prefix again" in str(info.value)
+        assert info.value.compact_revision > r1 and "read the key or prefix again" in str(info.value)
 
 
 # ----------------------------------------------------------------------------- faults

@@ -19,7 +19,7 @@ from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
 from varunad.control.plans import PlanDoc
 from varunad.control.records import WorkerReport
-from varunad.store.contract import KeyValue, Store, StoreError, WatchCompacted
+from varunad.store.contract import HistoryCompacted, KeyValue, Store, StoreError
 
 __all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest", "forget_progress"]
 
@@ -124,7 +124,9 @@ async def read_plan(store: Store, keys: Keys, *, timeout: float | None) -> tuple
     revision, or one naming someone who did not hold the leader key then), is reported, counted
     and skipped: the plan in force stays the one before it, read from etcd's history. So garbage
     or a forged plan at ``plan`` neither stops the job nor makes the leader re-plan it (which
-    would kill its workers without a checkpoint).
+    would kill its workers without a checkpoint). Once etcd has compacted the history, the walk
+    back ends there (no older plan is in force) and the writer check decides from the keys as
+    they are now (:func:`_not_a_leaders`).
     """
     listing = await store.get_prefix(keys.plan, timeout=timeout)  # the plan and its writer, at one revision
     leader = await store.get(keys.leader, timeout=timeout)
@@ -158,9 +160,10 @@ async def _not_a_leaders(store: Store, keys: Keys, revision: int, written: KeyVa
             return None
         if writer.held(await store.get(keys.leader, timeout=timeout, revision=revision)):
             return None
-    except WatchCompacted:
-        # History before the compaction is gone; a record of the plan's own revision still says
-        # one transaction wrote both, which only the leader's guarded write does.
+    except HistoryCompacted:
+        # etcd compacted the history this check would read (routine: auto-compaction). Decide from
+        # what is read now: the writer's record was modified at the plan's own revision, so one
+        # transaction wrote both, which only the leader's guarded write does.
         return None
     except ValueError as exc:
         return str(exc)
@@ -195,7 +198,7 @@ async def read_newest(store: Store, key: str, decode: Callable[[bytes], T], kind
             return None, 0
         try:
             kv = await store.get(key, timeout=timeout, revision=kv.mod_revision - 1)
-        except StoreError as exc:  # compacted away: nothing we can trust
+        except HistoryCompacted as exc:  # the older values are gone: none is in force
             log.debug("cannot read %s before revision %d: %s", key, kv.mod_revision, exc)
             return None, 0
         if kv is not None and kv.version == 0:

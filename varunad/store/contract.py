@@ -22,6 +22,11 @@ The contract (:class:`Store`), by group, in the manner of Patroni's ``AbstractDC
   They return the revision of the write, or ``None`` when the guard did not hold.
 * Watches: :meth:`~Store.watch` and :meth:`~Store.watch_prefix` return a :class:`Watch`, an async
   iterator of :class:`WatchEvent` in revision order, used as ``async with ... as w``.
+* History is not kept: etcd compacts old revisions on its own schedule (every few minutes, or
+  every second, as its operator chose). A :meth:`~Store.get` at an old ``revision`` and a watch
+  from an old ``start_revision`` raise :class:`HistoryCompacted` once that revision is gone, and
+  every caller must then decide from the current value (or re-list and watch from that
+  listing's revision plus one). Nothing may depend on history being there.
 """
 
 
@@ -41,7 +46,7 @@ __all__ = [
     "StoreUnavailable",
     "StoreAuthError",
     "LeaseExpired",
-    "WatchCompacted",
+    "HistoryCompacted",
     "KeyValue",
     "Listing",
     "WatchEvent",
@@ -95,14 +100,18 @@ class LeaseExpired(StoreError):
     """etcd no longer knows the lease (it expired or was revoked); keys attached to it are gone."""
 
 
-class WatchCompacted(StoreError):
-    """A watch asked for history that etcd has compacted away."""
+class HistoryCompacted(StoreError):
+    """A read at an old revision, or a watch from one, asked for history that etcd has compacted away.
 
-    def __init__(self, message: str, *, compact_revision: int) -> None:
-        self.compact_revision = compact_revision
+    etcd compacts on its own (``--auto-compaction-*``), so this is routine, never a fault: the
+    caller decides from the current value instead (see the module docstring).
+    """
+
+    def __init__(self, message: str, *, compact_revision: int | None = None) -> None:
+        self.compact_revision = compact_revision  # None when etcd did not say (a read's error)
         super().__init__(
             message,
-            hint="read the prefix again and watch from the revision of that read plus one",
+            hint="read the key or prefix again now, and watch from the revision of that read plus one",
         )
 
 
@@ -206,7 +215,7 @@ class Store(abc.ABC):
     # Plain reads and writes.
     @abc.abstractmethod
     async def get(self, key: Key, *, timeout: float | None = None, revision: int | None = None) -> KeyValue | None:
-        """The key now, or as it was at ``revision`` (its previous values, until etcd compacts them)."""
+        """The key now, or as it was at ``revision``; :class:`HistoryCompacted` once etcd compacted that."""
 
     @abc.abstractmethod
     async def get_prefix(self, prefix: Key, *, timeout: float | None = None) -> Listing: ...

@@ -22,7 +22,7 @@ import aetcd.rpc
 import aetcd.watcher
 import grpc
 
-from varunad.store.contract import StoreAuthError, StoreError, StoreUnavailable, WatchCompacted
+from varunad.store.contract import StoreAuthError, StoreError, StoreUnavailable, HistoryCompacted
 
 __all__ = ["Client", "CHANNEL_OPTIONS", "HINT_UNAVAILABLE", "rpc_code", "translate"]
 
@@ -123,11 +123,15 @@ def translate(exc: BaseException, what: str, endpoint: str | None) -> StoreError
     if isinstance(exc, StoreError):
         return exc
     if isinstance(exc, aetcd.RevisionCompactedError):
-        return WatchCompacted(
+        return HistoryCompacted(
             f"{what}: {where} has compacted history below revision {exc.compacted_revision}",
             compact_revision=exc.compacted_revision,
         )
     code = rpc_code(exc)
+    # A read at a compacted revision: OUT_OF_RANGE ("required revision has been compacted"); etcd
+    # uses the same code for a future revision, so the message decides.
+    if code == aetcd.rpc.StatusCode.OUT_OF_RANGE and "compacted" in str(exc):
+        return HistoryCompacted(f"{what}: {where} has compacted that revision away")
     if isinstance(exc, asyncio.TimeoutError):
         return StoreUnavailable(f"{where} did not answer {what} in time", hint=HINT_UNAVAILABLE)
     if isinstance(exc, (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError)) or code in (
