@@ -49,6 +49,7 @@ __all__ = [
     "WorkerFailed",
     "WorkerProgress",
     "WorkerRescuing",
+    "WorkerStoreOutage",
     "decode",
     "encode",
     "message_types",
@@ -422,6 +423,23 @@ class WorkerRescuing(Message):
     epoch: int = _f(_EPOCH)
     rank: int = _f(_RANK)
     step: int = _f(_STEP)
+
+
+@_register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerStoreOutage(Message):
+    """The checkpoint store refuses this worker's writes (full, read-only, failing) since the
+    checkpoint of `step`, for `error`; the worker keeps training, or holds its state and retries a
+    write it cannot go on without. `failing` false: a write went through again (so does any
+    WorkerCheckpointed)."""
+
+    TYPE: ClassVar[str] = "worker_store_outage"
+    job: str = _f(_ID)
+    epoch: int = _f(_EPOCH)
+    rank: int = _f(_RANK)
+    step: int = _f(_STEP)
+    failing: bool = _f(_Bool())
+    error: str = _f(_TEXT)
 
 
 @_register

@@ -26,6 +26,7 @@ from protocol.messages import (
     WorkerFailed,
     WorkerRescuing,
     WorkerProgress,
+    WorkerStoreOutage,
     decode,
     encode,
     message_types,
@@ -54,6 +55,8 @@ MESSAGES = {
     WorkerFailed: st.builds(WorkerFailed, job=ids, epoch=epochs, rank=ranks, error=texts,
                             exit_code=st.none() | st.integers(-255, 255)),
     WorkerRescuing: st.builds(WorkerRescuing, job=ids, epoch=epochs, rank=ranks, step=epochs),
+    WorkerStoreOutage: st.builds(WorkerStoreOutage, job=ids, epoch=epochs, rank=ranks, step=epochs,
+                                 failing=st.booleans(), error=texts),
 }
 any_message = st.one_of(*MESSAGES.values())
 
@@ -67,6 +70,8 @@ def _examples() -> list[Message]:
         WorkerCheckpointed(job="gpt-1", epoch=12, rank=3, step=100, path="/ckpt/gpt-1/100/rank3", stalled_s=1.25),
         WorkerFailed(job="gpt-1", epoch=12, rank=1, error="CUDA out of memory", exit_code=-9),
         WorkerRescuing(job="gpt-1", epoch=12, rank=2, step=101),
+        WorkerStoreOutage(job="gpt-1", epoch=12, rank=0, step=100, failing=True,
+                          error="No space left on device (/ckpt/gpt-1/varuna_ckpt_100/meta.pt)"),
         PlanChanged(epoch=301),
     ]
 

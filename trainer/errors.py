@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["VarunaError", "ConfigError", "PartitionError", "CheckpointError", "WorkerError"]
+import errno as _errno
+
+__all__ = ["VarunaError", "ConfigError", "PartitionError", "CheckpointError", "StoreOutage", "WorkerError",
+           "OUTAGE_ERRNOS"]
 
 
 class VarunaError(Exception):
@@ -23,6 +26,34 @@ class PartitionError(VarunaError, ValueError):
 
 class CheckpointError(VarunaError):
     """A checkpoint is missing, incomplete or corrupt; it was not loaded."""
+
+
+# What a store that is full, over quota, read-only or failing says. None of them is about the
+# checkpoint or the job: the same write succeeds once an operator frees space or remounts.
+OUTAGE_ERRNOS = frozenset({_errno.ENOSPC, _errno.EDQUOT, _errno.EROFS, _errno.EIO})
+
+
+class StoreOutage(CheckpointError):
+    """The checkpoint store refused a write for a reason of its own (full, over quota, read-only,
+    an I/O error): a pause, not a job failure. Nothing was committed; the worker keeps its state
+    in memory and writes again later. `step`: the checkpoint (or fence) it was writing, when known."""
+
+    def __init__(self, path: str, err: int, detail: str, *, step: int | None = None) -> None:
+        self.path, self.errno, self.detail, self.step = path, err, detail, step
+        super().__init__(f"could not write {path}: {detail}",
+                         hint="the checkpoint store is full, read-only or failing: free space or remount it; "
+                              "training keeps its state and writes again when it can")
+
+    def at_step(self, step: int) -> StoreOutage:
+        """The same outage, saying which step's checkpoint it stopped."""
+        return StoreOutage(self.path, self.errno, self.detail, step=step)
+
+    def __reduce__(self):   # crosses torch.distributed's object collectives whole
+        return (_outage, (self.path, self.errno, self.detail, self.step))
+
+
+def _outage(path: str, err: int, detail: str, step: int | None) -> StoreOutage:
+    return StoreOutage(path, err, detail, step=step)
 
 
 class WorkerError(VarunaError):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.checkpoint import fences, reading, store as ckpt_store
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, StoreOutage
 from trainer.planning.parallel import ParallelPlan
 
 __all__ = ["save", "load", "agree", "resume_point", "Upload", "Checkpointed", "stage_files", "meta_of",
@@ -174,13 +174,22 @@ def save(v: Checkpointed, store: str, iteration: int, *, tmpdir: str | None = No
         return final_dir, upload
     if epoch is not None:
         agree(v, lambda: not_superseded(lambda: None))
-    entries = _write_mine(v, final_dir, iteration, shard)
-    gathered: list[list | None] = [None] * v.assignment.world_size
-    dist.all_gather_object(gathered, entries)
-    if v.rank == 0:
-        ckpt_store.write_manifest(final_dir, [e for es in gathered for e in es], manifest_meta(v),
-                                  iteration=iteration, epoch=epoch)
-    dist.barrier()
+    # A store outage on one worker's files must end the checkpoint on every worker, the same
+    # way: each says how its share went, and nobody commits what a peer could not write.
+    mine: list[reading.FileEntry] | StoreOutage
+    try:
+        mine = _write_mine(v, final_dir, iteration, shard)
+    except StoreOutage as exc:
+        mine = exc.at_step(iteration)
+    gathered: list[list | StoreOutage | None] = [None] * v.assignment.world_size
+    dist.all_gather_object(gathered, mine)
+    outage = next((g for g in gathered if isinstance(g, StoreOutage)), None)
+    if outage is not None:
+        raise outage
+    entries = [e for es in gathered for e in es]
+    # agree, not a barrier: a manifest rank 0 could not write fails the checkpoint on every rank
+    agree(v, lambda: ckpt_store.write_manifest(final_dir, entries, manifest_meta(v), iteration=iteration,
+                                               epoch=epoch))
     log.info("rank %d: checkpoint %d written to %s in %.2fs", v.rank, iteration, final_dir,
              time.perf_counter() - start)
     return final_dir, None

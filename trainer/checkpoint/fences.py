@@ -14,7 +14,7 @@ import posixpath
 import re
 
 from trainer.checkpoint.storage import names_in, storage_for, write_error
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, StoreOutage
 
 __all__ = ["EPOCHS", "is_count", "write_epoch_fence", "read_epoch_fences", "superseded", "superseded_why",
            "refuse_superseded", "check_epoch"]
@@ -49,7 +49,8 @@ def write_epoch_fence(store: str, epoch: int, resumed_from: int | None) -> None:
         with storage.open_atomic(path) as f:
             f.write(json.dumps({"epoch": epoch, "resumed_from": resumed_from}).encode())
     except OSError as exc:
-        raise write_error(path, exc) from exc
+        err = write_error(path, exc)
+        raise (err.at_step(resumed_from or 0) if isinstance(err, StoreOutage) else err) from exc
 
 
 def read_epoch_fences(store: str, *, newer_than: int = -1) -> dict[int, int]:

@@ -18,10 +18,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO, Protocol
 
-from trainer.errors import CheckpointError
+from trainer.errors import OUTAGE_ERRNOS, CheckpointError, StoreOutage
 
 __all__ = ["CheckpointStorage", "LocalStorage", "register_storage", "storage_for", "names_in", "write_error",
-           "HashingWriter", "MOUNT_HINT", "CHUNK"]
+           "is_outage", "HashingWriter", "MOUNT_HINT", "CHUNK"]
 
 CHUNK = 4 << 20
 MOUNT_HINT = "check that the store is mounted and reachable from this VM"
@@ -147,6 +147,8 @@ def names_in(storage: CheckpointStorage, path: str) -> list[str]:
     except FileNotFoundError:
         return []
     except OSError as exc:
+        if is_outage(exc):
+            raise StoreOutage(path, exc.errno, exc.strerror or str(exc)) from exc
         raise CheckpointError(f"could not list {path}: {exc}", hint=MOUNT_HINT) from exc
 
 
@@ -157,19 +159,34 @@ class HashingWriter:
         self._f = f
         self.sha = hashlib.sha256()
         self.size = 0
+        # torch.save turns an OSError of the file it writes into a RuntimeError ("unexpected
+        # pos"), losing the errno: the first one is kept here for the caller to raise instead.
+        self.failed: OSError | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
         self.sha.update(view)
         self.size += view.nbytes
-        self._f.write(view)
+        try:
+            self._f.write(view)
+        except OSError as exc:
+            self.failed = self.failed or exc
+            raise
         return view.nbytes
 
     def flush(self) -> None:
         self._f.flush()
 
 
+def is_outage(exc: BaseException) -> bool:
+    """Whether `exc` is the store's own trouble (full, over quota, read-only, I/O error)."""
+    return isinstance(exc, OSError) and exc.errno in OUTAGE_ERRNOS
+
+
 def write_error(path: str, exc: OSError) -> CheckpointError:
+    """The error a failed write raises: a `StoreOutage` when the store itself refused it."""
+    if is_outage(exc):
+        return StoreOutage(path, exc.errno, exc.strerror or str(exc))
     return CheckpointError(
         f"could not write {path}: {exc}",
         hint="check that the store is mounted, writable and has free space",

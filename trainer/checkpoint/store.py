@@ -43,7 +43,8 @@ import torch
 from trainer.checkpoint.fences import check_epoch, refuse_superseded
 from trainer.checkpoint.reading import (CKPT_PREFIX, FORMAT, MANIFEST, FileEntry, broken, check_name,
                                         checkpoint_dir, iteration_of, list_checkpoints, read_manifest, verify)
-from trainer.checkpoint.storage import CHUNK, CheckpointStorage, HashingWriter, names_in, storage_for, write_error
+from trainer.checkpoint.storage import (CHUNK, CheckpointStorage, HashingWriter, is_outage, names_in, storage_for,
+                                        write_error)
 from trainer.errors import CheckpointError
 
 __all__ = ["write_tensors", "write_manifest", "latest_complete", "prune", "copy_to_store", "copy_file",
@@ -106,6 +107,7 @@ def write_tensors(ckpt_dir: str, name: str, obj: dict) -> FileEntry:
     payload = _plain(obj, name)
     storage = storage_for(ckpt_dir)
     path = posixpath.join(ckpt_dir, name)
+    w: HashingWriter | None = None
     try:
         storage.makedirs(ckpt_dir)
         with storage.open_atomic(path) as f:
@@ -113,6 +115,10 @@ def write_tensors(ckpt_dir: str, name: str, obj: dict) -> FileEntry:
             torch.save(payload, w)
     except OSError as exc:
         raise write_error(path, exc) from exc
+    except RuntimeError as exc:
+        if w is None or w.failed is None:
+            raise
+        raise write_error(path, w.failed) from exc
     entry = FileEntry(name=name, size=w.size, sha256=w.sha.hexdigest())
     log.debug("wrote %s (%d bytes, sha256 %s)", path, entry.size, entry.sha256[:12])
     return entry
@@ -263,6 +269,8 @@ def prune(store: str, keep: int, *, verify_checksums: bool = True) -> list[int]:
         except FileNotFoundError:
             pass  # pruned concurrently by someone else: the goal is reached anyway
         except OSError as exc:
+            if is_outage(exc):
+                raise write_error(checkpoint_dir(store, it), exc) from exc
             raise CheckpointError(
                 f"could not delete checkpoint {it} in {store}: {exc}",
                 hint="check permissions on the store; nothing newer was touched",

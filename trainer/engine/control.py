@@ -16,8 +16,8 @@ import signal
 import zmq
 
 from protocol.errors import ProtocolError
-from protocol.messages import (CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, WorkerRescuing, decode,
-                               encode)
+from protocol.messages import (CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, WorkerRescuing,
+                               WorkerStoreOutage, decode, encode)
 
 __all__ = ["ControlClient", "StopRequested", "StepAbandoned", "RESCUE_SIGNAL", "STOPPED_EXIT_CODE", "TOKEN_ENV",
            "control_identity"]
@@ -126,6 +126,16 @@ class ControlClient:
     def checkpointed(self, step: int, path: str, stalled_s: float) -> None:
         self._send(WorkerCheckpointed(job=self.job, epoch=self.epoch, rank=self.rank, step=step, path=path,
                                       stalled_s=max(0.0, stalled_s)))
+
+    def store_outage(self, since: int, error: str) -> None:
+        """Tell the daemon the store refuses this worker's writes since the checkpoint of `since`."""
+        self._send(WorkerStoreOutage(job=self.job, epoch=self.epoch, rank=self.rank, step=since, failing=True,
+                                     error=error[-4096:]))
+
+    def store_recovered(self, since: int) -> None:
+        """The store took a write again (the outage that began at `since` is over)."""
+        self._send(WorkerStoreOutage(job=self.job, epoch=self.epoch, rank=self.rank, step=since, failing=False,
+                                     error=""))
 
     def rescuing(self, step: int) -> None:
         """Tell the daemon this worker is saving `step` from memory: it waits for that before SIGKILL."""

@@ -43,7 +43,8 @@ from trainer.engine import hooks, setup
 from trainer.engine.comm import PeerChannel
 from trainer.engine.control import STOPPED_EXIT_CODE, ControlClient, StepAbandoned, StopRequested
 from trainer.engine.data_parallel import GradReducer
-from trainer.errors import CheckpointError, ConfigError, WorkerError
+from trainer.engine.store_outage import StoreHealth
+from trainer.errors import CheckpointError, ConfigError, StoreOutage, WorkerError
 from trainer.engine.executor import StageExecutor
 from trainer.graph.layout import Layout, build_layout
 from trainer.net.netaddr import bound_gloo_backend, nccl_environment
@@ -148,6 +149,8 @@ class Varuna:
         self.grad_norm = 0.0
         self._upload: checkpointing.Upload | None = None   # a staged checkpoint on its way to the store
         self.control = ControlClient(a.control, job=a.job, epoch=a.epoch, rank=a.rank)
+        self.store_health = StoreHealth(rank=a.rank, report=self.control.store_outage,
+                                        recovered=self.control.store_recovered)
         self._agreed = {"checkpoint": False, "stop": False}
         # Where the state stands within a step (see `_abandon`): the optimizer is applying it, or
         # has applied it before the step returned.
@@ -191,7 +194,13 @@ class Varuna:
             self.scaler = LossScaler(1.0, 1.0, 1.0)
         a = self.assignment
         if a.resume == "latest":
-            newest = checkpointing.resume_point(self, a.store)
+            try:   # the fence must be written before anything loads: held here through an outage
+                newest = self.store_health.until_written(lambda: checkpointing.resume_point(self, a.store),
+                                                         self.iteration, "the new epoch's fence",
+                                                         give_up=self._stop_asked)
+            except StoreOutage as exc:
+                log.warning("rank %d: stopping as asked while the store refused the epoch fence", self.rank)
+                raise StopRequested(self.iteration) from exc
             if newest is not None:
                 self.load_checkpoint(a.store, newest)
                 log.info("rank %d: resumed from checkpoint %d", self.rank, newest)
@@ -263,13 +272,15 @@ class Varuna:
             self._settle_upload()
         if a.store and (periodic or final or self._agreed["checkpoint"]):
             start = time.perf_counter()
-            path = self.checkpoint(a.store, tmpdir=a.checkpoint_tmpdir,
-                                   on_demand=self._agreed["checkpoint"] or final)
-            if self._upload is None:   # written in place: complete now
+            path = self._write_checkpoint(on_demand=self._agreed["checkpoint"] or final)
+            if path is not None and self._upload is None:   # written in place: complete now
                 self.control.checkpointed(self.iteration, path, time.perf_counter() - start)
             self.control.clear()
-            if self.rank == 0:
-                ckpt_store.prune(a.store, a.keep_checkpoints)
+            if path is not None and self.rank == 0:
+                try:
+                    ckpt_store.prune(a.store, a.keep_checkpoints)
+                except StoreOutage as exc:   # housekeeping: the next checkpoint prunes again
+                    log.warning("rank %d: could not prune old checkpoints: %s", self.rank, exc)
         if self._agreed["stop"]:
             log.warning("rank %d: stopping after step %d as asked", self.rank, self.iteration - 1)
             self.close()
@@ -311,6 +322,35 @@ class Varuna:
                                                      tmpdir=None if on_demand else tmpdir, shard=shard)
         return final_dir
 
+    def _write_checkpoint(self, *, on_demand: bool) -> str | None:
+        """This step's checkpoint through a store outage (trainer.engine.store_outage): one the job
+        needs (`on_demand`: the final one, a notice's, a morph's) is retried, the state held in
+        memory, until it is written; a periodic one is given up (None) and the next interval
+        tries again, while training goes on."""
+        a = self.assignment
+        what = f"checkpoint {self.iteration}"
+
+        def write() -> str:
+            return self.checkpoint(a.store, tmpdir=a.checkpoint_tmpdir, on_demand=on_demand)
+
+        if on_demand:
+            return self.store_health.until_written(write, self.iteration, what)
+        try:
+            path = write()
+        except StoreOutage as exc:
+            self.store_health.failed(exc, self.iteration, what)
+            return None
+        if self._upload is None:
+            self.store_health.wrote()
+        return path
+
+    def _stop_asked(self) -> bool:
+        """Whether any worker was asked to stop (or to save and leave); collective."""
+        self.control.poll()
+        asked = torch.tensor([float(self.control.stop_requested or self.control.rescue_requested)])
+        dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+        return bool(asked[0] > 0)
+
     def wait_checkpoint(self) -> str | None:
         """Wait for the staged checkpoint in flight to reach the store; returns its directory (None
         when there is none). Raises CheckpointError if it failed: it stays incomplete and the
@@ -330,6 +370,9 @@ class Varuna:
             upload.wait()
             if upload.error is None:
                 self.control.checkpointed(upload.iteration, upload.final_dir, upload.stalled_s)
+                self.store_health.wrote()
+            elif isinstance(upload.error, StoreOutage):
+                self.store_health.failed(upload.error, upload.iteration, f"checkpoint {upload.iteration}")
         return upload
 
     def load_checkpoint(self, global_store: str, iteration: int | None = None, check_complete: bool = True) -> int:
