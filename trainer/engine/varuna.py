@@ -107,6 +107,15 @@ class Varuna:
         self._init_distributed()
         atexit.register(self.close)
 
+        # The model's construction leaves hundreds of thousands of long-lived objects; every full
+        # collection (Python's own during training, ours in close(), the interpreter's at exit)
+        # would walk them again: seconds per worker exit on a loaded host. Frozen before the
+        # capture, so that the collection after it walks only what the capture made. Only in a
+        # worker process of its own (the daemon's or the launcher's), never in a program that
+        # builds one Varuna after another.
+        own_process = bool(a.control or a.world_size > 1)
+        if own_process:
+            gc.freeze()
         traced = capture_model(model, get_batch_fn(self.micro_batch_size, setup.device_of(model)))
         cuts = self._agree_on_cuts(traced, get_batch_fn)
         slices = slice_stages(traced, cuts)
@@ -122,15 +131,13 @@ class Varuna:
         self.module.to(self.device)   # what else the slice holds (graph constants)
         self.input_names = mine.input_names
 
-        # The model's construction and capture leave hundreds of thousands of long-lived objects;
-        # every full collection (Python's own during training, ours in close(), the interpreter's
-        # at exit) would walk them again: seconds per worker exit on a loaded host. Keep them out
-        # of every later collection. Frozen before the groups and the reducer exist, whose cycles
-        # close() must still collect; without a collection first (0.15-0.3 s of a restart): what
-        # is cyclic garbage right now stays until exit (about 3,000 objects for the tiny GPT).
-        # Only in a worker process of its own (the daemon's or the launcher's), never in a
-        # program that builds one Varuna after another.
-        if a.control or a.world_size > 1:
+        # torch.export leaves reference cycles (its wrapper module, its tracer) that hold the
+        # user's whole model: frozen, they would keep every stage's weights alive in every worker
+        # after the script drops its model. Collected here, where the collection walks only what
+        # the capture made; then the rest is frozen too, before the groups and the reducer exist,
+        # whose cycles close() must still collect.
+        if own_process:
+            gc.collect()
             gc.freeze()
         self._build_groups()
         # Where this worker sends its step statistics and whose it gathers (see `_agree`).
