@@ -13,7 +13,8 @@ from varunad.control.fleet import FleetSnapshot, JobEntry
 from varunad.control.outage import judge_members
 from varunad.control.plans import PlanDoc
 
-__all__ = ["Decision", "LeaderMemory", "decide", "error_summary", "was_lost", "who_and_cause", "cause_of"]
+__all__ = ["Decision", "LeaderMemory", "decide", "error_summary", "was_lost", "who_and_cause", "cause_of",
+           "store_failing"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,7 @@ class LeaderMemory:
 _LAST_OUTPUT = "; last output:"
 # The last line of a Python traceback: "ValueError: ...", "trainer.errors.ConfigError: ...",
 # with the "[rank2]: " torch.distributed puts before each line of a worker's traceback.
-_EXCEPTION_LINE = re.compile(r"(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?")
+_EXCEPTION_LINE = re.compile(r"(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|StoreOutage)\b(: .*)?")
 
 
 def error_summary(text: str) -> str:
@@ -148,7 +149,8 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
         return Decision("start", f"every worker of epoch {epoch} has stopped", job)
     seen = memory.epoch_seen.get(epoch, now)
     started = any(r is not None and r.step >= 0 for _, r in records.values())
-    if not started and now - seen > start_timeout:
+    # workers that hold the epoch's fence while the checkpoint store refuses it are not stuck
+    if not started and not store_failing(snap) and now - seen > start_timeout:
         return Decision("abort", f"the workers of epoch {epoch} did not reach a first step within "
                                  f"{start_timeout:.0f}s", job, failure=True)
     # by registration, not name: a VM lost and back under the same name (a new lease) is
@@ -158,6 +160,16 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     if newcomers and memory.considered != (epoch, usable):
         return Decision("consider", f"{', '.join(newcomers)} could join {job}", job)
     return Decision("nothing", f"{job} runs epoch {epoch} as {plan.shape}", job)
+
+
+def store_failing(snap: FleetSnapshot) -> bool:
+    """Whether a worker of the run plan reports that the checkpoint store refuses its writes: it
+    trains on, or holds its state and waits for the store; either way it is not stuck."""
+    plan = snap.plan
+    if plan is None or plan.kind != "run" or not plan.job:
+        return False
+    return any(report is not None and report.store_failing(plan.job, snap.plan_epoch) is not None
+               for report in (snap.reports.get(m) for m in plan.members))
 
 
 def was_lost(names: list[str]) -> str:

@@ -6,6 +6,9 @@ epoch that lost a VM is the VM's doing and is never counted against the script. 
 * ``fail``: the error cannot go away by starting again: a ``ConfigError``/``PartitionError``
   (the script and the job disagree), a ``SyntaxError`` or missing import, or any error that
   repeats word for word the one that ended the previous attempt;
+* ``outage``: the checkpoint store refused a write (full, over quota, read-only, I/O errors): the
+  job is fine and starts again, but the attempt is not counted against ``max_restarts``, because
+  a full disk can last longer than any budget of restarts and says nothing about the script;
 * ``retry``: it looks transient (a peer's connection broke, a timeout), or it is new, so one
   fresh start shows whether it repeats.
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["DETERMINISTIC", "cause", "classify"]
+__all__ = ["DETERMINISTIC", "cause", "classify", "is_store_outage"]
 
 # Exceptions that a fresh start on the same script, spec and fleet raises again.
 DETERMINISTIC = ("ConfigError", "PartitionError", "SyntaxError", "IndentationError", "ModuleNotFoundError",
@@ -27,6 +30,9 @@ _TRANSIENT = re.compile(
     r"closed by peer|connection (reset|refused|closed)|broken pipe|timed? ?out|timeout|host unreachable|"
     r"no route to host|did not reach a first step|ZMQError|WorkerError|got no \w+ for micro-batch|gloo|NCCL|"
     r"ECONNRESET|EPIPE", re.IGNORECASE)
+# trainer.errors.StoreOutage, or an older worker's checkpoint error with the store's own words
+_OUTAGE = re.compile(r"^((?:[A-Za-z_]\w*\.)*StoreOutage\b|(CheckpointError|OSError)\b.*(No space left on device|Disk quota exceeded|"
+                     r"Read-only file system|Input/output error))")
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 _EXC_NAME = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception))\b")
 
@@ -40,9 +46,16 @@ def cause(summary: str) -> str:
     return m.group(1) + text[m.end():] if m else text
 
 
+def is_store_outage(summary: str) -> bool:
+    """Whether the failure with ``summary`` (error_summary's line) is the checkpoint store's doing."""
+    return bool(_OUTAGE.match(cause(summary)))
+
+
 def classify(summary: str, previous: str | None) -> str:
-    """``fail`` or ``retry`` for a failure with ``summary`` (error_summary's line) when the previous
-    attempt of the same job ended with ``previous`` (its summary; None on a first failure)."""
+    """``fail``, ``outage`` or ``retry`` for a failure with ``summary`` (error_summary's line) when the
+    previous attempt of the same job ended with ``previous`` (its summary; None on a first failure)."""
+    if is_store_outage(summary):
+        return "outage"
     now = cause(summary)
     m = _EXC_NAME.match(now)
     if m and m.group(1) in DETERMINISTIC:

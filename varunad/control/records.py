@@ -40,10 +40,23 @@ class WorkerRecord:
     error: str = ""
     step: int = -1  # last step this worker reported
     started_at: float = 0.0
+    # the checkpoint store refuses this worker's writes since the checkpoint of this step (-1: it
+    # does not), for `store_error`; the worker keeps training or holds its state and retries
+    store_failing_since: int = -1
+    store_error: str = ""
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
             raise ValueError(f"worker outcome {self.outcome!r} is not one of {OUTCOMES}")
+        if self.store_failing_since < -1:
+            raise ValueError(f"store_failing_since is a step or -1, got {self.store_failing_since}")
+
+    @property
+    def store_failing(self) -> str:
+        """"checkpoints failing since step N: <reason>", or "" while the store takes its writes."""
+        if self.store_failing_since < 0:
+            return ""
+        return f"checkpoints failing since step {self.store_failing_since}: {self.store_error}"
 
     @property
     def alive(self) -> bool:
@@ -68,6 +81,11 @@ class WorkerReport:
         if up_to_epoch is not None and self.epoch > up_to_epoch:
             return False
         return any(w.alive for w in self.workers)
+
+    def store_failing(self, job: str, epoch: int) -> WorkerRecord | None:
+        """The worker of ``job``'s ``epoch`` here whose store outage began first (None: none has one)."""
+        failing = [w for w in self.of(job, epoch).values() if w.store_failing_since >= 0]
+        return min(failing, key=lambda w: (w.store_failing_since, w.rank), default=None)
 
     def of(self, job: str, epoch: int) -> dict[int, WorkerRecord]:
         if self.job != job or self.epoch != epoch:

@@ -11,13 +11,16 @@ from typing import Any
 
 from varunad.control.fleet import read_newest
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
-from varunad.control.records import (Progress, decode_history, epoch_ranges, merge_history, merge_spans,
-                                     steps_trained_twice)
+from varunad.control.records import (Progress, WorkerReport, decode_history, epoch_ranges, merge_history,
+                                     merge_spans, steps_trained_twice)
 from varunad.store import schemas
 from varunad.store.contract import Store
 from varunad.store.keys import Keys
 
 __all__ = ["UnknownJob", "read_state", "job_status", "job_queue", "plan_lines"]
+
+
+_LIVE = ("running", "morphing")   # states in which a job's workers may be running
 
 
 class UnknownJob(ValueError):
@@ -40,6 +43,21 @@ async def _notes(store: Store, keys: Keys, job: str) -> list[str]:
         except ValueError:
             continue
     return out
+
+
+async def _store_failing(store: Store, keys: Keys, job: str, epoch: int) -> str | None:
+    """"checkpoints failing since step N: <reason>" while the checkpoint store refuses the writes
+    of a worker of the job's current epoch (the earliest outage among them), else None."""
+    failing = []
+    for kv in await store.get_prefix(keys.workers):
+        try:
+            record = WorkerReport.decode(kv.value).store_failing(job, epoch)
+        except ValueError:
+            continue
+        if record is not None:
+            failing.append(record)
+    first = min(failing, key=lambda w: w.store_failing_since, default=None)
+    return first.store_failing if first is not None else None
 
 
 async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
@@ -105,6 +123,7 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
         "samples_per_s": sum(p.samples_per_s for p in current) / len(current) if current else None,
         "busy_fraction": min((p.busy_fraction for p in current), default=None),
         "restarts": state.restarts, "error": state.error,
+        "store_failing": await _store_failing(store, keys, job, state.epoch) if state.state in _LIVE else None,
         "warnings": await _notes(store, keys, job),
         "epochs": {str(e): list(r) for e, r in sorted(ranges.items())},
         "steps_trained_twice": steps_trained_twice(ranges),

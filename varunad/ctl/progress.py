@@ -13,9 +13,11 @@ each morph is printed once, on its own line::
     morph 2x2 -> 3x1 (stopped, re-planned in 4.8s): member vm3 left
     resumed at step 20 in epoch 305 after training stood still 21.0s (the report counts the same)
 
-and while an epoch redoes steps an earlier one had trained, the line says so::
+and while an epoch redoes steps an earlier one had trained, or the checkpoint store refuses
+writes, the line says so::
 
     gpt [####................] 23/60 ... 2x1 mb 4 epoch 305 redoing steps 20-29 after vm4 was lost
+    gpt [########............] 31/60 ... checkpoints failing since step 24: No space left on device (...)
 
 ``watch`` polls etcd and feeds ``advance`` until the job ends.
 """
@@ -86,6 +88,10 @@ def _redoing(doc: dict[str, Any]) -> str:
     return f"redoing steps {redo['first']}-{redo['last']}" + (f" after {redo['cause']}" if redo.get("cause") else "")
 
 
+def _store_failing(doc: dict[str, Any]) -> str:
+    return _one_line(doc.get("store_failing") or "", 100)
+
+
 def _state_word(doc: dict[str, Any]) -> str:
     """Nothing while running; otherwise the state and why (e.g. queued while the model is calibrated)."""
     state = doc.get("state", "?")
@@ -106,14 +112,14 @@ def bar_line(doc: dict[str, Any], steps: int, width: int = 20) -> str:
     step = min(int(doc.get("step") or 0), steps)
     filled = width * step // max(steps, 1)
     parts = [f"{doc['job']} [{'#' * filled}{'.' * (width - filled)}] {step}/{steps}",
-             _numbers(doc), _shape(doc), _state_word(doc), _redoing(doc)]
+             _numbers(doc), _shape(doc), _state_word(doc), _redoing(doc), _store_failing(doc)]
     return " ".join(p for p in parts if p)
 
 
 def plain_line(doc: dict[str, Any], steps: int) -> str:
     """``job step/steps state: loss .. samples/s PxD mb M epoch E``."""
     step = min(int(doc.get("step") or 0), steps)
-    details = " ".join(p for p in (_numbers(doc), _shape(doc), _redoing(doc)) if p)
+    details = " ".join(p for p in (_numbers(doc), _shape(doc), _redoing(doc), _store_failing(doc)) if p)
     return f"{doc['job']} {step}/{steps} {_state_word(doc) or 'running'}" + (f": {details}" if details else "")
 
 
@@ -177,7 +183,7 @@ def advance(shown: Shown, doc: dict[str, Any], now: float, wall: float | None = 
         # a morph line takes the bar's place, and the bar is drawn again below it
         return replace(shown, bar=bar), _CLEAR + "".join(new_morphs) + bar
     step = int(doc.get("step") or 0)
-    key = (_state_word(doc), _shape(doc))
+    key = (_state_word(doc), _shape(doc), bool(doc.get("store_failing")))
     due = step != shown.line_step and (step - shown.line_step >= shown.every_steps
                                        or now - shown.line_at >= shown.every_s)
     if key != shown.line_key or due:  # the end is a new state, so it always gets its line

@@ -33,7 +33,8 @@ from trainer.planning.planner import Plan, PlanError
 
 from varunad.node.config import DaemonConfig
 from varunad.cluster.election import Election, NotLeader
-from varunad.control.decide import Decision, LeaderMemory, cause_of, decide, error_summary, was_lost, who_and_cause
+from varunad.control.decide import (Decision, LeaderMemory, cause_of, decide, error_summary, store_failing, was_lost,
+                                    who_and_cause)
 from varunad.control.failures import classify
 from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet, read_newest
 from varunad.store.keys import Keys
@@ -99,6 +100,7 @@ class Leader:
         # phases does not wait the ping timeout for it once more; forgotten once the morph's plan
         # is written, or when the member registers again (a new lease).
         self._silent: dict[str, tuple[int, float]] = {}
+        self._store_paused: int | None = None   # the epoch whose workers the checkpoint store held last cycle
         self.metrics = metrics if metrics is not None else DaemonMetrics()
         self._changed = asyncio.Event()
         self._last_sentence = ""
@@ -167,6 +169,11 @@ class Leader:
         now = self.clock()
         if snap.plan is not None and snap.plan.kind == "run":
             self.memory.epoch_seen.setdefault(snap.plan_epoch, now)
+            # workers paused by the checkpoint store get the whole start timeout once it is back
+            paused = store_failing(snap)
+            if paused or self._store_paused == snap.plan_epoch:
+                self.memory.epoch_seen[snap.plan_epoch] = now
+            self._store_paused = snap.plan_epoch if paused else None
         decision = decide(snap, self.memory, now=now, start_timeout=self.config.start_timeout,
                           outage_until=self._outage_until())
         sentence = decision.sentence
@@ -387,7 +394,9 @@ class Leader:
                 reason = f"{cause} ({they} peer {who}): re-planning on the VMs left"
             else:
                 verdict = classify(d.reason, state.error if state.restarts else None)
-                restarts = state.restarts + 1
+                # a full or read-only store can outlast any budget of restarts: not counted
+                outage = verdict == "outage"
+                restarts = state.restarts + (0 if outage else 1)
                 if verdict == "fail":
                     again = " again on a fresh start" if state.restarts else ""
                     await self._finish(snap, job, "failed",
@@ -398,11 +407,13 @@ class Leader:
                     await self._finish(snap, job, "failed", f"gave up after {state.restarts} restarts: {what} ({who})",
                                        error=d.reason)
                     return True
-                await self._put_state(state.but(restarts=restarts, error=d.reason))
+                if not outage:
+                    await self._put_state(state.but(restarts=restarts, error=d.reason))
                 restart = True
-                cause = "a worker failed"
+                cause = "the checkpoint store refused a write" if outage else "a worker failed"
                 reason = (f"{what} ({who}): starting the same plan again from the newest checkpoint "
-                          f"(restart {restarts} of at most {self.config.max_restarts})")
+                          + ("(a checkpoint store outage: free space or remount it; not counted as a restart)"
+                             if outage else f"(restart {restarts} of at most {self.config.max_restarts})"))
         resumed = await self._resume_source(after, job, plan, lost, checkpointed=d.checkpoint)
         self.memory.morph[job] = dict(reason=reason, from_shape=plan.shape, from_epoch=epoch, noticed_at=noticed,
                                       stopped_at=stopped, checkpoint=d.checkpoint, restart=restart, cause=cause,

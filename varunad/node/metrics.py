@@ -24,6 +24,10 @@ name                                type     labels              meaning
 ``varunad_checkpoint_seconds``      histo-   job                 seconds a local worker's training stood still for
                                     gram                         its share of a checkpoint (``_bucket``, ``_sum``,
                                                                  ``_count``)
+``varunad_checkpoints_failing_``    gauge    job, rank, reason   while the checkpoint store refuses a local
+``since_step``                                                   worker's writes (full, read-only, failing): the
+                                                                 step since which it does; the series goes when
+                                                                 a write succeeds again
 ==================================  =======  ==================  ===============================================
 
 Job series keep their last value after the job ends (a finished job's final loss stays visible);
@@ -61,7 +65,7 @@ METRIC_NAMES = (
     "varunad_members", "varunad_leader", "varunad_plan_epoch", "varunad_workers", "varunad_job_step",
     "varunad_job_loss", "varunad_samples_per_second", "varunad_stage_busy_fraction", "varunad_morphs_total",
     "varunad_checkpoint_seconds", "varunad_bad_documents_total", "varunad_task_restarts_total",
-    "varunad_dropped_messages_total",
+    "varunad_dropped_messages_total", "varunad_checkpoints_failing_since_step",
 )
 """Every documented name, as it appears in the exposition (for tests and docs)."""
 
@@ -104,6 +108,10 @@ class DaemonMetrics:
         self.dropped_messages = Counter(
             "varunad_dropped_messages", "Messages on the worker control socket dropped as malformed or not from "
             "the current epoch's worker of that rank", registry=r)
+        self.checkpoints_failing_since_step = Gauge(
+            "varunad_checkpoints_failing_since_step", "While the checkpoint store refuses a local worker's writes: "
+            "the step since which it does", ["job", "rank", "reason"], registry=r)
+        self._failing: dict[tuple[str, int], str] = {}   # (job, rank) -> the reason of its failing series
         self.before_scrape: Callable[[], Awaitable[None]] | None = None
         self._stage_of: dict[int, int] = {}
         self._jobs: set[str] = set()   # jobs whose step, loss and rate are served
@@ -142,6 +150,17 @@ class DaemonMetrics:
     def worker_checkpointed(self, *, job: str, stalled_s: float) -> None:
         """One ``WorkerCheckpointed``: observe how long the worker's training stood still for it."""
         self.checkpoint_seconds.labels(job=job).observe(stalled_s)
+
+    def store_failing(self, *, job: str, rank: int, since: int, error: str) -> None:
+        """A ``WorkerStoreOutage`` (``since`` -1: the store takes the worker's writes again)."""
+        old = self._failing.pop((job, rank), None)
+        if old is not None:
+            self.checkpoints_failing_since_step.remove(job, str(rank), old)
+        if since >= 0:
+            # the error's words without the path (one series per cause, not per file)
+            reason = error.split(" (", 1)[0][:120]
+            self._failing[(job, rank)] = reason
+            self.checkpoints_failing_since_step.labels(job=job, rank=str(rank), reason=reason).set(since)
 
     # -- exposition ---------------------------------------------------------------------------------
 

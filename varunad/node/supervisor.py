@@ -45,8 +45,8 @@ import zmq
 import zmq.asyncio
 
 from protocol.errors import ProtocolError
-from protocol.messages import (CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, WorkerRescuing, decode,
-                               encode)
+from protocol.messages import (CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, WorkerRescuing,
+                               WorkerStoreOutage, decode, encode)
 from trainer.engine.control import RESCUE_SIGNAL, STOPPED_EXIT_CODE
 from trainer.planning.parallel import ParallelPlan
 from trainer.worker_env import WorkerAssignment
@@ -138,6 +138,8 @@ class _SupervisedWorker:
     token: str = ""  # the secret this worker names itself by on the control socket
     stop_request: bytes | None = None  # resent until the worker exits (a stop may be lost)
     rescuing: int | None = None  # the step it is saving from memory (WorkerRescuing)
+    store_failing_since: int = -1  # the checkpoint store refuses its writes since this step (WorkerStoreOutage)
+    store_error: str = ""
 
     @property
     def identity(self) -> bytes:
@@ -150,7 +152,8 @@ class _SupervisedWorker:
     def record(self) -> WorkerRecord:
         return WorkerRecord(rank=self.rank, slot=self.slot, pid=self.proc.pid if self.proc else 0,
                             outcome=self.outcome, exit_code=self.exit_code, error=self.error[-_TAIL_BYTES:],
-                            step=self.step, started_at=self.started_at)
+                            step=self.step, started_at=self.started_at,
+                            store_failing_since=self.store_failing_since, store_error=self.store_error[-_TAIL_BYTES:])
 
 
 class Supervisor:
@@ -577,7 +580,7 @@ class Supervisor:
             except ProtocolError as exc:
                 self._drop(str(exc))
                 continue
-            if not isinstance(msg, (WorkerProgress, WorkerCheckpointed, WorkerRescuing)):
+            if not isinstance(msg, (WorkerProgress, WorkerCheckpointed, WorkerRescuing, WorkerStoreOutage)):
                 self._drop(f"unexpected {type(msg).__name__} from a worker")
                 continue
             w = self.workers.get(msg.rank)
@@ -598,7 +601,10 @@ class Supervisor:
                 self._on_progress(w, msg)
             elif isinstance(msg, WorkerRescuing):
                 self._on_rescuing(w, msg)
+            elif isinstance(msg, WorkerStoreOutage):
+                self._on_store_outage(w, msg.step if msg.failing else -1, msg.error)
             else:
+                self._on_store_outage(w, -1, "")   # a checkpoint went through: the store takes writes
                 self.metrics.worker_checkpointed(job=msg.job, stalled_s=msg.stalled_s)
                 log.info("%s: rank %d checkpointed step %d of %s (training stood still %.2fs for it)", self.name,
                          msg.rank, msg.step, msg.job, msg.stalled_s)
@@ -610,6 +616,21 @@ class Supervisor:
         if self.dropped <= 20 or self.dropped % 1000 == 0:
             log.warning("%s: dropped a malformed message on the worker socket (%d so far): %s",
                         self.name, self.dropped, why)
+
+    def _on_store_outage(self, w: _SupervisedWorker, since: int, error: str) -> None:
+        """The checkpoint store refuses `w`'s writes since step `since` (-1: it takes them again):
+        in the worker report at once, where `varunactl status` and the leader read it."""
+        if (w.store_failing_since, w.store_error) == (since, error):
+            return
+        if since >= 0:
+            log.warning("%s: rank %d of %s epoch %d: checkpoints failing since step %d: %s", self.name, w.rank,
+                        w.job, w.epoch, since, error)
+        elif w.store_failing_since >= 0:
+            log.warning("%s: rank %d of %s epoch %d: the checkpoint store takes writes again", self.name, w.rank,
+                        w.job, w.epoch)
+        w.store_failing_since, w.store_error = since, error
+        self.metrics.store_failing(job=w.job, rank=w.rank, since=since, error=error)
+        self.reporter.mark()
 
     def _on_progress(self, w: _SupervisedWorker, msg: WorkerProgress) -> None:
         now = time.time()
