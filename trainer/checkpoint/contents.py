@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.checkpoint import fences, reading, store as ckpt_store
+from trainer.checkpoint.model_record import MANIFEST_KEY as MODEL_RECORD
 from trainer.errors import CheckpointError, StoreOutage
 from trainer.planning.parallel import ParallelPlan
 
@@ -77,6 +78,7 @@ class Checkpointed(Protocol):
     scaler: Any                # LossScaler: state_dict / load_state_dict
     lr_scheduler: Any | None
     iteration: int
+    # optional: trainer.checkpoint.model_record.ModelRecord, the user's names kept for an export
 
     def named_tensors(self) -> Mapping[str, torch.Tensor]:
         """Every parameter and buffer this stage owns, by its name in the user's model."""
@@ -204,8 +206,14 @@ def _write_mine(v: Checkpointed, directory: str, iteration: int, shard: bool) ->
 
 
 def manifest_meta(v: Checkpointed) -> dict:
-    return {"P": v.plan.P, "D": v.plan.D, "cuts": list(v.cuts),
+    meta = {"P": v.plan.P, "D": v.plan.D, "cuts": list(v.cuts),
             "index": dict(sorted(v.layout.files.items()))}
+    # the user's state_dict names, for an export (trainer.checkpoint.export); a worker that was
+    # never given its model's record (a test's stand-in) writes a checkpoint that only loads
+    record = getattr(v, "model_record", None)
+    if record is not None:
+        meta[MODEL_RECORD] = record.to_dict()
+    return meta
 
 
 # Rank 0 gives the other workers this long to put their files in place before it leaves the

@@ -39,6 +39,7 @@ import zmq
 from torch import nn
 
 from trainer.checkpoint import contents as checkpointing, rescue, store as ckpt_store
+from trainer.checkpoint.model_record import record_model
 from trainer.engine import hooks, setup
 from trainer.engine.comm import PeerChannel
 from trainer.engine.control import STOPPED_EXIT_CODE, ControlClient, StepAbandoned, StopRequested
@@ -121,6 +122,8 @@ class Varuna:
         slices = slice_stages(traced, cuts)
         aliases = setup.aliases(model, traced.canonical)
         self.layout: Layout = build_layout(traced, slices, shared_weights or (), aliases)
+        # the user's state_dict names, recorded in every checkpoint for an export
+        self.model_record = record_model(model, traced.canonical)
         self.cuts = cuts
         mine = slices[self.stage]
         self.module = mine.module

@@ -410,9 +410,52 @@ def _trace_step(text: str) -> int | str | None:
         raise argparse.ArgumentTypeError(f"expected a step number, 'last' or 'all', got {text!r}") from None
 
 
+# --- export (varunad.ctl.export) -----------------------------------------------------------------
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from varunad.ctl import commands as ctl, export
+
+    if args.store is None and args.job is None:
+        print("varunactl export: give JOB (its store is read from etcd) or --store DIR", file=sys.stderr)
+        return 2
+    store_dir = args.store
+    if store_dir is None:
+        async def find(store) -> str:
+            return await export.job_store_dir(store, _keys(args), args.job)
+
+        store_dir = _run(args, find)
+    doc = export.export(store_dir, args.out, args.step, args.module)
+    if args.json:
+        print(ctl.dumps(doc))
+    else:
+        export.print_exported(doc)
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="write a job's checkpoint as the model's own safetensors files",
+        description="Write checkpoint N of JOB (default: its newest complete one) into DIR as safetensors files "
+                    "under the names of the model's state_dict, which the model's own class loads with "
+                    "load_state_dict(strict=True); for a Hugging Face model inside the script's module, its "
+                    "weights and config.json, ready for from_pretrained(DIR). One file per layer of the checkpoint "
+                    "(Hugging Face's sharded layout with model.safetensors.index.json), read and written one at "
+                    "a time. Only a complete checkpoint is exported.")
+    p.add_argument("job", metavar="JOB", nargs="?", help="the job, whose store etcd records (not needed with --store)")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory to write into")
+    p.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N (default: the newest complete one)")
+    p.add_argument("--store", metavar="DIR", help="the job's checkpoint store (default: as etcd records it for JOB)")
+    p.add_argument("--module", metavar="PATH",
+                   help="the submodule to export, by its path in the script's model ('' for the whole model; "
+                        "default: the Hugging Face model inside, if there is one, else the whole model)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=_cmd_export)
+
+
 # --- dispatcher -----------------------------------------------------------------------------------
 
-_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_keys, _add_jobs, _add_ring, _add_report)
+_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_keys, _add_jobs, _add_ring, _add_report,
+                                                                   _add_export)
 
 
 def _parser() -> argparse.ArgumentParser:
