@@ -48,7 +48,11 @@ class Profiler:
     parameter byte when no optimizer is set), `links`/`allreduce` (a LinkCost per link kind:
     skip measuring the network), `inter_link`/`inter_allreduce` (cross-host costs; by
     default "inter" gets the loopback numbers), and `in_flight` (micro-batches per repeat of
-    `measure_segments_interleaved`: by default IN_FLIGHT on CPU, 1 on a GPU)."""
+    `measure_segments_interleaved`: by default IN_FLIGHT on CPU, 1 on a GPU).
+
+    The model stays where it was built (the host): one segment at a time visits the device with
+    its gradients and its optimizer's state, all freed before the next, so a calibration fits in
+    one slot whatever the model's size (`segments.resident`)."""
 
     def __init__(self, model: nn.Module, get_batch_fn: Callable[..., Mapping[str, torch.Tensor]],
                  device: int | str = -1, gpus_per_node: int | None = None, fp16: bool = False,
@@ -157,9 +161,7 @@ class Profiler:
         slices = segment_slices(self.traced)
         was_training = self.model.training
         saved_grads = {id(p): p.grad for p in self.model.parameters()}
-        self.model.to(self.device)
-        for s in slices:   # they hold the buffers model.to replaced, not the moved ones
-            s.module.to(self.device)
+        # the model stays where it was built: each segment visits the device alone (segments.resident)
         self.model.train()
         batches, input_bytes = {}, []
         for b in sizes:

@@ -5,6 +5,7 @@ several segments share."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from trainer.planning.calibration import SegmentCost, TiedWeights
 from trainer.profiler.common import _median, _nbytes, _sync
 
 __all__ = ["IN_FLIGHT", "SegmentMeasurement", "segment_slices", "measure_segments",
-           "measure_segments_interleaved", "tied_weights"]
+           "measure_segments_interleaved", "resident", "tied_weights"]
 
 
 def segment_slices(traced: TracedModel) -> list[StageSlice]:
@@ -86,72 +87,91 @@ def measure_segments(slices: Sequence[StageSlice], batch: Mapping[str, torch.Ten
                      segments: Iterable[int] | None = None, repeats: int = 5, warmup: int = 2,
                      in_flight: int = 1) -> dict[int, SegmentMeasurement]:
     """Time the forward, recompute and backward of each segment in `segments` (default: all) on
-    `batch` (one micro-batch, already on `device`). The slices' modules must be on `device`.
+    `batch` (one micro-batch, already on `device`).
 
-    Every repeat runs the whole chain of segments, in context: a forward without autograd and
-    one with autograd, timed at each boundary, then one backward of the loss through the whole
-    graph, timed by hooks on the boundary tensors (a hook fires when the gradient of its
-    segment's output is complete). A stage of several segments runs them as one module and
-    one backward too, so the segments' times add up to the stage's; measuring each segment
-    in isolation instead adds the overhead of a separate backward per segment (~8% on the GPT
-    blocks here). With `in_flight` = k > 1 a repeat runs k micro-batches as a pipeline's stage
-    interleaves them (`measure_segments_interleaved`). Gradients accumulate into the parameters'
-    `.grad`; callers reset them."""
+    One segment at a time, as a calibration must fit in one slot: each segment's module is moved
+    to `device` (see `resident`), fed its input boundary (the previous segment's output, kept on
+    the host between segments), measured and moved back, its gradients freed, before the next.
+    A repeat runs its forward without autograd, its forward with autograd, then one backward from
+    its output (the loss for the last segment, a gradient of ones otherwise). A stage of several
+    segments runs them as one backward, so the fixed cost of starting one (measured on a trivial
+    graph) is taken off each segment's backward: the segments' times add up to the stage's. With
+    `in_flight` = k > 1 a repeat runs k micro-batches as a pipeline's stage interleaves them
+    (`measure_segments_interleaved`)."""
     if in_flight < 1:
         raise ConfigError(f"in_flight must be >= 1, got {in_flight}")
     device = torch.device(device)
-    n = len(slices)
-    wanted = sorted(set(range(n)) if segments is None else set(segments))
+    wanted = set(range(len(slices)) if segments is None else segments)
+    last = max(wanted, default=-1)   # the segments after it need not even run
+    start_s = _backward_start_s(device, repeats, warmup)
+    out: dict[int, SegmentMeasurement] = {}
+    x: torch.Tensor | None = None
+    for k, sl in enumerate(slices[:last + 1]):
+        with resident(sl.module, device):
+            x_in = None if x is None else x.to(device)
+            if k in wanted:
+                out[k] = _measure_one(sl, batch, x_in, device, precision, repeats, warmup, in_flight,
+                                      start_s, is_last=k == len(slices) - 1)
+            with torch.no_grad(), autocast(precision, device):
+                y = sl.module(**_inputs(sl, batch, x_in))
+            # between segments the boundary waits on the host: the device holds one segment's work
+            x = y.to("cpu") if device.type != "cpu" else y
+    return out
 
-    def kwargs_for(k: int, x: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        kw = {name: batch[name] for name in slices[k].input_names}
-        if slices[k].takes_activation:
-            kw[ACTIVATION] = x
-        return kw
 
-    def chain(grad: bool) -> tuple[list[float], list[torch.Tensor]]:
-        outs: list[torch.Tensor] = []
-        x = None
+@contextlib.contextmanager
+def resident(module: torch.nn.Module, device: torch.device):
+    """`module` on `device` for the block, then back where its parameters were, with the
+    gradients the block left freed: a device holds one segment (and its training state) at a time."""
+    params = list(module.parameters())
+    home = params[0].device if params else device
+    moved = home != device
+    if moved:
+        module.to(device)
+    try:
+        yield module
+    finally:
+        for p in params:
+            p.grad = None
+        if moved:
+            module.to(home)
+
+
+def _inputs(sl: StageSlice, batch, x: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    kw = {name: batch[name] for name in sl.input_names}
+    if sl.takes_activation:
+        kw[ACTIVATION] = x
+    return kw
+
+
+def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.device, precision: Precision,
+                 repeats: int, warmup: int, in_flight: int, start_s: float, *, is_last: bool) -> SegmentMeasurement:
+    def forward(grad: bool) -> tuple[float, torch.Tensor]:
+        kw = _inputs(sl, batch, x)
+        if grad and sl.takes_activation and x.is_floating_point():
+            kw[ACTIVATION] = x.detach().requires_grad_(True)   # the gradient flows on to the previous stage
         _sync(device)
-        stamps = [time.perf_counter()]
+        t0 = time.perf_counter()
         with torch.set_grad_enabled(grad), autocast(precision, device):
-            for k in range(n):
-                x = slices[k].module(**kwargs_for(k, x))
-                _sync(device)
-                stamps.append(time.perf_counter())
-                outs.append(x)
-        return [b - a for a, b in zip(stamps, stamps[1:])], outs
+            y = sl.module(**kw)
+        _sync(device)
+        return time.perf_counter() - t0, y
 
-    def backward(outs: list[torch.Tensor]) -> list[float | None]:
-        """Each segment's share of one backward through the chain (None: no gradient reached it)."""
-        done: dict[int, float] = {}     # boundary k -> when the gradient of segment k's output was complete
+    def backward(y: torch.Tensor) -> float | None:
+        if not y.requires_grad:
+            return None
+        # the executor's last stage backpropagates its loss; another stage, the gradient it receives
+        root, grad = (y.float() * 1.0, None) if is_last else (y, torch.ones_like(y))
+        _sync(device)
+        t0 = time.perf_counter()
+        root.backward(grad)
+        _sync(device)
+        return max(time.perf_counter() - t0 - start_s, 0.0)
 
-        def stamp(k: int):
-            def hook(_grad):
-                _sync(device)
-                done[k] = time.perf_counter()
-            return hook
-
-        handles = [outs[k].register_hook(stamp(k)) for k in range(n - 1) if outs[k].requires_grad]
-        try:
-            _sync(device)
-            done[n - 1] = time.perf_counter()
-            (outs[-1].float() * 1.0).backward()   # the loss, as the executor's last stage does
-            _sync(device)
-            end = time.perf_counter()
-        finally:
-            for h in handles:
-                h.remove()
-        out: list[float | None] = []
-        for k in range(n):
-            start, stop = done.get(k), done.get(k - 1, end) if k > 0 else end
-            out.append(None if start is None else max(stop - start, 0.0))
-        return out
-
-    fwd: list[list[float]] = [[] for _ in range(n)]
-    rec: list[list[float]] = [[] for _ in range(n)]
-    bwd: list[list[float]] = [[] for _ in range(n)]
-    act_bytes = [0] * n
+    fwd: list[float] = []
+    rec: list[float] = []
+    bwd: list[float] = []
+    act_bytes = 0
     # `repeats` and `warmup` count micro-batches, in rounds of k: the same number of samples
     # (and about the same time) whatever k is
     rounds, warm = -(-repeats // in_flight), -(-warmup // in_flight)
@@ -162,29 +182,36 @@ def measure_segments(slices: Sequence[StageSlice], batch: Mapping[str, torch.Ten
         # keeps activations), then the backwards oldest first. A backward then reads what its
         # forward saved after other micro-batches' work went through the caches, as in a
         # running pipeline; one micro-batch at a time finds it still cached and under-estimates.
-        f_times = [chain(grad=False)[0] for _ in range(in_flight)]
-        graphs = [chain(grad=True) for _ in range(in_flight)]
+        f_times = [forward(grad=False)[0] for _ in range(in_flight)]
+        graphs = [forward(grad=True) for _ in range(in_flight)]
         r_times = [t for t, _ in graphs]
-        act_bytes = [_nbytes(y) for y in graphs[0][1]]
+        act_bytes = _nbytes(graphs[0][1])
         b_times = []
         while graphs:
             b_times.append(backward(graphs.pop(0)[1]))
         if r < warm:
             continue
-        for k in range(n):
-            fwd[k] += [t[k] for t in f_times]
-            rec[k] += [t[k] for t in r_times]
-            bwd[k] += [t[k] for t in b_times if t[k] is not None]
-    params = [p for sl in slices for p in sl.module.parameters()]
-    boundary = _boundaries(slices, kwargs_for, device, precision)
-    out: dict[int, SegmentMeasurement] = {}
-    for k in wanted:
-        peak = _peak_bytes(slices[k], batch, boundary[k], device, precision, params)
-        # The last stage never recomputes: its FORWARD always keeps the graph.
-        forward_s = _median(rec[k]) if k == n - 1 else _median(fwd[k])
-        backward_s = _median(bwd[k]) if bwd[k] else 0.0
-        out[k] = SegmentMeasurement(forward_s, _median(rec[k]), backward_s, act_bytes[k], peak)
-    return out
+        fwd += f_times
+        rec += r_times
+        bwd += [t for t in b_times if t is not None]
+    peak = _peak_bytes(sl, batch, x, device, precision, list(sl.module.parameters()))
+    # The last stage never recomputes: its FORWARD always keeps the graph.
+    forward_s = _median(rec) if is_last else _median(fwd)
+    return SegmentMeasurement(forward_s, _median(rec), _median(bwd) if bwd else 0.0, act_bytes, peak)
+
+
+def _backward_start_s(device: torch.device, repeats: int, warmup: int) -> float:
+    """What starting one backward costs, whatever its graph: a one-element graph's backward."""
+    a = torch.zeros(1, device=device, requires_grad=True)
+    times = []
+    for _ in range(warmup + max(repeats, 5)):
+        y = a * 1.0
+        _sync(device)
+        t0 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return _median(times[warmup:])
 
 
 IN_FLIGHT = 4   # micro-batches in flight in an interleaved profile
@@ -196,17 +223,6 @@ def measure_segments_interleaved(slices: Sequence[StageSlice], batch: Mapping[st
     stage runs them (several forwards' graphs alive, each backward after the others' forwards):
     what the profiler uses, since the executor never runs one micro-batch alone."""
     return measure_segments(slices, batch, in_flight=in_flight, **kwargs)
-
-
-def _boundaries(slices, kwargs_for, device, precision) -> list[torch.Tensor | None]:
-    """Each segment's input activation (None for those that take none), without autograd."""
-    out: list[torch.Tensor | None] = []
-    x = None
-    with torch.no_grad(), autocast(precision, device):
-        for k, sl in enumerate(slices):
-            out.append(x if sl.takes_activation else None)
-            x = sl.module(**kwargs_for(k, x))
-    return out
 
 
 def _peak_bytes(sl: StageSlice, batch, x_in, device: torch.device, precision: Precision, params) -> int:

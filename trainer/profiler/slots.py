@@ -13,7 +13,7 @@ from trainer.engine.precision import Precision
 from trainer.errors import ConfigError
 from trainer.graph.partition import StageSlice
 from trainer.profiler.common import _fork_and_collect
-from trainer.profiler.segments import SegmentMeasurement, measure_segments, measure_segments_interleaved
+from trainer.profiler.segments import SegmentMeasurement, measure_segments, measure_segments_interleaved, resident
 from trainer.profiler.steps import OptimizerFactory, measure_steps
 
 __all__: list[str] = []
@@ -41,18 +41,23 @@ class _Job:
                     for b, batch in self.batches.items()}
         if between is not None:
             between()
-        groups = [list(self.slices[k].module.parameters()) for k in self.segments]
-        steps = measure_steps(groups, self.factory, optimizer_factor=self.optimizer_factor,
-                              repeats=self.repeats, warmup=self.warmup, device=self.device)
+        steps = []
+        for k in self.segments:
+            # one segment's parameters on the device at a time, each copy and state freed before the next
+            with resident(self.slices[k].module, self.device) as module:
+                steps += measure_steps([list(module.parameters())], self.factory,
+                                       optimizer_factor=self.optimizer_factor, repeats=self.repeats,
+                                       warmup=self.warmup, device=self.device)
         # A stage runs one STEP over all of its segments: one call's fixed costs, not one per
-        # segment. Scale the segments' times so that together they make one STEP of them all
-        # (on CPU, where measure_steps holds every group's copies anyway; a GPU may not fit them).
-        union = list({id(p): p for g in groups for p in g}.values())
+        # segment. Take all but one of those off, so that the segments' times add up to one STEP
+        # of them all; the fixed cost is a step over one one-element parameter.
         total = sum(t for t, _ in steps)
-        if self.device.type == "cpu" and len(groups) > 1 and union and total > 0:
-            (whole, _), = measure_steps([union], self.factory, optimizer_factor=self.optimizer_factor,
-                                        repeats=self.repeats, warmup=self.warmup, device=self.device)
-            steps = [(t * min(1.0, whole / total), b) for t, b in steps]
+        if len(steps) > 1 and total > 0:
+            one = torch.zeros(1, device=self.device, requires_grad=True)
+            (fixed, _), = measure_steps([[one]], self.factory, optimizer_factor=self.optimizer_factor,
+                                        repeats=max(self.repeats, 5), warmup=self.warmup, device=self.device)
+            whole = max(total - (len(steps) - 1) * fixed, total / len(steps))
+            steps = [(t * whole / total, b) for t, b in steps]
         return per_size, steps
 
     def filler(self) -> None:

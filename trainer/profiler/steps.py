@@ -52,7 +52,7 @@ def measure_steps(groups: Sequence[Sequence[nn.Parameter]], factory: OptimizerFa
         copies = []
         for p in group:
             c = p.detach().clone().requires_grad_(True)
-            c.grad = (torch.randn(p.shape, generator=gen, dtype=torch.float32) * 1e-3).to(device, p.dtype)
+            c.grad = torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(1e-3).to(device, p.dtype)
             copies.append(c)
         return copies, factory(copies) if copies else None
 

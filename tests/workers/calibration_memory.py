@@ -1,0 +1,60 @@
+"""Calibrates the issue's model (an MLP of `--depth` layers of `--width`, a CutPoint after each
+but the last, Adam) on the CPU and prints one JSON line: the model's weight bytes and the
+calibration's resident high-water growth, measured from the captured model (what any worker
+holds before it trains) to the end of `profile_all`. Run in a process of its own, under the
+workers' malloc settings, so the high-water mark is this calibration's alone."""
+
+import argparse
+import json
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer import CutPoint, Profiler
+from trainer.planning.calibration import LinkCost
+
+p = argparse.ArgumentParser()
+p.add_argument("--width", type=int, default=2048)
+p.add_argument("--depth", type=int, default=8)
+args = p.parse_args()
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(depth - 1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i < len(self.cuts):
+                x = self.cuts[i](x)
+        return F.mse_loss(x, y)
+
+
+def status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = MLP(args.width, args.depth)
+batch = lambda b, device=None: {"x": torch.randn(b, args.width), "y": torch.randn(b, args.width)}  # noqa: E731
+link = LinkCost(1e-4, 1e9)
+with tempfile.TemporaryDirectory() as folder:
+    prof = Profiler(model, batch, out_folder=folder, links={"intra": link}, allreduce={"intra": link},
+                    repeats=2, warmup=1)
+    prof.set_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")   # VmHWM starts again from the current resident size
+    base = status("VmRSS")
+    cal = prof.profile_all([4])
+    growth = status("VmHWM") - base
+weights = sum(q.numel() * q.element_size() for q in model.parameters())
+print(json.dumps({"weights": weights, "growth": growth, "segments": cal.n_segments,
+                  "segment_bytes": max(s.param_bytes for s in cal.segments)}))
