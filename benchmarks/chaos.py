@@ -5,7 +5,8 @@ of a VM, of the leader, of two VMs at once, SIGTERM to the leader, etcd SIGKILLe
 etcd frozen (SIGSTOP) for 3 TTLs, one member of a 3-member etcd lost, its quorum lost briefly, a
 daemon frozen (SIGSTOP of its process group) for 3 TTLs, the newest checkpoint corrupted, garbage
 in every etcd key family and plans no leader wrote, then garbage and forged reports on every socket
-(one run: the epoch must survive them). For each: whether the job
+(one run: the epoch must survive them), etcd's history compacted and etcd restarted before the
+leader is killed, and etcd compacting every second through a kill, a join and a notice. For each: whether the job
 finished, whether its per-step losses equal the plain PyTorch loop (1e-4), how many steps were
 redone, seconds from the fault to the next new step, and whether anything was left running.
 

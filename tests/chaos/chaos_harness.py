@@ -10,6 +10,7 @@ to the next new step, and which processes were left running afterwards (none may
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -216,11 +217,12 @@ class Run:
 
 def run_scenario(name: str, fault: Callable[[Run], None], base: Path, *, names: tuple[str, ...] = ("vm1", "vm2", "vm3"),
                  cluster: bool = False, steps: int = STEPS, fault_at: int = 5, timeout: float = 240.0,
-                 keep_epoch: bool = False, max_redone: int = EVERY, flags: tuple[str, ...] = ()) -> Outcome:
+                 keep_epoch: bool = False, max_redone: int = EVERY, flags: tuple[str, ...] = (),
+                 etcd_args: tuple[str, ...] = ()) -> Outcome:
     """Start etcd and the ring, run the job to ``fault_at`` (after a checkpoint), call ``fault``,
     wait for the job to end, and check it."""
     out = Outcome(name, keep_epoch=keep_epoch, max_redone=max_redone)
-    etcd: EtcdServer | EtcdCluster = EtcdCluster() if cluster else EtcdServer()
+    etcd: EtcdServer | EtcdCluster = EtcdCluster() if cluster else EtcdServer(extra_args=etcd_args)
     etcd.start()
     run = None
     try:
@@ -339,6 +341,35 @@ def freeze_daemon(run: Run) -> None:
     os.killpg(pgid, signal.SIGSTOP)
     time.sleep(3 * TTL)  # the fault: the VM frozen for three TTLs
     os.killpg(pgid, signal.SIGCONT)
+
+
+def compact_restart_kill9_leader(run: Run) -> None:
+    """etcd's history compacted, etcd restarted, then the leader killed: the next leader must follow
+    the plan the dead one wrote, whose revision's history is gone (issue 27: this froze the fleet)."""
+    run.etcd.compact()
+    run.etcd.kill()
+    run.etcd.start()
+    run.etcd.compact()
+    kill9_leader(run)
+
+
+def kill_join_notice(run: Run) -> None:
+    """Three morphs in a row while etcd compacts its history every second (the scenario's etcd runs
+    with periodic auto-compaction): a VM killed, a new VM joining, a preemption notice to another."""
+    kill9_member(run)
+    at = run.ring.poll(lambda: (s := run.status())["state"] == "running" and len(s["morphs"]) >= 1 and s,
+                       timeout=90, what="the morph after the kill")
+    run.wait_step(at["step"] + 1)
+    run.ring.start("vm4", "--scale-up-threshold", "0")
+    at = run.ring.poll(lambda: (s := run.status())["state"] == "running" and "vm4" in s["plan"]["members"] and s,
+                       timeout=90, what="a scale-up morph onto vm4")
+    run.wait_step(at["step"] + 1)
+    victim = next(m for m in run.plan_members() if m != run.leader())
+    run.hit.add(victim)
+    run.ring.daemons[victim].proc.send_signal(signal.SIGTERM)
+    run.ring.daemons[victim].proc.wait(60)
+    run.checks.append(lambda st: None if len(st.get("morphs", [])) >= 3 else
+                      f"expected three morphs (kill, join, notice), got {len(st.get('morphs', []))}")
 
 
 def corrupt_newest_checkpoint(run: Run) -> None:
@@ -473,6 +504,13 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # garbage in every etcd key family and forged plans, then on every socket: one job for both;
     # no fault here costs the running epoch
     "garbage-etcd-sockets": dict(fault=garbage_everywhere, keep_epoch=True),
+    # etcd's history compacted and etcd restarted, then the leader killed: the plan in force was
+    # written at a revision whose history is gone (issue 27)
+    "compact-restart-kill-leader": dict(fault=compact_restart_kill9_leader),
+    # etcd compacting every second (periodic mode; etcd 3.4's revision mode compacts only every
+    # 5 minutes, so it would never act within a test) through a kill, a join and a notice
+    "auto-compaction-morphs": dict(fault=kill_join_notice, steps=40,
+                                   etcd_args=("--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1s")),
 }
 
 # Scenarios tests/chaos/ leaves to another test that injects the same fault (one run per fault in CI).
@@ -480,8 +518,15 @@ ELSEWHERE = {"kill9-vm": "tests/test_daemon_ring.py::test_kill9_of_a_non_leader_
              "kill9-leader": "tests/test_daemon_ring.py::test_kill9_of_the_leader_elects_another_within_a_ttl_and_the_job_finishes"}
 
 
+from store_faults import STORE_SCENARIOS  # noqa: E402  (the checkpoint store's faults: full, read-only)
+
+SCENARIOS.update(STORE_SCENARIOS)
+
+
 def run_named(name: str, base: Path, **overrides: Any) -> Outcome:
     spec = dict(SCENARIOS[name])
     spec.update(overrides)
     fault = spec.pop("fault")
-    return run_scenario(name, fault, base, **spec)
+    store = spec.pop("store", None)   # the ring's shared store made by this context (a small tmpfs)
+    with store(base / "ring" / "store") if store is not None else contextlib.nullcontext():
+        return run_scenario(name, fault, base, **spec)

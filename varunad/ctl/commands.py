@@ -23,7 +23,7 @@ from varunad.control.fleet import read_plan
 from varunad.control.jobs import BundleError, JobSpec, JobSpecError, bundle_digest, pack_bundle
 from varunad.control.status import job_queue, job_status, plan_lines, read_state
 from varunad.store.keys import Keys
-from varunad.store.contract import Store, StoreAuthError, StoreConfigError, StoreError, StoreUnavailable
+from varunad.store.contract import HistoryCompacted, Store, StoreAuthError, StoreConfigError, StoreError, StoreUnavailable
 from varunad.store.etcd import EtcdStore
 
 __all__ = ["CtlError", "run", "check_bundle", "build_spec", "submit", "plan_lines", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
@@ -274,27 +274,39 @@ async def logs(store: Store, keys: Keys, job: str, *, follow: bool, out: TextIO 
     if await store.get(keys.job(job)) is None:
         raise CtlError(f"no job named {job} (see `varunactl jobs`)")
     prefix = keys.logs_of(job)
-    listing = await store.get_prefix(prefix)
-    for kv in sorted(listing, key=lambda kv: _seq(kv.key)):
-        out.write(kv.value.decode("utf-8", errors="replace"))
-    out.flush()
-    if not follow:
-        return 0
-    watch = store.watch_prefix(prefix, start_revision=listing.revision + 1)
+    shown: set[tuple[str, int]] = set()  # (key, mod revision) already written out
+
+    async def catch_up() -> int:
+        listing = await store.get_prefix(prefix)
+        for kv in sorted(listing, key=lambda kv: _seq(kv.key)):
+            if (kv.key, kv.mod_revision) not in shown:
+                shown.add((kv.key, kv.mod_revision))
+                out.write(kv.value.decode("utf-8", errors="replace"))
+        out.flush()
+        return listing.revision
+
+    revision = await catch_up()
     try:
-        async with watch:
-            while True:
-                event = await watch.next(timeout=2.0)
-                if event is None:
-                    state = await read_state(store, keys, job)
-                    if state is not None and state.terminal:
-                        return 0
-                    continue
-                if event.kind == "put":
-                    out.write(event.value.decode("utf-8", errors="replace"))
-                    out.flush()
+        while follow:
+            try:
+                async with store.watch_prefix(prefix, start_revision=revision + 1) as watch:
+                    while True:
+                        event = await watch.next(timeout=2.0)
+                        if event is None:
+                            state = await read_state(store, keys, job)
+                            if state is not None and state.terminal:
+                                return 0
+                            continue
+                        if event.kind == "put" and (event.key, event.revision) not in shown:
+                            shown.add((event.key, event.revision))
+                            out.write(event.value.decode("utf-8", errors="replace"))
+                            out.flush()
+            except HistoryCompacted:
+                # etcd compacted what the watch was to replay: list again, write what is new
+                revision = await catch_up()
     except KeyboardInterrupt:
         return 0
+    return 0
 
 
 async def cancel(store: Store, keys: Keys, job: str, *, wait: float, out: TextIO = sys.stdout) -> int:
