@@ -319,7 +319,9 @@ class Watch:
     Use ``async with store.watch_prefix(p) as w: async for event in w: ...``. Leaving the block
     (or :meth:`cancel`, from any task) cancels the watch on the server and ends the iteration.
     A broken stream (etcd restarted, unreachable) raises :class:`StoreUnavailable`; resume with a
-    new watch from ``last_revision + 1``. An etcd that is frozen (not dead) may leave the stream
+    new watch from ``last_revision + 1``, or, when that raises :class:`HistoryCompacted`, read the
+    keys again and watch from that read's revision plus one (the daemon's watches only wake a
+    loop that re-reads etcd, so they simply start a new watch from now). An etcd that is frozen (not dead) may leave the stream
     silent rather than broken, so loops that must act on time use :meth:`next` with a timeout.
     """
 
