@@ -63,6 +63,8 @@ def export_checkpoint(store: str, out: str | os.PathLike[str], step: int | None 
     Varuna ("" for that model itself); default the Hugging Face model inside it, if the
     checkpoint recorded one, else the whole model. Only a complete checkpoint is exported;
     CheckpointError says why one is not."""
+    out = os.fspath(out)
+    _check_empty(out)   # before the checkpoint is read and hashed, which takes a while
     step, ckpt_dir, manifest = _complete(store, step, verify_checksums)
     record = _record_of(manifest, ckpt_dir, step, store)
     prefix = _prefix(record, module)
@@ -77,9 +79,9 @@ def export_checkpoint(store: str, out: str | os.PathLike[str], step: int | None 
         raise CheckpointError(f"checkpoint {step} in {store} holds none of the tensors of "
                               f"{prefix.rstrip('.') or 'the model'}",
                               hint="it was written by a different model; check --module")
-    out = os.fspath(out)
-    _empty_dir(out)
     save_file = _safetensors_save()
+    _check_empty(out)
+    os.makedirs(out, exist_ok=True)
     files = sorted(by_file)
     shard_names = [SINGLE] if len(files) == 1 else [
         f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
@@ -156,11 +158,10 @@ def _prefix(record: ModelRecord, module: str | None) -> str:
     return prefix
 
 
-def _empty_dir(out: str) -> None:
+def _check_empty(out: str) -> None:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise CheckpointError(f"{out} exists and is not an empty directory",
                               hint="export into a new directory (files of an earlier export would mix with these)")
-    os.makedirs(out, exist_ok=True)
 
 
 def _size(fname: str, manifest: dict) -> int:
