@@ -1,0 +1,109 @@
+"""The correctness matrix on CUDA: every P x D the GPU host can hold computes what a plain loop computes.
+
+For a lent GPU machine (not CI: CI has no GPU). Each shape runs tests/workers/train_check.py under
+the local launcher (real worker processes, ZeroMQ streams between stages, NCCL all-reduce between
+replicas on CUDA tensors) for the tiny GPT, and compares its per-step losses with the plain
+single-process loop of tests/reference.py run on the same GPU and on the CPU.
+
+With one GPU every worker shares it (``--device cuda:0``): pipelines (P x 1) run, while NCCL refuses
+two ranks of one communicator on one GPU, so D > 1 needs as many GPUs as replicas (``--device
+cuda`` gives each rank its own); such rows say why they did not run.
+
+Run:  python benchmarks/cuda_matrix.py [--device cuda:0] [--shapes 1x1,2x1,4x1,1x2,2x2]
+The last line is `bench cuda: shapes=<n> ran=<n> equal=<n> max_rel=<x>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from trainer.data import GlobalBatches, TextDataset  # noqa: E402
+from trainer.launch import launch  # noqa: E402
+from trainer.models.gpt import GPT, GPTConfig  # noqa: E402
+
+WORKER = REPO / "tests" / "workers" / "train_check.py"
+STEPS, BATCH = 5, 12
+
+
+def plain_losses(device: str) -> list[float]:
+    """tests/reference.py's loop on ``device`` (the same seeds, data and optimizer)."""
+    torch.manual_seed(1234)
+    cfg = GPTConfig.preset("tiny")
+    model = GPT(cfg, seed=0).to(device)
+    data = TextDataset(cfg.seq_len, num_examples=256, seed=0)
+    batches = GlobalBatches(len(data), BATCH, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        batch = {k: v.to(device) for k, v in data.batch(batches.indices(step)).items()}
+        loss = model(**batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def run_shape(stages: int, replicas: int, device: str, out: Path) -> tuple[list[float] | None, str, float]:
+    t0 = time.monotonic()
+    result = launch(WORKER, ["--out", str(out), "--steps", str(STEPS), "--batch-size", str(BATCH)],
+                    stages=stages, replicas=replicas, timeout=300, device=device)
+    wall = time.monotonic() - t0
+    if not result.ok:
+        why = (result.reason + " " + " | ".join(result.errors[-3:]))[-300:]
+        return None, why, wall
+    last = stages - 1  # the last stage's replica 0 reports the losses
+    record = json.loads((out / f"losses_rank{last}.json").read_text())["record"]
+    return [r["loss"] for r in record], "", wall
+
+
+def rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0", help="what every worker gets (cuda: one GPU per rank)")
+    ap.add_argument("--shapes", default="1x1,2x1,4x1,1x2,2x2")
+    ap.add_argument("--tolerance", type=float, default=1e-4, help="relative, per step")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device here: this benchmark is for a GPU host", file=sys.stderr)
+        return 2
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    on_gpu, on_cpu = plain_losses("cuda:0"), plain_losses("cpu")
+    print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"nccl {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    print(f"plain loop on the GPU vs on the CPU: max rel {rel(on_gpu, on_cpu):.2e}")
+    print(f"{'shape':<6} {'ran':>4} {'max rel vs plain GPU':>21} {'max rel vs CPU':>15} {'wall s':>7}  note")
+    ran = equal = 0
+    worst = 0.0
+    with tempfile.TemporaryDirectory(prefix="varuna-cuda-") as tmp:
+        for stages, replicas in shapes:
+            losses, why, wall = run_shape(stages, replicas, args.device, Path(tmp) / f"{stages}x{replicas}")
+            if losses is None:
+                print(f"{stages}x{replicas:<4} {'no':>4} {'-':>21} {'-':>15} {wall:>7.1f}  {why}")
+                continue
+            ran += 1
+            r_gpu, r_cpu = rel(losses, on_gpu), rel(losses, on_cpu)
+            worst = max(worst, r_gpu)
+            equal += r_gpu <= args.tolerance
+            print(f"{stages}x{replicas:<4} {'yes':>4} {r_gpu:>21.2e} {r_cpu:>15.2e} {wall:>7.1f}  "
+                  f"losses {', '.join(f'{x:.4f}' for x in losses)}")
+    print(f"bench cuda: shapes={len(shapes)} ran={ran} equal={equal} max_rel={worst:.2e}")
+    return 0 if ran and equal == ran else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
