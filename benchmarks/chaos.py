@@ -6,7 +6,9 @@ etcd frozen (SIGSTOP) for 3 TTLs, one member of a 3-member etcd lost, its quorum
 daemon frozen (SIGSTOP of its process group) for 3 TTLs, the newest checkpoint corrupted, garbage
 in every etcd key family and plans no leader wrote, then garbage and forged reports on every socket
 (one run: the epoch must survive them), etcd's history compacted and etcd restarted before the
-leader is killed, and etcd compacting every second through a kill, a join and a notice. For each: whether the job
+leader is killed, etcd compacting every second through a kill, a join and a notice, and the
+checkpoint store full (alone, and while a VM is lost) and read-only for a while (root: a tmpfs
+and a bind mount). For each: whether the job
 finished, whether its per-step losses equal the plain PyTorch loop (1e-4), how many steps were
 redone, seconds from the fault to the next new step, and whether anything was left running.
 

@@ -250,8 +250,12 @@ class Varuna:
         self.iteration += 1
         self._applied = False
         if self.recorder.enabled:
-            self.recorder.save()
             self._traced_steps += 1
+            try:
+                self.recorder.save()
+            except OSError as exc:   # traces live in the job's store, which may be full: they are not the job
+                log.warning("rank %d: not tracing any more steps: %s", self.rank, exc)
+                self._traced_steps = self.assignment.trace_steps or _TRACE_STEPS
             # a few steps show the schedule; more only grow the file
             if self._traced_steps >= (self.assignment.trace_steps or _TRACE_STEPS):
                 self.recorder = self.executor.recorder = NullRecorder()
