@@ -1,4 +1,4 @@
-"""Any P x D and any schedule computes what a plain single-process loop computes (DESIGN idea 3).
+"""Any P x D and any schedule computes what a plain single-process loop computes ([Note: the global batch defines the math] in ARCHITECTURE.md).
 
 Real worker processes from the local launcher, real gloo all-reduce, real ZeroMQ streams.
 """

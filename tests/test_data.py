@@ -1,4 +1,4 @@
-"""Global batches (DESIGN idea 3) and the locally generated datasets."""
+"""Global batches ([Note: the global batch defines the math] in ARCHITECTURE.md) and the locally generated datasets."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def test_dropout_masks_replay_from_the_rng_state():
 
 
 def test_equal_micro_batches_average_to_the_full_batch_gradient():
-    # DESIGN idea 3: splitting a batch into equal micro-batches must not change the gradient.
+    # [Note: the global batch defines the math] in ARCHITECTURE.md: splitting a batch into equal micro-batches must not change the gradient.
     model = GPT(TINY)
     batch = _tokens(TINY, 4)
     model(**batch).backward()

@@ -1,6 +1,6 @@
 """Deterministic global batches and two small, locally generated datasets.
 
-DESIGN idea 3: step s trains on the global batch B(s) = f(seed, s), whatever P x D runs it.
+[Note: the global batch defines the math] in ARCHITECTURE.md: step s trains on the global batch B(s) = f(seed, s), whatever P x D runs it.
 `GlobalBatches` is that f: the data is read as an endless stream of epoch-wise permutations
 (permutation e is seeded by (seed, e)), and B(s) is the s-th run of `batch_size` indices in
 that stream. Every example is seen exactly once per pass; a batch may straddle two passes

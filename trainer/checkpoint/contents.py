@@ -1,4 +1,4 @@
-"""What a Varuna checkpoint holds, per layer (DESIGN idea 2); `ckpt_store` does the file work.
+"""What a Varuna checkpoint holds, per layer ([Note: state per layer] in ARCHITECTURE.md); `ckpt_store` does the file work.
 
 Every tensor is saved under its name in the user's model, in the file of the layer (cut-point
 segment) that first uses it, together with its optimizer state. The manifest's `index` maps

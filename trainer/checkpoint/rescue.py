@@ -8,7 +8,7 @@ files into the ordinary checkpoint directory ``varuna_ckpt_<iteration>``, with n
 (the process group is broken), then a writers' record naming them under the epoch's rescue
 token. The survivor that finds every layer file and a meta file recorded commits the manifest,
 marked ``source: replicas``: from then on it is a complete checkpoint like any other, and the
-next epoch resumes from it (re-sharded to its own P x D, DESIGN idea 2) without redoing a step.
+next epoch resumes from it (re-sharded to its own P x D, [Note: state per layer] in ARCHITECTURE.md) without redoing a step.
 
 What keeps it safe:
 

@@ -2,7 +2,7 @@
 
 A checkpoint is a directory ``varuna_ckpt_<iteration>`` under a ``global_store`` that every VM can
 reach. Several workers write different files into it concurrently (each stage's replica 0 writes
-its layers, see idea 2 of DESIGN.md); then rank 0 writes ``manifest.json`` last, listing every
+its layers, see [Note: state per layer] in ARCHITECTURE.md); then rank 0 writes ``manifest.json`` last, listing every
 file with its size and sha256. The manifest is the commit record:
 
     no manifest            the run that wrote it died (or is still writing): never loaded

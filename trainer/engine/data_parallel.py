@@ -1,7 +1,7 @@
 """Gradient reduction across replicas and across the stages that share a tied weight.
 
 The loss is normalised by the global batch size, so gradients are summed, never averaged:
-any P x D then computes the same update (DESIGN idea 3).
+any P x D then computes the same update ([Note: the global batch defines the math] in ARCHITECTURE.md).
 
 Every parameter has exactly one way through the reduction, decided once when the reducer is
 built. Untied parameters go through flat buckets whose all-reduce starts while the last

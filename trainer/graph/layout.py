@@ -3,7 +3,7 @@
 A tensor's *layer* is the cut-point segment where the captured graph first uses it: a property
 of the model, not of the plan. Checkpoint files are named by layer and hold tensors by their
 names in the user's model, so a checkpoint written by any P x D loads into any other
-(DESIGN idea 2).
+([Note: state per layer] in ARCHITECTURE.md).
 """
 
 from __future__ import annotations

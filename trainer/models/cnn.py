@@ -7,7 +7,7 @@ on the last stage.
 
 Normalisation is GroupNorm, not BatchNorm: batch statistics would depend on how a replica's
 shard is split into micro-batches, and a run would no longer compute the same gradient for
-every P x D (DESIGN idea 3).
+every P x D ([Note: the global batch defines the math] in ARCHITECTURE.md).
 """
 
 from __future__ import annotations
