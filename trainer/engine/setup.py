@@ -29,6 +29,7 @@ __all__ = [
     "device_of",
     "aliases",
     "named_tensors",
+    "all_tensors",
     "move_in_place",
     "free_other_stages",
     "stream_security",
@@ -115,6 +116,11 @@ def named_tensors(model, canonical, mine) -> dict[str, torch.Tensor]:
     return {n: by_name[n] for n in (*mine.owned, *mine.owned_buffers)}
 
 
+def all_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the model once, by its first name (a lone worker's stage)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
 def move_in_place(tensors, device: torch.device) -> None:
     """Move tensors to `device` keeping each the same Python object. Module.to replaces buffers
     with new tensors, which would leave `_named` (what checkpoints save and load) holding the
@@ -127,9 +133,9 @@ def move_in_place(tensors, device: torch.device) -> None:
 
 def free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
     """Release the storage of tensors other stages own (per-stage memory ~ 1/P); the user's
-    model object keeps empty placeholders for them."""
+    model object keeps empty placeholders for them. Meta tensors have no storage to release."""
     for t in (*model.parameters(), *model.buffers()):
-        if canonical.get(id(t)) not in keep:
+        if canonical.get(id(t)) not in keep and not t.is_meta:
             t.data = torch.empty(0, dtype=t.dtype)
 
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from trainer.checkpoint import contents as checkpointing, rescue, store as ckpt_store
 from trainer.checkpoint.model_record import record_model
-from trainer.engine import hooks, setup
+from trainer.engine import hooks, setup, weights as stage_weights
 from trainer.engine.comm import PeerChannel
 from trainer.engine.control import STOPPED_EXIT_CODE, ControlClient, StepAbandoned, StopRequested
 from trainer.engine.data_parallel import GradReducer
@@ -79,10 +79,14 @@ class Varuna:
                  device: int | str = -1, shared_weights: Sequence[tuple[str, str]] | None = None,
                  from_cache: bool = True, *, precision: Precision | None = None,
                  schedule: str | None = None, recompute: bool | None = None,
+                 weights: str | os.PathLike[str] | None = None,
                  assignment: WorkerAssignment | None = None) -> None:
         self.assignment = assignment or setup.assignment_for(stage_to_rank_map)
         a = self.assignment
         if a.profile:
+            # the whole model passes through host memory while it is calibrated
+            stage_weights.load_stage(model, setup.all_tensors(model), weights, torch.device("cpu"),
+                                     tied=shared_weights or ())
             self._begin_calibration_run(model, get_batch_fn, batch_size, chunk_size,
                                         precision or ("fp16" if fp16 else "fp32"),
                                         setup.choose_device(a, local_rank, device))
@@ -117,7 +121,8 @@ class Varuna:
         own_process = bool(a.control or a.world_size > 1)
         if own_process:
             gc.freeze()
-        traced = capture_model(model, get_batch_fn(self.micro_batch_size, setup.device_of(model)))
+        captured_on = setup.device_of(model)   # meta for a model materialized stage by stage from `weights`
+        traced = capture_model(model, get_batch_fn(self.micro_batch_size, captured_on))
         cuts = self._agree_on_cuts(traced, get_batch_fn)
         slices = slice_stages(traced, cuts)
         aliases = setup.aliases(model, traced.canonical)
@@ -130,8 +135,12 @@ class Varuna:
         self._named = setup.named_tensors(model, traced.canonical, mine)
         setup.free_other_stages(model, traced.canonical, set(mine.owned) | set(mine.owned_buffers))
         del traced, slices
+        self._named = stage_weights.load_stage(model, self._named, weights, self.device, tied=self.layout.tied,
+                                               holders=(self.module,))
         setup.move_in_place(self._named.values(), self.device)
         self.module.to(self.device)   # what else the slice holds (graph constants)
+        if captured_on.type == "meta":
+            stage_weights.retarget_graph(self.module, self.device)
         self.input_names = mine.input_names
 
         # torch.export leaves reference cycles (its wrapper module, its tracer) that hold the

@@ -46,9 +46,10 @@ def _inputs_by_position(traced: TracedModel, inputs: Mapping[str, object]) -> li
 class _SegmentTimer(fx.Interpreter):
     """Runs the whole graph, timing each segment between markers and checking their inputs."""
 
-    def __init__(self, gm: fx.GraphModule, batch: int) -> None:
+    def __init__(self, gm: fx.GraphModule, batch: int, clock=time.process_time) -> None:
         super().__init__(gm)
         self.batch = batch
+        self.clock = clock
         self.stamps: list[float] = []
         self.boundary_bytes: list[int] = []
 
@@ -63,7 +64,7 @@ class _SegmentTimer(fx.Interpreter):
                     f"batch ({self.batch})",
                     hint="a CutPoint's input must be one batch-first tensor",
                 )
-            self.stamps.append(time.process_time())
+            self.stamps.append(self.clock())
             self.boundary_bytes.append(out.numel() * out.element_size())
         return out
 
@@ -72,12 +73,16 @@ class _SegmentTimer(fx.Interpreter):
 def dry_run(traced: TracedModel, inputs: Mapping[str, torch.Tensor], *, repeats: int = 3) -> list[float]:
     """Median forward CPU seconds of each segment (len(markers) + 1 of them) on a sample batch.
     CPU time, not wall time: other processes on a busy machine cannot make a segment look slow.
-    Buffers the forward updates (BatchNorm statistics) are put back: timing is not training."""
+    Buffers the forward updates (BatchNorm statistics) are put back: timing is not training.
+    A model on the meta device (materialized stage by stage from its weights) has nothing to
+    time: its segments are weighed by their floating-point operations instead."""
     batch = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim()), None)
     if batch is None:
         raise ConfigError("get_batch_fn returned no batch-first tensor")
     args = _inputs_by_position(traced, inputs)
     gm = traced.graph_module
+    if any(t.is_meta for t in (*gm.parameters(), *gm.buffers())):
+        return _segment_flops(gm, [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args], batch)
     saved = [(t, t.clone()) for t in gm.buffers()]
     runs = []
     try:
@@ -91,6 +96,17 @@ def dry_run(traced: TracedModel, inputs: Mapping[str, torch.Tensor], *, repeats:
         for t, old in saved:
             t.copy_(old)
     return [sorted(col)[len(col) // 2] for col in zip(*runs)]
+
+
+def _segment_flops(gm: fx.GraphModule, args: list[object], batch: int) -> list[float]:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        timer = _SegmentTimer(gm, batch, clock=counter.get_total_flops)
+        timer.run(*args)
+    stamps = [0, *timer.stamps, counter.get_total_flops()]
+    # a segment of no counted work (an embedding lookup) still costs something
+    return [float(b - a) + 1.0 for a, b in zip(stamps, stamps[1:])]
 
 
 def balance(costs: Sequence[float], stages: int) -> list[int]:
