@@ -11,7 +11,7 @@ import importlib
 from trainer.engine import hooks as _hooks
 
 __all__ = ["CutPoint", "Varuna", "GlobalBatches", "Profiler", "VarunaError", "ConfigError", "PartitionError",
-           "CheckpointError", "WorkerError"]
+           "CheckpointError", "WorkerError", "keyed_model", "keyed_randomness", "train_step"]
 
 _HOME = {
     "CutPoint": "trainer.graph.cutpoint",
@@ -23,6 +23,9 @@ _HOME = {
     "PartitionError": "trainer.errors",
     "CheckpointError": "trainer.errors",
     "WorkerError": "trainer.errors",
+    "keyed_model": "trainer.graph.reference",
+    "keyed_randomness": "trainer.graph.keyed_rng",
+    "train_step": "trainer.graph.reference",
 }
 
 

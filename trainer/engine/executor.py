@@ -13,6 +13,8 @@ from torch import nn
 
 from trainer.engine.comm import PeerChannel
 from trainer.errors import ConfigError
+from trainer.graph.keyed_random import draws_unkeyed
+from trainer.graph.keyed_rng import Draws, drawing
 from trainer.graph.partition import ACTIVATION
 from trainer.engine.precision import Precision, autocast
 from trainer.planning.schedule import Action, Kind
@@ -38,14 +40,21 @@ class StageExecutor:
         self.channel, self.device, self.precision = channel, device, precision
         self.recorder = recorder
         self._on_cpu = device.type == "cpu"   # received tensors are CPU tensors already
+        # Keyed random ops replay on recompute from their key alone; only a random op the
+        # capture could not key needs torch's generator state saved for it.
+        self._saves_rng = draws_unkeyed(module)
 
     def run(self, actions: Sequence[Action], micro_inputs: Sequence[Mapping[str, torch.Tensor]],
             weights: Sequence[float], *, loss_scale: float = 1.0, training: bool = True,
             handlers: Mapping[Kind, Callable[[], None]] | None = None,
-            before_last_backward: Callable[[], None] | None = None) -> float:
+            before_last_backward: Callable[[], None] | None = None,
+            draws: Sequence[Draws] | None = None) -> float:
         """Execute `actions`; return this stage's sum of weighted micro-batch losses (0 unless last).
-        `before_last_backward` runs just before the final BACKWARD (to overlap gradient reduction)."""
+        `before_last_backward` runs just before the final BACKWARD (to overlap gradient reduction).
+        `draws[m]` keys micro-batch m's random ops (its step and first example); without it,
+        every micro-batch draws as examples 0.. of step 0."""
         self._inputs, self._weights, self._scale = micro_inputs, weights, loss_scale
+        self._draws = draws if draws is not None else [Draws(training=training)] * len(micro_inputs)
         self._training = training
         self._act: dict[int, torch.Tensor] = {}
         self._stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -96,13 +105,13 @@ class StageExecutor:
             if grad and x.is_floating_point():
                 x = x.detach().requires_grad_(True)
             kwargs[ACTIVATION] = x
-        with torch.set_grad_enabled(grad), autocast(self.precision, self.device):
+        with torch.set_grad_enabled(grad), autocast(self.precision, self.device), drawing(self._draws[m]):
             out = self.module(**kwargs)
         return x, out
 
     def _forward(self, m: int) -> None:
         keep_graph = self._training and (self.last or m not in self._recompute_set)
-        if self._training and not keep_graph:
+        if self._training and not keep_graph and self._saves_rng:
             self._rng[m] = self._rng_state()
         x, out = self._call(m, keep_graph)
         if self.last:
@@ -121,6 +130,9 @@ class StageExecutor:
             self._act.pop(m, None)
 
     def _recompute(self, m: int) -> None:
+        if m not in self._rng:
+            self._stash[m] = self._call(m, True)
+            return
         with torch.random.fork_rng(devices=self._rng_devices()):
             self._set_rng_state(self._rng.pop(m))
             x, out = self._call(m, True)

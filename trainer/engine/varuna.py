@@ -47,6 +47,7 @@ from trainer.engine.data_parallel import GradReducer
 from trainer.engine.store_outage import StoreHealth
 from trainer.errors import CheckpointError, ConfigError, StoreOutage, WorkerError
 from trainer.engine.executor import StageExecutor
+from trainer.graph.keyed_rng import Draws
 from trainer.graph.layout import Layout, build_layout
 from trainer.net.netaddr import bound_gloo_backend, nccl_environment
 from trainer.graph.partition import balance, capture_model, dry_run, slice_stages
@@ -80,7 +81,7 @@ class Varuna:
                  from_cache: bool = True, *, precision: Precision | None = None,
                  schedule: str | None = None, recompute: bool | None = None,
                  weights: str | os.PathLike[str] | None = None,
-                 assignment: WorkerAssignment | None = None) -> None:
+                 assignment: WorkerAssignment | None = None, seed: int = 0) -> None:
         self.assignment = assignment or setup.assignment_for(stage_to_rank_map)
         a = self.assignment
         if a.profile:
@@ -105,6 +106,7 @@ class Varuna:
         self.recompute: bool | tuple[bool, ...] = (
             recompute if recompute is not None else a.plan.recompute if a.plan.recompute is not None else True)
         self.iteration = 0
+        self.seed = seed   # keys the model's random ops with the step and example (trainer.graph.keyed_rng)
         setup.check_sizes(self.batch_size, self.micro_batch_size, self.plan.D, self.precision, self.schedule)
         if a.threads:
             torch.set_num_threads(a.threads)
@@ -250,6 +252,7 @@ class Varuna:
                 handlers={Kind.ALLREDUCE: self._allreduce,
                           Kind.STEP: lambda: result.update(self._optimizer_step(clip_grad_max_norm))},
                 before_last_backward=self.reducer.arm,
+                draws=self._draws(len(micro), setup.shard_size(inputs)),
             )
         except _BROKEN_EPOCH as exc:
             self._abandon(exc)
@@ -322,7 +325,8 @@ class Varuna:
             actions.append(Action(self.stage, Kind.FORWARD, m))
             if self.stage < self.plan.P - 1:
                 actions.append(Action(self.stage, Kind.SEND_ACT, m))
-        local = self.executor.run(actions, micro, weights, training=False)
+        local = self.executor.run(actions, micro, weights, training=False,
+                                  draws=self._draws(len(micro), shard, training=False))
         out = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(out)
         return float(out[0])
@@ -646,6 +650,13 @@ class Varuna:
             micro.append(chunk)
             weights.append(n / global_batch)
         return micro, weights
+
+    def _draws(self, count: int, shard: int, training: bool = True) -> list[Draws]:
+        """The key of each micro-batch's random ops: the step and the global index of its first
+        example (replica r's shard is the r-th contiguous slice of the global batch)."""
+        first = self.replica * shard
+        return [Draws(self.seed, self.iteration, first + i * self.micro_batch_size, training)
+                for i in range(count)]
 
     def _allreduce(self) -> None:
         self.reducer.reduce()

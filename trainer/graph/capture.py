@@ -5,7 +5,8 @@ sample batch: Python runs as written (shape arithmetic, `torch.ones(t, t)`, Hugg
 config branches), and what comes out is the training IR that autograd differentiates. The
 batch dimension is dynamic, so one capture serves every micro-batch size (ragged last ones
 too). CutPoints (and, for a model without any, the outputs of the blocks of its largest
-nn.Sequential/nn.ModuleList) become `varuna::cut` marker nodes.
+nn.Sequential/nn.ModuleList) become `varuna::cut` marker nodes, and random ops become keyed
+ones (trainer.graph.keyed_random), whose draws do not depend on where they run.
 
 The exported program lifts parameters, buffers and constants into inputs; here they become
 `get_attr` nodes again, placed at their first use and named by their path in the user's model,
@@ -26,6 +27,7 @@ import torch
 from torch import fx, nn
 
 from trainer.graph.cutpoint import CutPoint, capturing, cut_marker, is_marker, marker_name
+from trainer.graph.keyed_random import key_random_ops
 from trainer.errors import ConfigError, PartitionError
 
 __all__ = ["TracedModel", "capture_model", "auto_blocks"]
@@ -152,6 +154,9 @@ def capture_model(model: nn.Module, sample: Mapping[str, object]) -> TracedModel
         for h in hooks:
             h.remove()
     gm, input_names, mutations = _to_graph_module(model, ep)
+    # Random ops draw by (seed, step, example, op) from here on, so every layout draws alike.
+    keyed = key_random_ops(gm)
+    mutations = tuple(keyed.get(n, n) for n in mutations)
     markers = tuple(n for n in gm.graph.nodes if is_marker(n))
     _check_batch_is_dynamic(gm)
     canonical: dict[int, str] = {}

@@ -1,0 +1,56 @@
+"""The keyed-random model in a plain loop: what any P x D run of it must reproduce.
+
+The engine runs the captured graph, whose random ops draw by (seed, step, example, op)
+(trainer.graph.keyed_random). `keyed_model` gives the same captured graph, whole, on the
+model's own parameters, so a single process can train it without the engine and check a run
+against it:
+
+    keyed = keyed_model(model, get_batch_fn(2, "cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        loss = train_step(keyed, global_batch(step), step, seed=seed, micro_batch_size=4)
+        opt.step()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import fx, nn
+
+from trainer.errors import ConfigError
+from trainer.graph.capture import capture_model
+from trainer.graph.keyed_rng import keyed_randomness
+
+__all__ = ["keyed_model", "train_step", "keyed_randomness"]
+
+
+def keyed_model(model: nn.Module, sample: Mapping[str, torch.Tensor]) -> fx.GraphModule:
+    """`model` captured as the engine captures it (on `sample`, a batch from get_batch_fn),
+    random ops keyed; it trains the model's own parameters. Call it with the batch's tensors
+    by name inside `keyed_randomness(seed, step, example_offset)`."""
+    return capture_model(model, sample).graph_module
+
+
+def train_step(keyed: fx.GraphModule, batch: Mapping[str, torch.Tensor], step: int, *, seed: int = 0,
+               micro_batch_size: int | None = None) -> float:
+    """Forward and backward of step `step`'s global batch in micro-batches, each weighted by its
+    share of the batch as the engine weights it; gradients accumulate in the parameters (the
+    caller zeroes them and steps its optimizer). Returns the batch's loss."""
+    sizes = {int(v.shape[0]) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()}
+    if len(sizes) != 1:
+        raise ConfigError(f"the batch's tensors hold different numbers of examples: {sorted(sizes)}",
+                          hint="pass batch-first tensors of one global batch")
+    total = sizes.pop()
+    size = micro_batch_size or total
+    loss = 0.0
+    for start in range(0, total, size):
+        micro = {k: v[start:start + size] for k, v in batch.items()}
+        n = min(size, total - start)
+        with keyed_randomness(seed, step, start):
+            part = keyed(**micro) * (n / total)
+        part.backward()
+        loss += part.item()
+    return loss
