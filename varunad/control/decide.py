@@ -13,8 +13,8 @@ from varunad.control.fleet import FleetSnapshot, JobEntry
 from varunad.control.outage import judge_members
 from varunad.control.plans import PlanDoc
 
-__all__ = ["Decision", "LeaderMemory", "decide", "error_summary", "was_lost", "who_and_cause", "cause_of",
-           "store_failing"]
+__all__ = ["Decision", "LeaderMemory", "calibration_failed", "decide", "error_summary", "was_lost", "who_and_cause",
+           "cause_of", "store_failing"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,16 @@ def error_summary(text: str) -> str:
         return head[:300]
     cause = next((ln for ln in reversed(output) if _EXCEPTION_LINE.fullmatch(ln)), output[-1])
     return f"{head[:-len(_LAST_OUTPUT)]}: {cause}"[:300]
+
+
+def calibration_failed(job: str, member: str, error: str) -> str:
+    """The reason a job fails when its calibration run failed. That run is the job's own script,
+    started as a worker is, so what ended it (a bad argument, a missing import, an exception
+    before training) would end every worker too: planning without a calibration would only start
+    workers that fail the same way, later and in other words."""
+    return (f"the calibration run of {job} on {member} failed: {failure_cause(error_summary(error)) or 'no output'}; "
+            f"its workers would fail the same way: fix the script or its arguments and submit again "
+            f"(its whole output: varunactl logs {job})")
 
 
 def _current(snap: FleetSnapshot) -> JobEntry | None:

@@ -33,8 +33,8 @@ from trainer.planning.planner import Plan, PlanError
 
 from varunad.node.config import DaemonConfig
 from varunad.cluster.election import Election, NotLeader
-from varunad.control.decide import (Decision, LeaderMemory, cause_of, decide, error_summary, store_failing, was_lost,
-                                    who_and_cause)
+from varunad.control.decide import (Decision, LeaderMemory, calibration_failed, cause_of, decide, store_failing,
+                                    was_lost, who_and_cause)
 from varunad.control.failures import classify
 from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet, read_newest
 from varunad.store.keys import Keys
@@ -501,9 +501,14 @@ class Leader:
         if snap.plan is not None and snap.plan.kind == "profile" and snap.plan.job == job:
             report = snap.reports.get(snap.plan.profile_member or "")
             rec = report.of(job, snap.plan_epoch).get(0) if report else None
-            if rec is not None and rec.outcome in ("failed", "killed"):
-                log.warning("leader: calibrating %s failed (%s); planning without a measured calibration",
-                            job, error_summary(rec.error) or rec.outcome)
+            if rec is not None and rec.outcome == "failed":
+                # the job's own script ended it, as it would end every worker: fail now, in its words
+                await self._finish(snap, job, "failed", calibration_failed(job, snap.plan.profile_member or "",
+                                                                           rec.error), error=rec.error)
+                return True
+            if rec is not None and rec.outcome == "killed":
+                log.warning("leader: the calibration run of %s was killed; planning without a measured calibration",
+                            job)
                 self.memory.profile_failed.add(script_fingerprint(spec))
         members = await self._candidates(snap)
         kinds = sorted({m.device_kind for m, _ in members})

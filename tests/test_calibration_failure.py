@@ -1,0 +1,51 @@
+"""A calibration run that fails the way a worker would fails its job at once, with the script's own
+error: it is the job's own script, so planning data-parallel without a calibration would only start
+workers that fail the same way, later and in other words."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ring import Ring
+
+pytestmark = pytest.mark.slow
+
+GPT_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+
+
+def test_a_failed_calibration_run_fails_the_job_with_the_scripts_error(tmp_path, etcd, etcd_root):
+    """An argparse error (exit code 2), an ImportError and an exception, each in a calibration run (the default
+    --calibrate profile): the job is failed with the script's words, no training plan was ever
+    written for it, and the daemon never planned without a calibration."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("import definitely_not_a_module_of_this_job\n")
+    raises = tmp_path / "raises.py"
+    raises.write_text("import torch\nraise RuntimeError('the token file tokens.bin is empty')\n")
+    ring = Ring(tmp_path / "ring", etcd.endpoint, root=etcd_root, ttl=10.0)
+    try:
+        d = ring.start("solo")
+        ring.wait_members(["solo"])
+        for job, script, args in (("typo", GPT_SCRIPT, ["--preset", "tiny", "--stpes", "3"]),
+                                  ("noimport", broken, []), ("raises", raises, [])):
+            # --no-import-check: the import is missing on the VMs only
+            r = ring.varunactl("submit", "--name", job, "--batch-size", "8", "--steps", "3", "--checkpoint-every", "3",
+                               "--no-import-check", str(script), "--", *args)
+            assert r.returncode == 0, r.stderr
+            st = ring.wait_state(job, ("done", "failed"), timeout=120)
+            assert st["state"] == "failed", st
+            assert st["epoch"] == 0 and not st["epochs"], st  # no plan ever ran it: no worker trained
+            assert f"the calibration run of {job} on solo failed" in st["reason"], st["reason"]
+            assert "fix the script or its arguments" in st["reason"]
+            status = ring.varunactl("status", job)
+            assert status.returncode == 0 and "calibration run" in status.stdout, status.stdout
+        assert "unrecognized arguments: --stpes" in ring.status("typo")["reason"]
+        assert "No module named 'definitely_not_a_module_of_this_job'" in ring.status("noimport")["reason"]
+        assert "RuntimeError: the token file tokens.bin is empty" in ring.status("raises")["reason"]
+        logs = ring.varunactl("logs", "raises")
+        assert "Traceback" in logs.stdout and "tokens.bin is empty" in logs.stdout, logs.stdout + logs.stderr
+        assert "without a measured calibration" not in d.log_text()
+        assert "synthetic" not in d.log_text()
+    finally:
+        ring.close()
