@@ -181,3 +181,29 @@ def test_the_outage_begins_at_the_step_it_names_and_is_logged_once_a_minute(capl
     health.wrote()
     health.wrote()   # nothing was failing any more: nothing more to say
     assert daemon.said[1:] == [("recovered", 20)]
+
+
+# --- a staged checkpoint whose store takes one worker's share and refuses another's -------------------
+
+def test_rank_0_stops_waiting_for_a_share_the_store_refused(tmp_path):
+    from trainer.checkpoint import reading
+    from trainer.checkpoint.contents import COMMIT_TIMEOUT_S, Upload
+
+    store = tmp_path / "store"
+    final = reading.checkpoint_dir(str(store), 7)
+    staged = []
+    for rank in (0, 1):
+        stage = reading.checkpoint_dir(str(tmp_path / "staging" / f"rank{rank}"), 7)
+        staged.append((stage, [ckpt_store.write_tensors(stage, f"layer_{rank}.pt", {"w": torch.full((4,), 1.0)})]))
+    up0 = Upload(staged[0][0], final, staged[0][1], iteration=7, token="ab" * 8, rank=0, world=2, meta={})
+    assert up0.shared.wait(30) and up0.share_error is None   # rank 0's share is in, it waits for rank 1's
+    assert COMMIT_TIMEOUT_S > 60 and not up0.wait(0.3)
+    with read_only(store):   # then the store refuses rank 1's
+        up1 = Upload(staged[1][0], final, staged[1][1], iteration=7, token="ab" * 8, rank=1, world=2, meta=None)
+        assert up1.wait(30)
+    assert isinstance(up1.share_error, StoreOutage) and up1.share_error.errno == errno.EROFS
+    assert up1.shared.is_set()
+    up0.abandon()   # what the workers agree at the next checkpoint (Varuna._compare_shares)
+    assert up0.wait(30)
+    assert isinstance(up0.error, CheckpointError) and "another worker could not write" in str(up0.error)
+    assert ckpt_store.latest_complete(str(store)) is None   # never committed

@@ -230,6 +230,11 @@ class Upload:
         self.iteration, self.final_dir, self.epoch = iteration, final_dir, epoch
         self.stalled_s = stalled_s   # what staging cost the training thread
         self.error: BaseException | None = None
+        # This worker's own files and record: in place, or `share_error` says why not. Set before
+        # rank 0 waits for the others', so that the workers can tell each other how theirs went.
+        self.shared = threading.Event()
+        self.share_error: BaseException | None = None
+        self._abandoned = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(stage_dir, entries, token, rank, world, meta, timeout_s),
             name=f"varuna-upload-{iteration}", daemon=True)
@@ -243,6 +248,11 @@ class Upload:
         self._thread.join(timeout)
         return self.done()
 
+    def abandon(self) -> None:
+        """Stop waiting for the other workers' files: one of them could not write its share (a
+        store that refused it), so the checkpoint stays incomplete."""
+        self._abandoned.set()
+
     def _run(self, stage_dir, entries, token, rank, world, meta, timeout_s) -> None:
         start = time.perf_counter()
         try:
@@ -251,15 +261,19 @@ class Upload:
             for e in entries:
                 ckpt_store.copy_file(stage_dir, self.final_dir, e)
             ckpt_store.write_writer_record(self.final_dir, token, rank, entries)
+            self.shared.set()
             if meta is not None:
                 self._commit(token, world, meta, timeout_s)
             log.info("rank %d: checkpoint %d copied to %s in %.2fs", rank, self.iteration, self.final_dir,
                      time.perf_counter() - start)
         except BaseException as exc:   # kept for the training thread, which raises or logs it
             self.error = exc
+            if not self.shared.is_set():
+                self.share_error = exc
             log.error("rank %d: staged checkpoint %d did not reach %s: %s", rank, self.iteration,
                       self.final_dir, exc)
         finally:
+            self.shared.set()
             shutil.rmtree(stage_dir, ignore_errors=True)
 
     def _commit(self, token: str, world: int, meta: dict, timeout_s: float) -> None:
@@ -268,13 +282,18 @@ class Upload:
             records = ckpt_store.read_writer_records(self.final_dir, token)
             if set(range(world)) <= set(records):
                 break
+            if self._abandoned.is_set():
+                raise CheckpointError(f"checkpoint {self.iteration}: another worker could not write its files into "
+                                      f"{self.final_dir}; it stays incomplete",
+                                      hint="that worker's log says why (a full or read-only store?); the next "
+                                           "checkpoint tries again")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world)) - set(records))
                 raise CheckpointError(f"checkpoint {self.iteration}: ranks {missing} did not finish copying "
                                       f"their files into {self.final_dir}; it stays incomplete",
                                       hint="a worker died or the store is too slow; the previous checkpoint "
                                            "is the one a resume loads")
-            time.sleep(0.1)
+            self._abandoned.wait(0.1)
         ckpt_store.write_manifest(self.final_dir, [e for r in sorted(records) for e in records[r]], meta,
                                   iteration=self.iteration, epoch=self.epoch)
 

@@ -169,6 +169,9 @@ class Varuna:
         self.scaler = LossScaler()
         self.grad_norm = 0.0
         self._upload: checkpointing.Upload | None = None   # a staged checkpoint on its way to the store
+        # a staged checkpoint started since the workers last told each other how their shares went
+        # (`_compare_shares`), and whether this worker's share of it failed
+        self._shares_unsettled = self._share_failed = False
         self.control = ControlClient(a.control, job=a.job, epoch=a.epoch, rank=a.rank)
         self.store_health = StoreHealth(rank=a.rank, report=self.control.store_outage,
                                         recovered=self.control.store_recovered)
@@ -344,9 +347,11 @@ class Varuna:
         has written its manifest, which `wait_checkpoint` waits for. `on_demand` (a preemption
         notice) writes straight into the store and returns when it is complete. Either way the
         staged checkpoint still in flight, if any, is waited for first (a failed one is logged)."""
-        self._settle_upload()
+        self._settle_upload(together=True)
         final_dir, self._upload = checkpointing.save(self, global_store, self.iteration if step is None else step,
                                                      tmpdir=None if on_demand else tmpdir, shard=shard)
+        if self._upload is not None:
+            self._shares_unsettled, self._share_failed = True, False
         return final_dir
 
     def _write_checkpoint(self, *, on_demand: bool) -> str | None:
@@ -390,17 +395,35 @@ class Varuna:
                                   hint="check the store's mount and free space")
         return upload.final_dir
 
-    def _settle_upload(self) -> checkpointing.Upload | None:
-        """Wait for the staged checkpoint in flight, tell the daemon if it made it, forget it."""
+    def _settle_upload(self, *, together: bool = False) -> checkpointing.Upload | None:
+        """Wait for the staged checkpoint in flight, tell the daemon if it made it, forget it.
+        `together`: every worker calls it (a checkpoint), and they compare their shares first."""
         upload, self._upload = self._upload, None
+        if together and self._shares_unsettled:
+            self._shares_unsettled = False
+            self._compare_shares(upload)
         if upload is not None:
             upload.wait()
+            self._share_failed = upload.share_error is not None
             if upload.error is None:
                 self.control.checkpointed(upload.iteration, upload.final_dir, upload.stalled_s)
                 self.store_health.wrote()
             elif isinstance(upload.error, StoreOutage):
                 self.store_health.failed(upload.error, upload.iteration, f"checkpoint {upload.iteration}")
         return upload
+
+    def _compare_shares(self, upload: checkpointing.Upload | None) -> None:
+        """Every worker says whether its share of the staged checkpoint before this one reached the
+        store; collective. A store can refuse one worker's files and take another's (nearly full):
+        rank 0 then stops waiting for files that will never come, instead of holding up this
+        checkpoint until its commit deadline."""
+        if upload is not None:
+            upload.shared.wait()
+            self._share_failed = upload.share_error is not None
+        failed = torch.tensor([float(self._share_failed)])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed[0] > 0 and upload is not None:
+            upload.abandon()
 
     def load_checkpoint(self, global_store: str, iteration: int | None = None, check_complete: bool = True) -> int:
         """Load `varuna_ckpt_<iteration>` (default: the newest complete one); collective.
