@@ -144,7 +144,7 @@ def spec(**kw) -> JobSpec:
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"batch_size": 10, "chunk_size": 4}, "not divisible"),
+    ({"batch_size": 10, "chunk_size": 0}, "micro-batch size must be a positive integer"),
     ({"steps": 0}, "steps must be a positive integer"),
     ({"checkpoint_every": -1}, "checkpoint interval"),
     ({"batch_size": True}, "batch size"),

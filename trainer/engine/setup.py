@@ -17,7 +17,7 @@ from torch import nn
 from protocol.errors import SecurityError
 from protocol.security import Security, SecurityConfig
 from trainer.errors import ConfigError
-from trainer.planning.parallel import ParallelPlan, ParallelPlanError
+from trainer.planning.parallel import ParallelPlan, ParallelPlanError, micro_batches
 from trainer.planning.schedule import SCHEDULES
 from trainer.worker_env import WorkerAssignment
 
@@ -76,11 +76,7 @@ def stats_tree(plan: ParallelPlan, stage: int, replica: int) -> tuple[int | None
 
 
 def check_sizes(batch: int, chunk: int, D: int, precision: str, schedule: str) -> None:
-    if batch <= 0 or chunk <= 0:
-        raise ConfigError(f"batch_size and chunk_size must be positive, got {batch}, {chunk}")
-    if batch % D:
-        raise ConfigError(f"global batch {batch} does not split over {D} replicas",
-                          hint=f"use a batch size divisible by {D}")
+    micro_batches(batch, D, chunk)  # the one rule, as `varunactl submit` and the planner follow it
     if precision not in ("fp32", "fp16", "bf16"):
         raise ConfigError(f"precision must be fp32, fp16 or bf16, got {precision!r}")
     if schedule not in SCHEDULES:

@@ -21,10 +21,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.errors import VarunaError
+from trainer.errors import ConfigError, VarunaError
 from trainer.planning.schedule import SCHEDULES
 
-__all__ = ["ParallelPlan", "ParallelPlanError", "MAX_WORKERS"]
+__all__ = ["ParallelPlan", "ParallelPlanError", "MAX_WORKERS", "micro_batches"]
 
 # More workers than any fleet has; a plan read from etcd that claims more is refused before its
 # rank table is built (P = D = 10**9 would otherwise be 10**18 entries).
@@ -34,6 +34,26 @@ _MAX_INDEX = (1 << 31) - 1   # micro-batch sizes and cut points: anything that i
 
 class ParallelPlanError(VarunaError, ValueError):
     """A parallel plan that is not one: shapes that disagree, ranks twice, unknown schedule."""
+
+
+def micro_batches(batch: int, replicas: int, chunk: int) -> tuple[int, ...]:
+    """The sizes of one replica's micro-batches: the global batch split evenly over the replicas,
+    each share cut into micro-batches of ``chunk``, the last one smaller when ``chunk`` does not
+    divide the share. The one rule for batch and micro-batch sizes: the engine checks it for its
+    plan, ``varunactl submit`` for one replica (the planner then picks only replica counts that
+    divide the batch). The loss is normalised by the global batch, so an uneven split changes
+    the work per micro-batch, never the model."""
+    for name, value in (("global batch", batch), ("micro-batch size", chunk), ("replica count", replicas)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"the {name} must be a positive integer, got {value!r}")
+    if batch % replicas:
+        fits = [d for d in range(1, min(batch, 64) + 1) if batch % d == 0]
+        raise ConfigError(f"the global batch {batch} does not split evenly over {replicas} replicas",
+                          hint=f"use a global batch divisible by {replicas}, or one of {', '.join(map(str, fits))} "
+                               f"replicas")
+    share = batch // replicas
+    full, rest = divmod(share, chunk)
+    return (chunk,) * full + ((rest,) if rest else ())
 
 
 def _tuples(value: Any) -> Any:

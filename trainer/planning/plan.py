@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from trainer.errors import VarunaError
-from trainer.planning.parallel import ParallelPlan
+from trainer.errors import ConfigError, VarunaError
+from trainer.planning.parallel import ParallelPlan, micro_batches
 from trainer.planning.schedule import Action, build_table
 
 __all__ = ["PlanError", "Slot", "StagePlan", "Candidate", "Plan"]
@@ -95,9 +95,13 @@ class Plan:
             raise PlanError(f"m must be >= 1, got {self.micro_batches}")
         if par.recompute != tuple(s.recompute for s in self.stages):
             raise PlanError(f"the plan's recompute flags {par.recompute} are not its stages'")
-        if self.micro_batches * self.micro_batch_size * self.D != self.global_batch:
-            raise PlanError(f"m x micro-batch x D = {self.micro_batches}x{self.micro_batch_size}x{self.D} "
-                            f"is not the global batch {self.global_batch}")
+        try:
+            split = micro_batches(self.global_batch, self.D, self.micro_batch_size)
+        except ConfigError as exc:
+            raise PlanError(str(exc)) from None
+        if len(split) != self.micro_batches:
+            raise PlanError(f"m = {self.micro_batches}, but the global batch {self.global_batch} over {self.D} "
+                            f"replicas makes {len(split)} micro-batches of at most {self.micro_batch_size}")
         if len(self.stages) != self.P:
             raise PlanError(f"a plan of {self.P} stages needs {self.P} stage plans, got {len(self.stages)}")
         if sorted(self.assignment.values()) != [(s, r) for s in range(self.P) for r in range(self.D)]:

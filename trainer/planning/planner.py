@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from trainer.planning.calibration import Calibration
-from trainer.planning.parallel import ParallelPlan
+from trainer.planning.parallel import ParallelPlan, micro_batches
 from trainer.planning.plan import Candidate, Plan, PlanError, Slot, StagePlan
 from trainer.planning.schedule import SCHEDULES, build_table, stash_bound, stash_bounds
 from trainer.planning.simulator import simulate, stage_costs
@@ -220,10 +220,11 @@ def _place(stage_kinds: Sequence[str], D: int, slots: Sequence[Slot], host_size:
     return assignment, links, ar
 
 
-def _configurations(kinds, sizes, global_batch, n_seg):
+def _configurations(kinds, sizes, global_batch, n_seg, uneven=False):
     """Every (micro-batch size, kinds per stage, D, P) with a lower bound on its time: the
     cheapest placement of each segment, perfectly balanced, and the all-reduce of an average
-    stage. `_estimate` of the same configuration is never below it."""
+    stage. `_estimate` of the same configuration is never below it. `uneven`: a replica's
+    share may end in a smaller micro-batch (timed as a full one: an estimate from above)."""
     for mbs in sizes:
         cheap = [min(k.fb[k.cal.size_index(mbs)][i + 1] - k.fb[k.cal.size_index(mbs)][i] for k in kinds)
                  for i in range(n_seg)]
@@ -236,8 +237,9 @@ def _configurations(kinds, sizes, global_batch, n_seg):
                 fastest_first = sorted(subset, key=lambda k: (speed[k.name], k.name))
                 params = min(k.params[n_seg] for k in subset)
                 n_slots = sum(k.slots for k in subset)
-                for D in (d for d in range(1, n_slots + 1) if global_batch % (d * mbs) == 0):
-                    m = global_batch // (D * mbs)
+                for D in (d for d in range(1, n_slots + 1)
+                          if global_batch % d == 0 and (uneven or global_batch % (d * mbs) == 0)):
+                    m = len(micro_batches(global_batch, D, mbs))
                     avail = {k.name: k.slots // D for k in subset}
                     if min(avail.values()) < 1:
                         continue
@@ -317,7 +319,10 @@ def plan(
     # Branch and bound: a lower bound for every configuration costs no partitioning; configurations
     # are then partitioned and estimated in order of that bound until it exceeds the k-th best.
     keep = max(verify, runners_up)
-    pending = sorted(_configurations(kinds, sizes, global_batch, n_seg), key=lambda c: c[0])
+    # a micro-batch size the job fixed may leave a smaller last micro-batch (the engine's rule,
+    # `micro_batches`); the planner's own choice divides each share evenly
+    uneven = micro_batch_sizes is not None and len(set(micro_batch_sizes)) == 1
+    pending = sorted(_configurations(kinds, sizes, global_batch, n_seg, uneven), key=lambda c: c[0])
     scored: list[tuple[float, tuple]] = []
     best_k: list[float] = []  # max-heap (negated) of the `keep` best estimates so far
     lower_by_kind: dict[str, float] = {}
@@ -403,7 +408,7 @@ def plan(
             why = "no feasible plan uses it (memory or slot count)"
         notes.append(f"left out {k.name} ({k.slots} slots): {why}")
     ruled_out = tuple(_ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lower_by_kind,
-                                 (P, D)))
+                                 (P, D), uneven))
     unused = tuple(sorted(s.slot_id for s in slots if s.slot_id not in assignment))
     if unused:
         notes.append(f"{len(unused)} slots idle: P x D = {P} x {D} uses {P * D} of {len(slots)}")
@@ -426,7 +431,8 @@ def plan(
     )
 
 
-def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lower_by_kind, chosen) -> list[str]:
+def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lower_by_kind, chosen,
+               uneven=False) -> list[str]:
     """Why the plans a user would try first, every slot data-parallel (1 x N) and one slot alone
     (1 x 1), were not chosen: memory, the micro-batch count, or a slower estimate."""
     if len(kinds) != 1:
@@ -438,13 +444,14 @@ def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lo
         if (1, D) == chosen:
             continue
         shape = f"1x{D}" + (" (every slot data-parallel)" if D > 1 else " (one slot)")
-        fits = [b for b in sizes if global_batch % (D * b) == 0]
+        fits = [b for b in sizes if global_batch % D == 0 and (uneven or global_batch % (D * b) == 0)]
         if not fits:
             out.append(f"{shape}: the global batch {global_batch} does not split into whole micro-batches of a "
                        f"calibrated size ({', '.join(map(str, sizes))}) over {D} replicas")
             continue
         whole = [b for b in fits
-                 if _partition([k], k.cal.size_index(b), schedule, global_batch // (D * b), allow_recompute)]
+                 if _partition([k], k.cal.size_index(b), schedule, len(micro_batches(global_batch, D, b)),
+                               allow_recompute)]
         if not whole:
             out.append(f"{shape}: memory: one {k.name} slot cannot hold the whole model (weights and optimizer "
                        f"state alone {k.static[k.cal.n_segments] / gib:.2f} GiB, {k.capacity / gib:.2f} GiB usable)")

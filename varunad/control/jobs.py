@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
+from trainer.errors import ConfigError
+from trainer.planning.parallel import micro_batches
 from trainer.planning.schedule import SCHEDULES  # pure Python: the one list of schedule names
 from varunad.store import schemas
 
@@ -102,11 +104,10 @@ class JobSpec:
         _positive_int("checkpoint interval", self.checkpoint_every)
         _positive_int("checkpoints to keep", self.keep_checkpoints)
         if self.chunk_size is not None:
-            _positive_int("chunk size", self.chunk_size)
-            if self.batch_size % self.chunk_size:
-                raise JobSpecError(
-                    f"batch size {self.batch_size} is not divisible by the chunk size {self.chunk_size}; "
-                    f"choose a chunk size that divides it (e.g. {_divisors(self.batch_size)}) or 'auto'")
+            try:  # the engine's rule for one replica: the planner picks only replica counts that divide the batch
+                micro_batches(self.batch_size, 1, self.chunk_size)
+            except ConfigError as exc:
+                raise JobSpecError(str(exc)) from None
         if self.schedule not in SCHEDULES:
             raise JobSpecError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.store is not None and (not isinstance(self.store, str) or not self.store):
@@ -137,10 +138,6 @@ class JobSpec:
         if job is not None and doc.get("job") != job:
             raise JobSpecError(f"job spec under jobs/{job} names job {doc.get('job')!r}")
         return _checked(cls, doc, "job spec")
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def _json_object(data: bytes, what: str) -> dict:

@@ -189,7 +189,8 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", required=True, help="job name: letters, digits, . _ - : @")
     p.add_argument("--batch-size", type=int, required=True, metavar="B", help="global batch per step")
     p.add_argument("--chunk-size", default="auto", metavar="M|auto",
-                   help="micro-batch size (must divide B), or auto to let the planner choose (default)")
+                   help="micro-batch size (a share of B that it does not divide ends in a smaller micro-batch), "
+                        "or auto to let the planner choose (default)")
     p.add_argument("--steps", type=int, required=True, metavar="S", help="optimizer steps to train")
     p.add_argument("--checkpoint-every", type=int, required=True, metavar="K", help="checkpoint every K steps")
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="complete checkpoints kept (3)")
