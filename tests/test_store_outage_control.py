@@ -92,6 +92,10 @@ async def test_the_metrics_carry_the_step_since_which_checkpoints_fail():
     assert 'reason="Read-only file system"' in text
     m.store_failing(job="j", rank=1, since=-1, error="")
     assert "varunad_checkpoints_failing_since_step{" not in (await m.exposition()).decode()
+    m.store_failing(job="j", rank=0, since=30, error=FULL)
+    m.begin_epoch({0: 0}, "j")   # a worker killed while it failed says nothing more: its epoch's series go
+    assert "varunad_checkpoints_failing_since_step{" not in (await m.exposition()).decode()
+    m.store_failing(job="j", rank=0, since=-1, error="")   # a late word of the old epoch is harmless
 
 
 def test_workers_held_by_the_store_before_their_first_step_are_not_stuck():

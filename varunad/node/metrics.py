@@ -124,6 +124,8 @@ class DaemonMetrics:
         epoch starts here: then they go (else every job this VM ever ran would stay listed)."""
         self._stage_of = dict(stage_of)
         self.stage_busy_fraction.clear()
+        self.checkpoints_failing_since_step.clear()   # the new epoch's workers say it again if it lasts
+        self._failing.clear()
         if job is not None:
             for other in self._jobs - {job}:
                 self.forget_job(other)
