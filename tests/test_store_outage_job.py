@@ -1,10 +1,12 @@
-"""A job whose checkpoint store fills up mid-run: real workers (the local launcher, the tiny GPT),
-a real full filesystem (a tmpfs another writer fills), the daemon's end of the control socket.
+"""Jobs through a checkpoint store that refuses writes, on real filesystems (a tmpfs another writer
+fills, a read-only bind mount) with real workers.
 
-Periodic checkpoints the store refuses are skipped while training goes on; the final one waits in
-memory until space comes back; the worker says when the outage began and when it ended; the
-losses are the plain PyTorch loop's. The same faults under real daemons are tests/chaos/'s
-store scenarios.
+Under the local launcher with the daemon's end of the control socket: periodic checkpoints the
+store refuses are skipped while training goes on, the final one waits in memory until space comes
+back, and the worker says when the outage began and when it ended. Under one real daemon: a
+worker that died of an outage anyway is started again without using up a restart. Either way the
+losses are the plain PyTorch loop's. More faults under a ring of daemons: tests/chaos/'s store
+scenarios.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "chaos"))
 
 from protocol.messages import WorkerCheckpointed, WorkerProgress, WorkerStoreOutage  # noqa: E402
 from reference import reference_run  # noqa: E402
-from store_faults import MountRefused, fill, tmpfs_store  # noqa: E402
+from store_faults import MountRefused, fill, read_only, tmpfs_store  # noqa: E402
 from test_worker_control import BATCH, STEPS, FakeDaemon, start_launch  # noqa: E402
 from trainer.checkpoint.reading import MANIFEST, checkpoint_dir  # noqa: E402
 from trainer.checkpoint.store import latest_complete  # noqa: E402
@@ -84,3 +86,38 @@ def test_a_store_that_fills_up_mid_run_pauses_checkpoints_and_the_job_finishes(t
     record = json.loads((out / "losses_rank1.json").read_text())["record"]
     assert [r["step"] for r in record] == list(range(STEPS))
     assert [r["loss"] for r in record] == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_a_worker_that_dies_of_a_store_outage_restarts_without_using_up_a_restart(tmp_path, etcd, etcd_root):
+    """One daemon allowed no restart at all; the script saves a checkpoint itself (no retry there)
+    while the store is read-only, and dies of it. The leader starts it again uncounted; the new
+    epoch's fence waits for the store; once it is writable the job finishes with the plain loop's
+    losses."""
+    from ring import Ring
+
+    ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=10.0)
+    try:
+        ring.start("solo", "--calibrate", "uniform", "--max-restarts", "0", "--progress-interval", "0.3")
+        ring.wait_members(["solo"])
+        ring.store_dir.mkdir(parents=True, exist_ok=True)
+        ring.submit("ro", steps=10, every=4, script_args=("--save-at", "6", "--step-sleep", "0.3"))
+        first = ring.wait_step("ro", 2)["epoch"]
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(read_only(ring.store_dir))
+            except MountRefused as exc:
+                pytest.skip(str(exc))
+            held = ring.poll(lambda: (s := ring.status("ro"))["epoch"] != first and s["store_failing"] and s,
+                             timeout=120, what="the restarted epoch held by the read-only store")
+        st = ring.wait_state("ro", ("done", "failed"), timeout=180)
+    finally:
+        ring.close()
+    assert "Read-only file system" in held["store_failing"] and held["state"] in ("running", "morphing")
+    assert st["state"] == "done", (st["state"], st["reason"])
+    assert st["restarts"] == 0
+    restart = [m for m in st["morphs"] if m["restart"]]
+    assert len(restart) == 1 and restart[0]["cause"] == "the checkpoint store refused a write"
+    assert "not counted as a restart" in restart[0]["reason"]
+    reference = reference_run(10, BATCH)[0]
+    assert [s for s, _ in st["loss_history"]] == list(range(10))
+    assert all(abs(loss - reference[s]) <= 1e-4 * abs(reference[s]) for s, loss in st["loss_history"])

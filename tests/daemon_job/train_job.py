@@ -18,6 +18,8 @@ p.add_argument("--chunk-size", type=int, default=4)
 p.add_argument("--fail-at", type=int, default=None, help="exit 3 after this step (tests of failures)")
 p.add_argument("--stop-at", type=int, default=None, help="leave the loop before this step and exit 0 (a script "
                "that ignores the job's step count)")
+p.add_argument("--save-at", type=int, default=None, help="after this many steps the script saves a checkpoint "
+               "itself (Varuna.checkpoint into the job's store), as a Varuna script may")
 p.add_argument("--script-batch", type=int, default=None, help="pass this global batch to Varuna instead of the job's")
 p.add_argument("--cheap-allreduce", action="store_true", help="calibrate all-reduces as nearly free: the planner "
                "then runs 4 slots as 2x2 (replicas to recover from) instead of 4x1")
@@ -66,6 +68,8 @@ while varuna.iteration < (steps if args.stop_at is None else min(steps, args.sto
     loss, _ = varuna.step(data.batch(idx))
     if varuna.rank == 0:
         print(f"step {varuna.iteration - 1} loss {loss:.6f} t={time.time():.6f}", flush=True)
+    if args.save_at is not None and varuna.iteration == args.save_at:
+        varuna.checkpoint(varuna.assignment.store)
     if args.fail_at is not None and varuna.iteration > args.fail_at and varuna.rank == 0:
         print("failing on purpose", file=sys.stderr, flush=True)
         sys.exit(3)
