@@ -35,6 +35,7 @@ __all__ = [
     "MorphEvent",
     "STATES",
     "TERMINAL",
+    "CHANGES",
     "MAX_BUNDLE_BYTES",
     "pack_bundle",
     "unpack_bundle",
@@ -46,6 +47,9 @@ __all__ = [
 
 STATES = ("queued", "running", "morphing", "done", "failed", "cancelled")
 TERMINAL = frozenset({"done", "failed", "cancelled"})
+# what a "morphing" job is going through: "stopping" (a worker failed; whether a VM went with it
+# is not known yet), "restart" (the same plan again) or "morph" (a new plan); "" otherwise
+CHANGES = ("", "stopping", "restart", "morph")
 
 MAX_BUNDLE_BYTES = 1 << 20  # zipped; etcd refuses requests over 1.5 MiB by default
 MAX_UNPACKED_BYTES = 64 << 20
@@ -233,10 +237,13 @@ class JobState:
     started_at: float = 0.0  # wall clock of the first run plan
     finished_at: float = 0.0  # wall clock when it became done, failed or cancelled
     store: str = ""  # the job's checkpoint store as the leader resolved it (traces and report live there)
+    change: str = ""  # one of CHANGES: while morphing, whether it restarts or morphs
 
     def __post_init__(self) -> None:
         if self.state not in STATES:
             raise JobSpecError(f"job state {self.state!r} is not one of {STATES}")
+        if self.change not in CHANGES:
+            raise JobSpecError(f"job change {self.change!r} is not one of {CHANGES}")
         object.__setattr__(self, "epochs", tuple(self.epochs))
         # fields a newer release added are left out, so a fleet can be upgraded one VM at a time
         morphs = tuple(m if isinstance(m, MorphEvent)

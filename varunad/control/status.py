@@ -17,7 +17,7 @@ from varunad.store import schemas
 from varunad.store.contract import Store
 from varunad.store.keys import Keys
 
-__all__ = ["UnknownJob", "read_state", "job_status", "job_queue", "plan_lines"]
+__all__ = ["UnknownJob", "read_state", "job_status", "job_queue", "plan_lines", "activity"]
 
 
 _LIVE = ("running", "morphing")   # states in which a job's workers may be running
@@ -113,6 +113,7 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
         # `step`: steps done, which is the index (model.iteration) of the next step to train; the loss
         # history and the plots are indexed by step, so `loss` is that of step `step - 1`
         "job": job, "state": state.state, "reason": reason, "step": step, "steps": total, "epoch": state.epoch,
+        "activity": activity(state.state, state.change),
         "plan": {"P": plan.get("P"), "D": plan.get("D"), "micro_batch_size": plan.get("micro_batch_size"),
                  "schedule": plan.get("schedule"), "members": plan.get("members", []),
                  "estimated_s": plan.get("estimated_s"), "calibrated": plan.get("calibrated"),
@@ -160,6 +161,7 @@ async def job_queue(store: Store, keys: Keys) -> list[dict[str, Any]]:
         except JobSpecError as exc:
             what = f"invalid spec: {exc}"
         out.append({"job": job, "state": st.state if st else "queued", "epoch": st.epoch if st else 0,
+                    "activity": activity(st.state, st.change) if st else "queued",
                     "reason": st.reason if st else "submitted", "spec": what})
     # the fleet runs one job at a time: say what a job that was only submitted waits for
     running = [j["job"] for j in out if j["state"] in ("running", "morphing")]
@@ -171,6 +173,16 @@ async def job_queue(store: Store, keys: Keys) -> list[dict[str, Any]]:
                                                               if ahead else "")
             ahead += 1
     return out
+
+
+def activity(state: str, change: str) -> str:
+    """The word `varunactl status` and `watch` show for a job: its state, except that a job the
+    store holds as "morphing" is "restarting" (the same plan again), "stopping" (a worker failed
+    and the leader does not know yet whether a VM went with it) or "morphing" (a new plan). A
+    restart is never called a morph, nor a morph a restart."""
+    if state != "morphing":
+        return state
+    return {"restart": "restarting", "stopping": "stopping"}.get(change, "morphing")
 
 
 def _secs(x: float) -> str:

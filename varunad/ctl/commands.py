@@ -226,7 +226,7 @@ def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
     redo = doc.get("redoing")
     moves = [m for m in doc["morphs"] if not m.get("restart")]
     lines = [
-        f"job       {doc['job']}: {doc['state']} ({doc['reason']})",
+        f"job       {doc['job']}: {doc.get('activity') or doc['state']} ({doc['reason']})",
         f"plan      epoch {doc['epoch']}: {shape} on {', '.join(plan['members']) or '-'}",
         *plan_lines(plan),
         f"step      {doc['step']}" + (f" of {doc['steps']}" if doc.get("steps") else "") + " done"
@@ -260,7 +260,7 @@ def print_fleet(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
             print(f"plan      epoch {plan['epoch']}: {plan['kind']} {plan.get('job') or ''} ({plan['reason']})",
                   file=out)
     for j in doc["jobs"]:
-        print(f"job       {j['job']}: {j['state']} ({j['reason']})", file=out)
+        print(f"job       {j['job']}: {j.get('activity') or j['state']} ({j['reason']})", file=out)
 
 
 # --- logs and cancel -------------------------------------------------------------------------------------

@@ -93,12 +93,14 @@ def _store_failing(doc: dict[str, Any]) -> str:
 
 
 def _state_word(doc: dict[str, Any]) -> str:
-    """Nothing while running; otherwise the state and why (e.g. queued while the model is calibrated)."""
+    """Nothing while running; otherwise the state in status's words (restarting, stopping or
+    morphing for a job between plans) and why (e.g. queued while the model is calibrated)."""
     state = doc.get("state", "?")
     if state == "running":
         return ""
+    word = doc.get("activity") or state
     reason = _one_line(doc.get("reason") or "", 60)
-    return f"{state} ({reason})" if reason and state in ("queued", "morphing") else str(state)
+    return f"{word} ({reason})" if reason and state in ("queued", "morphing") else str(word)
 
 
 def _one_line(text: str, limit: int) -> str:
@@ -126,7 +128,7 @@ def plain_line(doc: dict[str, Any], steps: int) -> str:
 def morph_line(morph: dict[str, Any]) -> str:
     # The leader's figure covers noticing, stopping and re-planning; the new epoch's start-up and
     # any steps redone from the checkpoint come after it (`varunactl report` counts those).
-    what = (f"restart {morph['to']} after a worker failed" if morph.get("restart")
+    what = (f"restart {morph['to']} after {morph.get('cause') or 'a worker failed'}" if morph.get("restart")
             else f"morph {morph['from']} -> {morph['to']}")
     source = morph_source(morph)
     return (f"{what} (stopped, re-planned in {morph['duration_s']:.1f}s{', ' + source if source else ''}): "

@@ -369,7 +369,7 @@ class Leader:
         noticed = time.time()
         state = snap.states[job]
         who, what = who_and_cause(d.reason) if d.failure else ("", "")
-        await self._put_state(state.but(state="morphing", reason=(
+        await self._put_state(state.but(state="morphing", change="stopping" if d.failure else "morph", reason=(
             f"a worker failed ({who}): stopping the epoch, then checking which VMs answer" if d.failure else d.reason)))
         await self._write_stop(snap, job, epoch, checkpoint=d.checkpoint, reason=d.reason)
         if not await self._wait_stopped(epoch):
@@ -414,6 +414,8 @@ class Leader:
                 reason = (f"{what} ({who}): starting the same plan again from the newest checkpoint "
                           + ("(a checkpoint store outage: free space or remount it; not counted as a restart)"
                              if outage else f"(restart {restarts} of at most {self.config.max_restarts})"))
+        # from here until it runs again, status and watch call it what it is: a restart or a morph
+        await self._put_state((await self._state(job)).but(change="restart" if restart else "morph", reason=reason))
         resumed = await self._resume_source(after, job, plan, lost, checkpointed=d.checkpoint)
         self.memory.morph[job] = dict(reason=reason, from_shape=plan.shape, from_epoch=epoch, noticed_at=noticed,
                                       stopped_at=stopped, checkpoint=d.checkpoint, restart=restart, cause=cause,
@@ -560,7 +562,8 @@ class Leader:
         now = reason
         if info is not None and info.get("cause"):
             now = f"resumed as {doc.shape} on {', '.join(doc.members)} after {info['cause']}"
-        await self._put_state(state.but(state="running", reason=now, epoch=epoch, epochs=state.epochs + (epoch,),
+        await self._put_state(state.but(state="running", change="", reason=now, epoch=epoch,
+                                        epochs=state.epochs + (epoch,),
                                         plan={**describe(doc, epoch), **_report_facts(doc, planned, snap)},
                                         morphs=morphs[-50:], started_at=state.started_at or planned_at,
                                         store=job_store(spec, self.config.store)))
