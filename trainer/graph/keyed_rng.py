@@ -117,6 +117,19 @@ def _mix_(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(x >> 16)
 
 
+def _combine(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The full-size hash of every (row, column) pair of two hashed vectors. Their XOR alone
+    would keep two rows' difference the same in every column; two multiply-xorshift rounds
+    break that. The shifts write into one scratch tensor: a fresh tensor per operation costs
+    more than the arithmetic (page faults on every large allocation)."""
+    h = torch.bitwise_xor(rows.unsqueeze(1), cols)
+    scratch = torch.empty_like(h)
+    for c, shift in ((_C1, 16), (_C2, 15)):
+        h.mul_(c).bitwise_and_(_M32)
+        h.bitwise_xor_(torch.bitwise_right_shift(h, shift, out=scratch))
+    return h
+
+
 def keyed_words(op: int, stream: int, examples: int | None, per_example: int,
                 device: torch.device | str, draws: Draws | None = None) -> torch.Tensor:
     """(examples, per_example) int64 words in 0..2**32-1: row i for the example at global index
@@ -136,7 +149,7 @@ def keyed_words(op: int, stream: int, examples: int | None, per_example: int,
                             device=device)
     rows = _mix_(rows.bitwise_xor_(k0))
     cols = _mix_(torch.arange(per_example, dtype=torch.int64, device=device).add_(k1).bitwise_and_(_M32))
-    return _mix_(torch.bitwise_xor(rows.unsqueeze(1), cols))
+    return _combine(rows, cols)
 
 
 def _shaped(words: torch.Tensor, shape: Sequence[int], batch_dim: int | None) -> torch.Tensor:
@@ -173,15 +186,17 @@ def keyed_uniform(op: int, shape: Sequence[int], *, batch_dim: int | None = 0, r
     `batch_dim` every `rows_per_example` rows belong to one example of the micro-batch;
     `batch_dim=None` keys by the op alone."""
     words = _words(op, stream, shape, batch_dim, rows_per_example, device)
-    return (words >> 8).to(dtype).mul_(_U24)
+    return words.bitwise_right_shift_(8).to(dtype).mul_(_U24)
 
 
 def keyed_normal(op: int, shape: Sequence[int], *, batch_dim: int | None = 0, rows_per_example: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """Standard normals (Box-Muller over streams 0 and 1), keyed as `keyed_uniform`."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    u1 = (_words(op, 0, shape, batch_dim, rows_per_example, device) >> 8).add_(1).to(wide).mul_(_U24)
-    u2 = (_words(op, 1, shape, batch_dim, rows_per_example, device) >> 8).to(wide).mul_(_U24 * 2 * math.pi)
+    u1 = _words(op, 0, shape, batch_dim, rows_per_example, device).bitwise_right_shift_(8).add_(1).to(wide)
+    u2 = _words(op, 1, shape, batch_dim, rows_per_example, device).bitwise_right_shift_(8).to(wide)
+    u1.mul_(_U24)
+    u2.mul_(_U24 * 2 * math.pi)
     return u1.log_().mul_(-2.0).sqrt_().mul_(u2.cos_()).to(dtype)
 
 
