@@ -383,7 +383,8 @@ class CheckpointNow(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerProgress(Message):
     """A worker finished `step`. `loss` is finite (a diverged worker sends WorkerFailed instead);
-    `busy_fraction` is the share of wall time spent computing rather than waiting, in [0, 1]."""
+    `busy_fraction` is the share of wall time spent computing rather than waiting, in [0, 1];
+    `peak_bytes` the most memory its stage has held since it was built (0: not measured)."""
 
     TYPE: ClassVar[str] = "worker_progress"
     job: str = _f(_ID)
@@ -393,6 +394,7 @@ class WorkerProgress(Message):
     loss: float = _f(_Float())
     samples_per_s: float = _f(_Float(0.0))
     busy_fraction: float = _f(_Float(0.0, 1.0))
+    peak_bytes: int = field(default=0, metadata={"kind": _Int(0, _U64_MAX)})
 
 
 @_register

@@ -276,13 +276,13 @@ def test_every_layout_trains_the_plain_loops_model(tmp_path, references, stages,
 
 @pytest.mark.slow
 def test_a_resumed_run_draws_what_the_uninterrupted_one_drew(tmp_path, references):
-    """A checkpoint of step 3 written at 2 x 2 resumes at 1 x 2 on the uninterrupted run's
-    losses: the step is part of every draw's key, nothing else needs restoring."""
+    """A checkpoint of step 3 written at 2 x 2 resumes at 1 x 3 (a morph's shapes) on the
+    uninterrupted run's losses: the step is part of every draw's key, nothing else needs restoring."""
     store = tmp_path / "store"
     first = _launch(tmp_path / "first", 2, 2, "--models", "gpt2,depth", "--store", str(store),
                     "--checkpoint-at", "3")
-    second = _launch(tmp_path / "second", 1, 2, "--models", "gpt2,depth", "--store", str(store), "--resume", "3")
+    second = _launch(tmp_path / "second", 1, 3, "--models", "gpt2,depth", "--store", str(store), "--resume", "3")
     for name in ("gpt2", "depth"):
         assert _losses(first, name, 0) == pytest.approx(references[name], rel=1e-5)
-        for rank in range(2):
+        for rank in range(3):
             assert _losses(second, name, rank) == pytest.approx(references[name][3:], rel=1e-5)

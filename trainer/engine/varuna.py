@@ -47,6 +47,7 @@ from trainer.engine.data_parallel import GradReducer
 from trainer.engine.store_outage import StoreHealth
 from trainer.errors import CheckpointError, ConfigError, StoreOutage, WorkerError
 from trainer.engine.executor import StageExecutor
+from trainer.engine.memory import OUT_OF_MEMORY, PeakMemory
 from trainer.graph.keyed_rng import Draws
 from trainer.graph.layout import Layout, build_layout
 from trainer.net.netaddr import bound_gloo_backend, nccl_environment
@@ -153,6 +154,8 @@ class Varuna:
         if own_process:
             gc.collect()
             gc.freeze()
+        # from here on the stage trains: its peak is measured beside the planner's estimate
+        self.memory = PeakMemory(self.device, self.parameter_bytes())
         self._build_groups()
         # Where this worker sends its step statistics and whose it gathers (see `_agree`).
         self._stats_parent, self._stats_children = setup.stats_tree(a.plan, self.stage, self.replica)
@@ -257,6 +260,8 @@ class Varuna:
                 before_last_backward=self.reducer.arm,
                 draws=self._draws(len(micro), setup.shard_size(inputs)),
             )
+        except OUT_OF_MEMORY as exc:   # before _BROKEN_EPOCH: CUDA's is a RuntimeError, and this is no lost peer
+            raise self.memory.out_of_memory(self.stage, self.plan.P, exc) from exc
         except _BROKEN_EPOCH as exc:
             self._abandon(exc)
             raise
@@ -277,7 +282,7 @@ class Varuna:
         elapsed = time.perf_counter() - start
         blocked = (self.channel.wait_s if self.channel is not None else 0.0) - waited
         self.control.progress(self.iteration - 1, result["loss"], self.batch_size / elapsed,
-                              1.0 - blocked / elapsed)
+                              1.0 - blocked / elapsed, self.memory.peak_bytes())
         try:
             self.control.abandonable = True   # a checkpoint's collectives: the state is the step's, whole
             self._after_step()

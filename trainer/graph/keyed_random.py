@@ -1,4 +1,5 @@
-"""The captured graph's random ops, keyed by the sample they act on (trainer.graph.keyed_rng).
+"""The captured graph's random ops, keyed by the sample they act on (trainer.graph.keyed_rng,
+[Note: randomness belongs to the sample]).
 
 `key_random_ops` replaces every random op of a captured graph (dropout in all its forms,
 bernoulli, rand/randn and their `_like` forms, uniform_/normal_, and scaled-dot-product

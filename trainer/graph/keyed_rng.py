@@ -1,4 +1,5 @@
-"""Random numbers keyed by what they act on, not by the process that draws them.
+"""Random numbers keyed by what they act on, not by the process that draws them
+([Note: randomness belongs to the sample]).
 
 A draw is a pure function of (seed, step, the example's index in the global batch, the random
 op's position in the captured graph, the element's index within the example): the same bits

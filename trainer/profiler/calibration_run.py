@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from trainer.engine.memory import PeakMemory
 from trainer.engine.precision import Precision
 from trainer.profiler.calibrate import Profiler
 from trainer.worker_env import WorkerAssignment
@@ -58,8 +59,13 @@ class CalibrationRun:
                             gpus_per_node=a.profile_slots, precision=self.precision)
         if optimizer is not None:
             profiler.set_optimizer(optimizer)
+        meter = PeakMemory(self.device, 0)   # from the captured model: what a worker holds before it trains
         calibration = profiler.profile_all(self.sizes)
         calibration.save(a.profile)
+        # the whole model passes through host memory; the device holds one segment at a time
+        log.warning("calibration memory: peak %.1f MB above the built model (%s), the model's weights %.1f MB",
+                    meter.peak_bytes() / 1e6, "largest allocated" if self.device.type == "cuda" else "resident growth",
+                    sum(p.numel() * p.element_size() for p in self.model.parameters()) / 1e6)
         log.warning("calibration of %s (optimizer %s) written to %s; exiting (VARUNA_PROFILE run)",
                     profiler.fingerprint, type(optimizer).__name__ if optimizer is not None else "default",
                     a.profile)

@@ -238,6 +238,9 @@ class JobState:
     finished_at: float = 0.0  # wall clock when it became done, failed or cancelled
     store: str = ""  # the job's checkpoint store as the leader resolved it (traces and report live there)
     change: str = ""  # one of CHANGES: while morphing, whether it restarts or morphs
+    # device kind -> the share of a slot's memory the planner counts on for this job, lowered each
+    # time a stage of that kind ran out of memory (absent: all of it)
+    memory_scale: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.state not in STATES:

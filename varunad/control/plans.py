@@ -234,16 +234,20 @@ def make_plan(
     *,
     calibrated: bool,
     reason: str,
+    memory_scale: Mapping[str, float] | None = None,
 ) -> tuple[PlanDoc, Plan]:
     """Plan ``spec`` on the usable slots of ``members`` ((member, lease id) pairs). Raises
-    PlanError when nothing fits (the caller keeps the job waiting with that reason)."""
+    PlanError when nothing fits (the caller keeps the job waiting with that reason).
+    ``memory_scale``: device kind -> the share of its slots' memory to plan with (the job's,
+    lowered after a stage of that kind ran out)."""
     slots: list[Slot] = []
     by_id: dict[str, tuple[DaemonMember, int]] = {}
     incarnations = {}
     for member, lease in members:
         for i in range(member.usable_slots):
             slot_id = f"{member.name}/{i}"
-            slots.append(Slot(slot_id, member.host, member.device_kind, max(1, member.memory_bytes)))
+            share = (memory_scale or {}).get(member.device_kind, 1.0)
+            slots.append(Slot(slot_id, member.host, member.device_kind, max(1, int(member.memory_bytes * share))))
             by_id[slot_id] = (member, i)
         if member.usable_slots:
             incarnations[member.name] = lease

@@ -111,6 +111,7 @@ class Progress:
     busy_fraction: float
     member: str = ""
     at: float = 0.0
+    peak_bytes: int = 0   # the most memory the worker's stage held since it was built (0: not measured)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

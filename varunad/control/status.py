@@ -17,7 +17,7 @@ from varunad.store import schemas
 from varunad.store.contract import Store
 from varunad.store.keys import Keys
 
-__all__ = ["UnknownJob", "read_state", "job_status", "job_queue", "plan_lines", "activity"]
+__all__ = ["memory_lines", "stage_memory", "UnknownJob", "read_state", "job_status", "job_queue", "plan_lines", "activity"]
 
 
 _LIVE = ("running", "morphing")   # states in which a job's workers may be running
@@ -123,6 +123,7 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
         "loss": dict(history).get(step - 1, history[-1][1]) if history else None,
         "samples_per_s": sum(p.samples_per_s for p in current) / len(current) if current else None,
         "busy_fraction": min((p.busy_fraction for p in current), default=None),
+        "stages": stage_memory(plan, current),
         "restarts": state.restarts, "error": state.error,
         "store_failing": await _store_failing(store, keys, job, state.epoch) if state.state in _LIVE else None,
         "warnings": await _notes(store, keys, job),
@@ -173,6 +174,30 @@ async def job_queue(store: Store, keys: Keys) -> list[dict[str, Any]]:
                                                               if ahead else "")
             ahead += 1
     return out
+
+
+def stage_memory(plan: dict[str, Any], current: list[Progress]) -> list[dict[str, Any]]:
+    """Per stage: the planner's memory estimate, the usable memory of its slot (`capacity`) and
+    the highest peak its workers measured in the running epoch (None until one reports)."""
+    estimates, capacity, ranks = plan.get("stage_memory") or [], plan.get("stage_capacity") or [], plan.get("ranks")
+    if not estimates or not isinstance(ranks, list) or len(ranks) != len(estimates):
+        return []
+    peaks = {p.rank: p.peak_bytes for p in current if p.peak_bytes}
+    out = []
+    for s, est in enumerate(estimates):
+        measured = [peaks[r] for r in ranks[s] if r in peaks]
+        out.append({"stage": s, "estimate": est, "capacity": capacity[s] if s < len(capacity) else None,
+                    "peak": max(measured) if measured else None})
+    return out
+
+
+def memory_lines(stages: list[dict[str, Any]]) -> list[str]:
+    """`varunactl status JOB` and the report: each stage's estimate beside its measured peak."""
+    mb = lambda x: "-" if x is None else f"{x / 1e6:.0f} MB"  # noqa: E731
+    return [f"memory    stage {st['stage']}: estimate {mb(st['estimate'])}, measured peak {mb(st['peak'])}"
+            f", usable {mb(st['capacity'])}" + (" (over)" if st["peak"] and st["capacity"]
+                                               and st["peak"] > st["capacity"] else "")
+            for st in stages]
 
 
 def activity(state: str, change: str) -> str:

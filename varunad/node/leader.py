@@ -35,7 +35,7 @@ from varunad.node.config import DaemonConfig
 from varunad.cluster.election import Election, NotLeader
 from varunad.control.decide import (Decision, LeaderMemory, calibration_failed, cause_of, decide, store_failing,
                                     was_lost, who_and_cause)
-from varunad.control.failures import classify
+from varunad.control.failures import classify, memory_backoff
 from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet, read_newest
 from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
@@ -43,6 +43,7 @@ from varunad.control.links import LinkSurvey, apply_links
 from varunad.node.metrics import DaemonMetrics
 from varunad.node.peers import PeerClients
 from varunad.control.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
+from varunad.control.records import Progress
 from varunad.control.resume import ResumeSource, complete_manifest, resume_source
 from varunad.store.contract import Store, StoreError, Watch
 
@@ -78,6 +79,10 @@ def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot) -> dict:
                               "estimated_s": c.simulated_s if c.simulated_s is not None else c.estimate_s}
                              for c in planned.alternatives(3)],
             "ruled_out": list(planned.ruled_out),
+            # each stage's memory as the planner bounded it and what its slot let it use: the
+            # workers' measured peaks are shown beside them
+            "stage_memory": [st.memory_bytes for st in planned.stages],
+            "stage_capacity": [st.capacity_bytes for st in planned.stages],
             # daemons sharing a host (a local ring) share its cores: the report says so beside its prediction
             "daemons_per_host": max(Counter(snap.members[m][0].host for m in doc.members).values(), default=0)}
 
@@ -407,13 +412,22 @@ class Leader:
                     await self._finish(snap, job, "failed", f"gave up after {state.restarts} restarts: {what} ({who})",
                                        error=d.reason)
                     return True
+                # a stage that ran out would run out again in the same plan: plan with less of its kind's memory
+                backoff = (memory_backoff(d.reason, state.plan, state.memory_scale, await self._peaks(job, epoch))
+                           if verdict == "memory" else None)
+                scales = state.memory_scale if backoff is None else {**state.memory_scale, backoff.kind: backoff.scale}
                 if not outage:
-                    await self._put_state(state.but(restarts=restarts, error=d.reason))
-                restart = True
-                cause = "the checkpoint store refused a write" if outage else "a worker failed"
-                reason = (f"{what} ({who}): starting the same plan again from the newest checkpoint "
-                          + ("(a checkpoint store outage: free space or remount it; not counted as a restart)"
-                             if outage else f"(restart {restarts} of at most {self.config.max_restarts})"))
+                    await self._put_state(state.but(restarts=restarts, error=d.reason, memory_scale=scales))
+                restart = backoff is None
+                cause = ("the checkpoint store refused a write" if outage else
+                         "a stage ran out of memory" if backoff is not None else "a worker failed")
+                if backoff is not None:
+                    reason = f"{backoff.words} ({who}, restart {restarts} of at most {self.config.max_restarts})"
+                    log.warning("leader: %s: %s", job, reason)
+                else:
+                    reason = (f"{what} ({who}): starting the same plan again from the newest checkpoint "
+                              + ("(a checkpoint store outage: free space or remount it; not counted as a restart)"
+                                 if outage else f"(restart {restarts} of at most {self.config.max_restarts})"))
         # from here until it runs again, status and watch call it what it is: a restart or a morph
         await self._put_state((await self._state(job)).but(change="restart" if restart else "morph", reason=reason))
         resumed = await self._resume_source(after, job, plan, lost, checkpointed=d.checkpoint)
@@ -424,6 +438,18 @@ class Leader:
         if resumed.words:
             log.info("leader: %s resumes %s", job, resumed.words)
         return await self._start(job, reason)
+
+    async def _peaks(self, job: str, epoch: int) -> dict[int, int]:
+        """rank -> the memory peak each worker of ``epoch`` last reported (none that did not)."""
+        peaks = {}
+        for kv in await self.store.get_prefix(self.keys.progress_of(job)):
+            try:
+                p = Progress.decode(kv.value)
+            except ValueError:
+                continue
+            if p.epoch == epoch and p.peak_bytes:
+                peaks[p.rank] = p.peak_bytes
+        return peaks
 
     async def _resume_source(self, snap: FleetSnapshot, job: str, plan: PlanDoc, lost: list[str], *,
                              checkpointed: bool) -> ResumeSource:
@@ -535,9 +561,12 @@ class Leader:
         try:
             if not members:
                 raise PlanError("no member offers a usable slot that answers")
-            doc, planned = make_plan(spec, members, cals, calibrated=measured, reason=reason)
+            doc, planned = make_plan(spec, members, cals, calibrated=measured, reason=reason,
+                                     memory_scale=state.memory_scale)
         except PlanError as exc:
-            why = f"waiting for a plan: {exc}"
+            why = f"waiting for a plan: {exc}" + "".join(
+                f" (counting {100 * share:.0f}% of a {kind} slot's memory: a stage of this job ran out)"
+                for kind, share in sorted(state.memory_scale.items()))
             if self.memory.waiting.get(job) != why:
                 self.memory.waiting[job] = why
                 await self._put_state(state.but(state="queued" if state.state == "queued" else "morphing",
@@ -597,7 +626,8 @@ class Leader:
             return False
         cals = apply_links(cals, self.links.measured([m.name for m, _ in members]))
         try:
-            doc, _ = make_plan(entry.spec, members, cals, calibrated=measured, reason=d.reason)
+            scales = snap.states[d.job].memory_scale if d.job in snap.states else None
+            doc, _ = make_plan(entry.spec, members, cals, calibrated=measured, reason=d.reason, memory_scale=scales)
         except PlanError as exc:
             log.info("leader: no better plan for %s: %s", d.job, exc)
             return False

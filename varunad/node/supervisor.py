@@ -61,6 +61,7 @@ from varunad.node.housekeeping import LOGS, STAGING, job_dir
 from varunad.control.jobs import JobSpec, job_store, job_trace_dir
 from varunad.cluster.membership import Membership
 from varunad.node.metrics import DaemonMetrics
+from varunad.node.oom import OOM_WORDS, kernel_oom_kills
 from varunad.control.plans import PlanDoc
 from varunad.control.records import Progress, WorkerRecord, WorkerReport
 from varunad.node.reporter import Reporter
@@ -133,6 +134,7 @@ class _SupervisedWorker:
     kill_task: asyncio.Task[None] | None = None
     wait_task: asyncio.Task[None] | None = None
     profile_path: str | None = None
+    oom_kills: int | None = None   # the kernel's OOM-kill count when it started (varunad.node.oom)
     ports: tuple[int, ...] = ()
     log_offset: int = 0
     token: str = ""  # the secret this worker names itself by on the control socket
@@ -339,6 +341,7 @@ class Supervisor:
         self.workers[w.rank] = w
         self._exited.clear()
         w.started_at = time.time()
+        w.oom_kills = kernel_oom_kills()
         what = f"rank {w.rank} of {w.job} epoch {w.epoch}"
         with open(w.log_path, "ab") as out:
             w.log_offset = out.tell()
@@ -384,6 +387,8 @@ class Supervisor:
         else:
             w.outcome = "failed"
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            if code == -signal.SIGKILL and w.oom_kills is not None and (kernel_oom_kills() or 0) > w.oom_kills:
+                how = OOM_WORDS
             w.error = f"rank {w.rank} on {self.name} {how}; last output:\n{_tail(w.log_path)}"
         for callback in self._on_exit:
             try:
@@ -646,7 +651,8 @@ class Supervisor:
             self._step_interval[w.rank] = now - last.at
         self.reporter.record_progress(Progress(job=msg.job, epoch=msg.epoch, rank=msg.rank, step=msg.step,
                                                loss=msg.loss, samples_per_s=msg.samples_per_s,
-                                               busy_fraction=msg.busy_fraction, member=self.name, at=now),
+                                               busy_fraction=msg.busy_fraction, member=self.name, at=now,
+                                               peak_bytes=msg.peak_bytes),
                                       reports_job=reports_job)
         self.metrics.worker_progress(job=msg.job, rank=msg.rank, step=msg.step, loss=msg.loss,
                                      samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,

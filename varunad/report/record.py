@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from varunad.control.status import job_status, plan_lines
+from varunad.control.status import job_status, memory_lines, plan_lines
 from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobState, script_fingerprint
 from varunad.report.prices import DevicePrice, load_prices
@@ -183,6 +183,7 @@ def build_report(inputs: ReportInputs, out_dir: str | os.PathLike[str], prices: 
     doc = {
         "job": inputs.spec.job, "state": state.state, "reason": state.reason, "steps": status.get("step"),
         "batch_size": inputs.spec.batch_size, "shapes": [iv.shape for iv in intervals], "plan": state.plan,
+        "memory": inputs.status.get("stages") or [],
         "runs": _runs(inputs, intervals),
         "loss": loss, "measured": None if measured is None else {
             "epoch": measured.epoch, "step": measured.step, "warm": measured.warm, "workers": measured.workers,
@@ -234,6 +235,7 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append(f"         predicted {pred['step_s']:.4f} s by the simulator{err}")
     # the same explanation as `varunactl status JOB`
     lines += [ln.replace("why      ", "plan     ", 1) for ln in plan_lines(doc.get("plan") or {})]
+    lines += memory_lines(doc.get("memory") or [])
     lines += cost_lines(doc["cost"])
     lines.append("files    " + ", ".join(doc["files"]))
     lines += [f"note     {n}" for n in doc["notes"]]

@@ -1,0 +1,99 @@
+"""A worker's measured memory: the peak its training reached, beside the planner's estimate.
+
+The model's build is left out (the whole model may pass through host memory while it is built,
+and the capture's machinery stays resident): the meter starts once the stage is built. On CUDA
+the peak is `torch.cuda.max_memory_allocated`, reset there, which counts the stage's weights
+already on the device. On a CPU the device is the host: the peak is the stage's weights plus
+how far the resident set's high-water mark rose above the resident size at the start, the mark
+reset there when the kernel allows it (/proc/self/clear_refs), so what the build touched and
+freed is not counted.
+
+An allocator keeps memory it freed (glibc under the workers' malloc settings, CUDA's cache), so
+the measured peak is what the process held, the number a slot's budget must cover.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from trainer.errors import VarunaError
+
+__all__ = ["OUT_OF_MEMORY", "PeakMemory", "StageOutOfMemoryError", "resident_bytes"]
+
+log = logging.getLogger("varuna")
+
+# What running out looks like from inside a step: CUDA's allocator, or the host's (a CPU tensor
+# the allocator could not get; the kernel's OOM killer sends SIGKILL instead, seen by the daemon).
+OUT_OF_MEMORY: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError, MemoryError)
+
+
+class StageOutOfMemoryError(VarunaError, MemoryError):
+    """A stage needed more memory than its device had. The daemon's leader re-plans the job with
+    less of that kind of slot's memory counted as usable; the message names the stage and its
+    measured peak so that the leader (and a user) can set it beside the planner's estimate."""
+
+    def __init__(self, stage: int, stages: int, device: torch.device, peak_bytes: int, detail: str) -> None:
+        self.stage, self.peak_bytes = stage, peak_bytes
+        super().__init__(f"stage {stage} of {stages} ran out of memory on {device} (measured peak "
+                         f"{peak_bytes / 1e6:.1f} MB before it failed): {detail.splitlines()[0][:200] if detail else ''}",
+                         hint="the plan counted on more memory than the slot has: under varunad the job is "
+                              "re-planned with less memory per slot of this kind; with trainer.launch use more "
+                              "stages (-P) or a smaller micro-batch")
+
+
+def resident_bytes(field: str = "VmRSS") -> int | None:
+    """This process's resident size (VmRSS) or its high-water mark (VmHWM) in bytes; None where
+    /proc is not there."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_high_water() -> bool:
+    try:
+        with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
+            f.write("5")   # resets VmHWM to the current resident size
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Started when the stage is built; `peak_bytes()` is the most the stage has held since,
+    in the planner's terms (its weights included). 0 where nothing can be measured."""
+
+    def __init__(self, device: torch.device, stage_bytes: int) -> None:
+        self.device = torch.device(device)
+        self.stage_bytes = int(stage_bytes)
+        self._base: int | None = None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        if self.device.type != "cpu":
+            return
+        reset = _reset_high_water()
+        self._base = resident_bytes()
+        if not reset:
+            # the mark still holds the build's peak: measure from it, an under-estimate rather than the build
+            self._base = resident_bytes("VmHWM")
+            log.info("cannot reset the resident high-water mark here: the measured peak leaves out "
+                     "what the stage held below the build's peak")
+
+    def out_of_memory(self, stage: int, stages: int, exc: BaseException) -> StageOutOfMemoryError:
+        return StageOutOfMemoryError(stage, stages, self.device, self.peak_bytes(), str(exc))
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        hwm = resident_bytes("VmHWM") if self._base is not None else None
+        if hwm is None:
+            return 0
+        return self.stage_bytes + max(0, hwm - self._base)
