@@ -128,7 +128,7 @@ def test_restarts_are_told_apart_from_morphs_and_a_run_that_trained_nothing_clai
     assert c["morphs"]["count"] == 0 and c["morphs"]["restarts"] == 2 and c["spot_saving_factor"]
     lines = cost_lines(c)
     assert lines[1].startswith("NVIDIA A100-SXM4-80GB ")   # the kind column fits the model's name
-    assert any(ln.startswith("morphs   0, 2 restarts after a worker failed: ") for ln in lines), lines
+    assert any(ln.startswith("morphs   none, 2 restarts after a worker failed: ") for ln in lines), lines
     assert not any(ln.startswith("saving") for ln in lines), lines
     trained = cost_lines(cost_report(intervals, {"NVIDIA A100-SXM4-80GB": 2}, prices, steps=10, batch_size=8,
                                       downtime_s=20.0, redone_steps=0))
@@ -408,7 +408,8 @@ def test_the_throughput_figure_shows_samples_per_second_and_the_devices_over_tim
     assert bottom.get_xlabel() == "time since the job started (s)"
     assert top.get_title() == "gpt: throughput and P × D over time"
     assert [t.get_text() for t in top.get_legend().get_texts()] == [
-        "samples/s (mean over the plan's steps)", "morph noticed", "no training: stop, re-plan, restart"]
+        "samples/s (mean over the plan's steps)", "start-up: workers start, build the model, load", "morph noticed",
+        "no training: stop, re-plan, restart"]
     rates = [seg for coll in top.collections for seg in coll.get_segments()] if top.collections else []
     levels = sorted({round(float(seg[0][1]), 3) for seg in rates if seg[0][1] == seg[1][1] and seg[0][1] > 0})
     assert levels == [round(39 * 16 / 170.0, 3), round(27 * 16 / 95.0, 3)]
@@ -535,7 +536,8 @@ def test_a_daemon_job_ends_with_a_report_and_varunactl_report_redraws_it(tmp_pat
         assert cost["device_hours"] > 0 and cost["spot_usd"] > 0 and cost["by_kind"][0]["kind"] == "cpu"
         assert cost["samples"] == 5 * 12 and cost["intervals"][0]["devices"] == 2
         assert report["predicted"]["step_s"] > 0 and "error" in report["predicted"]
-        assert any("2 daemons ran on one host" in n for n in report["notes"]), report["notes"]
+        assert any(f"all 2 daemons that ran epoch {report['measured']['epoch']} shared one host" in n
+                   for n in report["notes"]), report["notes"]
         r = ring.varunactl("report", "nope", "--out", str(tmp_path / "nope"))
         assert r.returncode == 1 and r.stderr.strip() == "varunactl report: no job named nope (see `varunactl jobs`)"
     finally:

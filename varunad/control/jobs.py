@@ -238,6 +238,9 @@ class JobState:
     finished_at: float = 0.0  # wall clock when it became done, failed or cancelled
     store: str = ""  # the job's checkpoint store as the leader resolved it (traces and report live there)
     change: str = ""  # one of CHANGES: while morphing, whether it restarts or morphs
+    # wall clock of the calibration run before the first plan (0: none ran), for the report's timeline
+    calibration_started: float = 0.0
+    calibration_ended: float = 0.0
     # device kind -> the share of a slot's memory the planner counts on for this job, lowered each
     # time a stage of that kind ran out of memory (absent: all of it)
     memory_scale: dict[str, float] = field(default_factory=dict)

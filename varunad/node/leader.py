@@ -595,7 +595,9 @@ class Leader:
                                         epochs=state.epochs + (epoch,),
                                         plan={**describe(doc, epoch), **_report_facts(doc, planned, snap)},
                                         morphs=morphs[-50:], started_at=state.started_at or planned_at,
-                                        store=job_store(spec, self.config.store)))
+                                        store=job_store(spec, self.config.store),
+                                        calibration_ended=state.calibration_ended or
+                                        (planned_at if state.calibration_started else 0.0)))
         log.info("leader: %s epoch %d: %s on %s (estimated %.3fs per step)\n%s", job, epoch, doc.shape,
                  ", ".join(doc.members), doc.estimated_s, planned.explain())
         for name in doc.members:
@@ -609,7 +611,8 @@ class Leader:
         doc = PlanDoc(kind="profile", job=spec.job, reason=f"calibrating {missing[0]} on {member.name}",
                       profile_member=member.name, incarnations={member.name: snap.members[member.name][1]})
         await self.election.write_plan(doc.encode())
-        await self._put_state(state.but(reason=doc.reason))
+        await self._put_state(state.but(reason=doc.reason,
+                                        calibration_started=state.calibration_started or time.time()))
         return True
 
     async def _consider(self, snap: FleetSnapshot, d: Decision) -> bool:

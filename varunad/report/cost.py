@@ -170,11 +170,25 @@ def cost_lines(cost: dict[str, Any]) -> list[str]:
         f"at spot, {_usd(cost['on_demand_usd'])} on demand",
         f"samples  {cost['samples']:,}: {_count(cost['samples_per_usd_spot'])} per $ at spot, "
         f"{_count(cost['samples_per_usd_on_demand'])} per $ on demand",
-        f"morphs   {m['count']}{restarts_text(m.get('restarts', 0))}: "
+        "morphs   none" if not m["count"] and not m.get("restarts") else
+        f"morphs   {m['count'] or 'none'}{restarts_text(m.get('restarts', 0))}: "
         f"{m['lost_s']:.1f} s lost ({100 * m['lost_fraction']:.1f}% of the run: "
         f"{m['downtime_s']:.1f} s stalled + {plural(m['redone_steps'], 'redone step')})",
     ]
-    if cost["spot_saving_factor"] and cost["samples"]:   # nothing trained: nothing to compare
-        lines.append(f"saving   the same work on dedicated on-demand VMs (no morphs) would cost "
-                     f"{_usd(cost['on_demand_without_morphs_usd'])}: spot is {cost['spot_saving_factor']:.1f}x cheaper")
+    lines += _saving_lines(cost)
     return lines
+
+
+def _saving_lines(cost: dict[str, Any]) -> list[str]:
+    """What spot saved against dedicated on-demand VMs, only when there is something to compare:
+    steps trained, both prices known, and a difference that shows at one decimal ("1.0x cheaper"
+    says nothing)."""
+    factor, dedicated = cost["spot_saving_factor"], cost["on_demand_without_morphs_usd"]
+    if not factor or not cost["samples"] or round(factor, 1) == 1.0:
+        return []
+    if factor > 1:
+        return [f"saving   the same work on dedicated on-demand VMs (no morphs) would cost {_usd(dedicated)}: "
+                f"spot is {factor:.1f}x cheaper"]
+    return [f"saving   none: the same work on dedicated on-demand VMs (no morphs) would cost {_usd(dedicated)}, "
+            f"{1 / factor:.1f}x less than at spot ({_usd(cost['spot_usd'])}): the morphs lost more than spot's "
+            "price saved"]

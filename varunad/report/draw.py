@@ -43,6 +43,11 @@ _LOSS, _REDONE_LABEL = "loss", "steps redone from the checkpoint"
 _MORPH_LABEL, _RESTART_LABEL = "morph (where the job stood)", "restart after a worker failed"
 _RATE_LABEL, _NOTICED_LABEL, _STALL_LABEL = ("samples/s (mean over the plan's steps)", "morph noticed",
                                              "no training: stop, re-plan, restart")
+_CALIBRATION, _CALIBRATION_LABEL = "#c5b0d5", "calibration (the script profiled once)"
+_STARTUP, _STARTUP_LABEL = "#dbdb8d", "start-up: workers start, build the model, load"
+# Legends sit beside the axes, never on them: the labels of morphs and restarts stand at the top of
+# the axes, where any legend inside would cover some of them.
+_BESIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0}
 
 
 def _legend(ax: Any, order: Sequence[str], **where: Any) -> None:
@@ -106,7 +111,7 @@ def loss_figure(loss: Mapping[str, Any]) -> Figure:
     n_restarts = len(morphs) - n_morphs
     extra = f", {n_restarts} restart{'s' * (n_restarts != 1)}" if n_restarts else ""
     ax.set_title(f"{loss.get('job', '')}: loss per step ({n_morphs} morph{'s' * (n_morphs != 1)}{extra})".lstrip(": "))
-    _legend(ax, [_LOSS, _MORPH_LABEL, _RESTART_LABEL, _REDONE_LABEL], loc="upper right")
+    _legend(ax, [_LOSS, _MORPH_LABEL, _RESTART_LABEL, _REDONE_LABEL], **_BESIDE)
     return fig
 
 
@@ -166,12 +171,14 @@ def timeline_figure(events: Sequence[Mapping[str, Any]], title: str) -> Figure:
 
 def throughput_figure(report: Mapping[str, Any]) -> Figure:
     """Over the job's wall-clock time (report.json's runs): above, the samples per second of each
-    run plan between its first and last step, with the stalls of the morphs between them shaded;
-    below, the devices it held (P x D), labelled with the shape."""
+    run plan between its first and last step, with the calibration before the first plan, the
+    first plan's start-up and the stalls of the morphs between plans shaded and labelled; below,
+    the devices it held (P x D), labelled with the shape."""
     runs = [r for r in report.get("runs", ()) if r.get("start") is not None]
     if not runs:
         raise ValueError("the report has no run plan to draw")
-    zero = min(r["start"] for r in runs)
+    calibration = report.get("calibration")
+    zero = min([r["start"] for r in runs] + ([calibration[0]] if calibration else []))
     total = max(r["end"] for r in runs) - zero
     unit, scale = ("min", 60.0) if total > 600 else ("s", 1.0)
 
@@ -188,7 +195,15 @@ def throughput_figure(report: Mapping[str, Any]) -> Figure:
                      xytext=(0, 5), textcoords="offset points", ha="center", va="bottom", fontsize=8)
     stalls = [(a["last_step_at"], b["first_step_at"]) for a, b in zip(runs, runs[1:])
               if a.get("last_step_at") is not None and b.get("first_step_at") is not None]
+    # before a plan's first step its workers start, build their stage and load the state: no
+    # samples yet, but not a stall either (a stall is what a morph costs between two plans)
+    startups = [(r["start"], r["first_step_at"]) for r in runs[:1] if r.get("first_step_at")]
     for ax in (top, bottom):
+        if calibration:
+            ax.axvspan(t(calibration[0]), t(calibration[1]), color=_CALIBRATION, alpha=0.6, lw=0,
+                       label=_CALIBRATION_LABEL if ax is top else None)
+        for a, b in startups:
+            ax.axvspan(t(a), t(b), color=_STARTUP, alpha=0.5, lw=0, label=_STARTUP_LABEL if ax is top else None)
         for i, (a, b) in enumerate(stalls):
             ax.axvspan(t(a), t(b), color=_REDONE, alpha=0.45, lw=0,
                        label=_STALL_LABEL if i == 0 and ax is top else None)
@@ -209,7 +224,7 @@ def throughput_figure(report: Mapping[str, Any]) -> Figure:
     top.set_ylabel("samples / s")
     top.set_ylim(bottom=0, top=max([r["samples_per_s"] for r in timed] or [1.0]) * 1.25)
     top.grid(True, alpha=0.3)
-    _legend(top, [_RATE_LABEL, _NOTICED_LABEL, _STALL_LABEL], loc="lower right")
+    _legend(top, [_RATE_LABEL, _CALIBRATION_LABEL, _STARTUP_LABEL, _NOTICED_LABEL, _STALL_LABEL], **_BESIDE)
     for r in runs:
         bottom.fill_between([t(r["start"]), t(r["end"])], 0, r["devices"], step="pre", color="#aec7e8",
                             edgecolor=CATEGORY_COLORS["forward"], lw=1.2)

@@ -175,6 +175,8 @@ def build_report(inputs: ReportInputs, out_dir: str | os.PathLike[str], prices: 
                        steps=int(status.get("step") or 0), batch_size=inputs.spec.batch_size,
                        downtime_s=downtime, redone_steps=redone, step_s=step_s,
                        restarts=sum(m.restart for m in state.morphs))
+    # the shapes the job ran as, in order: a restart of the same plan is not a morph, so not a new shape
+    shapes = [iv.shape for iv, m in zip(intervals, (None, *state.morphs)) if m is None or not m.restart]
     cost["intervals"] = [{"epoch": iv.epoch, "shape": iv.shape, "devices": iv.devices, "start": iv.start,
                           "end": iv.end, "device_hours": iv.device_hours} for iv in intervals]
     if cost["missing_prices"]:
@@ -182,11 +184,14 @@ def build_report(inputs: ReportInputs, out_dir: str | os.PathLike[str], prices: 
     _write_json(out / "cost.json", cost)
     doc = {
         "job": inputs.spec.job, "state": state.state, "reason": state.reason, "steps": status.get("step"),
-        "batch_size": inputs.spec.batch_size, "shapes": [iv.shape for iv in intervals], "plan": state.plan,
+        "batch_size": inputs.spec.batch_size, "shapes": shapes, "plan": state.plan,
         "memory": inputs.status.get("stages") or [],
         "runs": _runs(inputs, intervals),
+        "calibration": ([state.calibration_started, state.calibration_ended]
+                        if state.calibration_started and state.calibration_ended else None),
         "loss": loss, "measured": None if measured is None else {
             "epoch": measured.epoch, "step": measured.step, "warm": measured.warm, "workers": measured.workers,
+            "median_of": list(measured.median_of),
             "step_s": measured.duration_s, "recompute_stages": measured.recompute_stages(), "trace": "trace.json"},
         "predicted": None if predicted_s is None else {
             "step_s": predicted_s, "planner_estimate_s": state.plan.get("estimated_s"),
@@ -203,10 +208,14 @@ def build_report(inputs: ReportInputs, out_dir: str | os.PathLike[str], prices: 
         if "recompute" in state.plan and planned != measured.recompute_stages():
             notes.append(f"the planner assumed recompute on stages {planned}, the workers recomputed on "
                          f"{measured.recompute_stages()}: the prediction replays the planner's assumption")
-        sharing = state.plan.get("daemons_per_host") or 0
+        # the plan's facts are the newest epoch's: about another epoch's daemons they say nothing
+        sharing = (state.plan.get("daemons_per_host") or 0) if measured.epoch == state.epoch else 0
         if sharing > 1:
-            notes.append(f"{sharing} daemons ran on one host and shared its cores and memory bandwidth (a local "
-                         "ring), while the simulator assumes each has its own: expect the measured step to be slower")
+            ran = len(state.plan.get("members") or ()) or sharing
+            who = f"all {ran} daemons" if ran == sharing else f"{sharing} of the {ran} daemons"
+            notes.append(f"{who} that ran epoch {measured.epoch} shared one host, its cores and memory bandwidth "
+                         "(a local ring), while the simulator assumes each has its own: expect the measured step "
+                         "to be slower")
     _write_json(out / "report.json", doc)
     (out / "report.txt").write_text(format_report(doc))
     return doc
@@ -215,6 +224,16 @@ def build_report(inputs: ReportInputs, out_dir: str | os.PathLike[str], prices: 
 def _kinds_from(calibrations: Mapping[str, bytes]) -> dict[str, int]:
     """Without the plan's device mix (an older leader), one calibrated kind is the best guess."""
     return {next(iter(calibrations)): 1} if len(calibrations) == 1 else {}
+
+
+def _which_step(meas: dict[str, Any]) -> str:
+    """Which step was compared with the prediction: the median of the steady-state steps, or the
+    one step there was."""
+    over = meas.get("median_of") or []
+    if len(over) > 1:
+        return (f"step {meas['step']} of epoch {meas['epoch']}, the median of its steady-state steps "
+                f"{', '.join(map(str, over))}")
+    return f"step {meas['step']} of epoch {meas['epoch']}"
 
 
 def format_report(doc: dict[str, Any]) -> str:
@@ -228,7 +247,7 @@ def format_report(doc: dict[str, Any]) -> str:
             + ("" if r["samples_per_s"] is None else f", {r['samples_per_s']:.3g} samples/s") for r in ran))
     meas, pred = doc["measured"], doc["predicted"]
     if meas:
-        lines.append(f"step     measured {meas['step_s']:.4f} s (step {meas['step']} of epoch {meas['epoch']}, "
+        lines.append(f"step     measured {meas['step_s']:.4f} s ({_which_step(meas)}, "
                      f"{plural(meas['workers'], 'worker')}{'' if meas['warm'] else ', includes warm-up'})")
     if pred:
         err = f", {100 * pred['error']:+.1f}% vs measured" if "error" in pred else ""

@@ -21,8 +21,12 @@ from trainer.planning.calibration import Calibration
 from trainer.planning.schedule import build_table
 from trainer.planning.simulator import simulate, stage_costs
 
-__all__ = ["Missing", "MeasuredStep", "pick_measured_step", "chrome_trace", "stage_meta", "predict",
+__all__ = ["WARMUP", "Missing", "MeasuredStep", "pick_measured_step", "chrome_trace", "stage_meta", "predict",
            "load_events", "select_step"]
+
+
+# traced steps of an epoch left out of the steady state (the daemons trace an epoch's first five)
+WARMUP = 2
 
 
 class Missing(Exception):
@@ -37,12 +41,12 @@ class MeasuredStep:
     events: list[dict[str, Any]]  # the step's complete ("X") events
     meta: list[dict[str, Any]]  # the workers' process/thread names
     workers: int
+    # the steady-state steps whose median step time this one has (itself only when no other qualified)
+    median_of: tuple[int, ...] = ()
 
     @property
     def duration_s(self) -> float:
-        t0 = min(float(e["ts"]) for e in self.events)
-        t1 = max(float(e["ts"]) + float(e.get("dur", 0)) for e in self.events)
-        return (t1 - t0) / 1e6
+        return _duration_s(self.events)
 
     def recompute_stages(self) -> list[int]:
         return sorted({int(e["pid"]) for e in self.events if e.get("cat") == "recompute"})
@@ -70,12 +74,18 @@ def _read_trace_dir(directory: Path) -> tuple[list[dict], list[dict]]:
     return spans, meta
 
 
+def _duration_s(events: list[dict[str, Any]]) -> float:
+    return (max(float(e["ts"]) + float(e.get("dur", 0)) for e in events) - min(float(e["ts"]) for e in events)) / 1e6
+
+
 def pick_measured_step(store_dir: str, expected_workers: Mapping[int, int],
                        checkpoint_every: int | None = None) -> MeasuredStep:
-    """The newest epoch's newest step that every worker traced, preferring one after the
-    epoch's first (warm-up) step, and one that is not the first after a checkpoint (a staged
-    checkpoint is copied into the store while it runs). `expected_workers`: epoch -> P x D
-    (else: every worker seen)."""
+    """A steady-state step of the newest epoch that every worker traced: among its complete
+    steps after the first WARMUP traced ones (their caches, allocator and connections still
+    warming up), and not the first after a checkpoint (a staged checkpoint is copied into the
+    store while it runs), the one with the median step time. Where no step qualifies, the
+    newest after the epoch's first, else the first itself (``warm`` False). `expected_workers`:
+    epoch -> P x D (else: every worker seen)."""
     epochs = _trace_epochs(store_dir)
     if not epochs:
         raise Missing(f"no traces under {Path(store_dir) / 'traces'} (the daemons write them there)")
@@ -92,9 +102,15 @@ def pick_measured_step(store_dir: str, expected_workers: Mapping[int, int],
             continue
         warm = [s for s in complete if s != min(by_step)]
         quiet = [s for s in warm if not checkpoint_every or s % checkpoint_every]
-        step = (quiet or warm or complete)[-1]
+        steady = [s for s in quiet if s >= min(by_step) + WARMUP]
+        if not steady:
+            step = (quiet or warm or complete)[-1]
+            events = [e for e in spans if e.get("args", {}).get("step") == step]
+            return MeasuredStep(epoch, step, bool(warm), events, meta, want, (step,))
+        by_time = sorted(steady, key=lambda s: (_duration_s([e for e in spans if e["args"].get("step") == s]), s))
+        step = by_time[(len(by_time) - 1) // 2]   # the lower median: a step that ran, not an average
         events = [e for e in spans if e.get("args", {}).get("step") == step]
-        return MeasuredStep(epoch, step, bool(warm), events, meta, want)
+        return MeasuredStep(epoch, step, True, events, meta, want, tuple(steady))
     raise Missing(f"no step in {len(epochs)} traced epoch(s) was traced by every worker")
 
 
