@@ -123,3 +123,30 @@ def test_a_meta_model_is_cut_by_its_segments_work():
     assert len(costs) == len(traced.markers) + 1 and all(c > 0 for c in costs)
     # the last segment holds the vocabulary head: more work than a block
     assert costs[-1] > costs[1]
+
+
+class _AutocastRegion(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type="cpu", enabled=False):   # a subgraph of its own in the capture
+            pos = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
+        return (self.lin(x) + pos).pow(2).mean()
+
+
+def test_a_graph_captured_on_meta_runs_on_the_stage_device_subgraphs_too():
+    from torch import fx
+    from trainer.engine.weights import retarget_graph
+
+    def meta_devices(gm):
+        return [mod for mod in gm.modules() if isinstance(mod, fx.GraphModule) for n in mod.graph.nodes
+                for v in [*n.args, *n.kwargs.values()] if isinstance(v, torch.device) and v.type == "meta"]
+
+    with torch.device("meta"):
+        model = _AutocastRegion()
+    gm = capture_model(model, {"x": torch.randn(4, 4, device="meta")}).graph_module
+    assert any(mod is not gm for mod in meta_devices(gm))
+    retarget_graph(gm, torch.device("cpu"))
+    assert meta_devices(gm) == []

@@ -295,13 +295,16 @@ def _by_rebuilding(owner: nn.Module, leaf: str) -> tuple[torch.Tensor | None, st
 
 def retarget_graph(gm: fx.GraphModule, device: torch.device) -> None:
     """A model captured on the meta device recorded it in its ops (`arange(..., device=meta)`,
-    `to(meta)`, metadata checks): they run on the stage's device instead."""
+    `to(meta)`, metadata checks): they run on the stage's device instead, in the subgraphs of
+    higher-order ops too (an autocast region around rotary embeddings)."""
     def swap(v):
         if isinstance(v, torch.device) and v.type == "meta":
             return device
         return v
 
-    for node in gm.graph.nodes:
-        node.args = fx.node.map_aggregate(node.args, swap)
-        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
-    gm.recompile()
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                node.args = fx.node.map_aggregate(node.args, swap)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+            module.recompile()
