@@ -40,9 +40,9 @@ class StageExecutor:
         self.channel, self.device, self.precision = channel, device, precision
         self.recorder = recorder
         self._on_cpu = device.type == "cpu"   # received tensors are CPU tensors already
-        # Keyed random ops replay on recompute from their key alone ([Note: randomness belongs
-        # to the sample]); only a random op the capture could not key needs torch's generator
-        # state saved for it.
+        # Keyed random ops replay on recompute from their key alone; only a random op the capture
+        # could not key needs torch's generator state saved for it.
+        # [Note: randomness belongs to the sample]
         self._saves_rng = draws_unkeyed(module)
 
     def run(self, actions: Sequence[Action], micro_inputs: Sequence[Mapping[str, torch.Tensor]],
