@@ -33,3 +33,24 @@ def reference_run(steps: int, batch_size: int, *, clip: float | None = None, pre
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     params["eval"] = held_out
     return losses, params
+
+
+def keyed_reference_run(steps: int, batch_size: int, *, dropout: float, seed: int = 0) -> list[float]:
+    """Per-step losses of the tiny GPT with dropout under SGD with momentum: the plain loop over
+    the captured model, whose random ops are keyed by (seed, step, example, op) as every P x D
+    run keys them."""
+    from trainer.graph.reference import keyed_model, train_step
+
+    torch.manual_seed(1234)
+    cfg = GPTConfig.preset("tiny", dropout=dropout)
+    model = GPT(cfg, seed=0).train()
+    data = TextDataset(cfg.seq_len, num_examples=256, seed=0)
+    batches = GlobalBatches(len(data), batch_size, seed=0)
+    keyed = keyed_model(model, data.sample_batch(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        losses.append(train_step(keyed, data.batch(batches.indices(step)), step, seed=seed))
+        opt.step()
+    return losses

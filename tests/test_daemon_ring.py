@@ -26,7 +26,7 @@ import zmq
 
 from etcd_server import EtcdServer
 from protocol.messages import Ping, Pong, decode, encode
-from reference import reference_run
+from reference import keyed_reference_run, reference_run
 from ring import JOB_SCRIPT, REPO, Ring
 
 pytestmark = pytest.mark.slow
@@ -218,6 +218,27 @@ def test_kill9_in_a_2x2_resumes_from_the_survivors_memory(healthy, reference):
         assert spared, "no worker of the new epoch ran in a spare"
 
 
+def test_a_morph_with_dropout_trains_the_plain_loops_model(healthy):
+    """With dropout 0.1 the model depends on every mask: a 2x2 job that loses a VM and goes on
+    at another P x D still trains, step for step, what the plain single-process loop over the
+    keyed-random capture trains (tests/reference.py), so a morph does not change the model."""
+    ring = healthy
+    reference = keyed_reference_run(STEPS, BATCH, dropout=0.1)
+    # the masks matter: without them the losses differ by more than the comparison allows
+    plain = reference_run(STEPS, BATCH)[0]
+    assert any(abs(a - b) > 1e-3 * abs(b) for a, b in zip(reference, plain))
+    with _a_2x2_job(ring, "dropout", every=6, script_args=("--dropout", "0.1")):
+        st = ring.wait_step("dropout", 8)
+        epoch, leader = st["epoch"], ring.leader()
+        victim = "d4" if leader != "d4" else next(m for m in st["plan"]["members"] if m != leader)
+        ring.daemons[victim].kill9()
+        st = ring.wait_state("dropout", ("done", "failed"))
+        assert st["state"] == "done", st
+        lost = next(m for m in st["morphs"] if m["from_epoch"] == epoch)
+        assert lost["from"] != lost["to"], lost   # another P x D
+        check_history(st, reference, every=6)
+
+
 @pytest.mark.chaos
 def test_losing_both_replicas_of_a_stage_falls_back_to_the_store(healthy, reference):
     """Two VMs of a 2x2 job die at once, and they held both replicas of one stage: that stage's
@@ -244,13 +265,13 @@ def test_losing_both_replicas_of_a_stage_falls_back_to_the_store(healthy, refere
 
 
 @contextlib.contextmanager
-def _a_2x2_job(ring, job: str, *, every: int):
+def _a_2x2_job(ring, job: str, *, every: int, script_args: tuple[str, ...] = ()):
     """d4 joins d1..d3 and `job` runs as 2x2 (its calibration makes data parallelism nearly free);
     d4 leaves again afterwards, if it is still alive."""
     d4 = ring.start("d4")
     try:
         ring.wait_members(NAMES + ["d4"])
-        ring.submit(job, steps=STEPS, every=every, script_args=SLEEP + ("--cheap-allreduce",))
+        ring.submit(job, steps=STEPS, every=every, script_args=SLEEP + ("--cheap-allreduce", *script_args))
         st = ring.wait_step(job, 2, timeout=180)
         assert (st["plan"]["P"], st["plan"]["D"]) == (2, 2), st["plan"]
         yield

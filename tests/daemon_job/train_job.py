@@ -21,6 +21,8 @@ p.add_argument("--stop-at", type=int, default=None, help="leave the loop before 
 p.add_argument("--save-at", type=int, default=None, help="after this many steps the script saves a checkpoint "
                "itself (Varuna.checkpoint into the job's store), as a Varuna script may")
 p.add_argument("--script-batch", type=int, default=None, help="pass this global batch to Varuna instead of the job's")
+p.add_argument("--dropout", type=float, default=0.0, help="the GPT's dropout (tests/reference.py's "
+               "keyed_reference_run predicts the losses)")
 p.add_argument("--cheap-allreduce", action="store_true", help="calibrate all-reduces as nearly free: the planner "
                "then runs 4 slots as 2x2 (replicas to recover from) instead of 4x1")
 args = p.parse_args()
@@ -52,7 +54,7 @@ steps = job_setting("steps", 5)
 batch_size = job_setting("batch_size", 12)
 started = time.time()
 torch.manual_seed(1234)
-cfg = GPTConfig.preset("tiny", dropout=0.0)
+cfg = GPTConfig.preset("tiny", dropout=args.dropout)
 model = GPT(cfg, seed=0)
 data = TextDataset(cfg.seq_len, num_examples=256, seed=0)
 varuna = Varuna(model, None, data.sample_batch, args.script_batch or batch_size, args.chunk_size)
