@@ -150,3 +150,16 @@ def test_a_graph_captured_on_meta_runs_on_the_stage_device_subgraphs_too():
     assert any(mod is not gm for mod in meta_devices(gm))
     retarget_graph(gm, torch.device("cpu"))
     assert meta_devices(gm) == []
+
+
+def test_a_model_built_on_the_cpu_gets_its_values_from_the_weights_in_place(tmp_path):
+    torch.manual_seed(1)
+    saved = build("mixer")
+    save_file(saved.state_dict(), str(tmp_path / "w.safetensors"))
+    torch.manual_seed(2)
+    model = build("mixer")
+    named = setup.all_tensors(model)
+    loaded = load_stage(model, named, tmp_path / "w.safetensors", torch.device("cpu"))
+    assert all(loaded[n] is t for n, t in named.items())   # the same tensors, new values
+    for name, t in saved.state_dict().items():
+        assert torch.equal(loaded[name], t), name
