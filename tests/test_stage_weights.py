@@ -163,3 +163,8 @@ def test_a_model_built_on_the_cpu_gets_its_values_from_the_weights_in_place(tmp_
     assert all(loaded[n] is t for n, t in named.items())   # the same tensors, new values
     for name, t in saved.state_dict().items():
         assert torch.equal(loaded[name], t), name
+    # a buffer built on the CPU keeps its value when the files do not hold it: nothing to recompute
+    unkept = _Unkept(3)
+    save_file({"w": torch.full((3,), 2.0)}, str(tmp_path / "unkept.safetensors"))
+    loaded = load_stage(unkept, setup.all_tensors(unkept), tmp_path / "unkept.safetensors", torch.device("cpu"))
+    assert torch.equal(loaded["ramp"], torch.arange(3.0)) and torch.equal(loaded["w"], torch.full((3,), 2.0))

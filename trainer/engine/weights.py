@@ -14,7 +14,7 @@ submodule under which most keys are found is the one the file holds. A tensor wi
 (a head tied to its embedding, which `save_pretrained` writes once) is read under any of them, and
 so is a parameter tied to another with `shared_weights`.
 
-Buffers the files do not hold (non-persistent ones: rotary frequencies, attention masks) are
+Buffers of a meta model the files do not hold (non-persistent ones: rotary frequencies, masks) are
 recomputed, since a tensor given storage on its device holds garbage: by the `_init_weights` of a
 transformers model above the buffer's module, which is how transformers itself recomputes them
 after loading, else by building that one module again on the CPU from the arguments its
@@ -168,10 +168,10 @@ def load_stage(model: nn.Module, named: Mapping[str, torch.Tensor],
             key_of[first] = key
         elif isinstance(t, nn.Parameter):
             missing.append(first)
-        else:
+        elif t.is_meta:   # a buffer built on the CPU has its value already
             recompute.append(first)
     if missing:
-        raise ConfigError(f"{source.path} lacks {len(missing)} of stage's parameters: {missing[:5]}"
+        raise ConfigError(f"{source.path} lacks {len(missing)} of the stage's parameters: {missing[:5]}"
                           f"{' (looked for them without the prefix ' + repr(prefix) + ')' if prefix else ''}",
                           hint="save every parameter of the model (a tied one under any of its names)")
     named = _materialize(named, device, (model, *holders))
@@ -189,8 +189,8 @@ def load_stage(model: nn.Module, named: Mapping[str, torch.Tensor],
                                       f"'{first}' {tuple(t.shape)}", hint="build the model with the configuration "
                                                                           "the weights were saved from")
                 t.copy_(value)
-    log.info("read %d of the %d tensors in %s (%.1f MB) for %d tensors of the model", len(source.read_keys),
-             len(keys), source.path, sum(t.numel() * t.element_size() for t in named.values()) / 2**20, len(named))
+    log.info("read %d of the %d tensors in %s for the stage's %d (%.1f MB)", len(source.read_keys), len(keys),
+             source.path, len(named), sum(t.numel() * t.element_size() for t in named.values()) / 2**20)
     return named
 
 
