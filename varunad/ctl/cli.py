@@ -265,6 +265,17 @@ def _cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_kill(args: argparse.Namespace) -> int:
+    from varunad.ctl import local, rehearse
+
+    ring = rehearse.local_ring(args.dir)
+    if args.etcd == local.default_etcd():   # no --etcd given: the ring's own, wherever its --dir is
+        args.etcd = ring.etcd
+    return _run(args, lambda store: rehearse.kill_at_step(store, _keys(args), args.vm, args.at_step, job=args.job,
+                                                          notice=args.notice, state_dir=args.dir,
+                                                          timeout=args.wait))
+
+
 def _cmd_watch(args: argparse.Namespace) -> int:
     from varunad.ctl import progress
 
@@ -306,6 +317,21 @@ def _add_ring(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
                    help="how long daemons get to stop before SIGKILL (default 30)")
     p.set_defaults(handler=_cmd_down)
+
+    p = sub.add_parser("kill", help="rehearse a preemption: end a daemon of the local ring at a step of the job",
+                       description="Wait until the running job (or --job) has trained N steps, then end daemon VM "
+                                   "of the local ring as a spot VM ends: SIGKILL of the daemon and its workers (a "
+                                   "VM that vanished), or SIGTERM with --notice (a preemption notice: it "
+                                   "checkpoints and leaves). Then follow the job until the new plan trained a "
+                                   "step, and print the morph and where it resumed.")
+    p.add_argument("vm", metavar="VM", help="a daemon of the ring running a worker of the job (vm1, vm2, ...)")
+    p.add_argument("--at-step", type=int, required=True, metavar="N", help="kill once the job trained N steps")
+    p.add_argument("--notice", action="store_true", help="SIGTERM (a preemption notice) instead of SIGKILL")
+    p.add_argument("--job", metavar="JOB", help="the job to wait for (default: the one running)")
+    p.add_argument("--dir", metavar="DIR", help="the ring's state directory (default as for up)")
+    p.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
+                   help="longest wait for the step and then for the job to resume (default 600)")
+    p.set_defaults(handler=_cmd_kill)
 
     p = sub.add_parser("watch", help="live progress of a job until it ends",
                        description="A progress bar for JOB (step, loss, samples/s, P x D, micro-batch, epoch) and "
