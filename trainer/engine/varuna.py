@@ -52,6 +52,7 @@ from trainer.graph.keyed_rng import Draws
 from trainer.graph.layout import Layout, build_layout
 from trainer.net.netaddr import bound_gloo_backend, nccl_environment
 from trainer.graph.partition import balance, capture_model, dry_run, slice_stages
+from trainer.graph.placement import retarget_graph
 from trainer.net.rendezvous import RendezvousStore, parse_url
 from trainer.engine.precision import LossScaler, Precision, squared_norms
 from trainer.planning.parallel import ParallelPlan
@@ -142,8 +143,7 @@ class Varuna:
                                                holders=(self.module,))
         setup.move_in_place(self._named.values(), self.device)
         self.module.to(self.device)   # what else the slice holds (graph constants)
-        if captured_on.type == "meta":
-            stage_weights.retarget_graph(self.module, self.device)
+        retarget_graph(self.module, captured_on, self.device)   # and the devices its ops recorded
         self.input_names = mine.input_names
 
         # torch.export leaves reference cycles (its wrapper module, its tracer) that hold the

@@ -15,6 +15,7 @@ import torch
 from trainer.errors import ConfigError
 from trainer.engine.precision import Precision, autocast
 from trainer.graph.partition import ACTIVATION, StageSlice, TracedModel, slice_stages
+from trainer.graph.placement import retarget_graph
 from trainer.planning.calibration import SegmentCost, TiedWeights
 from trainer.profiler.common import _median, _nbytes, _sync
 
@@ -128,6 +129,7 @@ def resident(module: torch.nn.Module, device: torch.device):
     moved = home != device
     if moved:
         module.to(device)
+        retarget_graph(module, home, device)
     try:
         yield module
     finally:
@@ -135,6 +137,7 @@ def resident(module: torch.nn.Module, device: torch.device):
             p.grad = None
         if moved:
             module.to(home)
+            retarget_graph(module, device, home)
 
 
 def _inputs(sl: StageSlice, batch, x: torch.Tensor | None) -> dict[str, torch.Tensor]:
