@@ -1,6 +1,6 @@
 """The one interpreter of schedule tables: runs a stage's action list for one mini-batch.
 
-The simulator replays the same lists with calibrated costs (DESIGN idea 1), so this module
+The simulator replays the same lists with calibrated costs ([Note: a schedule is data]), so this module
 must not reorder or add work: every action in the list is executed, in order, and nothing else.
 """
 

@@ -10,7 +10,7 @@ A script written for Varuna ports with an import change:
 Each worker captures the whole model (torch.export), keeps only its stage (the rest of the parameters are
 freed), and runs the schedule's action list for its stage every step. Gradients are summed
 over replicas (the loss is normalised by the global batch), so every P x D computes the same
-update as a single process would (DESIGN idea 3).
+update as a single process would ([Note: the global batch defines the math] in ARCHITECTURE.md).
 
 When the epoch breaks (a peer lost mid-step), the step is abandoned and the state of the last
 completed step is saved from memory for the next epoch (`_abandon`, trainer.checkpoint.rescue).
