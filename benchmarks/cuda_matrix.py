@@ -5,9 +5,12 @@ the local launcher (real worker processes, ZeroMQ streams between stages, NCCL a
 replicas on CUDA tensors) for the tiny GPT, and compares its per-step losses with the plain
 single-process loop of tests/reference.py run on the same GPU and on the CPU.
 
-With one GPU every worker shares it (``--device cuda:0``): pipelines (P x 1) run, while NCCL refuses
-two ranks of one communicator on one GPU, so D > 1 needs as many GPUs as replicas (``--device
-cuda`` gives each rank its own); such rows say why they did not run.
+With one GPU every worker shares it (``--device cuda:0``), and NCCL refuses two ranks of one
+communicator on one GPU ('Duplicate GPU detected'): D > 1, and a pipeline whose tied weights span
+stages (this GPT's embedding and head share one tensor, summed over a group of the first and last
+stage), need a GPU per rank (``--device cuda`` gives each rank its own); such rows say why they
+did not run. Measured on one H200 (torch 2.11, NCCL 2.28.9): 1x1 ran, 1.0e-7 from the plain loop
+on the same GPU; every other shape stopped at NCCL's duplicate-GPU check.
 
 Run:  python benchmarks/cuda_matrix.py [--device cuda:0] [--shapes 1x1,2x1,4x1,1x2,2x2]
 The last line is `bench cuda: shapes=<n> ran=<n> equal=<n> max_rel=<x>`.
