@@ -345,7 +345,9 @@ def test_calibration_grows_by_less_than_the_weights_plus_one_slot():
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 << 20), MALLOC_TRIM_THRESHOLD_=str(256 << 20))
     script = Path(__file__).parent / "workers" / "calibration_memory.py"
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    # the micro-batch sizes a daemon's calibration run measures for a batch of 8
+    out = subprocess.run([sys.executable, str(script), "--sizes", "1", "2", "4", "8"], env=env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["segments"] == 8 and got["weights"] > 130e6

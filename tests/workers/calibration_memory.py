@@ -18,6 +18,7 @@ from trainer.planning.calibration import LinkCost
 p = argparse.ArgumentParser()
 p.add_argument("--width", type=int, default=2048)
 p.add_argument("--depth", type=int, default=8)
+p.add_argument("--sizes", type=int, nargs="+", default=[4])
 args = p.parse_args()
 
 
@@ -53,7 +54,7 @@ with tempfile.TemporaryDirectory() as folder:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")   # VmHWM starts again from the current resident size
     base = status("VmRSS")
-    cal = prof.profile_all([4])
+    cal = prof.profile_all(args.sizes)
     growth = status("VmHWM") - base
 weights = sum(q.numel() * q.element_size() for q in model.parameters())
 print(json.dumps({"weights": weights, "growth": growth, "segments": cal.n_segments,

@@ -6,6 +6,9 @@ several segments share."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +24,19 @@ from trainer.profiler.common import _median, _nbytes, _sync
 
 __all__ = ["IN_FLIGHT", "SegmentMeasurement", "segment_slices", "measure_segments",
            "measure_segments_interleaved", "resident", "tied_weights"]
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return lib if hasattr(lib, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
 
 
 def segment_slices(traced: TracedModel) -> list[StageSlice]:
@@ -137,6 +153,16 @@ def resident(module: torch.nn.Module, device: torch.device):
             p.grad = None
         if moved:
             module.to(home)
+        _release_heap(device)
+
+
+def _release_heap(device: torch.device) -> None:
+    """On a CPU, hand the heap this segment freed back to the kernel: under the workers' malloc
+    settings (large trim and mmap thresholds, for speed) glibc keeps it, and the next segment's
+    tensors do not fit the holes, so each segment would add to the resident size."""
+    if device.type != "cpu" or _LIBC is None:
+        return
+    _LIBC.malloc_trim(0)
             retarget_graph(module, device, home)
 
 
