@@ -60,20 +60,21 @@ def read_only(store: Path) -> Iterator[Path]:
         _umount(store)
 
 
-def fill(store: Path) -> Path:
-    """Write to `store` until it is full (ENOSPC); the file that fills it, to delete when done."""
+def fill(store: Path, leave: int = 0) -> Path:
+    """Write to `store` until it is full (ENOSPC), then give `leave` bytes back (room for a file or
+    two of a checkpoint, never a whole one); the file that fills it, to delete when done."""
     path = store / FILLER
     chunk = b"\0" * (1 << 20)
     with open(path, "wb", buffering=0) as f:
-        while True:
+        while len(chunk) >= 4096:
             try:
                 f.write(chunk)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
                 chunk = chunk[:len(chunk) // 2]
-                if len(chunk) < 4096:
-                    return path
+        f.truncate(max(0, f.tell() - leave))
+    return path
 
 
 def _wait_failing(run: Any, why: str, **extra: Any) -> dict[str, Any]:

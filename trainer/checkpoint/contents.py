@@ -23,6 +23,7 @@ epoch commits past that point, a cut-off incarnation's late write, is refused an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
@@ -39,6 +40,7 @@ from torch import nn
 
 from trainer.checkpoint import fences, reading, store as ckpt_store
 from trainer.checkpoint.model_record import MANIFEST_KEY as MODEL_RECORD
+from trainer.checkpoint.storage import storage_for
 from trainer.errors import CheckpointError, StoreOutage
 from trainer.planning.parallel import ParallelPlan
 
@@ -179,30 +181,47 @@ def save(v: Checkpointed, store: str, iteration: int, *, tmpdir: str | None = No
     # A store outage on one worker's files must end the checkpoint on every worker, the same
     # way: each says how its share went, and nobody commits what a peer could not write.
     mine: list[reading.FileEntry] | StoreOutage
+    written: list[reading.FileEntry] = []
     try:
-        mine = _write_mine(v, final_dir, iteration, shard)
+        mine = _write_mine(v, final_dir, iteration, shard, written)
     except StoreOutage as exc:
         mine = exc.at_step(iteration)
     gathered: list[list | StoreOutage | None] = [None] * v.assignment.world_size
     dist.all_gather_object(gathered, mine)
     outage = next((g for g in gathered if isinstance(g, StoreOutage)), None)
     if outage is not None:
+        _forget(final_dir, written)
         raise outage
     entries = [e for es in gathered for e in es]
-    # agree, not a barrier: a manifest rank 0 could not write fails the checkpoint on every rank
-    agree(v, lambda: ckpt_store.write_manifest(final_dir, entries, manifest_meta(v), iteration=iteration,
-                                               epoch=epoch))
+    try:   # agree, not a barrier: a manifest rank 0 could not write fails the checkpoint on every rank
+        agree(v, lambda: ckpt_store.write_manifest(final_dir, entries, manifest_meta(v), iteration=iteration,
+                                                   epoch=epoch))
+    except StoreOutage:
+        _forget(final_dir, written)
+        raise
     log.info("rank %d: checkpoint %d written to %s in %.2fs", v.rank, iteration, final_dir,
              time.perf_counter() - start)
     return final_dir, None
 
 
-def _write_mine(v: Checkpointed, directory: str, iteration: int, shard: bool) -> list[reading.FileEntry]:
-    entries = [ckpt_store.write_tensors(directory, fname, content)
-               for fname, content in sorted(stage_files(v, shard).items())]
+def _write_mine(v: Checkpointed, directory: str, iteration: int, shard: bool,
+                written: list[reading.FileEntry] | None = None) -> list[reading.FileEntry]:
+    """This worker's files of checkpoint `iteration`, each appended to `written` once it is in place."""
+    entries = [] if written is None else written
+    for fname, content in sorted(stage_files(v, shard).items()):
+        entries.append(ckpt_store.write_tensors(directory, fname, content))
     if v.rank == 0:
         entries.append(ckpt_store.write_tensors(directory, META, meta_of(v, iteration)))
     return entries
+
+
+def _forget(directory: str, written: list[reading.FileEntry]) -> None:
+    """Remove the files a checkpoint that will never be committed left: a full store needs the
+    space back (each file was written by this worker alone; a read-only store keeps them)."""
+    storage = storage_for(directory)
+    for e in written:
+        with contextlib.suppress(OSError):
+            storage.remove(posixpath.join(directory, e.name))
 
 
 def manifest_meta(v: Checkpointed) -> dict:
