@@ -23,6 +23,7 @@ p.add_argument("--width", type=int, default=2048)
 p.add_argument("--depth", type=int, default=8)
 p.add_argument("--chunk-size", type=int, default=4)
 p.add_argument("--memory-error-at", type=int, default=None)
+p.add_argument("--device", default="-1", help="every worker's device, e.g. cuda:0 (default: the assignment's, else cpu)")
 args = p.parse_args()
 
 
@@ -45,7 +46,7 @@ def get_batch(size, device=None):
     return {"x": xs[:size], "y": ys[:size]}
 
 
-varuna = Varuna(model, None, get_batch, batch_size, args.chunk_size)
+varuna = Varuna(model, None, get_batch, batch_size, args.chunk_size, device=args.device)
 del model   # the worker keeps its stage only
 if args.memory_error_at is not None and varuna.stage == 0:
     varuna.module.register_forward_pre_hook(refuse)
