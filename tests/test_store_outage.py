@@ -10,6 +10,7 @@ import logging
 import os
 import pickle
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +208,5 @@ def test_rank_0_stops_waiting_for_a_share_the_store_refused(tmp_path):
     assert up0.wait(30)
     assert isinstance(up0.error, CheckpointError) and "another worker could not write" in str(up0.error)
     assert ckpt_store.latest_complete(str(store)) is None   # never committed
+    # and neither keeps its files in the store: it needs the space, and they will never be committed
+    assert [p.name for p in Path(final).glob("*.pt")] == []

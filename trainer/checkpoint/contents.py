@@ -274,11 +274,13 @@ class Upload:
 
     def _run(self, stage_dir, entries, token, rank, world, meta, timeout_s) -> None:
         start = time.perf_counter()
+        copied: list[reading.FileEntry] = []
         try:
             # a newer epoch may have started while this one staged: then not a file is copied
             fences.refuse_superseded(posixpath.dirname(self.final_dir.rstrip("/")), self.epoch, self.iteration)
             for e in entries:
                 ckpt_store.copy_file(stage_dir, self.final_dir, e)
+                copied.append(e)
             ckpt_store.write_writer_record(self.final_dir, token, rank, entries)
             self.shared.set()
             if meta is not None:
@@ -289,6 +291,8 @@ class Upload:
             self.error = exc
             if not self.shared.is_set():
                 self.share_error = exc
+            if isinstance(exc, StoreOutage) or self._abandoned.is_set():   # never committed: give the space back
+                _forget(self.final_dir, copied)
             log.error("rank %d: staged checkpoint %d did not reach %s: %s", rank, self.iteration,
                       self.final_dir, exc)
         finally:
