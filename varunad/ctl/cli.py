@@ -161,7 +161,7 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
             return 0
         print(f"{'JOB':<24} {'STATE':<10} {'EPOCH':>8}  REASON")
         for j in rows:
-            print(f"{j['job']:<24} {j['state']:<10} {j['epoch']:>8}  {j['reason']}")
+            print(f"{j['job']:<24} {j.get('activity') or j['state']:<10} {j['epoch']:>8}  {j['reason']}")
         return 0
 
     return _run(args, go)
