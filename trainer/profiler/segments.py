@@ -153,6 +153,7 @@ def resident(module: torch.nn.Module, device: torch.device):
             p.grad = None
         if moved:
             module.to(home)
+            retarget_graph(module, device, home)
         _release_heap(device)
 
 
@@ -163,7 +164,6 @@ def _release_heap(device: torch.device) -> None:
     if device.type != "cpu" or _LIBC is None:
         return
     _LIBC.malloc_trim(0)
-            retarget_graph(module, device, home)
 
 
 def _inputs(sl: StageSlice, batch, x: torch.Tensor | None) -> dict[str, torch.Tensor]:
