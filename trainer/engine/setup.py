@@ -6,6 +6,7 @@ arguments, so each is tested and read without a worker."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -133,6 +134,18 @@ def free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
     for t in (*model.parameters(), *model.buffers()):
         if canonical.get(id(t)) not in keep and not t.is_meta:
             t.data = torch.empty(0, dtype=t.dtype)
+    _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed heap memory for the process's next allocations: the whole model's worth
+    would stay resident in every worker. malloc_trim hands it back to the kernel (nothing where
+    the C library has no such call)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def stream_security(endpoints: Sequence[str], keys: Mapping[str, str] | None) -> Security:
