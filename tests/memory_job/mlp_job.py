@@ -23,7 +23,7 @@ p.add_argument("--width", type=int, default=2048)
 p.add_argument("--depth", type=int, default=8)
 p.add_argument("--chunk-size", type=int, default=4)
 p.add_argument("--memory-error-at", type=int, default=None)
-p.add_argument("--device", default="-1", help="every worker's device, e.g. cuda:0 (default: the assignment's, else cpu)")
+p.add_argument("--device", default="-1", help="every worker's device, e.g. cuda:0 (default: the assignment's)")
 args = p.parse_args()
 
 

@@ -37,8 +37,9 @@ class StageOutOfMemoryError(VarunaError, MemoryError):
 
     def __init__(self, stage: int, stages: int, device: torch.device, peak_bytes: int, detail: str) -> None:
         self.stage, self.peak_bytes = stage, peak_bytes
+        first = detail.splitlines()[0][:200] if detail else ""
         super().__init__(f"stage {stage} of {stages} ran out of memory on {device} (measured peak "
-                         f"{peak_bytes / 1e6:.1f} MB before it failed): {detail.splitlines()[0][:200] if detail else ''}",
+                         f"{peak_bytes / 1e6:.1f} MB before it failed): {first}",
                          hint="the plan counted on more memory than the slot has: under varunad the job is "
                               "re-planned with less memory per slot of this kind; with trainer.launch use more "
                               "stages (-P) or a smaller micro-batch")

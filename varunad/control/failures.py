@@ -28,7 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DETERMINISTIC", "MemoryBackoff", "cause", "classify", "is_out_of_memory", "is_store_outage", "memory_backoff"]
+__all__ = ["DETERMINISTIC", "MemoryBackoff", "cause", "classify", "is_out_of_memory", "is_store_outage",
+           "memory_backoff"]
 
 # Exceptions that a fresh start on the same script, spec and fleet raises again.
 DETERMINISTIC = ("ConfigError", "PartitionError", "SyntaxError", "IndentationError", "ModuleNotFoundError",

@@ -17,7 +17,8 @@ from varunad.store import schemas
 from varunad.store.contract import Store
 from varunad.store.keys import Keys
 
-__all__ = ["memory_lines", "stage_memory", "UnknownJob", "read_state", "job_status", "job_queue", "plan_lines", "activity"]
+__all__ = ["memory_lines", "stage_memory",
+           "UnknownJob", "read_state", "job_status", "job_queue", "plan_lines", "activity"]
 
 
 _LIVE = ("running", "morphing")   # states in which a job's workers may be running
