@@ -28,11 +28,14 @@ WORKER = Path(__file__).parent / "workers" / "keyed_check.py"
 def test_a_micro_batch_draws_the_concatenation_of_its_examples_draws():
     with keyed_randomness(5, 9, 0):
         whole = keyed_uniform(3, (8, 4, 5))
-    parts = []
+        whole_mask = keyed_keep(3, (8, 3, 5), 0.5)   # an odd count per example: words hold two
+    parts, masks = [], []
     for start, size in ((0, 3), (3, 1), (4, 4)):
         with keyed_randomness(5, 9, start):
             parts.append(keyed_uniform(3, (size, 4, 5)))
+            masks.append(keyed_keep(3, (size, 3, 5), 0.5))
     assert torch.equal(torch.cat(parts), whole)
+    assert torch.equal(torch.cat(masks), whole_mask)
     # each part of the key matters
     for seed, step, op in ((6, 9, 3), (5, 10, 3), (5, 9, 4)):
         with keyed_randomness(seed, step, 0):

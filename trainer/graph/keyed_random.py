@@ -66,7 +66,7 @@ def _noise_shape(input: torch.Tensor, feature: bool) -> tuple[int, ...]:
 
 def _dropout(input, p, train, feature: bool, alpha: bool, key_op, key_dim, key_rows):
     if not _drops(train) or p == 0:
-        return input.clone()
+        return input   # as torch's dropout outside training: the input itself
     if p == 1:
         return input * input.new_zeros(())
     keep = _keep(_noise_shape(input, feature), p, input, key_op, key_dim, key_rows)

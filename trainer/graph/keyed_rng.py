@@ -13,7 +13,8 @@ wrap-around). The scalar part of the key (seed, step, op, stream) is mixed once 
 splitmix64; each example's index and each element's index are hashed apart and combined by a
 final full-size hash, so a draw costs about a dozen integer passes over its output.
 
-Uniforms carry 24 bits (exact in float32, the same bits on CPU and CUDA); normals are
+Uniforms carry 24 bits (exact in float32, the same bits on CPU and CUDA), dropout masks 16
+(a word decides two elements: half the hashing); normals are
 Box-Muller over two independent streams and agree across devices to the rounding of their
 log/cos. `keyed_randomness` sets the key for the code it wraps: the engine enters it around
 every forward and recompute of a micro-batch; a plain loop enters it to reproduce the run.
@@ -37,10 +38,11 @@ _M64 = (1 << 64) - 1
 _U24 = 1.0 / (1 << 24)
 # Odd multipliers below 2**31 (a 32-bit word times one stays below 2**63).
 _C1, _C2 = 0x7FEB352D, 0x31848BAB
-# Normals take two uniform streams; a draw outside any example (an op without a batch
-# dimension) has its own stream, so it never equals example 0's row.
+# Normals take two uniform streams, masks one of their own; a draw outside any example (an op
+# without a batch dimension) has its own stream, so it never equals example 0's row.
 _STREAMS = 4
 _NO_EXAMPLE = 2
+_KEEP = 3
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,18 @@ def keyed_normal(op: int, shape: Sequence[int], *, batch_dim: int | None = 0, ro
 
 def keyed_keep(op: int, shape: Sequence[int], p: float, *, batch_dim: int | None = 0,
                rows_per_example: int = 1, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A bool mask, True with probability 1 - p (to 2**-32), keyed as `keyed_uniform`."""
-    words = _words(op, 0, shape, batch_dim, rows_per_example, device)
-    return words >= min(int(round(p * (1 << 32))), 1 << 32)
+    """A bool mask, True with probability 1 - p (to 2**-16), keyed as `keyed_uniform`.
+
+    Each 32-bit word decides two elements (its low and high halves): half the hashing, which is
+    most of a mask's cost."""
+    examples, per_example = _layout(shape, batch_dim, rows_per_example)
+    if examples == 0 or per_example == 0:
+        return torch.ones(tuple(shape), dtype=torch.bool, device=device)
+    words = keyed_words(op, _KEEP, examples, (per_example + 1) // 2, device)
+    threshold = min(int(round(p * (1 << 16))), 1 << 16)
+    high = words >> 16
+    keep = torch.stack((words.bitwise_and_(0xFFFF) >= threshold, high >= threshold), dim=-1)
+    keep = keep.view(1 if examples is None else examples, -1)
+    if keep.shape[1] != per_example:
+        keep = keep[:, :per_example].contiguous()
+    return _shaped(keep, shape, batch_dim)

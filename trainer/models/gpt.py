@@ -50,8 +50,8 @@ class GPTConfig:
     n_embd: int = 48
     """Width of the residual stream."""
     dropout: float = 0.0
-    """Dropout after embeddings and each residual branch (nn.Dropout only, so the engine can
-    replay masks on recompute by restoring the RNG state)."""
+    """Dropout after embeddings and each residual branch (nn.Dropout; the engine keys its masks
+    by sample, so every P x D and recompute draws the same ones)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
@@ -112,8 +112,9 @@ class CausalSelfAttention(nn.Module):
         # unflatten/permute instead of `B, T, C = x.size()` keeps the graph free of shape
         # unpacking, which symbolic tracing cannot do.
         qkv = self.c_attn(x).unflatten(-1, (3, self.n_head, self.head_dim)).permute(2, 0, 3, 1, 4)
-        # No attention-probability dropout: SDPA's internal dropout would draw from the RNG in
-        # a way the engine does not replay; residual dropout below is an nn.Dropout.
+        # No attention-probability dropout: to key it by sample the engine runs attention as
+        # matmul + softmax (trainer.graph.keyed_random), giving up SDPA's fused kernel; residual
+        # dropout below is an nn.Dropout.
         y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
         return self.resid_drop(self.c_proj(y.transpose(1, 2).flatten(2)))
 
