@@ -133,23 +133,25 @@ def _combine(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def _key(draws: Draws, op: int, stream: int, examples: int | None, per_example: int) -> tuple[int, int, int]:
+    """(k0, k1, the first row's example index) of a draw, its sizes checked."""
+    if per_example > _M32:
+        raise ValueError(f"a random op draws {per_example} elements per example; at most 2**32 are keyed")
+    if examples is None:
+        return (*_scalar_key(draws, op, _NO_EXAMPLE), 0)
+    if draws.example_offset + examples > _M32 + 1:
+        raise ValueError(f"examples {draws.example_offset}..{draws.example_offset + examples - 1}: "
+                         "global example indices are keyed up to 2**32-1")
+    return (*_scalar_key(draws, op, stream), draws.example_offset)
+
+
 def keyed_words(op: int, stream: int, examples: int | None, per_example: int,
                 device: torch.device | str, draws: Draws | None = None) -> torch.Tensor:
     """(examples, per_example) int64 words in 0..2**32-1: row i for the example at global index
     draws.example_offset + i, column j for element j of it. `examples=None` draws one row keyed
     by the op alone (the same for every micro-batch)."""
-    draws = draws or current_draws()
-    if per_example > _M32:
-        raise ValueError(f"a random op draws {per_example} elements per example; at most 2**32 are keyed")
-    k0, k1 = _scalar_key(draws, op, _NO_EXAMPLE if examples is None else stream)
-    if examples is None:
-        rows = torch.zeros(1, dtype=torch.int64, device=device)
-    else:
-        if draws.example_offset + examples > _M32 + 1:
-            raise ValueError(f"examples {draws.example_offset}..{draws.example_offset + examples - 1}: "
-                             "global example indices are keyed up to 2**32-1")
-        rows = torch.arange(draws.example_offset, draws.example_offset + examples, dtype=torch.int64,
-                            device=device)
+    k0, k1, first = _key(draws or current_draws(), op, stream, examples, per_example)
+    rows = torch.arange(first, first + (examples or 1), dtype=torch.int64, device=device)
     rows = _mix_(rows.bitwise_xor_(k0))
     cols = _mix_(torch.arange(per_example, dtype=torch.int64, device=device).add_(k1).bitwise_and_(_M32))
     return _combine(rows, cols)
