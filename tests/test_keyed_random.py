@@ -221,6 +221,29 @@ def test_the_plain_loop_helper_splits_a_step_as_the_engine_does():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_the_executor_keys_each_micro_batch_and_saves_no_generator_state():
+    """The executor enters each micro-batch's key around its forward: two micro-batches of one
+    step draw as examples 0..1 and 2..3 of it, what the plain loop draws for them."""
+    from trainer.engine.executor import StageExecutor
+    from trainer.planning.schedule import Action, Kind
+
+    torch.manual_seed(0)
+    model = Everything().train()
+    gm = capture_model(model, {"x": torch.randn(2, 5, 6)}).graph_module
+    executor = StageExecutor(gm, stage=0, stages=1, takes_activation=False, channel=None,
+                             device=torch.device("cpu"), precision="fp32")
+    assert not executor._saves_rng   # keyed ops replay from their keys: nothing to save
+    x = torch.randn(4, 5, 6)
+    micro = [{"x": x[:2]}, {"x": x[2:]}]
+    actions = [Action(0, kind, m) for m in (0, 1) for kind in (Kind.FORWARD, Kind.BACKWARD)]
+    got = executor.run(actions, micro, [0.5, 0.5], draws=[Draws(11, 3, 0), Draws(11, 3, 2)])
+    engine_grads = {n: p.grad.clone() for n, p in gm.named_parameters()}
+    want, grads = _loss_and_grads(gm, x, 4, step=3)
+    assert got == pytest.approx(want, rel=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(engine_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
 # -- the engine (slow: real workers) ---------------------------------------------------------
 
 def _launch(out: Path, stages: int, replicas: int, *args: str) -> Path:
