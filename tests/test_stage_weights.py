@@ -138,7 +138,7 @@ class _AutocastRegion(nn.Module):
 
 def test_a_graph_captured_on_meta_runs_on_the_stage_device_subgraphs_too():
     from torch import fx
-    from trainer.engine.weights import retarget_graph
+    from trainer.graph.placement import retarget_graph
 
     def meta_devices(gm):
         return [mod for mod in gm.modules() if isinstance(mod, fx.GraphModule) for n in mod.graph.nodes
@@ -148,7 +148,7 @@ def test_a_graph_captured_on_meta_runs_on_the_stage_device_subgraphs_too():
         model = _AutocastRegion()
     gm = capture_model(model, {"x": torch.randn(4, 4, device="meta")}).graph_module
     assert any(mod is not gm for mod in meta_devices(gm))
-    retarget_graph(gm, torch.device("cpu"))
+    assert retarget_graph(gm, torch.device("meta"), torch.device("cpu")) > 0
     assert meta_devices(gm) == []
 
 

@@ -38,7 +38,7 @@ from torch import fx, nn
 
 from trainer.errors import ConfigError
 
-__all__ = ["WeightsFile", "tensor_names", "on_meta", "load_stage", "retarget_graph"]
+__all__ = ["WeightsFile", "tensor_names", "on_meta", "load_stage"]
 
 log = logging.getLogger("varuna")
 
@@ -291,20 +291,3 @@ def _by_rebuilding(owner: nn.Module, leaf: str) -> tuple[torch.Tensor | None, st
     if value is None or value.is_meta:
         return None, f"a new {cls.__name__} has no buffer '{leaf}'"
     return value, ""
-
-
-def retarget_graph(gm: fx.GraphModule, device: torch.device) -> None:
-    """A model captured on the meta device recorded it in its ops (`arange(..., device=meta)`,
-    `to(meta)`, metadata checks): they run on the stage's device instead, in the subgraphs of
-    higher-order ops too (an autocast region around rotary embeddings)."""
-    def swap(v):
-        if isinstance(v, torch.device) and v.type == "meta":
-            return device
-        return v
-
-    for module in gm.modules():
-        if isinstance(module, fx.GraphModule):
-            for node in module.graph.nodes:
-                node.args = fx.node.map_aggregate(node.args, swap)
-                node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
-            module.recompile()
