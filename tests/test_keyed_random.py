@@ -150,6 +150,26 @@ def test_every_random_op_of_a_captured_model_draws_the_same_at_every_micro_batch
     assert _loss_and_grads(gm, x, 8, step=4)[0] != pytest.approx(ref_loss, rel=1e-3)   # the step is in the key
 
 
+def test_a_sequence_first_model_keys_its_dropout_by_the_batch_dimension_it_has():
+    class SeqFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = F.dropout(self.lin(x).transpose(0, 1), 0.5, True)   # (T, B, C)
+            return h.pow(2).mean()
+
+    torch.manual_seed(0)
+    gm = capture_model(SeqFirst(), {"x": torch.randn(2, 5, 6)}).graph_module
+    x = torch.randn(6, 5, 6)
+    ref_loss, ref_grads = _loss_and_grads(gm, x, 6)
+    loss, grads = _loss_and_grads(gm, x, 2)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_random_op_without_a_batch_dimension_is_keyed_by_the_op_alone():
     class Shared(nn.Module):
         def forward(self, x):
