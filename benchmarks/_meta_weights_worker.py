@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from torch import nn  # noqa: E402
 
 from trainer import Varuna  # noqa: E402
+from trainer.models.hf import CausalLM  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--mode", choices=["cpu", "meta"], required=True)
@@ -26,15 +26,6 @@ p.add_argument("--weights", required=True)
 p.add_argument("--out", required=True)
 args = p.parse_args()
 transformers.logging.set_verbosity_error()
-
-
-class CausalLM(nn.Module):
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, labels=input_ids).loss
 
 
 def rss() -> float:

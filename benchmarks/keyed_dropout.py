@@ -39,17 +39,9 @@ from torch import nn  # noqa: E402
 
 from trainer.graph import capture as capture_module  # noqa: E402
 from trainer.graph.keyed_rng import keyed_randomness  # noqa: E402
+from trainer.models.hf import CausalLM  # noqa: E402
 
 __all__ = ["main"]
-
-
-class CausalLM(nn.Module):
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, labels=input_ids).loss
 
 
 def _models(quick: bool):

@@ -18,11 +18,11 @@ import argparse
 import sys
 
 import torch
-from torch import nn
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import TextDataset
 from trainer.worker_env import job_setting
+from trainer.models.hf import CausalLM
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,17 +42,6 @@ def parse_args() -> argparse.Namespace:
     if (args.weights is None) == (args.save_weights is None):
         p.error("give --weights DIR to fine-tune, or --save-weights DIR to make a checkpoint first")
     return args
-
-
-class CausalLM(nn.Module):
-    """forward(batch) -> loss around a Hugging Face model (it shifts the labels itself)."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, labels=input_ids).loss
 
 
 def save_random_weights(transformers, args: argparse.Namespace, vocab: int) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 from trainer import GlobalBatches, Varuna
 from trainer.data import TextDataset
 from trainer.worker_env import job_setting
+from trainer.models.hf import CausalLM
 
 SIZES = {  # hidden, layers, heads
     "tiny": (64, 4, 4),
@@ -42,17 +43,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="fixes the weights and the data order")
     p.add_argument("--examples", type=int, default=4096)
     return p.parse_args()
-
-
-class CausalLM(nn.Module):
-    """forward(batch) -> loss around a Hugging Face model (it shifts the labels itself)."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, labels=input_ids).loss
 
 
 def build(arch: str, size: str, vocab: int, seq_len: int) -> nn.Module:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer import CutPoint
+from trainer.models.hf import CausalLM
 
 VOCAB, SEQ = 96, 16
 
@@ -45,17 +46,6 @@ class Mixer(nn.Module):
             h = cut(h + block(self.average(h)))
         logits = self.head(h)
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), input_ids[:, 1:].reshape(-1))
-
-
-class CausalLM(nn.Module):
-    """forward(batch) -> loss around a transformers model."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, labels=input_ids).loss
 
 
 def hf_config(arch: str):

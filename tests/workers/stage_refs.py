@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer import CutPoint, Varuna
+from trainer.models.hf import CausalLM
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -40,15 +41,6 @@ class MLP(nn.Module):
         for block, cut in zip(self.blocks, self.cuts):
             h = cut(torch.relu(block(h)) * self.gain)
         return F.cross_entropy(self.out(h), y)
-
-
-class CausalLM(nn.Module):
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, labels=input_ids).loss
 
 
 def build():
