@@ -8,32 +8,22 @@ import argparse
 import json
 import tempfile
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+import sys
+from pathlib import Path
 
-from trainer import CutPoint, Profiler
-from trainer.planning.calibration import LinkCost
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "memory_job"))
+from mlp import MLP  # noqa: E402  (the issue's model, as the memory job and benchmark build it)
+
+from trainer import Profiler  # noqa: E402
+from trainer.planning.calibration import LinkCost  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--width", type=int, default=2048)
 p.add_argument("--depth", type=int, default=8)
 p.add_argument("--sizes", type=int, nargs="+", default=[4])
 args = p.parse_args()
-
-
-class MLP(nn.Module):
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(depth - 1))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = torch.tanh(layer(x))
-            if i < len(self.cuts):
-                x = self.cuts[i](x)
-        return F.mse_loss(x, y)
 
 
 def status(field: str) -> int:
