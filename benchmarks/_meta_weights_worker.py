@@ -58,6 +58,7 @@ config = transformers.AutoConfig.from_pretrained(args.weights)
 ids = torch.randint(0, config.vocab_size, (8, config.n_positions), generator=torch.Generator().manual_seed(0))
 # the modeling code and torch.export are imported alike in both modes: not counted
 import torch.export  # noqa: E402,F401
+
 transformers.GPT2LMHeadModel  # noqa: B018 (transformers imports a model's module when it is first named)
 before = rss()
 sampler = PeakSampler()

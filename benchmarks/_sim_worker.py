@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from trainer import GlobalBatches, Varuna  # noqa: E402
-from trainer.planning.calibration import Calibration  # noqa: E402
 from trainer.data import TextDataset  # noqa: E402
 from trainer.models.gpt import GPT, GPTConfig  # noqa: E402
+from trainer.planning.calibration import Calibration  # noqa: E402
 from trainer.profiler import Profiler  # noqa: E402
 
 p = argparse.ArgumentParser()

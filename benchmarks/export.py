@@ -31,7 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer.checkpoint import reading, store as ckpt_store  # noqa: E402
+from trainer.checkpoint import reading  # noqa: E402
+from trainer.checkpoint import store as ckpt_store  # noqa: E402
 from trainer.launch import launch  # noqa: E402
 
 _MEASURE = """

@@ -46,6 +46,7 @@ __all__ = ["main"]
 
 def _models(quick: bool):
     import transformers as tf
+
     from trainer.models.gpt import GPT, GPTConfig
     tf.logging.set_verbosity_error()
     width, layers, seq = (128, 2, 64) if quick else (256, 4, 128)

@@ -95,8 +95,8 @@ def run_ring(args) -> dict:
 
 def run_launch(args) -> dict:
     import torch
-
     from mlp import MLP, regression_set
+
     from trainer import Profiler
     from trainer.engine.memory import PeakMemory
     from trainer.planning.plan import Slot

@@ -52,9 +52,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.planning.calibration import Calibration, LinkCost  # noqa: E402
 from trainer.launch import launch  # noqa: E402
 from trainer.models.gpt import GPTConfig  # noqa: E402
+from trainer.planning.calibration import Calibration, LinkCost  # noqa: E402
 from trainer.planning.schedule import build_table  # noqa: E402
 from trainer.planning.simulator import simulate, stage_costs  # noqa: E402
 

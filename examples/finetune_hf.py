@@ -21,8 +21,8 @@ import torch
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import TextDataset
-from trainer.worker_env import job_setting
 from trainer.models.hf import CausalLM
+from trainer.worker_env import job_setting
 
 
 def parse_args() -> argparse.Namespace:

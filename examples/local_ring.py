@@ -26,7 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from varunad.ctl import cli, commands as ctl, local, progress
+from varunad.ctl import cli, local, progress
+from varunad.ctl import commands as ctl
 from varunad.store.keys import Keys
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,8 +14,8 @@ import torch
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import ImageDataset
-from trainer.worker_env import job_setting
 from trainer.models.cnn import CNN, PRESETS, CNNConfig
+from trainer.worker_env import job_setting
 
 
 def parse_args() -> argparse.Namespace:

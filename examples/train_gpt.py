@@ -21,8 +21,8 @@ import torch
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import TextDataset, source_corpus
-from trainer.worker_env import job_setting
 from trainer.models.gpt import GPT, PRESETS, GPTConfig
+from trainer.worker_env import job_setting
 
 
 def parse_args() -> argparse.Namespace:

@@ -20,8 +20,8 @@ from torch import nn
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import TextDataset
-from trainer.worker_env import job_setting
 from trainer.models.hf import CausalLM
+from trainer.worker_env import job_setting
 
 SIZES = {  # hidden, layers, heads
     "tiny": (64, 4, 4),

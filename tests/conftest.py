@@ -14,7 +14,6 @@ import re
 import uuid
 
 import pytest
-
 from etcd_server import EtcdNotInstalled, EtcdServer
 
 # ----------------------------------------------------------------------------- async tests

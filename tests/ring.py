@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from varunad.ctl import commands as ctl
-from varunad.store.keys import Keys
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_SCRIPT = REPO / "tests" / "daemon_job" / "train_job.py"

@@ -19,10 +19,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.checkpoint import fences, reading, storage, store as cs
-from trainer.errors import CheckpointError
+from trainer.checkpoint import fences, reading, storage
+from trainer.checkpoint import store as cs
 from trainer.checkpoint.reading import MANIFEST, FileEntry, checkpoint_dir, list_checkpoints, read_tensors, verify
 from trainer.checkpoint.store import copy_to_store, latest_complete, prune, write_manifest, write_tensors
+from trainer.errors import CheckpointError
 
 
 def _save(store, it, files=None, *, manifest=True, epoch=None):

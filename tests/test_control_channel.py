@@ -15,17 +15,16 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
-
-from trainer.engine.control import TOKEN_ENV, ControlClient
-from varunad.node.config import load_config
-from varunad.cluster.facts import PortReservation
-from varunad.store.keys import Keys
-from varunad.cluster.membership import Membership
-from varunad.store.etcd import EtcdStore
-from varunad.node.supervisor import Supervisor, _SupervisedWorker
-
-from protocol.messages import StopWorkers, WorkerProgress, decode, encode
 from test_membership import make_member
+
+from protocol.messages import WorkerProgress, encode
+from trainer.engine.control import TOKEN_ENV, ControlClient
+from varunad.cluster.facts import PortReservation
+from varunad.cluster.membership import Membership
+from varunad.node.config import load_config
+from varunad.node.supervisor import Supervisor, _SupervisedWorker
+from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 
 def _supervisor(tmp_path: Path, ctx: zmq.asyncio.Context) -> Supervisor:

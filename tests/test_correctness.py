@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from reference import reference_run
+
 from trainer.launch import launch
 from trainer.models.gpt import GPT, GPTConfig
 from varunad.report.traces import load_events

@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from varunad.ctl import commands as ctl
-from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobState, MorphEvent
 from varunad.control.records import encode_history
+from varunad.ctl import commands as ctl
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -23,11 +23,11 @@ import time
 
 import pytest
 import zmq
-
 from etcd_server import EtcdServer
-from protocol.messages import Ping, Pong, decode, encode
 from reference import keyed_reference_run, reference_run
 from ring import JOB_SCRIPT, REPO, Ring
+
+from protocol.messages import Ping, Pong, decode, encode
 
 pytestmark = pytest.mark.slow
 
@@ -402,7 +402,7 @@ def test_garbage_and_a_hand_written_bad_spec_are_refused_and_logged(healthy, cur
               what="three dropped messages in d2's log")
     assert target.alive
     # garbage on the local worker socket too
-    line = next(l for l in target.log_text().splitlines() if "worker control socket at" in l)
+    line = next(ln for ln in target.log_text().splitlines() if "worker control socket at" in ln)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 1000)

@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from reference import reference_run
 from ring import Ring
 from test_metrics import metric_types, sample_value, scrape, scrape_when
+
 from trainer.launch import free_ports
-from varunad.node.metrics import METRIC_NAMES
 from varunad.control.plans import PlanDoc
+from varunad.node.metrics import METRIC_NAMES
 
 pytestmark = pytest.mark.slow
 

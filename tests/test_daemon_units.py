@@ -4,9 +4,9 @@ documents, and the leader's decisions from snapshot data (Patroni's layer of uni
 from __future__ import annotations
 
 import io
-import os
 import json
 import logging
+import os
 import subprocess
 import sys
 import zipfile
@@ -14,16 +14,32 @@ from pathlib import Path
 
 import pytest
 
-from varunad.node.config import DaemonConfigError, load_config, parse_env_file
 from varunad.cluster.facts import DaemonMember, detect_device_kind, detect_memory, gpu_count, gpu_models
-from varunad.control.fleet import FleetSnapshot, JobEntry
-from varunad.control.jobs import (BundleError, JobSpec, JobSpecError, JobState, bundle_digest, script_fingerprint, pack_bundle,
-                          unpack_bundle)
 from varunad.control.decide import LeaderMemory, decide, error_summary
+from varunad.control.fleet import FleetSnapshot, JobEntry
+from varunad.control.jobs import (
+    BundleError,
+    JobSpec,
+    JobSpecError,
+    JobState,
+    bundle_digest,
+    pack_bundle,
+    script_fingerprint,
+    unpack_bundle,
+)
 from varunad.control.plans import PlanDoc, make_plan, uniform_calibration
+from varunad.control.records import (
+    WorkerRecord,
+    WorkerReport,
+    decode_history,
+    encode_history,
+    epoch_ranges,
+    merge_history,
+    merge_spans,
+    steps_trained_twice,
+)
+from varunad.node.config import DaemonConfigError, load_config, parse_env_file
 from varunad.node.housekeeping import LOGS, job_dir, prune_jobs
-from varunad.control.records import (WorkerRecord, WorkerReport, decode_history, encode_history, epoch_ranges,
-                                     merge_history, merge_spans, steps_trained_twice)
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["--etcd", "127.0.0.1:2379", "--store", "/tmp/store", "--plaintext"]

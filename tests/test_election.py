@@ -11,9 +11,9 @@ from etcd_server import poll_until
 from test_membership import make_member
 
 from varunad.cluster.election import Election, NotLeader, Role
-from varunad.store.keys import Keys
 from varunad.cluster.membership import Membership
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 TTL = 2.0
 MARGIN = 3.0  # generous: etcd's expiry check (500 ms), a watch round trip, a loaded CI host

@@ -14,13 +14,12 @@ import sys
 import urllib.request
 
 import pytest
-
 from etcd_server import EtcdServer, make_pki
 from ring import REPO
 
-from varunad.store.keys import Keys
 from varunad.store.contract import StoreAuthError
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 from varunad.control.fleet import forget_progress, read_fleet
-from varunad.store.keys import Keys
 from varunad.control.records import Progress
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 
 async def test_progress_of_ranks_a_shrunk_plan_dropped_is_forgotten(etcd, etcd_root):

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import trainer.launch as launch_mod
-from trainer.worker_env import WorkerAssignment
 from trainer.errors import ConfigError
 from trainer.launch import launch, plan_assignments
+from trainer.worker_env import WorkerAssignment
 
 _ROOT = Path(launch_mod.__file__).resolve().parent.parent
 

@@ -12,9 +12,9 @@ import pytest
 from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
 from varunad.cluster.facts import DaemonMember, PortReservation
 from varunad.cluster.fencing import put_for_epoch
-from varunad.store.keys import Keys
 from varunad.control.links import LinkMeasurement, LinkProber, LinkSurvey, ProbeRequest, apply_links, read_links
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 
 async def test_an_old_epoch_never_overwrites_a_newer_record(etcd, etcd_root):

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from test_trace import png_size
+
 from varunad.ctl import cli, local, progress
 from varunad.node.metrics import METRIC_NAMES
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from varunad.node import log_shipper
-from varunad.store.keys import Keys
 from varunad.node.log_shipper import LogShipper
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 
 @dataclass

@@ -8,9 +8,9 @@ import time
 import pytest
 from etcd_server import poll_until
 
-from varunad.store.keys import Keys
 from varunad.cluster.membership import Member, Membership, NameInUse, read_members
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 TTL = 2.0
 MARGIN = 2.5  # etcd checks expiry every 500 ms; loaded CI machines are slower still

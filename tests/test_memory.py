@@ -17,12 +17,12 @@ import torch
 
 from trainer.engine.memory import PeakMemory, StageOutOfMemoryError
 from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
-from trainer.planning.planner import plan
 from trainer.planning.plan import Slot
+from trainer.planning.planner import plan
 from trainer.planning.schedule import stash_bound
 from varunad.control.decide import error_summary
-from varunad.control.jobs import JobState
 from varunad.control.failures import BACKOFF, classify, memory_backoff
+from varunad.control.jobs import JobState
 from varunad.control.records import Progress
 from varunad.control.status import memory_lines, stage_memory
 from varunad.node.oom import OOM_WORDS, kernel_oom_kills

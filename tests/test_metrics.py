@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from ring import Ring
+
 from trainer.launch import free_ports
 from varunad.node.config import DaemonConfigError, load_config
 from varunad.node.metrics import METRIC_NAMES, DaemonMetrics, MetricsError, serve

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import zoo
+
 from trainer.launch import launch
 
 pytest.importorskip("transformers", reason="transformers is in the test extra: pip install -e .[test]")

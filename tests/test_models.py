@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from trainer.graph.capture import capture_model
-from trainer.graph.cutpoint import CutPoint
 from trainer.data import GlobalBatches, ImageDataset, TextDataset
 from trainer.errors import ConfigError
+from trainer.graph.capture import capture_model
+from trainer.graph.cutpoint import CutPoint
 from trainer.models.cnn import CNN, CNNConfig
 from trainer.models.cnn import PRESETS as CNN_PRESETS
 from trainer.models.gpt import GPT, GPTConfig

@@ -8,9 +8,9 @@ from torch import nn
 from trainer import CutPoint
 from trainer.errors import ConfigError, PartitionError
 from trainer.graph.layout import build_layout
+from trainer.graph.partition import ACTIVATION, balance, capture_model, dry_run, slice_stages
 from trainer.models.cnn import CNN, CNNConfig
 from trainer.models.gpt import GPT, GPTConfig
-from trainer.graph.partition import ACTIVATION, balance, capture_model, dry_run, slice_stages
 
 
 def gpt_batch(cfg, n=3, seed=0):

@@ -11,13 +11,13 @@ import pytest
 from etcd_server import poll_until
 from test_election import fleet, leaders, one_leader
 
-from varunad.store import schemas
 from varunad.cluster.election import NotLeader, PlanWriter
 from varunad.control.fleet import read_fleet, read_plan
-from varunad.store.keys import Keys
 from varunad.control.plans import PlanDoc
+from varunad.store import schemas
 from varunad.store.contract import HistoryCompacted
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 
 async def test_a_forged_well_formed_plan_is_not_followed(etcd, etcd_root, caplog):

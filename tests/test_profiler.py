@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from trainer.planning.calibration import Calibration, CalibrationError, LinkCost
 from trainer.data import TextDataset
-from trainer.models.gpt import GPT, GPTConfig
 from trainer.graph.partition import capture_model
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.planning.calibration import Calibration, CalibrationError, LinkCost
 from trainer.profiler import (
     IN_FLIGHT,
     Profiler,

@@ -12,17 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from ring import Ring
 from test_trace import png_size
+
+from trainer.engine.trace import CATEGORIES, TraceRecorder, trace_path
 from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
 from trainer.planning.schedule import build_table
 from trainer.planning.simulator import simulate, stage_costs
-from trainer.engine.trace import CATEGORIES, TraceRecorder, trace_path
-from varunad.ctl.cli import main as varunactl
-from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobState, MorphEvent
-from varunad.report.prices import DEFAULT_PRICES, DevicePrice, PriceError, load_prices, price_of
+from varunad.control.records import encode_history
+from varunad.ctl.cli import main as varunactl
 from varunad.report import (
     DATA_FILES,
     PICTURES,
@@ -36,9 +35,10 @@ from varunad.report import (
     run_intervals,
 )
 from varunad.report.cost import cost_lines
-from varunad.control.records import encode_history
 from varunad.report.pictures import EXTRA, draw_report
+from varunad.report.prices import DEFAULT_PRICES, DevicePrice, PriceError, load_prices, price_of
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_report import _calibration, _trace_step
+
 from varunad.control.jobs import JobSpec, JobState, MorphEvent
 from varunad.report import ReportInputs, build_report, cost_report
 from varunad.report.cost import Interval, cost_lines

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import contents, fences, reading, rescue, store as ckpt_store
+from trainer.checkpoint import contents, fences, reading, rescue
+from trainer.checkpoint import store as ckpt_store
 from trainer.engine.precision import LossScaler
 from trainer.errors import CheckpointError
 from trainer.planning.parallel import ParallelPlan

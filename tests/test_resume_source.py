@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 
-from trainer.checkpoint import reading, store as ckpt_store
+from trainer.checkpoint import reading
+from trainer.checkpoint import store as ckpt_store
 from trainer.planning.parallel import ParallelPlan
 from varunad.control.plans import PlanDoc, PlanSlot
 from varunad.control.resume import resume_source

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_stage_tensors import Normed, _batch
+
 from trainer import Varuna
 from trainer.errors import ConfigError
 

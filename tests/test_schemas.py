@@ -12,17 +12,17 @@ import logging
 
 import pytest
 from etcd_server import poll_until
-from test_election import Node, fleet, one_leader
+from test_election import fleet, one_leader
 from test_membership import make_member
 
-from varunad.store import schemas
-from varunad.control.fleet import read_plan
-from varunad.store.keys import Keys
-from varunad.control.jobs import JobSpecError, JobState
 from varunad.cluster.membership import Member, Membership
+from varunad.control.fleet import read_plan
+from varunad.control.jobs import JobSpecError, JobState
 from varunad.control.plans import PlanDoc
 from varunad.control.records import Progress, WorkerReport
+from varunad.store import schemas
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 # The values the chaos run wrote (issue 17, item 1), and more of the same kind.
 BAD_PLANS = [

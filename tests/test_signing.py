@@ -7,7 +7,6 @@ import os
 import stat
 
 import pytest
-
 from ring import JOB_SCRIPT, Ring
 
 from varunad.control.jobs import JobSpec

@@ -138,6 +138,7 @@ class _AutocastRegion(nn.Module):
 
 def test_a_graph_captured_on_meta_runs_on_the_stage_device_subgraphs_too():
     from torch import fx
+
     from trainer.graph.placement import retarget_graph
 
     def meta_devices(gm):

@@ -9,19 +9,19 @@ import time
 import pytest
 from etcd_server import EtcdServer, make_pki, poll_until
 
-from varunad.store.keys import Keys
 from varunad.store.contract import (
     DELETE,
     PUT,
+    HistoryCompacted,
     KeyValue,
     LeaseExpired,
     StoreAuthError,
     StoreConfigError,
     StoreError,
     StoreUnavailable,
-    HistoryCompacted,
 )
 from varunad.store.etcd import EtcdStore, parse_endpoints
+from varunad.store.keys import Keys
 
 # ----------------------------------------------------------------------------- reads and writes
 

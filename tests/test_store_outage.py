@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import fences, store as ckpt_store
+from trainer.checkpoint import fences
+from trainer.checkpoint import store as ckpt_store
 from trainer.checkpoint.storage import write_error
 from trainer.engine.store_outage import Backoff, StoreHealth
 from trainer.errors import CheckpointError, StoreOutage

@@ -20,10 +20,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "chaos"))
 
-from protocol.messages import WorkerCheckpointed, WorkerProgress, WorkerStoreOutage  # noqa: E402
 from reference import reference_run  # noqa: E402
 from store_faults import MountRefused, fill, read_only, tmpfs_store  # noqa: E402
 from test_worker_control import BATCH, STEPS, FakeDaemon, start_launch  # noqa: E402
+
+from protocol.messages import WorkerCheckpointed, WorkerProgress, WorkerStoreOutage  # noqa: E402
 from trainer.checkpoint.reading import MANIFEST, checkpoint_dir  # noqa: E402
 from trainer.checkpoint.store import latest_complete  # noqa: E402
 

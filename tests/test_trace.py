@@ -107,7 +107,7 @@ def test_trace_files_are_read_back_and_a_step_selected(traces, tmp_path):
 # --- the timeline picture --------------------------------------------------------------------------------
 
 def test_the_timeline_is_a_row_per_worker_with_a_bar_per_event_in_its_category_colour(traces):
-    from matplotlib.colors import to_hex   # the report extra, in the test extra too
+    from matplotlib.colors import to_hex  # the report extra, in the test extra too
 
     from varunad.report.draw import CATEGORY_COLORS, timeline_figure
 

@@ -10,7 +10,6 @@ attempt, not after every restart. One daemon (one slot, the synthetic calibratio
 from __future__ import annotations
 
 import pytest
-
 from etcd_server import EtcdServer
 from ring import Ring
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
+from reference import reference_run
 
 from protocol.messages import StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
-from reference import reference_run
 from trainer.checkpoint.reading import verify
 from trainer.checkpoint.store import latest_complete
 from trainer.engine.control import STOPPED_EXIT_CODE

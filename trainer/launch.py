@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import trainer
-from trainer.worker_env import WorkerAssignment
 from trainer.errors import ConfigError
 from trainer.planning.parallel import ParallelPlan, ParallelPlanError
 from trainer.planning.schedule import SCHEDULES
+from trainer.worker_env import WorkerAssignment
 
 __all__ = ["LaunchResult", "launch", "plan_assignments", "main"]
 
@@ -177,7 +177,7 @@ def plan_assignments(
     world = stages * replicas
     devices = [device] * world
     if device == "cuda":
-        import torch   # only here: the daemon imports this module too
+        import torch  # only here: the daemon imports this module too
 
         gpus = torch.cuda.device_count()
         if gpus < world:

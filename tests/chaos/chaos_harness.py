@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: ring, etcd_server, reference
 
 from etcd_server import EtcdServer, free_ports  # noqa: E402
-from ring import REPO, Ring  # noqa: E402
+from ring import Ring  # noqa: E402
 
 TTL = 2.0
 STEPS, BATCH, EVERY = 14, 12, 4

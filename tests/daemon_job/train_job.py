@@ -47,8 +47,8 @@ import torch  # noqa: E402
 
 from trainer import GlobalBatches, Varuna  # noqa: E402
 from trainer.data import TextDataset  # noqa: E402
-from trainer.worker_env import job_setting  # noqa: E402
 from trainer.models.gpt import GPT, GPTConfig  # noqa: E402
+from trainer.worker_env import job_setting  # noqa: E402
 
 steps = job_setting("steps", 5)
 batch_size = job_setting("batch_size", 12)

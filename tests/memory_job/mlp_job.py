@@ -13,8 +13,8 @@ import argparse
 import json
 
 import torch
-
 from mlp import MLP, regression_set
+
 from trainer import GlobalBatches, Varuna
 from trainer.worker_env import job_setting
 

@@ -6,11 +6,10 @@ import subprocess
 import sys
 
 import pytest
-
 from fabric import Fabric, unavailable_reason
 from reference import reference_run
 from ring import REPO
-from test_netns_fleet import BATCH, DAEMON_FLAGS, N, STEPS, NetRing, run_job
+from test_netns_fleet import BATCH, DAEMON_FLAGS, STEPS, N, NetRing, run_job
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from fabric import Fabric, unavailable_reason
-from reference import reference_run
 from linkrun import FabricRing
+from reference import reference_run
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,8 @@ workers' malloc settings, so the high-water mark is this calibration's alone."""
 
 import argparse
 import json
-import tempfile
-
 import sys
+import tempfile
 from pathlib import Path
 
 import torch

@@ -23,8 +23,8 @@ from torch import nn
 
 from trainer import GlobalBatches, Varuna
 from trainer.data import TextDataset
-from trainer.worker_env import WorkerAssignment
 from trainer.models.gpt import GPT, GPTConfig
+from trainer.worker_env import WorkerAssignment
 
 STYLES = ("module", "shared")
 CONFIG = GPTConfig.preset("tiny", seq_len=16, n_embd=32)

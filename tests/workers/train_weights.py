@@ -9,8 +9,8 @@ import json
 import os
 
 import torch
-
 from meta_models import build, data
+
 from trainer import GlobalBatches, Varuna
 
 p = argparse.ArgumentParser()

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import fences, reading, store as ckpt_store
+from trainer.checkpoint import fences, reading
+from trainer.checkpoint import store as ckpt_store
 from trainer.checkpoint.model_record import MANIFEST_KEY as MODEL_RECORD
 from trainer.checkpoint.storage import storage_for
 from trainer.errors import CheckpointError, StoreOutage

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.checkpoint import reading, store as ckpt_store
+from trainer.checkpoint import reading
+from trainer.checkpoint import store as ckpt_store
 from trainer.checkpoint.model_record import MANIFEST_KEY, ModelRecord
 from trainer.errors import CheckpointError
 

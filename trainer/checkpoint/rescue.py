@@ -31,7 +31,8 @@ import logging
 import posixpath
 import time
 
-from trainer.checkpoint import contents, fences, reading, store as ckpt_store
+from trainer.checkpoint import contents, fences, reading
+from trainer.checkpoint import store as ckpt_store
 from trainer.checkpoint.storage import storage_for
 from trainer.errors import CheckpointError
 

@@ -41,10 +41,28 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.fences import check_epoch, refuse_superseded
-from trainer.checkpoint.reading import (CKPT_PREFIX, FORMAT, MANIFEST, FileEntry, broken, check_name,
-                                        checkpoint_dir, iteration_of, list_checkpoints, read_manifest, verify)
-from trainer.checkpoint.storage import (CHUNK, CheckpointStorage, HashingWriter, is_outage, names_in, storage_for,
-                                        write_error)
+from trainer.checkpoint.reading import (
+    CKPT_PREFIX,
+    FORMAT,
+    MANIFEST,
+    FileEntry,
+    broken,
+    check_name,
+    checkpoint_dir,
+    iteration_of,
+    list_checkpoints,
+    read_manifest,
+    verify,
+)
+from trainer.checkpoint.storage import (
+    CHUNK,
+    CheckpointStorage,
+    HashingWriter,
+    is_outage,
+    names_in,
+    storage_for,
+    write_error,
+)
 from trainer.errors import CheckpointError
 
 __all__ = ["write_tensors", "write_manifest", "latest_complete", "prune", "copy_to_store", "copy_file",

@@ -16,8 +16,16 @@ import signal
 import zmq
 
 from protocol.errors import ProtocolError
-from protocol.messages import (CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, WorkerRescuing,
-                               WorkerStoreOutage, decode, encode)
+from protocol.messages import (
+    CheckpointNow,
+    StopWorkers,
+    WorkerCheckpointed,
+    WorkerProgress,
+    WorkerRescuing,
+    WorkerStoreOutage,
+    decode,
+    encode,
+)
 
 __all__ = ["ControlClient", "StopRequested", "StepAbandoned", "RESCUE_SIGNAL", "STOPPED_EXIT_CODE", "TOKEN_ENV",
            "control_identity"]

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from trainer.engine.comm import PeerChannel
+from trainer.engine.precision import Precision, autocast
 from trainer.errors import ConfigError
 from trainer.graph.keyed_random import draws_unkeyed
 from trainer.graph.keyed_rng import Draws, drawing
 from trainer.graph.partition import ACTIVATION
-from trainer.engine.precision import Precision, autocast
 from trainer.planning.schedule import Action, Kind
 
 __all__ = ["StageExecutor"]

@@ -38,26 +38,29 @@ import torch.distributed as dist
 import zmq
 from torch import nn
 
-from trainer.checkpoint import contents as checkpointing, rescue, store as ckpt_store
+from trainer.checkpoint import contents as checkpointing
+from trainer.checkpoint import rescue
+from trainer.checkpoint import store as ckpt_store
 from trainer.checkpoint.model_record import record_model
-from trainer.engine import hooks, setup, weights as stage_weights
+from trainer.engine import hooks, setup
+from trainer.engine import weights as stage_weights
 from trainer.engine.comm import PeerChannel
 from trainer.engine.control import STOPPED_EXIT_CODE, ControlClient, StepAbandoned, StopRequested
 from trainer.engine.data_parallel import GradReducer
-from trainer.engine.store_outage import StoreHealth
-from trainer.errors import CheckpointError, ConfigError, StoreOutage, WorkerError
 from trainer.engine.executor import StageExecutor
 from trainer.engine.memory import OUT_OF_MEMORY, PeakMemory
+from trainer.engine.precision import LossScaler, Precision, squared_norms
+from trainer.engine.store_outage import StoreHealth
+from trainer.engine.trace import NullRecorder, recorder_for
+from trainer.errors import CheckpointError, ConfigError, StoreOutage, WorkerError
 from trainer.graph.keyed_rng import Draws
 from trainer.graph.layout import Layout, build_layout
-from trainer.net.netaddr import bound_gloo_backend, nccl_environment
 from trainer.graph.partition import balance, capture_model, dry_run, slice_stages
 from trainer.graph.placement import retarget_graph
+from trainer.net.netaddr import bound_gloo_backend, nccl_environment
 from trainer.net.rendezvous import RendezvousStore, parse_url
-from trainer.engine.precision import LossScaler, Precision, squared_norms
 from trainer.planning.parallel import ParallelPlan
 from trainer.planning.schedule import Action, Kind, build_table
-from trainer.engine.trace import NullRecorder, recorder_for
 from trainer.worker_env import WorkerAssignment
 
 __all__ = ["Varuna"]

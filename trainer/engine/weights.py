@@ -34,7 +34,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from trainer.errors import ConfigError
 

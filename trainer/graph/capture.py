@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from trainer.errors import ConfigError, PartitionError
 from trainer.graph.cutpoint import CutPoint, capturing, cut_marker, is_marker, marker_name
 from trainer.graph.keyed_random import key_random_ops
-from trainer.errors import ConfigError, PartitionError
 
 __all__ = ["TracedModel", "capture_model", "auto_blocks"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trainer.graph.cutpoint import is_marker
 from trainer.errors import ConfigError
+from trainer.graph.cutpoint import is_marker
 from trainer.graph.partition import StageSlice, TracedModel, _tensors_used
 
 __all__ = ["Layout", "build_layout"]

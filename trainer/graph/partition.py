@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from trainer.errors import ConfigError, PartitionError
 from trainer.graph.capture import TracedModel, capture_model
 from trainer.graph.cutpoint import is_marker, marker_name
-from trainer.errors import ConfigError, PartitionError
 
 __all__ = ["TracedModel", "StageSlice", "capture_model", "dry_run", "balance", "slice_stages", "ACTIVATION"]
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.graph.cutpoint import CutPoint
 from trainer.errors import ConfigError
+from trainer.graph.cutpoint import CutPoint
 
 __all__ = ["GPTConfig", "GPT", "PRESETS"]
 

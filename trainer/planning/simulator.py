@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.planning.calibration import LINK_KINDS, Calibration
 from trainer.errors import VarunaError
+from trainer.planning.calibration import LINK_KINDS, Calibration
 from trainer.planning.schedule import Action, Kind, ScheduleError
 
 __all__ = [

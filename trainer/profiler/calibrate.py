@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from trainer.engine.precision import Precision
+from trainer.engine.setup import device_of
 from trainer.errors import ConfigError
 from trainer.graph.partition import capture_model
 from trainer.planning.calibration import LINK_KINDS, Calibration, CalibrationError, LinkCost, SegmentProfile
 from trainer.profiler.common import _nbytes
-from trainer.engine.setup import device_of
 from trainer.profiler.identity import calibration_path, device_kind_of, model_fingerprint
 from trainer.profiler.network import measure_network
 from trainer.profiler.segments import IN_FLIGHT, _batch_size_of, segment_slices, tied_weights

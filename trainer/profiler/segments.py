@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.errors import ConfigError
 from trainer.engine.precision import Precision, autocast
+from trainer.errors import ConfigError
 from trainer.graph.partition import ACTIVATION, StageSlice, TracedModel, slice_stages
 from trainer.graph.placement import retarget_graph
 from trainer.planning.calibration import SegmentCost, TiedWeights

@@ -27,10 +27,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from varunad.store import schemas
-from varunad.store.keys import Keys
 from varunad.cluster.membership import Membership
+from varunad.store import schemas
 from varunad.store.contract import Key, KeyValue, Store, StoreError, Value, Watch
+from varunad.store.keys import Keys
 
 __all__ = ["Role", "ElectionState", "Election", "NotLeader", "PlanWriter"]
 

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 
 from varunad.store import schemas
-from varunad.store.keys import Keys, check_component
 from varunad.store.contract import Lease, LeaseExpired, Store, StoreError
+from varunad.store.keys import Keys, check_component
 
 __all__ = [
     "DEFAULT_TTL",

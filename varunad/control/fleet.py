@@ -12,14 +12,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from varunad.store import schemas
 from varunad.cluster.election import PlanWriter
 from varunad.cluster.facts import DaemonMember, parse_member
-from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
 from varunad.control.plans import PlanDoc
 from varunad.control.records import WorkerReport
+from varunad.store import schemas
 from varunad.store.contract import HistoryCompacted, KeyValue, Store, StoreError
+from varunad.store.keys import Keys
 
 __all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest", "forget_progress"]
 

@@ -46,12 +46,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.planning.calibration import Calibration, LinkCost
-
 from varunad.cluster.facts import PortReservation
-
 from varunad.store import schemas
-from varunad.store.keys import Keys
 from varunad.store.contract import Store, StoreError
+from varunad.store.keys import Keys
 
 __all__ = ["LinkMeasurement", "LinkProber", "LinkSurvey", "PROBE_TIMEOUT", "ProbeRequest", "apply_links",
            "read_links"]

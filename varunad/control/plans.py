@@ -32,12 +32,12 @@ from typing import Any
 
 from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
 from trainer.planning.parallel import MAX_WORKERS, ParallelPlan
-from trainer.planning.planner import Plan, PlanError, Slot, plan as run_planner
-
-from varunad.store import schemas
-from varunad.store.keys import check_component
+from trainer.planning.planner import Plan, PlanError, Slot
+from trainer.planning.planner import plan as run_planner
 from varunad.cluster.facts import DaemonMember
 from varunad.control.jobs import JobSpec
+from varunad.store import schemas
+from varunad.store.keys import check_component
 
 __all__ = ["PlanDoc", "PlanSlot", "KINDS", "make_plan", "uniform_calibration", "calibrations_for", "describe", "shape"]
 

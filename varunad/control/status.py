@@ -11,8 +11,15 @@ from typing import Any
 
 from varunad.control.fleet import read_newest
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
-from varunad.control.records import (Progress, WorkerReport, decode_history, epoch_ranges, merge_history,
-                                     merge_spans, steps_trained_twice)
+from varunad.control.records import (
+    Progress,
+    WorkerReport,
+    decode_history,
+    epoch_ranges,
+    merge_history,
+    merge_spans,
+    steps_trained_twice,
+)
 from varunad.store import schemas
 from varunad.store.contract import Store
 from varunad.store.keys import Keys

@@ -440,7 +440,8 @@ def _trace_step(text: str) -> int | str | None:
 # --- export (varunad.ctl.export) -----------------------------------------------------------------
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from varunad.ctl import commands as ctl, export
+    from varunad.ctl import commands as ctl
+    from varunad.ctl import export
 
     if args.store is None and args.job is None:
         print("varunactl export: give JOB (its store is read from etcd) or --store DIR", file=sys.stderr)
@@ -543,8 +544,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.etcd = default_etcd()
     except SystemExit as exc:   # --help, or a usage error argparse already explained
         return exc.code if isinstance(exc.code, int) else 2
-    from varunad.ctl.commands import CtlError
     from varunad.control.jobs import JobSpecError
+    from varunad.ctl.commands import CtlError
 
     try:
         return args.handler(args)

@@ -22,9 +22,16 @@ from varunad.cluster.facts import parse_member
 from varunad.control.fleet import read_plan
 from varunad.control.jobs import BundleError, JobSpec, JobSpecError, bundle_digest, pack_bundle
 from varunad.control.status import job_queue, job_status, memory_lines, plan_lines, read_state
-from varunad.store.keys import Keys
-from varunad.store.contract import HistoryCompacted, Store, StoreAuthError, StoreConfigError, StoreError, StoreUnavailable
+from varunad.store.contract import (
+    HistoryCompacted,
+    Store,
+    StoreAuthError,
+    StoreConfigError,
+    StoreError,
+    StoreUnavailable,
+)
 from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
 
 __all__ = ["CtlError", "run", "check_bundle", "build_spec", "submit", "plan_lines", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
            "print_job", "print_fleet", "dumps"]

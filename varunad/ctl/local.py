@@ -288,8 +288,8 @@ def _start_daemon(ring: Ring, index: int) -> RingProc:
 def _wait_members(ring: Ring, names: Sequence[str], timeout: float) -> None:
     """Until every named daemon is a member; a daemon that exits fails at once with its log's tail."""
     async def wait() -> None:
-        from varunad.store.keys import Keys
         from varunad.store.etcd import EtcdStore
+        from varunad.store.keys import Keys
 
         keys = Keys(ring.root)
         deadline = time.monotonic() + timeout

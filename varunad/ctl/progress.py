@@ -27,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from dataclasses import dataclass, replace
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from varunad.control.records import stall_before
@@ -206,8 +206,8 @@ async def watch(store, keys, job: str, out: TextIO = sys.stdout, *, interval: fl
 
     ``on_status(doc)``, awaited after each poll, may act on the job (the demo kills a daemon
     halfway) and return a line to print; on a terminal it goes above the bar."""
-    from varunad.ctl import commands as ctl
     from varunad.control.jobs import JobSpec
+    from varunad.ctl import commands as ctl
 
     kv = await store.get(keys.job(job))
     if kv is None:

@@ -28,8 +28,6 @@ and owns the order of shutdown; each task's logic lives in its own module.
 
 from __future__ import annotations
 
-
-
 import asyncio
 import contextlib
 import dataclasses
@@ -49,26 +47,34 @@ from protocol.errors import SecurityError
 from protocol.messages import CheckpointNow, PlanChanged, StopWorkers
 from protocol.security import Security, SecurityConfig
 from trainer.planning.calibration import Calibration
-
-from varunad.store import schemas
-from varunad.node.config import DaemonConfig, DaemonConfigError, build_parser, load_config
 from varunad.cluster.election import Election, ElectionState
-from varunad.cluster.facts import (DaemonMember, PortReservation, detect_device_kind, detect_memory, detect_slots, gpu_count,
-                           is_local_address, version)
-from varunad.control.fleet import read_plan
-from varunad.store.keys import Keys
-from varunad.node.housekeeping import BUNDLES, job_dir, prune_jobs
-from varunad.control.jobs import BundleError, JobSpec, JobSpecError, script_fingerprint, unpack_bundle
-from varunad.node.leader import Leader
-from varunad.control.links import LinkProber
+from varunad.cluster.facts import (
+    DaemonMember,
+    PortReservation,
+    detect_device_kind,
+    detect_memory,
+    detect_slots,
+    gpu_count,
+    is_local_address,
+    version,
+)
 from varunad.cluster.membership import Membership, NameInUse, read_members
-from varunad.node.metrics import DaemonMetrics, serve as serve_metrics
-from varunad.node.peers import PeerClients, PeerServer
+from varunad.control.fleet import read_plan
+from varunad.control.jobs import BundleError, JobSpec, JobSpecError, script_fingerprint, unpack_bundle
+from varunad.control.links import LinkProber
 from varunad.control.plans import PlanDoc
+from varunad.node.config import DaemonConfig, DaemonConfigError, build_parser, load_config
+from varunad.node.housekeeping import BUNDLES, job_dir, prune_jobs
+from varunad.node.leader import Leader
+from varunad.node.metrics import DaemonMetrics
+from varunad.node.metrics import serve as serve_metrics
+from varunad.node.peers import PeerClients, PeerServer
 from varunad.node.signing import AllowList, SigningError
+from varunad.node.supervisor import Supervisor
+from varunad.store import schemas
 from varunad.store.contract import StoreError, StoreUnavailable
 from varunad.store.etcd import EtcdStore
-from varunad.node.supervisor import Supervisor
+from varunad.store.keys import Keys
 
 __all__ = ["Daemon", "main"]
 

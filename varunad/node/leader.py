@@ -30,22 +30,29 @@ from collections.abc import Callable
 from protocol.messages import PlanChanged, StopWorkers
 from trainer.planning.calibration import Calibration
 from trainer.planning.planner import Plan, PlanError
-
-from varunad.node.config import DaemonConfig
 from varunad.cluster.election import Election, NotLeader
-from varunad.control.decide import (Decision, LeaderMemory, calibration_failed, cause_of, decide, store_failing,
-                                    was_lost, who_and_cause)
+from varunad.control.decide import (
+    Decision,
+    LeaderMemory,
+    calibration_failed,
+    cause_of,
+    decide,
+    store_failing,
+    was_lost,
+    who_and_cause,
+)
 from varunad.control.failures import classify, memory_backoff
 from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet, read_newest
-from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
 from varunad.control.links import LinkSurvey, apply_links
-from varunad.node.metrics import DaemonMetrics
-from varunad.node.peers import PeerClients
 from varunad.control.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
 from varunad.control.records import Progress
 from varunad.control.resume import ResumeSource, complete_manifest, resume_source
+from varunad.node.config import DaemonConfig
+from varunad.node.metrics import DaemonMetrics
+from varunad.node.peers import PeerClients
 from varunad.store.contract import Store, StoreError, Watch
+from varunad.store.keys import Keys
 
 __all__ = ["Leader"]
 

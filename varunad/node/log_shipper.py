@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
-from varunad.store.keys import Keys
 from varunad.store.contract import Store
+from varunad.store.keys import Keys
 
 __all__ = ["LogShipper", "ShippedLog"]
 

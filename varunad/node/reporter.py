@@ -18,13 +18,13 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
-from varunad.node.config import DaemonConfig
 from varunad.cluster.fencing import put_for_epoch
-from varunad.store.keys import Keys
-from varunad.node.log_shipper import LogShipper, ShippedLog
 from varunad.cluster.membership import Membership
 from varunad.control.records import Progress, WorkerReport, encode_history
+from varunad.node.config import DaemonConfig
+from varunad.node.log_shipper import LogShipper, ShippedLog
 from varunad.store.contract import Store, StoreError
+from varunad.store.keys import Keys
 
 __all__ = ["Reporter"]
 

@@ -45,28 +45,35 @@ import zmq
 import zmq.asyncio
 
 from protocol.errors import ProtocolError
-from protocol.messages import (CheckpointNow, StopWorkers, WorkerCheckpointed, WorkerProgress, WorkerRescuing,
-                               WorkerStoreOutage, decode, encode)
+from protocol.messages import (
+    CheckpointNow,
+    StopWorkers,
+    WorkerCheckpointed,
+    WorkerProgress,
+    WorkerRescuing,
+    WorkerStoreOutage,
+    decode,
+    encode,
+)
 from trainer.engine.control import RESCUE_SIGNAL, STOPPED_EXIT_CODE
-from trainer.planning.parallel import ParallelPlan
-from trainer.worker_env import WorkerAssignment
 from trainer.launch import worker_environment as launch_environment
 from trainer.net.netaddr import numeric_address
-
-from varunad.node.config import DaemonConfig
-from varunad.node.control_channel import TOKEN_ENV, ControlChannel, control_identity, new_token
+from trainer.planning.parallel import ParallelPlan
+from trainer.worker_env import WorkerAssignment
 from varunad.cluster.facts import DaemonMember, PortReservation, gpu_count
-from varunad.store.keys import Keys
-from varunad.node.housekeeping import LOGS, STAGING, job_dir
-from varunad.control.jobs import JobSpec, job_store, job_trace_dir
 from varunad.cluster.membership import Membership
-from varunad.node.metrics import DaemonMetrics
-from varunad.node.oom import OOM_WORDS, kernel_oom_kills
+from varunad.control.jobs import JobSpec, job_store, job_trace_dir
 from varunad.control.plans import PlanDoc
 from varunad.control.records import Progress, WorkerRecord, WorkerReport
+from varunad.node.config import DaemonConfig
+from varunad.node.control_channel import TOKEN_ENV, ControlChannel, control_identity, new_token
+from varunad.node.housekeeping import LOGS, STAGING, job_dir
+from varunad.node.metrics import DaemonMetrics
+from varunad.node.oom import OOM_WORDS, kernel_oom_kills
 from varunad.node.reporter import Reporter
 from varunad.node.spares import SparePool
 from varunad.store.contract import Store
+from varunad.store.keys import Keys
 
 __all__ = ["Supervisor", "STOPPED_EXIT_CODE", "worker_environment"]
 

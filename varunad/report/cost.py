@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from varunad.control.jobs import JobState
-from varunad.report.prices import DevicePrice, price_of
 from varunad.control.records import stall_before, steps_trained_twice
+from varunad.report.prices import DevicePrice, price_of
 
 __all__ = ["Interval", "run_intervals", "morph_losses", "cost_report", "cost_lines", "plural", "restarts_text"]
 

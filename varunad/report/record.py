@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from varunad.control.status import job_status, memory_lines, plan_lines
-from varunad.store.keys import Keys
 from varunad.control.jobs import JobSpec, JobState, script_fingerprint
-from varunad.report.prices import DevicePrice, load_prices
+from varunad.control.status import job_status, memory_lines, plan_lines
 from varunad.report.cost import Interval, cost_lines, cost_report, morph_losses, plural, run_intervals
+from varunad.report.prices import DevicePrice, load_prices
 from varunad.report.traces import MeasuredStep, Missing, chrome_trace, pick_measured_step, predict, stage_meta
 from varunad.store.contract import Store
+from varunad.store.keys import Keys
 
 __all__ = ["DATA_FILES", "PICTURES", "ReportInputs", "collect", "build_report", "format_report",
            "write_end_of_job_report"]

@@ -16,9 +16,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-# etcd_client first: it sets gRPC's fork handling before aetcd (under it) loads grpc
-from varunad.store.etcd_client import CHANNEL_OPTIONS, HINT_UNAVAILABLE, Client, rpc_code, translate
-
 import aetcd
 import aetcd.rpc
 import aetcd.transactions as _tx
@@ -44,6 +41,9 @@ from varunad.store.contract import (
     WatchEvent,
     bounded,
 )
+
+# etcd_client first: it sets gRPC's fork handling before aetcd (under it) loads grpc
+from varunad.store.etcd_client import CHANNEL_OPTIONS, HINT_UNAVAILABLE, Client, rpc_code, translate
 
 __all__ = ["EtcdStore", "parse_endpoints"]
 

@@ -9,7 +9,6 @@ import asyncio
 import os
 from typing import Any
 
-
 # Before grpc (under aetcd) is imported: its fork handlers crash children forked while another
 # thread is inside gRPC (about 1 in 8 in a stress test), and the daemon forks every worker. The
 # children exec at once and never use gRPC, so they need no such handlers.
@@ -22,7 +21,7 @@ import aetcd.rpc
 import aetcd.watcher
 import grpc
 
-from varunad.store.contract import StoreAuthError, StoreError, StoreUnavailable, HistoryCompacted
+from varunad.store.contract import HistoryCompacted, StoreAuthError, StoreError, StoreUnavailable
 
 __all__ = ["Client", "CHANNEL_OPTIONS", "HINT_UNAVAILABLE", "rpc_code", "translate"]
 
