@@ -1,8 +1,8 @@
 """Deterministic global batches and two small, locally generated datasets.
 
 [Note: the global batch defines the math] in ARCHITECTURE.md: step s trains on the global batch B(s) = f(seed, s), whatever P x D runs it.
-`GlobalBatches` is that f: the data is read as an endless stream of epoch-wise permutations
-(permutation e is seeded by (seed, e)), and B(s) is the s-th run of `batch_size` indices in
+`GlobalBatches` is that f: the data is read as an endless stream of permutations, one per pass
+(the permutation of pass e is seeded by (seed, e)), and B(s) is the s-th run of `batch_size` indices in
 that stream. Every example is seen exactly once per pass; a batch may straddle two passes
 (and then can hold one example twice, once from each).
 Replica r of D takes the r-th contiguous slice, so after a morph from D=4 to D=2 the same
@@ -50,20 +50,20 @@ class GlobalBatches:
         self.num_examples = num_examples
         self.batch_size = batch_size
         self.seed = seed
-        # Each instance keeps its own small cache: consecutive steps reuse one or two epochs.
+        # Each instance keeps its own small cache: consecutive steps reuse one or two passes.
         self._permutation = lru_cache(maxsize=4)(self._make_permutation)
 
     def __repr__(self) -> str:
         return f"GlobalBatches(num_examples={self.num_examples}, batch_size={self.batch_size}, seed={self.seed})"
 
-    def _make_permutation(self, epoch: int) -> np.ndarray:
-        # Seeding by the pair (seed, epoch) rather than seed + epoch keeps runs with
+    def _make_permutation(self, data_pass: int) -> np.ndarray:
+        # Seeding by the pair (seed, pass) rather than seed + pass keeps runs with
         # neighbouring seeds from sharing shifted orders.
-        perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+        perm = np.random.default_rng([self.seed, data_pass]).permutation(self.num_examples)
         perm.flags.writeable = False
         return perm
 
-    def epoch(self, step: int) -> int:
+    def data_pass(self, step: int) -> int:
         """The pass over the data in which `step`'s batch starts."""
         return step * self.batch_size // self.num_examples
 
@@ -76,9 +76,9 @@ class GlobalBatches:
         parts = []
         pos = start
         while pos < end:
-            epoch, offset = divmod(pos, self.num_examples)
+            data_pass, offset = divmod(pos, self.num_examples)
             take = min(end - pos, self.num_examples - offset)
-            parts.append(self._permutation(epoch)[offset:offset + take])
+            parts.append(self._permutation(data_pass)[offset:offset + take])
             pos += take
         return np.concatenate(parts)
 
