@@ -106,7 +106,7 @@ def check_history(status, reference, *, every=EVERY, steps=STEPS):
 
 def test_submit_refuses_bad_specs_with_a_reason(ring, tmp_path):
     cases = [
-        (["--batch-size", "10", "--chunk-size", "4"], "not divisible"),
+        (["--batch-size", "12", "--chunk-size", "0"], "micro-batch size must be a positive integer"),
         (["--batch-size", "12", "--steps", "0"], "steps must be a positive integer"),
         (["--batch-size", "-12"], "batch size must be a positive integer"),
         (["--batch-size", "12", "--checkpoint-every", "0"], "checkpoint interval"),
