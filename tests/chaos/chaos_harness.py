@@ -515,7 +515,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 # Scenarios tests/chaos/ leaves to another test that injects the same fault (one run per fault in CI).
 ELSEWHERE = {"kill9-vm": "tests/test_daemon_ring.py::test_kill9_of_a_non_leader_morphs_and_the_job_finishes",
-             "kill9-leader": "tests/test_daemon_ring.py::test_kill9_of_the_leader_elects_another_within_a_ttl_and_the_job_finishes"}
+             "kill9-leader": "tests/test_daemon_ring.py::test_kill9_of_the_leader_elects_another_within_a_ttl_and_the_job_finishes",
+             "store-full": "tests/test_store_outage_job.py::test_a_store_that_fills_up_mid_run_pauses_checkpoints_and_the_job_finishes",
+             "store-read-only": "tests/test_store_outage_job.py::"
+                                "test_a_worker_that_dies_of_a_store_outage_restarts_without_using_up_a_restart"}
 
 
 from store_faults import STORE_SCENARIOS  # noqa: E402  (the checkpoint store's faults: full, read-only)
