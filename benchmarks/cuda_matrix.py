@@ -30,32 +30,12 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from reference import reference_run  # noqa: E402  (tests/reference.py: the plain loop)
 
-from trainer.data import GlobalBatches, TextDataset  # noqa: E402
 from trainer.launch import launch  # noqa: E402
-from trainer.models.gpt import GPT, GPTConfig  # noqa: E402
 
 WORKER = REPO / "tests" / "workers" / "train_check.py"
 STEPS, BATCH = 5, 12
-
-
-def plain_losses(device: str) -> list[float]:
-    """tests/reference.py's loop on ``device`` (the same seeds, data and optimizer)."""
-    torch.manual_seed(1234)
-    cfg = GPTConfig.preset("tiny")
-    model = GPT(cfg, seed=0).to(device)
-    data = TextDataset(cfg.seq_len, num_examples=256, seed=0)
-    batches = GlobalBatches(len(data), BATCH, seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        batch = {k: v.to(device) for k, v in data.batch(batches.indices(step)).items()}
-        loss = model(**batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def run_shape(stages: int, replicas: int, device: str, out: Path) -> tuple[list[float] | None, str, float]:
@@ -85,7 +65,7 @@ def main() -> int:
         print("no CUDA device here: this benchmark is for a GPU host", file=sys.stderr)
         return 2
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
-    on_gpu, on_cpu = plain_losses("cuda:0"), plain_losses("cpu")
+    on_gpu, on_cpu = reference_run(STEPS, BATCH, device="cuda:0")[0], reference_run(STEPS, BATCH)[0]
     print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"nccl {'.'.join(map(str, torch.cuda.nccl.version()))}")
     print(f"plain loop on the GPU vs on the CPU: max rel {rel(on_gpu, on_cpu):.2e}")
