@@ -67,10 +67,6 @@ class Transfer:
         _nonneg("Transfer", latency_s=self.latency_s, transfer_s=self.transfer_s, send_s=self.send_s,
                 recv_s=self.recv_s)
 
-    @property
-    def total_s(self) -> float:
-        return self.latency_s + self.transfer_s
-
 
 @dataclass(frozen=True, slots=True)
 class StageCost:
