@@ -80,13 +80,6 @@ class TraceRecorder:
                 "pid": self.stage, "tid": self.replica, "args": event_args,
             })
 
-    def instant(self, name: str, cat: str, **args: Any) -> None:
-        """A point in time (e.g. a morph or a checkpoint) drawn as a marker."""
-        if self.step is not None:
-            args.setdefault("step", self.step)
-        self.events.append({"name": name, "cat": cat, "ph": "i", "s": "t", "ts": round(self.now_us(), 3),
-                            "pid": self.stage, "tid": self.replica, "args": args})
-
     def save(self) -> Path:
         """Write every event so far (atomically: readers never see half a file)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,9 +106,6 @@ class NullRecorder:
     @contextmanager
     def span(self, name: str, cat: str, micro_batch: int | None = None, **args: Any) -> Iterator[None]:
         yield
-
-    def instant(self, name: str, cat: str, **args: Any) -> None:
-        pass
 
     def save(self) -> None:
         return None
