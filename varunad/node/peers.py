@@ -165,11 +165,6 @@ class PeerClients:
         found = await asyncio.gather(*(one(m, e) for m, e in members))
         return {m for m in found if m is not None}
 
-    def forget(self, keep: Iterable[str]) -> None:
-        keep = set(keep)
-        for member in [m for m in self._socks if m not in keep]:
-            self._socks.pop(member)[1].close(0)
-
     def close(self) -> None:
         for _, sock in self._socks.values():
             sock.close(0)
