@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trainer.planning.lockstep import dry_run, format_table
 from trainer.planning.schedule import (
     SCHEDULES,
     STASH_RULES,
@@ -20,8 +21,6 @@ from trainer.planning.schedule import (
     Kind,
     ScheduleError,
     build_table,
-    dry_run,
-    format_table,
     gpipe,
     one_f_one_b,
     stash_bound,
