@@ -16,8 +16,8 @@ When the epoch breaks (a peer lost mid-step), the step is abandoned and the stat
 completed step is saved from memory for the next epoch (`_abandon`, trainer.checkpoint.rescue).
 
 One module over 500 lines: a step's whole life (run, agree, apply, checkpoint, abandon) acts on
-one worker's state and its flags; what can live apart (setup, executor, comm, reduction,
-precision, checkpoint contents) already does.
+one worker's state and its flags; what can live apart (setup, process groups, executor, comm,
+reduction, precision, checkpoint contents) already does.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -44,10 +43,9 @@ from trainer.checkpoint import store as ckpt_store
 from trainer.checkpoint.model_record import record_model
 from trainer.engine import hooks, setup
 from trainer.engine import weights as stage_weights
-from trainer.engine.comm import PeerChannel
 from trainer.engine.control import STOPPED_EXIT_CODE, ControlClient, StepAbandoned, StopRequested
-from trainer.engine.data_parallel import GradReducer
 from trainer.engine.executor import StageExecutor
+from trainer.engine.groups import ProcessGroups
 from trainer.engine.memory import OUT_OF_MEMORY, PeakMemory
 from trainer.engine.precision import LossScaler, Precision, squared_norms
 from trainer.engine.store_outage import StoreHealth
@@ -55,10 +53,8 @@ from trainer.engine.trace import NullRecorder, recorder_for
 from trainer.errors import CheckpointError, ConfigError, StoreOutage, WorkerError
 from trainer.graph.keyed_rng import Draws
 from trainer.graph.layout import Layout, build_layout
-from trainer.graph.partition import balance, capture_model, dry_run, slice_stages
+from trainer.graph.partition import capture_model, slice_stages
 from trainer.graph.placement import retarget_graph
-from trainer.net.netaddr import bound_gloo_backend, nccl_environment
-from trainer.net.rendezvous import RendezvousStore, parse_url
 from trainer.planning.parallel import ParallelPlan
 from trainer.planning.schedule import Action, Kind, build_table
 from trainer.worker_env import WorkerAssignment
@@ -74,10 +70,9 @@ _TRACE_STEPS = 10   # unless the assignment says how many (WorkerAssignment.trac
 _BROKEN_EPOCH = (RuntimeError, WorkerError, zmq.ZMQError, StepAbandoned)
 
 
-class Varuna:
+class Varuna(ProcessGroups):
     # Set only in a calibration run (VARUNA_PROFILE), which profiles at set_optimizer and exits.
     _calibration_run: hooks.CalibrationRunHook | None = None
-    _owns_process_group = False
 
     def __init__(self, model: nn.Module, stage_to_rank_map: Mapping[int, Sequence[int]] | None,
                  get_batch_fn: Callable[[int, torch.device | str], Mapping[str, torch.Tensor]],
@@ -544,97 +539,6 @@ class Varuna:
     @property
     def data_depth(self) -> int:
         return self.plan.D
-
-    def _init_distributed(self) -> None:
-        a = self.assignment
-        self._owns_process_group = not dist.is_initialized()
-        if dist.is_initialized():
-            if dist.get_world_size() != a.world_size or dist.get_rank() != a.rank:
-                raise ConfigError(f"torch.distributed is initialised as rank {dist.get_rank()}/"
-                                  f"{dist.get_world_size()}, the assignment says {a.rank}/{a.world_size}")
-            return
-        gloo = "gloo"
-        if a.bind_address:   # the daemon's advertised address: not the host name's (trainer.net.netaddr)
-            gloo = bound_gloo_backend(a.bind_address)
-            if self.device.type == "cuda":
-                os.environ.update(nccl_environment(a.bind_address))
-        backend = f"cpu:{gloo},cuda:nccl" if self.device.type == "cuda" else gloo
-        if self.device.type == "cuda":
-            # NCCL and every torch.cuda call without an index use the current device: this one,
-            # not GPU 0 in every worker of the host
-            torch.cuda.set_device(self.device)
-        timeout = timedelta(seconds=float(os.environ.get("VARUNA_DIST_TIMEOUT", "600")))
-        if a.world_size == 1:
-            store = dist.HashStore()
-            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-        elif a.bind_address:   # our rendezvous: bound to that address, no reverse DNS (trainer.net.rendezvous)
-            host, port = parse_url(a.dist_url)
-            self._rendezvous = RendezvousStore(host, port, is_server=a.rank == 0, timeout=timeout)
-            dist.init_process_group(backend, store=self._rendezvous, rank=a.rank, world_size=a.world_size,
-                                    timeout=timeout)
-        else:
-            dist.init_process_group(backend, init_method=a.dist_url, rank=a.rank,
-                                    world_size=a.world_size, timeout=timeout)
-
-    def _agree_on_cuts(self, traced, get_batch_fn) -> list[int]:
-        """Every worker must cut the same way: rank 0 times the segments and decides."""
-        P = self.plan.P
-        if self.plan.cuts is not None:   # the plan checked their number and order
-            return list(self.plan.cuts)
-        if P == 1:
-            return []
-        decision: list[object] = [None]
-        if self.rank == 0:
-            try:
-                sample = get_batch_fn(self.micro_batch_size, "cpu")
-                decision[0] = balance(dry_run(traced, sample), P)
-            except Exception as exc:  # sent to every rank, so all fail with the same reason
-                decision[0] = exc
-        dist.broadcast_object_list(decision, src=0)
-        if isinstance(decision[0], Exception):
-            raise decision[0]
-        return list(decision[0])
-
-    def _build_groups(self) -> None:
-        """Process groups: one per stage (its replicas) and one per tied tensor set spanning
-        stages. Every rank creates every group, in the same order, as torch.distributed requires."""
-        a, layout = self.assignment, self.layout
-        stage_groups = [dist.new_group(sorted(a.plan.ranks[s])) for s in range(self.plan.P)]
-        self.stage_group = stage_groups[self.stage]
-        tied = []
-        for names in layout.tied:
-            stages = sorted({s for n in names for s in layout.owners[n]})
-            # Every replica of every stage holding a copy sums it; on one stage, its replicas.
-            group = stage_groups[stages[0]] if len(stages) == 1 else dist.new_group(
-                sorted(r for s in stages for r in a.plan.ranks[s]))
-            if self.stage in stages:
-                tied.append(([self._named[n] for n in names if n in self._named],
-                             group if self.plan.D * len(stages) > 1 else None))
-        # One reducer owns every gradient: tied copies, on one stage or several, are summed and
-        # all-reduced after the backward, never in the buckets that overlap it (data_parallel).
-        self.reducer = GradReducer(self.parameters(), self.stage_group, self.plan.D, tied=tied)
-        # A tied set is counted once in the gradient norm: on its lowest stage, first name.
-        self._norm_params = [p for n, p in self.named_parameters() if self._counts_in_norm(n)]
-
-    def _counts_in_norm(self, name: str) -> bool:
-        tied = self.layout.tied_set(name)
-        if tied is None:
-            return True
-        lowest = min(s for n in tied for s in self.layout.owners[n])
-        first_here = next(n for n in tied if lowest in self.layout.owners[n])
-        return self.stage == lowest and name == first_here
-
-    def _open_channel(self) -> PeerChannel:
-        a = self.assignment
-        prev = a.plan.ranks[self.stage - 1][self.replica] if self.stage > 0 else None
-        nxt = a.plan.ranks[self.stage + 1][self.replica] if self.stage < self.plan.P - 1 else None
-        peers = [r for r in (self._stats_parent, *self._stats_children) if r is not None]
-        return PeerChannel(bind=a.endpoints[self.rank],
-                           prev=None if prev is None else a.endpoints[prev],
-                           nxt=None if nxt is None else a.endpoints[nxt],
-                           job=a.job, epoch=a.epoch, stage=self.stage,
-                           security=setup.stream_security(a.endpoints, a.peer_keys),
-                           rank=self.rank, stats_peers={r: a.endpoints[r] for r in peers})
 
     def _agree(self, stats: torch.Tensor) -> torch.Tensor:
         """The sum of `stats` over all workers, the same on every one.
