@@ -16,8 +16,8 @@ When the epoch breaks (a peer lost mid-step), the step is abandoned and the stat
 completed step is saved from memory for the next epoch (`_abandon`, trainer.checkpoint.rescue).
 
 One module over 500 lines: a step's whole life (run, agree, apply, checkpoint, abandon) acts on
-one worker's state and its flags; what can live apart (setup, process groups, executor, comm,
-reduction, precision, checkpoint contents) already does.
+one worker's state and its flags; what can live apart (setup, process groups, the step's
+agreement and optimizer step, executor, comm, reduction, precision, checkpoint contents) already does.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import math
 import os
 import sys
 import time
@@ -43,11 +42,12 @@ from trainer.checkpoint import store as ckpt_store
 from trainer.checkpoint.model_record import record_model
 from trainer.engine import hooks, setup
 from trainer.engine import weights as stage_weights
+from trainer.engine.agreement import StepAgreement
 from trainer.engine.control import STOPPED_EXIT_CODE, ControlClient, StepAbandoned, StopRequested
 from trainer.engine.executor import StageExecutor
 from trainer.engine.groups import ProcessGroups
 from trainer.engine.memory import OUT_OF_MEMORY, PeakMemory
-from trainer.engine.precision import LossScaler, Precision, squared_norms
+from trainer.engine.precision import LossScaler, Precision
 from trainer.engine.store_outage import StoreHealth
 from trainer.engine.trace import NullRecorder, recorder_for
 from trainer.errors import CheckpointError, ConfigError, StoreOutage, WorkerError
@@ -70,7 +70,7 @@ _TRACE_STEPS = 10   # unless the assignment says how many (WorkerAssignment.trac
 _BROKEN_EPOCH = (RuntimeError, WorkerError, zmq.ZMQError, StepAbandoned)
 
 
-class Varuna(ProcessGroups):
+class Varuna(ProcessGroups, StepAgreement):
     # Set only in a calibration run (VARUNA_PROFILE), which profiles at set_optimizer and exits.
     _calibration_run: hooks.CalibrationRunHook | None = None
 
@@ -379,13 +379,6 @@ class Varuna(ProcessGroups):
             self.store_health.wrote()
         return path
 
-    def _stop_asked(self) -> bool:
-        """Whether any worker was asked to stop (or to save and leave); collective."""
-        self.control.poll()
-        asked = torch.tensor([float(self.control.stop_requested or self.control.rescue_requested)])
-        dist.all_reduce(asked, op=dist.ReduceOp.MAX)
-        return bool(asked[0] > 0)
-
     def wait_checkpoint(self) -> str | None:
         """Wait for the staged checkpoint in flight to reach the store; returns its directory (None
         when there is none). Raises CheckpointError if it failed: it stays incomplete and the
@@ -540,26 +533,6 @@ class Varuna(ProcessGroups):
     def data_depth(self) -> int:
         return self.plan.D
 
-    def _agree(self, stats: torch.Tensor) -> torch.Tensor:
-        """The sum of `stats` over all workers, the same on every one.
-
-        Over the ZeroMQ channel, up and down a two-level tree (`_stats_tree`): a replica's
-        stage 0 finishes a step last (its final backward waits for everyone else's),
-        so the others' statistics are already waiting when it gets there, and the root needs no
-        round trip at all; a gloo all-reduce of a few numbers costs ~0.4 ms and more at every step
-        even on one machine, and its ring grows with the world. A lone worker has nothing to agree."""
-        if self.channel is None:
-            return stats
-        total = stats
-        for child in self._stats_children:   # a fixed order: every worker gets the same bits
-            total = total + self.channel.recv_stats(child)
-        if self._stats_parent is not None:
-            self.channel.send_stats(self._stats_parent, total)
-            total = self.channel.recv_stats(self._stats_parent).clone()
-        for child in self._stats_children:
-            self.channel.send_stats(child, total)
-        return total
-
     def _table(self, name: str, m: int, recompute: bool) -> list[Action]:
         key = (name, m, recompute)
         if key not in self._tables:
@@ -595,58 +568,3 @@ class Varuna(ProcessGroups):
 
     def _allreduce(self) -> None:
         self.reducer.reduce()
-
-    def _optimizer_step(self, clip: float | None) -> dict[str, object]:
-        """Agree on the loss, the gradient norm and overflow in one exchange (`_agree`), then step."""
-        with_grad = [p for p in self.parameters() if p.grad is not None]
-        squares = squared_norms([p.grad for p in with_grad])
-        # An inf/nan anywhere makes its parameter's norm non-finite: one check on the total
-        # (tied copies included) is the overflow test.
-        finite = math.isfinite(sum(squares))
-        counted = {id(p) for p in self._norm_params}
-        sq = sum(v for p, v in zip(with_grad, squares) if id(p) in counted)
-        if not finite and self.precision != "fp16":
-            log.warning("rank %d: non-finite gradients at step %d in %s; skipping the step",
-                        self.rank, self.iteration, self.precision)
-        last = self.stage == self.plan.P - 1
-        local_loss = self.executor.loss_so_far() if last else 0.0
-        self.control.poll()
-        stats = torch.tensor([sq if finite else math.inf, local_loss, 0.0 if finite else 1.0,
-                              float(self.control.checkpoint_requested), float(self.control.stop_requested)],
-                             dtype=torch.float64)
-        stats = self._agree(stats)
-        # From here the step is applied: a rescue waits for it to be whole (the next boundary).
-        self.control.abandonable = False
-        self._applying = True
-        self._agreed = {"checkpoint": bool(stats[3] > 0), "stop": bool(stats[4] > 0)}
-        scale = self.scaler.scale
-        overflow = bool(stats[2] > 0)
-        # every replica holds the same reduced gradients: the norm counts one replica's stages
-        norm = math.sqrt(stats[0] / self.plan.D) / scale if not overflow else math.inf
-        if not overflow:
-            factor = 1.0 / scale
-            if clip is not None and norm > clip:
-                factor *= clip / (norm + 1e-6)
-            if factor != 1.0:
-                for p in self.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(factor)
-            self._check_scheduler()
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-                self._scheduler_steps = getattr(self.lr_scheduler, "last_epoch", None)
-        self.scaler.update(overflow)
-        self.grad_norm = norm
-        self._applying, self._applied = False, True
-        return {"loss": float(stats[1]), "overflow": overflow}
-
-    def _check_scheduler(self) -> None:
-        sched = self.lr_scheduler
-        if sched is None or self._scheduler_steps is None:
-            return
-        if getattr(sched, "last_epoch", None) != self._scheduler_steps:
-            raise ConfigError(f"the learning-rate scheduler was stepped outside Varuna (last_epoch "
-                              f"{sched.last_epoch}, {self._scheduler_steps} expected)",
-                              hint="step() steps the scheduler given to set_optimizer: remove the script's "
-                                   "own scheduler.step()")
