@@ -50,7 +50,7 @@ from varunad.control.records import Progress
 from varunad.control.resume import ResumeSource, complete_manifest, resume_source
 from varunad.node.config import DaemonConfig
 from varunad.node.metrics import DaemonMetrics
-from varunad.node.peers import PeerClients
+from varunad.node.peers import PeerClients, SilentMembers
 from varunad.store.contract import Store, StoreError, Watch
 from varunad.store.keys import Keys
 
@@ -107,11 +107,7 @@ class Leader:
         self.clients = clients
         self.clock = clock
         self.memory = LeaderMemory()
-        # member -> (lease, when) of a member of a stopping epoch that did not answer a ping while
-        # its lease still stood: a vanished VM. Not pinged again in the same morph, so each of its
-        # phases does not wait the ping timeout for it once more; forgotten once the morph's plan
-        # is written, or when the member registers again (a new lease).
-        self._silent: dict[str, tuple[int, float]] = {}
+        self.silent = SilentMembers(clients, ttl=config.ttl)   # pings, and who stayed silent in this morph
         self._store_paused: int | None = None   # the epoch whose workers the checkpoint store held last cycle
         self.metrics = metrics if metrics is not None else DaemonMetrics()
         self._changed = asyncio.Event()
@@ -338,7 +334,7 @@ class Leader:
                 # not pinged (its report and then its key say when it is done)
                 staying = [m for m in alive if not snap.members[m][0].draining]
                 if staying and loop.time() >= next_ping:
-                    gone = set(staying) - await self._answering(snap, staying, mark=True)
+                    gone = set(staying) - await self.silent.answering(snap, staying, mark=True)
                     if gone - silent:
                         log.info("leader: not waiting for %s: it does not answer a ping", ", ".join(sorted(gone - silent)))
                     silent |= gone
@@ -392,7 +388,7 @@ class Leader:
         lost: list[str] = []
         cause = cause_of(reason)
         if d.failure:
-            answered = await self._answering(after, plan.members, mark=True)
+            answered = await self.silent.answering(after, plan.members, mark=True)
             lost = sorted(set(plan.members) - answered)
             state = await self._state(job)
             # the worker's own words (often gloo's, from a peer that vanished) stay in this log and in
@@ -471,36 +467,6 @@ class Leader:
             return ResumeSource("", None, "")
         return await asyncio.to_thread(resume_source, store, plan, gone)
 
-    def _ping_timeout(self) -> float:
-        return max(0.5, min(2.0, self.config.ttl / 4))
-
-    def _mark_silent(self, snap: FleetSnapshot, names: set[str]) -> None:
-        now = time.time()
-        for m in names:
-            if m in snap.members:
-                self._silent[m] = (snap.members[m][1], now)
-
-    def _known_silent(self, snap: FleetSnapshot, name: str) -> bool:
-        """Whether `name` went silent under the lease it still holds (within two TTLs)."""
-        seen = self._silent.get(name)
-        if seen is None or name not in snap.members:
-            return False
-        lease, when = seen
-        if snap.members[name][1] != lease or time.time() - when > 2 * self.config.ttl:
-            del self._silent[name]
-            return False
-        return True
-
-    async def _answering(self, snap: FleetSnapshot, names, *, mark: bool) -> set[str]:
-        """The members of `names` that answer a ping, not waiting again for one known silent in
-        this morph; `mark`: remember those that do not (a member of the stopped epoch: not one
-        that may have just joined, whose socket may not answer yet)."""
-        ask = [(m, snap.members[m][0].endpoint) for m in names if m in snap.members and not self._known_silent(snap, m)]
-        answered = await self.clients.ping(ask, self._ping_timeout())
-        if mark:
-            self._mark_silent(snap, {m for m, _ in ask} - answered)
-        return answered
-
     # -- planning -------------------------------------------------------------------------------------------
 
     async def _calibrations(self, spec: JobSpec, kinds: list[str]) -> tuple[dict[str, Calibration], bool, list[str]]:
@@ -520,7 +486,7 @@ class Leader:
 
     async def _candidates(self, snap: FleetSnapshot) -> list[tuple]:
         usable = snap.usable()
-        answered = await self._answering(snap, [m.name for m, _ in usable], mark=False)
+        answered = await self.silent.answering(snap, [m.name for m, _ in usable], mark=False)
         for m, _ in usable:
             if m.name not in answered:
                 log.warning("leader: %s did not answer a ping; planning without it", m.name)
@@ -582,7 +548,7 @@ class Leader:
             return False
         self.memory.waiting.pop(job, None)
         epoch = await self.election.write_plan(doc.encode())
-        self._silent.clear()   # it served this morph; a later decision pings everyone afresh
+        self.silent.clear()   # it served this morph; a later decision pings everyone afresh
         planned_at = time.time()
         self.memory.epoch_seen[epoch] = self.clock()
         morphs = state.morphs

@@ -5,7 +5,8 @@ runs --plaintext) that yields decoded messages; anything that is not exactly one
 (garbage bytes, another protocol version, extra frames) is logged and dropped, and the daemon
 carries on. The leader holds one DEALER per member (CURVE client expecting that member's public
 key) to push plan-changed notices and stop requests, and to ping: a member that does not answer a Ping
-within the timeout is left out of the next plan.
+within the timeout is left out of the next plan; one of a stopping epoch that does not answer
+is remembered as silent (`SilentMembers`), so that a morph waits the ping timeout for it once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -23,7 +26,10 @@ from protocol.errors import ProtocolError, SecurityError
 from protocol.messages import Message, Ping, Pong, decode, encode
 from protocol.security import Security
 
-__all__ = ["PeerServer", "PeerClients", "drop_reason"]
+if TYPE_CHECKING:
+    from varunad.control.fleet import FleetSnapshot
+
+__all__ = ["PeerServer", "PeerClients", "SilentMembers", "drop_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -169,3 +175,50 @@ class PeerClients:
         for _, sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
+
+
+class SilentMembers:
+    """The leader's pings, remembering who stayed silent.
+
+    member -> (lease, when) of a member of a stopping epoch that did not answer a ping while
+    its lease still stood: a vanished VM. Not pinged again in the same morph, so each of its
+    phases does not wait the ping timeout for it once more; forgotten once the morph's plan
+    is written (`clear`), or when the member registers again (a new lease)."""
+
+    def __init__(self, clients: PeerClients, *, ttl: float) -> None:
+        self.clients = clients
+        self.ttl = ttl
+        self._silent: dict[str, tuple[int, float]] = {}
+
+    def clear(self) -> None:
+        self._silent.clear()
+
+    def _ping_timeout(self) -> float:
+        return max(0.5, min(2.0, self.ttl / 4))
+
+    def _mark_silent(self, snap: FleetSnapshot, names: set[str]) -> None:
+        now = time.time()
+        for m in names:
+            if m in snap.members:
+                self._silent[m] = (snap.members[m][1], now)
+
+    def _known_silent(self, snap: FleetSnapshot, name: str) -> bool:
+        """Whether `name` went silent under the lease it still holds (within two TTLs)."""
+        seen = self._silent.get(name)
+        if seen is None or name not in snap.members:
+            return False
+        lease, when = seen
+        if snap.members[name][1] != lease or time.time() - when > 2 * self.ttl:
+            del self._silent[name]
+            return False
+        return True
+
+    async def answering(self, snap: FleetSnapshot, names, *, mark: bool) -> set[str]:
+        """The members of `names` that answer a ping, not waiting again for one known silent in
+        this morph; `mark`: remember those that do not (a member of the stopped epoch: not one
+        that may have just joined, whose socket may not answer yet)."""
+        ask = [(m, snap.members[m][0].endpoint) for m in names if m in snap.members and not self._known_silent(snap, m)]
+        answered = await self.clients.ping(ask, self._ping_timeout())
+        if mark:
+            self._mark_silent(snap, {m for m, _ in ask} - answered)
+        return answered
