@@ -14,8 +14,9 @@ reports those workers gone (daemons SIGKILL the ones that do not stop within the
 Then a ``run`` plan for the members that answer a ping: its epoch is its etcd revision, and
 every worker resumes from the newest complete checkpoint with the same global batch.
 
-One module over 500 lines: the loop and its actions (start, morph, abort, finish, record) share
-the leader's memory and fence every write the same way; the pure part is ``varunad.control.decide``.
+The loop and its actions (morph, abort, finish, record) share the leader's memory and fence every
+write the same way; planning (a job's start, a calibration run, whether a re-plan pays) is the
+part in ``varunad.node.leader_planning``, and the pure part is ``varunad.control.decide``.
 """
 
 from __future__ import annotations
@@ -24,17 +25,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 
-from protocol.messages import PlanChanged, StopWorkers
-from trainer.planning.calibration import Calibration
-from trainer.planning.planner import Plan, PlanError
+from protocol.messages import StopWorkers
 from varunad.cluster.election import Election, NotLeader
 from varunad.control.decide import (
     Decision,
     LeaderMemory,
-    calibration_failed,
     cause_of,
     decide,
     store_failing,
@@ -42,13 +39,14 @@ from varunad.control.decide import (
     who_and_cause,
 )
 from varunad.control.failures import classify, memory_backoff
-from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet, read_newest
-from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
-from varunad.control.links import LinkSurvey, apply_links
-from varunad.control.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
+from varunad.control.fleet import FleetSnapshot, read_fleet, read_newest
+from varunad.control.jobs import JobState, job_store
+from varunad.control.links import LinkSurvey
+from varunad.control.plans import PlanDoc, describe
 from varunad.control.records import Progress
 from varunad.control.resume import ResumeSource, complete_manifest, resume_source
 from varunad.node.config import DaemonConfig
+from varunad.node.leader_planning import LeaderPlanning
 from varunad.node.metrics import DaemonMetrics
 from varunad.node.peers import PeerClients, SilentMembers
 from varunad.store.contract import Store, StoreError, Watch
@@ -71,30 +69,7 @@ class _Deposed(Exception):
     pass
 
 
-def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot) -> dict:
-    """What the end-of-job report needs beyond ``describe`` (which has the per-stage recompute
-    flags): devices per kind (to price the run) and the planner's other per-stage choices (to
-    replay its prediction in the simulator)."""
-    kinds = Counter(snap.members[s.member][0].device_kind for s in doc.slots)
-    return {"device_kinds": dict(kinds), "stage_kinds": [st.device_kind for st in planned.stages],
-            "link_kinds": list(planned.link_kinds),
-            "allreduce_kinds": list(planned.allreduce_kinds), "micro_batches": planned.micro_batches,
-            # why this plan (varunactl status JOB and the report say it): the runners-up and their
-            # estimates, and what ruled out the plans a user would try first
-            "alternatives": [{"P": c.P, "D": c.D, "micro_batch_size": c.micro_batch_size,
-                              "micro_batches": c.micro_batches,
-                              "estimated_s": c.simulated_s if c.simulated_s is not None else c.estimate_s}
-                             for c in planned.alternatives(3)],
-            "ruled_out": list(planned.ruled_out),
-            # each stage's memory as the planner bounded it and what its slot let it use: the
-            # workers' measured peaks are shown beside them
-            "stage_memory": [st.memory_bytes for st in planned.stages],
-            "stage_capacity": [st.capacity_bytes for st in planned.stages],
-            # daemons sharing a host (a local ring) share its cores: the report says so beside its prediction
-            "daemons_per_host": max(Counter(snap.members[m][0].host for m in doc.members).values(), default=0)}
-
-
-class Leader:
+class Leader(LeaderPlanning):
     """Runs while this daemon leads; cancelled when it stops leading."""
 
     def __init__(self, *, config: DaemonConfig, store: Store, keys: Keys, election: Election,
@@ -466,155 +441,3 @@ class Leader:
         if not store:
             return ResumeSource("", None, "")
         return await asyncio.to_thread(resume_source, store, plan, gone)
-
-    # -- planning -------------------------------------------------------------------------------------------
-
-    async def _calibrations(self, spec: JobSpec, kinds: list[str]) -> tuple[dict[str, Calibration], bool, list[str]]:
-        """(calibrations, all measured?, kinds still missing). The one place that picks the fallback."""
-        fp = script_fingerprint(spec)
-        listing = await self.store.get_prefix(self.keys.calibration_of(fp), timeout=self.t)
-        stored = {kv.key.rsplit("/", 1)[-1]: kv.value for kv in listing}
-        found, missing = calibrations_for(spec, kinds, stored)
-        if not missing:
-            return found, True, []
-        if self.config.calibrate == "profile" and fp not in self.memory.profile_failed:
-            return found, False, missing
-        log.warning("leader: no calibration of %s for %s; planning data-parallel from a synthetic one "
-                    "(run with --calibrate profile to measure it)", spec.job, ", ".join(missing))
-        cals = {k: uniform_calibration(spec, k) for k in kinds}
-        return cals, False, []
-
-    async def _candidates(self, snap: FleetSnapshot) -> list[tuple]:
-        usable = snap.usable()
-        answered = await self.silent.answering(snap, [m.name for m, _ in usable], mark=False)
-        for m, _ in usable:
-            if m.name not in answered:
-                log.warning("leader: %s did not answer a ping; planning without it", m.name)
-        return [(m, lease) for m, lease in usable if m.name in answered]
-
-    async def _start(self, job: str, reason: str) -> bool:
-        snap = await read_fleet(self.store, self.keys, timeout=self.t)
-        entry = snap.entry(job)
-        if entry is None or entry.spec is None:
-            return False
-        spec = entry.spec
-        state = snap.states.get(job) or JobState(job=job)
-        if snap.plan is not None and snap.plan.kind == "profile" and snap.plan.job == job:
-            report = snap.reports.get(snap.plan.profile_member or "")
-            rec = report.of(job, snap.plan_epoch).get(0) if report else None
-            if rec is not None and rec.outcome == "failed":
-                # the job's own script ended it, as it would end every worker: fail now, in its words
-                await self._finish(snap, job, "failed", calibration_failed(job, snap.plan.profile_member or "",
-                                                                           rec.error), error=rec.error)
-                return True
-            if rec is not None and rec.outcome == "killed":
-                log.warning("leader: the calibration run of %s was killed; planning without a measured calibration",
-                            job)
-                self.memory.profile_failed.add(script_fingerprint(spec))
-        members = await self._candidates(snap)
-        kinds = sorted({m.device_kind for m, _ in members})
-        cals: dict[str, Calibration] = {}
-        measured = False
-        if members:
-            names = [m.name for m, _ in members]
-            # A job's first plan waits for a probe in flight (it ends within PROBE_TIMEOUT, at once
-            # when it fails): first the links, then a calibration run, neither disturbing the other.
-            # A job that ran already (a morph, a restart) never waits: it plans with what is measured.
-            waiting = self.links.waiting(names) if not state.epochs else []
-            if waiting:
-                why = "waiting for the link measurement " + ", ".join(f"{a} <-> {b}" for a, b in waiting)
-                if self.memory.waiting.get(job) != why:
-                    self.memory.waiting[job] = why
-                    log.info("leader: %s is %s", job, why)
-                return False
-            cals, measured, missing = await self._calibrations(spec, kinds)
-            if missing:
-                return await self._profile(snap, spec, members, state, missing)
-            cals = apply_links(cals, self.links.measured(names))
-        try:
-            if not members:
-                raise PlanError("no member offers a usable slot that answers")
-            doc, planned = make_plan(spec, members, cals, calibrated=measured, reason=reason,
-                                     memory_scale=state.memory_scale)
-        except PlanError as exc:
-            why = f"waiting for a plan: {exc}" + "".join(
-                f" (counting {100 * share:.0f}% of a {kind} slot's memory: a stage of this job ran out)"
-                for kind, share in sorted(state.memory_scale.items()))
-            if self.memory.waiting.get(job) != why:
-                self.memory.waiting[job] = why
-                await self._put_state(state.but(state="queued" if state.state == "queued" else "morphing",
-                                                reason=why))
-                log.info("leader: %s is %s", job, why)
-            return False
-        self.memory.waiting.pop(job, None)
-        epoch = await self.election.write_plan(doc.encode())
-        self.silent.clear()   # it served this morph; a later decision pings everyone afresh
-        planned_at = time.time()
-        self.memory.epoch_seen[epoch] = self.clock()
-        morphs = state.morphs
-        info = self.memory.morph.pop(job, None)
-        if info is not None or state.epochs:
-            stopped = info or dict(reason=reason, from_shape="-", from_epoch=state.epoch, noticed_at=planned_at,
-                                   stopped_at=planned_at, checkpoint=False)
-            morphs = morphs + (MorphEvent(**stopped, to_shape=doc.shape, to_epoch=epoch, planned_at=planned_at),)
-            if not stopped.get("restart"):
-                self.metrics.morphs.inc()
-        # once running again, the state says where the job runs now and why it moved (the morph keeps
-        # the whole sentence)
-        now = reason
-        if info is not None and info.get("cause"):
-            now = f"resumed as {doc.shape} on {', '.join(doc.members)} after {info['cause']}"
-        await self._put_state(state.but(state="running", change="", reason=now, epoch=epoch,
-                                        epochs=state.epochs + (epoch,),
-                                        plan={**describe(doc, epoch), **_report_facts(doc, planned, snap)},
-                                        morphs=morphs[-50:], started_at=state.started_at or planned_at,
-                                        store=job_store(spec, self.config.store),
-                                        calibration_ended=state.calibration_ended or
-                                        (planned_at if state.calibration_started else 0.0)))
-        log.info("leader: %s epoch %d: %s on %s (estimated %.3fs per step)\n%s", job, epoch, doc.shape,
-                 ", ".join(doc.members), doc.estimated_s, planned.explain())
-        for name in doc.members:
-            await self.clients.send(name, snap.members[name][0].endpoint, PlanChanged(epoch=epoch))
-        await forget_progress(self.store, self.keys, job, len(doc.slots), timeout=self.t)
-        return True
-
-    async def _profile(self, snap: FleetSnapshot, spec: JobSpec, members: list[tuple], state: JobState,
-                       missing: list[str]) -> bool:
-        member = next(m for m, _ in members if m.device_kind == missing[0])
-        doc = PlanDoc(kind="profile", job=spec.job, reason=f"calibrating {missing[0]} on {member.name}",
-                      profile_member=member.name, incarnations={member.name: snap.members[member.name][1]})
-        await self.election.write_plan(doc.encode())
-        await self._put_state(state.but(reason=doc.reason,
-                                        calibration_started=state.calibration_started or time.time()))
-        return True
-
-    async def _consider(self, snap: FleetSnapshot, d: Decision) -> bool:
-        assert d.job is not None and snap.plan is not None
-        plan, epoch = snap.plan, snap.plan_epoch
-        usable = frozenset((m.name, lease) for m, lease in snap.usable())
-        self.memory.considered = (epoch, usable)
-        entry = snap.entry(d.job)
-        if entry is None or entry.spec is None:
-            return False
-        members = await self._candidates(snap)
-        cals, measured, missing = await self._calibrations(entry.spec, sorted({m.device_kind for m, _ in members}))
-        if missing:
-            return False
-        cals = apply_links(cals, self.links.measured([m.name for m, _ in members]))
-        try:
-            scales = snap.states[d.job].memory_scale if d.job in snap.states else None
-            doc, _ = make_plan(entry.spec, members, cals, calibrated=measured, reason=d.reason, memory_scale=scales)
-        except PlanError as exc:
-            log.info("leader: no better plan for %s: %s", d.job, exc)
-            return False
-        current = plan.estimated_s
-        gain = (current - doc.estimated_s) / current if current > 0 else 0.0
-        same = (doc.shape, doc.members) == (plan.shape, plan.members)
-        if same or gain <= self.config.scale_up_threshold:
-            log.info("leader: keeping %s as %s: re-planning onto %s would gain %.1f%% (threshold %.1f%%)",
-                     d.job, plan.shape, ", ".join(doc.members), 100 * gain, 100 * self.config.scale_up_threshold)
-            return False
-        joined = sorted(set(doc.members) - set(plan.members))
-        reason = (f"{', '.join(joined) or 'new VMs'} joined: {doc.shape} on {len(doc.members)} members is estimated "
-                  f"{100 * gain:.0f}% faster than {plan.shape}; checkpointing, then re-planning")
-        return await self._abort(snap, Decision("abort", reason, d.job, checkpoint=True))
