@@ -172,7 +172,7 @@ def test_nothing_fits_says_what_to_change():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(schedule="zigzag"), "unknown schedule"),
+        (dict(schedule="zigzag"), "schedule .zigzag. is not one of"),
         (dict(memory_fraction=0.0), "memory_fraction"),
         (dict(micro_batch_sizes=(3,)), "no micro-batch size"),
     ],

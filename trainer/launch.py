@@ -35,7 +35,7 @@ from pathlib import Path
 import trainer
 from trainer.errors import ConfigError
 from trainer.planning.parallel import ParallelPlan, ParallelPlanError
-from trainer.planning.schedule import SCHEDULES
+from trainer.planning.schedule import SCHEDULES, ScheduleError, schedule_named
 from trainer.worker_env import WorkerAssignment
 
 __all__ = ["LaunchResult", "launch", "plan_assignments", "main"]
@@ -163,8 +163,11 @@ def plan_assignments(
     value (a torch device, "cpu") goes to every rank as it is; None leaves it to the script."""
     if stages < 1 or replicas < 1:
         raise ConfigError(f"need at least one stage and one replica, got --stages {stages} --replicas {replicas}")
-    if schedule is not None and schedule not in SCHEDULES:
-        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {', '.join(SCHEDULES)}")
+    if schedule is not None:
+        try:
+            schedule_named(schedule)
+        except ScheduleError as exc:
+            raise ConfigError(str(exc)) from None
     # Refused here, in the flags' own words, rather than by every worker in the variables' words.
     if cuts is not None and len(cuts) != stages - 1:
         raise ConfigError(f"--cuts names {len(cuts)} cut point(s); {stages} stages need {stages - 1}")

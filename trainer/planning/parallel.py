@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.errors import ConfigError, VarunaError
-from trainer.planning.schedule import SCHEDULES
+from trainer.planning.schedule import ScheduleError, schedule_named
 
 __all__ = ["ParallelPlan", "ParallelPlanError", "MAX_WORKERS", "micro_batches"]
 
@@ -90,8 +90,11 @@ class ParallelPlan:
         mbs = self.micro_batch_size
         if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or not 1 <= mbs <= _MAX_INDEX):
             raise ParallelPlanError(f"micro_batch_size must be an int in 1..{_MAX_INDEX}, got {mbs!r}")
-        if self.schedule is not None and (not isinstance(self.schedule, str) or self.schedule not in SCHEDULES):
-            raise ParallelPlanError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.schedule is not None:
+            try:
+                schedule_named(self.schedule)
+            except ScheduleError as exc:
+                raise ParallelPlanError(str(exc)) from None
         if self.cuts is not None:
             cuts = _tuples(self.cuts)
             if (len(cuts) != P - 1 or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= _MAX_INDEX

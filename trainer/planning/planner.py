@@ -12,7 +12,7 @@ Conventions:
   * cut point k lies between segment k and segment k+1; `Plan.cuts` lists the active ones;
   * a stage's memory is the schedule's bound, the same accounting the simulator replays:
     parameters, gradients and optimizer state, plus the micro-batches the schedule stashes
-    (`schedule.stash_bound`: inputs only on a recomputing stage, full activation sets
+    (`Schedule.stash_bound`: inputs only on a recomputing stage, full activation sets
     otherwise), plus one full set while recomputing;
   * slots of one stage are one device kind, so its replicas run in step; the pipeline puts
     kinds with more memory first (early stages stash more) and gives slower kinds fewer layers.
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from trainer.planning.calibration import Calibration
 from trainer.planning.parallel import ParallelPlan, micro_batches
 from trainer.planning.plan import Candidate, Plan, PlanError, Slot, StagePlan
-from trainer.planning.schedule import SCHEDULES, build_table, stash_bound, stash_bounds
+from trainer.planning.schedule import Schedule, ScheduleError, schedule_named
 from trainer.planning.simulator import simulate, stage_costs
 
 # The plan types live in trainer.planning.plan; they are named here too, as the planner's return types.
@@ -75,12 +75,12 @@ class _Kind:
         return self.cal.input_bytes[j] if i == 0 else self.out[j][i - 1]
 
 
-def _fill(kinds: Sequence[_Kind], j: int, X: float, schedule: str, m: int, allow_recompute: bool):
+def _fill(kinds: Sequence[_Kind], j: int, X: float, schedule: Schedule, m: int, allow_recompute: bool):
     """Greedy: each stage takes the most segments whose time fits X and memory fits its slot."""
     P, n = len(kinds), kinds[0].cal.n_segments
     bounds, flags = [0], []
     i = 0
-    stash = stash_bounds(schedule, P, m)  # per stage, (without, with) recompute
+    stash = schedule.stash_bounds(P, m)  # per stage, (without, with) recompute
     for s, k in enumerate(kinds):
         jmax = n - (P - s - 1)
         if s == P - 1 and k.fb[j][n] - k.fb[j][i] > X + _EPS:
@@ -168,10 +168,9 @@ def _estimate(kinds, bounds, flags, j, D, m, links, ar, schedule) -> float:
             work[-1] += link.send_overhead_s + link.recv_overhead_s
         step = sum(seg.step_s for seg in k.cal.segments[a:b])
         tail = max(tail, k.cal.allreduce[ar[s]].allreduce_s(k.params[b] - k.params[a], D) + step)
-    # 1F1B (and Varuna on stages that keep activations, bound P-s) has no slack to hide a message
-    # in its steady state; Varuna's recomputing stages run up to 2(P-s) ahead, GPipe runs all
+    # a stage that cannot run ahead has no slack to hide a message in: the hop is on its period
     slackless = [max(work[s], work[s + 1]) + hop[s + 1] for s in range(P - 1)
-                 if schedule == "1f1b" or (schedule == "varuna" and not flags[s])]
+                 if not schedule.has_slack(P, s, flags[s])]
     period = max(max(work), max(transfer), max(slackless, default=0.0))
     return sum(work) + fill + (m - 1) * period + tail
 
@@ -262,10 +261,10 @@ def _simulate(schedule, P, m, flags, costs) -> float:
     so two shorter replays give the slope and the rest is extrapolated (planning stays fast)."""
     cap = max(_SIM_CAP, 2 * P)
     if m <= cap:
-        return simulate(build_table(schedule, P, m, flags), costs).minibatch_s
+        return simulate(schedule.table(P, m, flags), costs).minibatch_s
     lo_m = cap // 2  # a wide window: Varuna's steady state repeats with a period of a few P
-    hi_t = simulate(build_table(schedule, P, cap, flags), costs).minibatch_s
-    lo_t = simulate(build_table(schedule, P, lo_m, flags), costs).minibatch_s
+    hi_t = simulate(schedule.table(P, cap, flags), costs).minibatch_s
+    lo_t = simulate(schedule.table(P, lo_m, flags), costs).minibatch_s
     return hi_t + (hi_t - lo_t) / (cap - lo_m) * (m - cap)
 
 
@@ -284,8 +283,10 @@ def plan(
     """Pick the fastest feasible configuration. `memory_fraction` of each slot is usable (the
     rest is left for the framework, workspaces and fragmentation); `verify` of the best
     closed-form candidates are replayed by the simulator and the fastest replay wins."""
-    if schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    try:
+        sched = schedule_named(schedule)
+    except ScheduleError as exc:
+        raise PlanError(str(exc)) from None
     if global_batch < 1 or not 0 < memory_fraction <= 1 or verify < 1:
         raise PlanError("global_batch >= 1, 0 < memory_fraction <= 1 and verify >= 1 are required")
     cals = dict(calibrations) if isinstance(calibrations, Mapping) else {c.device_kind: c for c in calibrations}
@@ -334,15 +335,17 @@ def plan(
                 lower_by_kind.setdefault(name, lb)
             continue
         j = seq[0].cal.size_index(mbs)
-        key = (mbs, names, m if schedule == "gpipe" else min(m, 2 * P))
+        # m matters to a partition only through the stash bounds, which stop growing once m is
+        # more than a stage may run ahead: one partition serves every such m
+        key = (mbs, names, sched.stash_bounds(P, m))
         if key not in partitions:
-            partitions[key] = _partition(seq, j, schedule, m, allow_recompute)
+            partitions[key] = _partition(seq, j, sched, m, allow_recompute)
         part = partitions[key]
         if part is None:
             continue
         bounds, flags = part
         links, ar = _predicted_links(seq, D)
-        est = _estimate(seq, bounds, flags, j, D, m, links, ar, schedule)
+        est = _estimate(seq, bounds, flags, j, D, m, links, ar, sched)
         scored.append((est, (mbs, D, m, P, names, bounds, flags)))
         heapq.heappush(best_k, -est)
         if len(best_k) > keep:
@@ -363,7 +366,7 @@ def plan(
         seq = [kind_by_name[n] for n in names]
         assignment, links, ar = _place(names, D, [s for s in slots if s.device_kind in set(names)], host_size)
         costs = stage_costs([k.cal for k in seq], bounds, mbs, D, links, ar)
-        sim = _simulate(schedule, P, m, flags, costs)
+        sim = _simulate(sched, P, m, flags, costs)
         verified.append((sim, est, config, assignment, links, ar))
 
     for est, config in scored[:verify]:
@@ -407,7 +410,7 @@ def plan(
         else:
             why = "no feasible plan uses it (memory or slot count)"
         notes.append(f"left out {k.name} ({k.slots} slots): {why}")
-    ruled_out = tuple(_ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lower_by_kind,
+    ruled_out = tuple(_ruled_out(kinds, sizes, global_batch, sched, allow_recompute, scored, lower_by_kind,
                                  (P, D), uneven))
     unused = tuple(sorted(s.slot_id for s in slots if s.slot_id not in assignment))
     if unused:
@@ -417,7 +420,7 @@ def plan(
     for s, name in enumerate(names):
         k, a, b = kind_by_name[name], bounds[s], bounds[s + 1]
         j = k.cal.size_index(mbs)
-        c = stash_bound(schedule, P, s, m, flags[s])
+        c = sched.stash_bound(P, s, m, flags[s])
         act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
         mem = k.static[b] - k.static[a] + (c * in_b + act if flags[s] else c * (in_b + act))
         pre = k.fbr[j] if flags[s] else k.fb[j]

@@ -2,9 +2,10 @@
 
 An `Action` is (stage, kind, micro-batch) with a short text form: ``2F0`` (stage 2 forwards
 micro-batch 0), ``1RG3`` (stage 1 receives the gradient of micro-batch 3), ``0AR`` (all-reduce),
-``0OPT`` (optimizer step). A schedule generator (`varuna`, `gpipe`, `one_f_one_b`) returns the
-compute-only order of one stage; `build_table` adds the communication with one pure pass, so the
-executor and the simulator read the very same lists and cannot disagree.
+``0OPT`` (optimizer step). A schedule is one `Schedule` record in `SCHEDULES`: its generator
+(`varuna`, `gpipe`, `one_f_one_b`) returns the compute-only order of one stage, its stash rule says
+how many micro-batches a stage holds, and `build_table` adds the communication with one pure pass,
+so the executor and the simulator read the very same lists and the planner the very same rule.
 
 Semantics shared by every consumer (stages 0..P-1, micro-batches 0..m-1):
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,12 +35,11 @@ __all__ = [
     "Kind",
     "Action",
     "ScheduleError",
+    "Schedule",
     "SCHEDULES",
-    "OVERLAP_RECOMPUTE",
+    "schedule_named",
     "Recompute",
-    "STASH_RULES",
     "stash_bound",
-    "stash_bounds",
     "varuna",
     "gpipe",
     "one_f_one_b",
@@ -258,8 +259,6 @@ def varuna(P: int, m: int, stage: int, recompute: Recompute = True) -> list[Acti
 
 ScheduleFn = Callable[[int, int, int, Recompute], list[Action]]
 
-SCHEDULES: dict[str, ScheduleFn] = {"varuna": varuna, "gpipe": gpipe, "1f1b": one_f_one_b}
-
 
 # The memory rule of each schedule: how many micro-batches stage `stage` of P holds at most
 # (forwarded, backward not yet finished) with m micro-batches, given whether it recomputes.
@@ -280,26 +279,76 @@ def _one_f_one_b_stash(P: int, stage: int, m: int, recompute: bool) -> int:
 
 StashRule = Callable[[int, int, int, bool], int]
 
-STASH_RULES: dict[str, StashRule] = {"varuna": _varuna_stash, "gpipe": _gpipe_stash, "1f1b": _one_f_one_b_stash}
+
+@dataclass(frozen=True)
+class Schedule:
+    """Everything the executor, the simulator and the planner know of one schedule, in one record,
+    so that a schedule cannot be half added: a fact kept elsewhere under the schedule's name would
+    give wrong estimates, not an error, where it was forgotten. [Note: a schedule is data]"""
+
+    name: str
+    order: ScheduleFn  # the compute-only order of one stage; `table` adds the communication
+    stash: StashRule  # the memory rule above: exact for the orders `order` produces
+    # RECV_GRAD after RECOMPUTE, so the recompute hides the wait; otherwise the gradient comes
+    # first, as in a framework that recomputes inside backward
+    overlap_recompute: bool
+
+    def table(self, P: int, m: int, recompute: Recompute = True) -> dict[int, list[Action]]:
+        """Every stage's full list: compute, communication, then ALLREDUCE and STEP. `recompute` is
+        one flag for every stage or one per stage (the planner recomputes only where memory needs)."""
+        _check_args(P, m)
+        return {s: _with_comm(self.order(P, m, s, recompute), P, s, self.overlap_recompute) for s in range(P)}
+
+    def stash_bound(self, P: int, stage: int, m: int, recompute: bool) -> int:
+        """The most micro-batches stage `stage` of a P-stage pipeline stashes with m micro-batches
+        (the last stage never recomputes, whatever `recompute` says)."""
+        _check_args(P, m, stage)
+        return self.stash(P, stage, m, bool(recompute) and stage < P - 1)
+
+    def stash_bounds(self, P: int, m: int) -> tuple[tuple[int, int], ...]:
+        """Per stage, `stash_bound` without and with recompute: the planner's hot loop reads this."""
+        return _stash_bounds(self, P, m)
+
+    def has_slack(self, P: int, stage: int, recompute: bool) -> bool:
+        """Whether the stage may run further ahead than the P-s micro-batches that keep the pipeline
+        full. One that may not (1F1B; Varuna where it keeps full activations) has no slack to hide
+        a message in its steady state, so the planner's closed form charges it the hop; read off
+        the memory rule, as the orders are bound by it."""
+        return self.stash_bound(P, stage, P - stage + 1, recompute) > P - stage
 
 
 @functools.lru_cache(maxsize=1024)
-def stash_bounds(name: str, P: int, m: int) -> tuple[tuple[int, int], ...]:
-    """Per stage, `stash_bound` without and with recompute: the planner's hot loop reads this."""
-    return tuple((stash_bound(name, P, s, m, False), stash_bound(name, P, s, m, True)) for s in range(P))
+def _stash_bounds(schedule: Schedule, P: int, m: int) -> tuple[tuple[int, int], ...]:
+    return tuple((schedule.stash_bound(P, s, m, False), schedule.stash_bound(P, s, m, True)) for s in range(P))
+
+
+# The registry: adding a schedule is one record here plus its golden tables (tests/golden).
+SCHEDULES: Mapping[str, Schedule] = types.MappingProxyType({
+    s.name: s for s in (
+        Schedule("varuna", varuna, _varuna_stash, overlap_recompute=True),
+        Schedule("gpipe", gpipe, _gpipe_stash, overlap_recompute=False),
+        Schedule("1f1b", one_f_one_b, _one_f_one_b_stash, overlap_recompute=False),
+    )
+})
+
+
+def schedule_named(name: object) -> Schedule:
+    """The record of schedule `name`. The one place a name is checked: a job spec, a plan read
+    from etcd, the planner and the launcher all refuse an unknown one in the same words."""
+    found = SCHEDULES.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise ScheduleError(f"schedule {name!r} is not one of {', '.join(SCHEDULES)}")
+    return found
 
 
 def stash_bound(name: str, P: int, stage: int, m: int, recompute: bool) -> int:
-    """The most micro-batches stage `stage` of a P-stage pipeline stashes under schedule `name`
-    with m micro-batches (the last stage never recomputes, whatever `recompute` says)."""
-    if name not in STASH_RULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    _check_args(P, m, stage)
-    return STASH_RULES[name](P, stage, m, bool(recompute) and stage < P - 1)
+    """`Schedule.stash_bound` of the schedule called `name`."""
+    return schedule_named(name).stash_bound(P, stage, m, recompute)
 
-# Schedules whose RECV_GRAD goes after the RECOMPUTE (the recompute hides the wait); the
-# others receive the gradient first, as a framework that recomputes inside backward does.
-OVERLAP_RECOMPUTE: frozenset[str] = frozenset({"varuna"})
+
+def build_table(name: str, P: int, m: int, recompute: Recompute = True) -> dict[int, list[Action]]:
+    """`Schedule.table` of the schedule called `name`."""
+    return schedule_named(name).table(P, m, recompute)
 
 
 def _with_comm(compute: Sequence[Action], P: int, stage: int, overlap: bool) -> list[Action]:
@@ -329,17 +378,6 @@ def _with_comm(compute: Sequence[Action], P: int, stage: int, overlap: bool) -> 
         else:
             raise ScheduleError(f"schedule generators return compute only, got {a}")
     return out + [_act(s, Kind.ALLREDUCE), _act(s, Kind.STEP)]
-
-
-def build_table(name: str, P: int, m: int, recompute: Recompute = True) -> dict[int, list[Action]]:
-    """Every stage's full list: compute, communication, then ALLREDUCE and STEP. `recompute` is
-    one flag for every stage or one per stage (the planner recomputes only where memory needs)."""
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    _check_args(P, m)
-    fn = SCHEDULES[name]
-    overlap = name in OVERLAP_RECOMPUTE
-    return {s: _with_comm(fn(P, m, s, recompute), P, s, overlap) for s in range(P)}
 
 
 def _positions(actions: Sequence[Action], stage: int, m: int) -> dict[tuple[Kind, int], int]:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from trainer.errors import ConfigError
 from trainer.planning.parallel import micro_batches
-from trainer.planning.schedule import SCHEDULES  # pure Python: the one list of schedule names
+from trainer.planning.schedule import ScheduleError, schedule_named  # pure Python
 from varunad.store import schemas
 
 __all__ = [
@@ -112,8 +112,10 @@ class JobSpec:
                 micro_batches(self.batch_size, 1, self.chunk_size)
             except ConfigError as exc:
                 raise JobSpecError(str(exc)) from None
-        if self.schedule not in SCHEDULES:
-            raise JobSpecError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        try:
+            schedule_named(self.schedule)
+        except ScheduleError as exc:
+            raise JobSpecError(str(exc)) from None
         if self.store is not None and (not isinstance(self.store, str) or not self.store):
             raise JobSpecError("store must be a non-empty path")
         if not isinstance(self.bundle_digest, str) or not re.fullmatch(r"[0-9a-f]{64}", self.bundle_digest):
