@@ -123,14 +123,6 @@ class SimResult:
     def peak_bytes(self) -> tuple[int, ...]:
         return tuple(s.peak_bytes for s in self.stages)
 
-    def format(self) -> str:
-        lines = [f"mini-batch {self.minibatch_s:.4f} s", "stage  compute_s  allreduce_s  idle_s  peak_GiB"]
-        for i, s in enumerate(self.stages):
-            lines.append(
-                f"{i:>5}  {s.compute_s:9.4f}  {s.allreduce_s:11.4f}  {s.idle_s:6.4f}  {s.peak_bytes / 2**30:8.2f}"
-            )
-        return "\n".join(lines)
-
 
 def stage_costs(
     calibrations: Sequence[Calibration],
