@@ -30,10 +30,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from trainer.planning import planner
 from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
 from trainer.planning.parallel import MAX_WORKERS, ParallelPlan
 from trainer.planning.planner import Plan, PlanError, Slot
-from trainer.planning.planner import plan as run_planner
 from varunad.cluster.facts import DaemonMember
 from varunad.control.jobs import JobSpec
 from varunad.store import schemas
@@ -254,8 +254,8 @@ def make_plan(
     if not slots:
         raise PlanError("no member offers a usable slot", hint="start varunad on more VMs")
     sizes = spec.micro_batch_sizes()
-    result = run_planner(slots, spec.batch_size, dict(calibrations), schedule=spec.schedule,
-                         micro_batch_sizes=sizes)
+    result = planner.plan(slots, spec.batch_size, dict(calibrations), schedule=spec.schedule,
+                          micro_batch_sizes=sizes)
     plan_slots = []
     for slot_id, (stage, replica) in sorted(result.assignment.items()):
         member, i = by_id[slot_id]
