@@ -97,7 +97,7 @@ async def test_only_the_current_workers_identity_is_heard(tmp_path, monkeypatch)
             await forger.send(_progress(5000, 7.0, epoch=4))
             client.progress(4, 1.25, 10.0, 0.5)
             await _until(lambda: w.step == 4, "the worker's next progress")
-            await _until(lambda: sup.dropped >= 2, "the forgeries dropped")
+            await _until(lambda: sup.line.dropped >= 2, "the forgeries dropped")
             assert sup.reporter.progress[0].step == 4 and sup.reporter.progress[0].loss == 1.25
             assert dict(sup.reporter._history[("j", 5)]) == {3: 1.5, 4: 1.25}
             assert sup.metrics.dropped_messages._value.get() >= 2

@@ -22,8 +22,8 @@ so (``WorkerRescuing``) is given ``stop_grace`` instead, and a new epoch's worke
 once it is done. What the workers did goes to etcd through
 ``varunad.node.reporter`` (the report at once, progress and loss history throttled, logs in chunks).
 
-One module over 500 lines: starting, stopping and hearing from the workers all act on the one table
-of live workers and their control socket; what reaches etcd is already in ``reporter``.
+Starting, stopping and hearing from the workers act on the one table of live workers; the line
+to them is ``varunad.node.control_channel.WorkerLine``, and what reaches etcd is in ``reporter``.
 """
 
 from __future__ import annotations
@@ -44,15 +44,12 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from protocol.errors import ProtocolError
 from protocol.messages import (
     CheckpointNow,
     StopWorkers,
-    WorkerCheckpointed,
     WorkerProgress,
     WorkerRescuing,
     WorkerStoreOutage,
-    decode,
     encode,
 )
 from trainer.engine.control import RESCUE_SIGNAL, STOPPED_EXIT_CODE
@@ -66,7 +63,7 @@ from varunad.control.jobs import JobSpec, job_store, job_trace_dir
 from varunad.control.plans import PlanDoc
 from varunad.control.records import Progress, WorkerRecord, WorkerReport
 from varunad.node.config import DaemonConfig
-from varunad.node.control_channel import TOKEN_ENV, ControlChannel, control_identity, new_token
+from varunad.node.control_channel import TOKEN_ENV, WorkerLine, control_identity, new_token
 from varunad.node.housekeeping import LOGS, STAGING, job_dir
 from varunad.node.metrics import DaemonMetrics
 from varunad.node.oom import OOM_WORDS, kernel_oom_kills
@@ -191,18 +188,9 @@ class Supervisor:
         # the address every worker's collectives bind: the advertised one (trainer.net.netaddr)
         self.bind_address = numeric_address(config.advertise)
         self._gpus = gpu_count()   # CUDA workers or CPU ones: what the host has, not what its kind is called
-        # Private to this daemon and its workers: a Unix socket in a directory only this user may
-        # enter (no TCP port any local process could reach), and each worker names itself by a
-        # secret drawn for it alone (ControlChannel); there is no ROUTER_HANDOVER, so nobody can
-        # take over a connected worker's identity either.
-        Path(config.state_dir).mkdir(parents=True, exist_ok=True)
-        self.channel = ControlChannel(config.state_dir)
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
-        self.sock.bind(self.channel.endpoint)
-        self.control_endpoint = self.channel.endpoint
+        self.line = WorkerLine(ctx, config.state_dir, name=self.name, metrics=self.metrics)
+        self.channel = self.line.channel
+        self.control_endpoint = self.line.endpoint
         log.info("%s: worker control socket at %s", self.name, self.control_endpoint)
         self.workers: dict[int, _SupervisedWorker] = {}
         self.job: str | None = None
@@ -215,7 +203,6 @@ class Supervisor:
         self._exited.set()
         self._on_exit: list[Callable[[_SupervisedWorker], Any]] = []
         self._step_interval: dict[int, float] = {}  # rank -> seconds between its last two reports
-        self.dropped = 0
         # a spare worker process per slot, torch imported (varunad.node.spares)
         self.spares = SparePool(name=self.name, state_dir=config.state_dir, enabled=config.spare_workers,
                                 preexec=lambda: _die_with(os.getpid()))
@@ -431,7 +418,7 @@ class Supervisor:
         for w in targets:
             msg = StopWorkers(job=w.job, epoch=w.epoch, reason=str(reason)[:1000], checkpoint=checkpoint)
             w.stop_request = encode(msg)
-            self._deliver(w, msg)
+            self.line.deliver(w, msg)
             if not checkpoint:
                 self._signal_rescue(w)
             if w.rescuing is not None:
@@ -500,7 +487,7 @@ class Supervisor:
     def checkpoint_now(self, job: str, epoch: int, reason: str) -> None:
         for w in self.alive():
             if w.job == job and w.epoch == epoch:
-                self._deliver(w, CheckpointNow(job=job, epoch=epoch, reason=str(reason)[:1000]))
+                self.line.deliver(w, CheckpointNow(job=job, epoch=epoch, reason=str(reason)[:1000]))
 
     async def _kill_after(self, w: _SupervisedWorker, grace: float) -> None:
         await asyncio.sleep(grace)
@@ -549,85 +536,25 @@ class Supervisor:
             log.warning("%s: killed %d worker(s): %s", self.name, len(alive), reason)
             await self.wait_all_exited(10.0)
 
-    def _deliver(self, w: _SupervisedWorker, msg: Any) -> None:
-        data = msg if isinstance(msg, bytes) else encode(msg)
-        if not w.connected:
-            w.pending.append(data)  # sent when the worker first speaks (after its first step)
-            return
-        self._send(w, data)
-
-    def _send(self, w: _SupervisedWorker, data: bytes) -> None:
-        # An asyncio socket reports a failed send in the returned future, never by raising here
-        # (an `except zmq.ZMQError` around it never fired): look at the future, and keep a message
-        # that could not go for the worker's next message.
-        try:
-            fut = self.sock.send_multipart([w.identity, data], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self._undelivered(w, data)
-            return
-
-        def sent(f: asyncio.Future) -> None:
-            if f.cancelled() or f.exception() is not None:
-                self._undelivered(w, data)
-
-        fut.add_done_callback(sent)
-
-    def _undelivered(self, w: _SupervisedWorker, data: bytes) -> None:
-        if w.alive and data not in w.pending:
-            log.debug("%s: a request to rank %d was not delivered; sending it with the next reply", self.name, w.rank)
-            w.connected = False
-            w.pending.append(data)
-
     # -- the control socket ------------------------------------------------------------------------------
 
     async def serve(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()
-            if len(frames) != 2:
-                self._drop(f"{len(frames)} frames instead of [identity, message]")
-                continue
-            identity, data = frames
-            try:
-                msg = decode(data)
-            except ProtocolError as exc:
-                self._drop(str(exc))
-                continue
-            if not isinstance(msg, (WorkerProgress, WorkerCheckpointed, WorkerRescuing, WorkerStoreOutage)):
-                self._drop(f"unexpected {type(msg).__name__} from a worker")
-                continue
-            w = self.workers.get(msg.rank)
-            if w is None or not w.alive or w.job != msg.job or w.epoch != msg.epoch or identity != w.identity:
-                # Only the current epoch's worker of that rank knows its identity: anything else is
-                # a stale worker or a forgery, and must not move the job's progress or history.
-                self._drop(f"{type(msg).__name__} for {msg.job} epoch {msg.epoch} rank {msg.rank} not from "
-                           "that rank's current worker")
-                continue
-            if not w.connected:
-                w.connected = True
-                pending, w.pending = w.pending, []
-                for item in pending:
-                    self._send(w, item)
-            elif w.stop_request is not None:
-                self._send(w, w.stop_request)  # idempotent; confirmed only by the worker's exit
-            if isinstance(msg, WorkerProgress):
-                self._on_progress(w, msg)
-            elif isinstance(msg, WorkerRescuing):
-                self._on_rescuing(w, msg)
-            elif isinstance(msg, WorkerStoreOutage):
-                self._on_store_outage(w, msg.step if msg.failing else -1, msg.error)
-            else:
-                self._on_store_outage(w, -1, "")   # a checkpoint went through: the store takes writes
-                self.metrics.worker_checkpointed(job=msg.job, stalled_s=msg.stalled_s)
-                log.info("%s: rank %d checkpointed step %d of %s (training stood still %.2fs for it)", self.name,
-                         msg.rank, msg.step, msg.job, msg.stalled_s)
-                self.reporter.flush_soon()  # the history now: the next epoch resumes from here
+        await self.line.serve(lambda rank: self.workers.get(rank), self._heard)
 
-    def _drop(self, why: str) -> None:
-        self.dropped += 1
-        self.metrics.dropped_messages.inc()
-        if self.dropped <= 20 or self.dropped % 1000 == 0:
-            log.warning("%s: dropped a malformed message on the worker socket (%d so far): %s",
-                        self.name, self.dropped, why)
+    def _heard(self, w: _SupervisedWorker, msg: Any) -> None:
+        """A message from the current epoch's worker of its rank (``WorkerLine`` checked who sent it)."""
+        if isinstance(msg, WorkerProgress):
+            self._on_progress(w, msg)
+        elif isinstance(msg, WorkerRescuing):
+            self._on_rescuing(w, msg)
+        elif isinstance(msg, WorkerStoreOutage):
+            self._on_store_outage(w, msg.step if msg.failing else -1, msg.error)
+        else:
+            self._on_store_outage(w, -1, "")   # a checkpoint went through: the store takes writes
+            self.metrics.worker_checkpointed(job=msg.job, stalled_s=msg.stalled_s)
+            log.info("%s: rank %d checkpointed step %d of %s (training stood still %.2fs for it)", self.name,
+                     msg.rank, msg.step, msg.job, msg.stalled_s)
+            self.reporter.flush_soon()  # the history now: the next epoch resumes from here
 
     def _on_store_outage(self, w: _SupervisedWorker, since: int, error: str) -> None:
         """The checkpoint store refuses `w`'s writes since step `since` (-1: it takes them again):
@@ -667,5 +594,4 @@ class Supervisor:
 
     def close(self) -> None:
         self.spares.close()
-        self.sock.close(0)
-        self.channel.close()
+        self.line.close()
