@@ -322,7 +322,8 @@ def _stash_bounds(schedule: Schedule, P: int, m: int) -> tuple[tuple[int, int], 
     return tuple((schedule.stash_bound(P, s, m, False), schedule.stash_bound(P, s, m, True)) for s in range(P))
 
 
-# The registry: adding a schedule is one record here plus its golden tables (tests/golden).
+# The registry. Adding a schedule is its generator and stash rule above, one record here, and its
+# golden tables (tests/golden); the tests of every rule above run over every record.
 SCHEDULES: Mapping[str, Schedule] = types.MappingProxyType({
     s.name: s for s in (
         Schedule("varuna", varuna, _varuna_stash, overlap_recompute=True),
