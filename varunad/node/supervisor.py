@@ -13,17 +13,12 @@ Each worker
   after each checkpoint; the daemon sends it ``StopWorkers`` / ``CheckpointNow`` (a stop is
   repeated until the worker exits, a send that failed is retried with its next message).
 
-A stop request gives the workers a grace period (``stop_grace`` with a checkpoint,
-``abort_grace`` without: a worker blocked on a dead peer never reaches a step boundary), then
-the daemon SIGKILLs their process groups. A stop without a checkpoint means the epoch is broken:
-each worker that has trained a step gets the rescue signal (``RESCUE_SIGNAL``), abandons its
-step and saves what it holds from memory (trainer.checkpoint.rescue); one that says it is doing
-so (``WorkerRescuing``) is given ``stop_grace`` instead, and a new epoch's workers start only
-once it is done. What the workers did goes to etcd through
-``varunad.node.reporter`` (the report at once, progress and loss history throttled, logs in chunks).
+How workers are stopped (a grace period, the rescue signal of a broken epoch, SIGKILL) is
+``varunad.node.stopping``. What the workers did goes to etcd through ``varunad.node.reporter``
+(the report at once, progress and loss history throttled, logs in chunks).
 
 Starting, stopping and hearing from the workers act on the one table of live workers; the line
-to them is ``varunad.node.control_channel.WorkerLine``, and what reaches etcd is in ``reporter``.
+to them is ``varunad.node.control_channel.WorkerLine``.
 """
 
 from __future__ import annotations
@@ -45,14 +40,11 @@ import zmq
 import zmq.asyncio
 
 from protocol.messages import (
-    CheckpointNow,
-    StopWorkers,
     WorkerProgress,
     WorkerRescuing,
     WorkerStoreOutage,
-    encode,
 )
-from trainer.engine.control import RESCUE_SIGNAL, STOPPED_EXIT_CODE
+from trainer.engine.control import STOPPED_EXIT_CODE
 from trainer.launch import worker_environment as launch_environment
 from trainer.net.netaddr import numeric_address
 from trainer.planning.parallel import ParallelPlan
@@ -69,6 +61,7 @@ from varunad.node.metrics import DaemonMetrics
 from varunad.node.oom import OOM_WORDS, kernel_oom_kills
 from varunad.node.reporter import Reporter
 from varunad.node.spares import SparePool
+from varunad.node.stopping import WorkerStopping
 from varunad.store.contract import Store
 from varunad.store.keys import Keys
 
@@ -162,7 +155,7 @@ class _SupervisedWorker:
                             store_failing_since=self.store_failing_since, store_error=self.store_error[-_TAIL_BYTES:])
 
 
-class Supervisor:
+class Supervisor(WorkerStopping):
     """This daemon's workers of one epoch at a time; `reporter` writes what they did to etcd."""
 
     def __init__(
@@ -402,139 +395,6 @@ class Supervisor:
         self.reporter.mark()
         if not self.alive():
             self._exited.set()
-
-    # -- stopping --------------------------------------------------------------------------------------
-
-    def stop(self, job: str | None, epoch: int | None, *, checkpoint: bool, reason: str,
-             grace: float | None = None) -> int:
-        """Ask the workers (of ``job``/``epoch``, or all) to stop; SIGKILL those alive after the grace
-        (by default stop_grace with a checkpoint, abort_grace without; 0 kills them now)."""
-        targets = [w for w in self.alive() if (job is None or w.job == job) and (epoch is None or w.epoch <= epoch)]
-        if grace is None:
-            grace = self.config.stop_grace if checkpoint else self.config.abort_grace
-        if grace <= 0:
-            self._rescue_or_kill(targets, reason)
-            return len(targets)
-        for w in targets:
-            msg = StopWorkers(job=w.job, epoch=w.epoch, reason=str(reason)[:1000], checkpoint=checkpoint)
-            w.stop_request = encode(msg)
-            self.line.deliver(w, msg)
-            if not checkpoint:
-                self._signal_rescue(w)
-            if w.rescuing is not None:
-                continue   # its timer is stop_grace already (_on_rescuing)
-            if w.kill_task is None or checkpoint is False:
-                if w.kill_task is not None:
-                    w.kill_task.cancel()
-                w.kill_task = asyncio.get_running_loop().create_task(self._kill_after(w, grace))
-        if targets:
-            log.info("%s: asked %d worker(s) to stop (%s; checkpoint=%s, SIGKILL after %.0fs)", self.name,
-                     len(targets), reason, checkpoint, grace)
-        return len(targets)
-
-    def _rescue_or_kill(self, targets: list[_SupervisedWorker], reason: str) -> None:
-        """A broken epoch: a worker that trained a step may hold state newer than the store's, so it
-        gets the rescue signal and ``abort_grace`` (``stop_grace`` once it says it is saving);
-        one that never reported a step has nothing to save and is SIGKILLed now."""
-        rescued = 0
-        for w in targets:
-            if self._signal_rescue(w):
-                rescued += 1
-                if w.kill_task is None:
-                    w.kill_task = asyncio.get_running_loop().create_task(
-                        self._kill_after(w, self.config.abort_grace))
-                continue
-            w.killed_by_daemon = True
-            if w.proc is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(w.proc.pid, signal.SIGKILL)
-        if targets:
-            log.info("%s: %d worker(s) of a broken epoch (%s): %d asked to save their state from memory, "
-                     "the others killed", self.name, len(targets), reason, rescued)
-
-    def _signal_rescue(self, w: _SupervisedWorker) -> bool:
-        """Send the rescue signal to a worker that has trained a step (only it has state to save)."""
-        if w.proc is None or (w.step < 0 and w.rescuing is None):
-            return False
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(w.proc.pid, RESCUE_SIGNAL)
-        return True
-
-    def _on_rescuing(self, w: _SupervisedWorker, msg: WorkerRescuing) -> None:
-        w.rescuing = msg.step
-        log.info("%s: rank %d of %s epoch %d is saving step %d from memory (SIGKILL in %.0fs at the latest)",
-                 self.name, w.rank, w.job, w.epoch, msg.step, self.config.stop_grace)
-        if w.kill_task is not None:
-            w.kill_task.cancel()
-        w.kill_task = asyncio.get_running_loop().create_task(self._kill_after(w, self.config.stop_grace))
-
-    async def _rescues_done(self) -> None:
-        """Wait for the workers saving a broken epoch's state (bounded: they are SIGKILLed at their
-        deadline): the new epoch must find their checkpoint whole when it chooses where to resume."""
-        saving = [w for w in self.alive() if w.rescuing is not None]
-        if not saving:
-            return
-        log.info("%s: waiting for %d worker(s) saving step %s from memory before starting the new epoch",
-                 self.name, len(saving), sorted({w.rescuing for w in saving}))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.stop_grace + 1.0
-        while any(w.alive for w in saving) and loop.time() < deadline:
-            self._exited.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.5):
-                    await self._exited.wait()
-
-    def checkpoint_now(self, job: str, epoch: int, reason: str) -> None:
-        for w in self.alive():
-            if w.job == job and w.epoch == epoch:
-                self.line.deliver(w, CheckpointNow(job=job, epoch=epoch, reason=str(reason)[:1000]))
-
-    async def _kill_after(self, w: _SupervisedWorker, grace: float) -> None:
-        await asyncio.sleep(grace)
-        if w.alive and w.proc is not None:
-            log.warning("%s: rank %d of %s epoch %d did not stop within %.0fs; SIGKILL", self.name, w.rank, w.job,
-                        w.epoch, grace)
-            w.killed_by_daemon = True
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(w.proc.pid, signal.SIGKILL)
-
-    def progressing(self, limit: float) -> bool:
-        """Whether a live worker reported a step recently: within twice its last step interval
-        (at least ``limit``/3, at most ``limit`` seconds)."""
-        now = time.time()
-        for w in self.alive():
-            p = self.reporter.progress.get(w.rank)
-            if p is not None and now - p.at <= min(limit, max(limit / 3, 2 * self._step_interval.get(w.rank, 0.0))):
-                return True
-        return False
-
-    def fence(self, reason: str) -> list[_SupervisedWorker]:
-        """This daemon lost etcd for longer than its lease: its workers can be in no valid epoch
-        any more (the fleet may have planned without them). Kill them now, and drop the progress
-        not yet written: it belongs to an epoch that may be over."""
-        killed = self.kill_now()
-        self.spares.close()   # a fenced VM runs nothing of the fleet's, not even an idle spare
-        self.reporter.forget_progress()
-        if killed:
-            log.warning("%s: killed %d worker(s): %s", self.name, len(killed), reason)
-        return killed
-
-    def kill_now(self) -> list[_SupervisedWorker]:
-        """SIGKILL every live worker's process group; returns them."""
-        alive = self.alive()
-        for w in alive:
-            w.killed_by_daemon = True
-            if w.proc is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(w.proc.pid, signal.SIGKILL)
-        return alive
-
-    async def kill_all(self, reason: str) -> None:
-        """SIGKILL every live worker now and wait for them to be reaped."""
-        alive = self.kill_now()
-        if alive:
-            log.warning("%s: killed %d worker(s): %s", self.name, len(alive), reason)
-            await self.wait_all_exited(10.0)
 
     # -- the control socket ------------------------------------------------------------------------------
 
