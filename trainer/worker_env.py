@@ -1,72 +1,72 @@
 """The environment contract between whoever starts a worker and the worker itself.
 
-The local launcher (`python -m trainer.launch`) and, later, the daemon start every trainer
-worker with these variables; `Varuna(..., stage_to_rank_map=None)` reads them back. Keeping
-both directions in one module means the two sides cannot disagree on a name.
+The local launcher (`python -m trainer.launch`) and the daemon start every trainer worker with
+`WorkerAssignment.to_env()`; `Varuna(..., stage_to_rank_map=None)` reads it back with
+`WorkerAssignment.from_env()`. Both directions go by the dataclass's fields, with one rule, so a
+field added to `WorkerAssignment`, or to the plan it carries, reaches the worker with no edit
+here, and the two sides cannot disagree on a name or a type.
 
-Variables (all strings):
+The name: field ``checkpoint_every`` is ``VARUNA_CHECKPOINT_EVERY`` (`env_name`). Every name the
+README, the examples, the tests and scripts use already follows it, so no name is mapped.
 
-    VARUNA_RANK            this worker's global rank, 0 .. world-1
-    VARUNA_WORLD_SIZE      P * D
-    VARUNA_PLAN            JSON of the job's `trainer.planning.parallel.ParallelPlan` (P, D,
-                           micro-batch, schedule, cuts, recompute, which rank holds each
-                           (stage, replica)); its unset fields leave the choice to the script
-                           or to Varuna (the local launcher sets P, D and, when
-                           given, the cuts and the schedule)
-    VARUNA_ENDPOINTS       JSON list, by rank, of the ZeroMQ endpoint each worker binds
-                           for activations/gradients ("tcp://host:port")
-    VARUNA_DIST_URL        torch.distributed rendezvous ("tcp://host:port") for gloo/NCCL
-    VARUNA_BIND_ADDRESS    optional: the IP address this worker's collectives bind (gloo's
-                           device, NCCL's interface; trainer.net.netaddr): the one its daemon
-                           advertises. Absent: torch's default (the host name's address)
-    VARUNA_JOB             job id (tags every tensor frame)
-    VARUNA_EPOCH           plan epoch (frames from another epoch are dropped)
-    VARUNA_THREADS         torch intra-op threads for this worker
-    VARUNA_TRACE_DIR       optional: write a Chrome trace of each step here
-    VARUNA_STORE           optional: the job's checkpoint store (global_store)
-    VARUNA_DEVICE          optional: "cpu" or a CUDA ordinal
-    VARUNA_CONTROL         optional: the daemon's local ZeroMQ endpoint for progress and
-                           checkpoint/stop requests (trainer.engine.control)
-    VARUNA_CHECKPOINT_EVERY  optional: checkpoint to VARUNA_STORE every K steps
-    VARUNA_KEEP_CHECKPOINTS  optional: complete checkpoints to keep (default 3)
-    VARUNA_CHECKPOINT_TMPDIR  optional: stage the periodic checkpoints in this local directory
-                           and copy them into VARUNA_STORE in the background
-    VARUNA_RESUME          optional: "latest" loads the newest complete checkpoint of
-                           VARUNA_STORE in set_optimizer, so scripts need no resume code
-    VARUNA_BATCH_SIZE      optional: the job's global batch; the script's must agree
-    VARUNA_STEPS           optional: the job's total steps (`WorkerAssignment.steps`, for scripts)
-    VARUNA_PROFILE         optional: profile the model into this calibration file when the
-                           script sets its optimizer (timing that optimizer), and exit
-    VARUNA_PROFILE_SLOTS   optional, CPU only: profile as this many slots busy at once (the
-                           host's workers share its cores), one torch thread each
-    VARUNA_SECURITY, VARUNA_SECRET_KEY_FILE, VARUNA_ALLOWED_KEYS_DIR, VARUNA_TRUSTED_NETWORK
-                           how the tensor streams are secured (protocol.security.SecurityConfig)
-    VARUNA_PEER_KEYS       optional: JSON {endpoint: z85 public key} of the neighbours' stream
-                           sockets, "*" standing for any other endpoint (`peer_keys`)
-    VARUNA_TRACE_STEPS     optional: steps each worker records in its trace (`trace_steps`; 10)
+The value, by the field's declared type (`encode`, `decode`):
+
+    str                  as it is
+    int, float           decimal text (a float as its repr, which reads back to the same float)
+    bool                 "1" or "0" ("true" and "false" read too)
+    None                 the variable is absent; an empty variable of an optional field reads as
+                         None too (``VAR=`` in a shell means unset); so "" in a ``str | None``
+                         field is the one value that does not round-trip
+    a type with to_json  its own JSON (the plan: `ParallelPlan.to_json`, every field by name)
+    anything else        JSON (lists, tuples, dicts, optional values inside them); read back by
+                         the declared type, so tuples come back as tuples and a wrong element
+                         type is refused
+
+Scalars stay plain text rather than JSON because they are what people set by hand
+(``VARUNA_STORE=/mnt/ckpt``) and what scripts read with ``os.environ``; a JSON string would need
+its quotes. The rest is JSON because it nests (the plan's ``ranks[stage][replica]``) and keeps
+null apart from empty.
+
+Besides the fields: ``VARUNA_WORLD_SIZE`` (P * D, for scripts; written, never read back), and
+variables other modules own: the stream security (``VARUNA_SECURITY`` ...,
+`protocol.security.SecurityConfig`) and the control token (`trainer.engine.control.TOKEN_ENV`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import os
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer.errors import ConfigError
 from trainer.planning.parallel import ParallelPlan
 
-__all__ = ["WorkerAssignment", "job_setting"]
+__all__ = ["WorkerAssignment", "job_setting", "env_name", "env_fields", "encode", "decode"]
 
 log = logging.getLogger("varuna")
+
+_PREFIX = "VARUNA_"
 
 # Read by earlier releases, now fields of VARUNA_PLAN: set by hand, they would be ignored unsaid.
 _REPLACED = ("VARUNA_STAGE_TO_RANK", "VARUNA_CUTS", "VARUNA_RECOMPUTE", "VARUNA_SCHEDULE", "VARUNA_MICRO_BATCH")
 
-
 # Job settings that the plan decides, read from it: the name a script uses -> the plan's field.
 _FROM_PLAN = {"micro_batch": "micro_batch_size"}
+
+# A field with this metadata is no variable of its own: its mapping goes into the environment as
+# it is (and is not read back).
+_AS_IS = "varuna_env_as_is"
+
+
+def env_name(field_name: str) -> str:
+    return _PREFIX + field_name.upper()
 
 
 def job_setting(name: str, default: int) -> int:
@@ -74,56 +74,138 @@ def job_setting(name: str, default: int) -> int:
     reads VARUNA_STEPS, job_setting("micro_batch", 8) the plan's micro-batch: scripts use it as
     their flag's default so one script runs both ways."""
     if name in _FROM_PLAN:
-        text = os.environ.get("VARUNA_PLAN")
+        text = os.environ.get(env_name("plan"))
         value = getattr(ParallelPlan.from_json(text), _FROM_PLAN[name]) if text else None
         return default if value is None else int(value)
-    return int(os.environ.get(f"VARUNA_{name.upper()}", default))
+    return int(os.environ.get(env_name(name), default))
 
 
-def _opt_int(text: str | None) -> int | None:
-    return int(text) if text else None
+# --- the codec ------------------------------------------------------------------------------------
+
+def _optional(kind: Any) -> tuple[Any, bool]:
+    """(the type, whether None is allowed) of ``X | None``; any other union is not one type."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        rest = [a for a in typing.get_args(kind) if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError(f"a worker variable has one type (or None), not {kind}")
+        return rest[0], len(rest) < len(typing.get_args(kind))
+    return kind, False
 
 
-def _opt_keys(text: str | None) -> dict[str, str] | None:
-    if text is None:
+def encode(value: Any, kind: Any) -> str:
+    """``value`` of declared type ``kind`` as a variable's text (never None: absent)."""
+    base, _ = _optional(kind)
+    if base is bool:
+        return "1" if value else "0"
+    if base in (str, int):
+        return str(value)
+    if base is float:
+        return repr(float(value))
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    return json.dumps(value, sort_keys=True, default=_to_dict)
+
+
+def _to_dict(value: Any) -> Any:
+    if hasattr(value, "to_dict"):   # a value inside a list or dict, read back by its from_dict
+        return value.to_dict()
+    raise TypeError(f"a worker variable cannot hold a {type(value).__name__}")
+
+
+def decode(text: str, kind: Any) -> Any:
+    """What `encode` wrote, as a value of ``kind``; ValueError or TypeError when it is not one."""
+    base, optional = _optional(kind)
+    if optional and text == "":
         return None
-    keys = json.loads(text)
-    if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
-        raise ValueError(f"VARUNA_PEER_KEYS must be a JSON object of strings, got {text[:100]!r}")
-    return keys
+    if base is str:
+        return text
+    if base is bool:
+        flag = {"1": True, "true": True, "0": False, "false": False}.get(text.strip().lower())
+        if flag is None:
+            raise ValueError(f"expected 1 or 0, got {text[:40]!r}")
+        return flag
+    if base in (int, float):
+        return base(text)
+    if hasattr(base, "from_json"):
+        return base.from_json(text)
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"expected JSON, got {text[:100]!r}: {exc}") from None
+    return _typed(doc, kind)
 
 
-def _opt_str(value: int | None) -> str | None:
-    return None if value is None else str(value)
+def _typed(doc: Any, kind: Any) -> Any:
+    """A JSON value as ``kind`` says: lists become the tuples a tuple field holds."""
+    base, optional = _optional(kind)
+    if base is Any or (doc is None and optional):
+        return doc
+    origin, args = typing.get_origin(base) or base, typing.get_args(base)
+    if origin in (list, tuple) and isinstance(doc, list):
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(doc) != len(args):
+                raise ValueError(f"expected {len(args)} values, got {len(doc)}")
+            return tuple(_typed(v, a) for v, a in zip(doc, args))
+        items = [_typed(v, args[0] if args else Any) for v in doc]
+        return tuple(items) if origin is tuple else items
+    if origin is dict and isinstance(doc, dict):
+        key, value = args or (Any, Any)
+        # JSON keys are strings: an int key is read back from its text.
+        return {(int(k) if key is int else _typed(k, key)): _typed(v, value) for k, v in doc.items()}
+    if hasattr(base, "from_dict"):
+        return base.from_dict(doc)
+    if base is float and isinstance(doc, int) and not isinstance(doc, bool):
+        return float(doc)
+    if isinstance(base, type) and isinstance(doc, base) and not (isinstance(doc, bool) and base is not bool):
+        return doc
+    raise ValueError(f"expected {getattr(base, '__name__', base)}, got {doc!r:.60}")
 
+
+@functools.cache
+def env_fields(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
+    """(field, declared type) of each field of ``cls`` that is a variable of its own."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls) if not f.metadata.get(_AS_IS))
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+# --- the assignment -------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerAssignment:
-    """Where one worker sits in a P x D plan, and how it reaches its peers."""
+    """Where one worker sits in a P x D plan, and how it reaches its peers. Each field is the
+    variable VARUNA_<FIELD> (see the module's doc)."""
 
-    rank: int
+    rank: int                                # this worker's global rank, 0 .. world-1
+    # The job's plan (P, D, micro-batch, schedule, cuts, recompute, the rank of each (stage,
+    # replica)); its unset fields leave the choice to the script or to Varuna.
     plan: ParallelPlan
-    endpoints: list[str]  # by rank
-    dist_url: str
-    job: str = "local"
-    epoch: int = 0
-    threads: int | None = None
-    trace_dir: str | None = None
-    store: str | None = None
-    device: str | None = None
-    control: str | None = None
-    checkpoint_every: int | None = None
-    keep_checkpoints: int = 3
-    checkpoint_tmpdir: str | None = None
-    resume: str | None = None
-    batch_size: int | None = None
-    steps: int | None = None
-    profile: str | None = None
-    profile_slots: int | None = None
+    endpoints: list[str]                     # by rank: the ZeroMQ endpoint each worker binds
+    dist_url: str                            # torch.distributed rendezvous, tcp://host:port
+    job: str = "local"                       # tags every tensor frame
+    epoch: int = 0                           # plan epoch: frames of another are dropped
+    threads: int | None = None               # torch intra-op threads
+    trace_dir: str | None = None             # write a Chrome trace of each step here
+    store: str | None = None                 # the job's checkpoint store (global_store)
+    device: str | None = None                # "cpu" or a CUDA ordinal
+    control: str | None = None               # the daemon's local endpoint (trainer.engine.control)
+    checkpoint_every: int | None = None      # checkpoint to the store every K steps
+    keep_checkpoints: int = 3                # complete checkpoints to keep
+    checkpoint_tmpdir: str | None = None     # stage checkpoints here, copy them in the background
+    resume: str | None = None                # "latest": load the store's newest in set_optimizer
+    batch_size: int | None = None            # the job's global batch; the script's must agree
+    steps: int | None = None                 # the job's total steps, for scripts
+    profile: str | None = None               # calibrate into this file at set_optimizer, and exit
+    profile_slots: int | None = None         # CPU only: profile as this many slots busy at once
+    # The address this worker's collectives bind (trainer.net.netaddr): the one its daemon
+    # advertises. None: torch's default (the host name's address).
     bind_address: str | None = None
-    peer_keys: dict[str, str] | None = None   # stream sockets' public keys by endpoint ("*": any other)
-    trace_steps: int | None = None            # steps traced when trace_dir is set (None: 10)
-    extra: dict[str, str] = field(default_factory=dict)
+    peer_keys: dict[str, str] | None = None  # stream sockets' public keys by endpoint ("*": any other)
+    trace_steps: int | None = None           # steps traced when trace_dir is set (None: 10)
+    extra: dict[str, str] = field(default_factory=dict, metadata={_AS_IS: True})
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, ParallelPlan):
@@ -149,42 +231,19 @@ class WorkerAssignment:
         return self.plan.position(self.rank)
 
     def to_env(self) -> dict[str, str]:
-        env = {
-            "VARUNA_RANK": str(self.rank),
-            "VARUNA_WORLD_SIZE": str(self.world_size),
-            "VARUNA_PLAN": self.plan.to_json(),
-            "VARUNA_ENDPOINTS": json.dumps(self.endpoints),
-            "VARUNA_DIST_URL": self.dist_url,
-            "VARUNA_JOB": self.job,
-            "VARUNA_EPOCH": str(self.epoch),
-        }
-        optional = {
-            "VARUNA_THREADS": None if self.threads is None else str(self.threads),
-            "VARUNA_TRACE_DIR": self.trace_dir,
-            "VARUNA_STORE": self.store,
-            "VARUNA_DEVICE": self.device,
-            "VARUNA_CONTROL": self.control,
-            "VARUNA_CHECKPOINT_EVERY": None if self.checkpoint_every is None else str(self.checkpoint_every),
-            "VARUNA_KEEP_CHECKPOINTS": str(self.keep_checkpoints),
-            "VARUNA_CHECKPOINT_TMPDIR": self.checkpoint_tmpdir,
-            "VARUNA_RESUME": self.resume,
-            "VARUNA_BATCH_SIZE": _opt_str(self.batch_size),
-            "VARUNA_STEPS": _opt_str(self.steps),
-            "VARUNA_PROFILE": self.profile,
-            "VARUNA_PROFILE_SLOTS": _opt_str(self.profile_slots),
-            "VARUNA_BIND_ADDRESS": self.bind_address,
-            "VARUNA_PEER_KEYS": None if self.peer_keys is None else json.dumps(self.peer_keys, sort_keys=True),
-            "VARUNA_TRACE_STEPS": _opt_str(self.trace_steps),
-        }
-        env.update({k: v for k, v in optional.items() if v is not None})
+        env = {env_name("world_size"): str(self.world_size)}
+        for f, kind in env_fields(type(self)):
+            value = getattr(self, f.name)
+            if value is not None:
+                env[env_name(f.name)] = encode(value, kind)
         env.update(self.extra)
         return env
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerAssignment:
         environ = os.environ if environ is None else environ
-        missing = [k for k in ("VARUNA_RANK", "VARUNA_PLAN", "VARUNA_ENDPOINTS", "VARUNA_DIST_URL")
-                   if k not in environ]
+        fields = env_fields(cls)
+        missing = [env_name(f.name) for f, _ in fields if _required(f) and env_name(f.name) not in environ]
         if missing:
             raise ConfigError(
                 f"no worker assignment in the environment (missing {', '.join(missing)})",
@@ -196,30 +255,15 @@ class WorkerAssignment:
             log.warning("%s no longer read: the plan (VARUNA_PLAN) says P, D, micro-batch, schedule, cuts and "
                         "recompute; with the local launcher use --cuts/--schedule, and chunk_size for the "
                         "micro-batch", ", ".join(stale) + (" is" if len(stale) == 1 else " are"))
+        values = {}
         try:
-            return cls(
-                rank=int(environ["VARUNA_RANK"]),
-                plan=ParallelPlan.from_json(environ["VARUNA_PLAN"]),
-                endpoints=list(json.loads(environ["VARUNA_ENDPOINTS"])),
-                dist_url=environ["VARUNA_DIST_URL"],
-                job=environ.get("VARUNA_JOB", "local"),
-                epoch=int(environ.get("VARUNA_EPOCH", "0")),
-                threads=int(environ["VARUNA_THREADS"]) if "VARUNA_THREADS" in environ else None,
-                trace_dir=environ.get("VARUNA_TRACE_DIR"),
-                store=environ.get("VARUNA_STORE"),
-                device=environ.get("VARUNA_DEVICE"),
-                control=environ.get("VARUNA_CONTROL"),
-                checkpoint_every=_opt_int(environ.get("VARUNA_CHECKPOINT_EVERY")),
-                keep_checkpoints=int(environ.get("VARUNA_KEEP_CHECKPOINTS", "3")),
-                checkpoint_tmpdir=environ.get("VARUNA_CHECKPOINT_TMPDIR") or None,
-                resume=environ.get("VARUNA_RESUME"),
-                batch_size=_opt_int(environ.get("VARUNA_BATCH_SIZE")),
-                steps=_opt_int(environ.get("VARUNA_STEPS")),
-                profile=environ.get("VARUNA_PROFILE"),
-                profile_slots=_opt_int(environ.get("VARUNA_PROFILE_SLOTS")),
-                bind_address=environ.get("VARUNA_BIND_ADDRESS") or None,
-                peer_keys=_opt_keys(environ.get("VARUNA_PEER_KEYS")),
-                trace_steps=_opt_int(environ.get("VARUNA_TRACE_STEPS")),
-            )
+            for f, kind in fields:
+                name = env_name(f.name)
+                if name in environ:
+                    try:
+                        values[f.name] = decode(environ[name], kind)
+                    except (ValueError, TypeError) as exc:
+                        raise ValueError(f"{name}: {exc}") from exc
+            return cls(**values)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"malformed worker assignment in the environment: {exc}") from exc

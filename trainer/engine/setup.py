@@ -23,6 +23,7 @@ from trainer.planning.schedule import SCHEDULES
 from trainer.worker_env import WorkerAssignment
 
 __all__ = [
+    "PER_STAGE",
     "assignment_for",
     "stats_tree",
     "check_sizes",
@@ -38,6 +39,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("varuna")
+
+# The plan's fields sized by its stages: under a stage_to_rank_map of another shape they no longer
+# apply, and the script or Varuna chooses again (a field missing here fails the plan's own check).
+PER_STAGE = ("cuts", "recompute")
 
 
 def assignment_for(stage_to_rank_map) -> WorkerAssignment:
@@ -55,9 +60,10 @@ def assignment_for(stage_to_rank_map) -> WorkerAssignment:
         if given.world_size != a.plan.world_size:
             raise ConfigError(f"stage_to_rank_map has {given.world_size} ranks, the job was started with "
                               f"{a.plan.world_size} workers", hint="pass None to use the launcher's or daemon's plan")
-        # Same shape: the map only renumbers. Another shape: the plan's per-stage choices no longer apply.
-        plan = (a.plan.replace(ranks=given.ranks) if given.shape == a.plan.shape else
-                given.replace(micro_batch_size=a.plan.micro_batch_size, schedule=a.plan.schedule))
+        # The map renumbers, and may reshape: every field of the plan the shape does not size is
+        # kept (a field added to the plan included), its subclass too.
+        reshaped = {} if given.shape == a.plan.shape else {"P": given.P, "D": given.D, **dict.fromkeys(PER_STAGE)}
+        plan = a.plan.replace(ranks=given.ranks, **reshaped)
         a = dataclasses.replace(a, plan=plan)
     return a
 
