@@ -15,9 +15,11 @@ update as a single process would ([Note: the global batch defines the math] in A
 When the epoch breaks (a peer lost mid-step), the step is abandoned and the state of the last
 completed step is saved from memory for the next epoch (`_abandon`, trainer.checkpoint.rescue).
 
-One module over 500 lines: a step's whole life (run, agree, apply, checkpoint, abandon) acts on
-one worker's state and its flags; what can live apart (setup, process groups, the step's
-agreement and optimizer step, executor, comm, reduction, precision, checkpoint contents) already does.
+A step's whole life (run, agree, apply, checkpoint, abandon) acts on one worker's state and its
+flags; `Varuna` is put together from the parts that act on it: its process groups
+(trainer.engine.groups), the step's agreement and optimizer step (trainer.engine.agreement) and
+its checkpoints (trainer.engine.checkpoints). What needs none of its state lives apart: setup,
+executor, comm, reduction, precision, checkpoint contents.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from trainer.checkpoint.model_record import record_model
 from trainer.engine import hooks, setup
 from trainer.engine import weights as stage_weights
 from trainer.engine.agreement import StepAgreement
+from trainer.engine.checkpoints import WorkerCheckpoints
 from trainer.engine.control import STOPPED_EXIT_CODE, ControlClient, StepAbandoned, StopRequested
 from trainer.engine.executor import StageExecutor
 from trainer.engine.groups import ProcessGroups
@@ -70,7 +73,7 @@ _TRACE_STEPS = 10   # unless the assignment says how many (WorkerAssignment.trac
 _BROKEN_EPOCH = (RuntimeError, WorkerError, zmq.ZMQError, StepAbandoned)
 
 
-class Varuna(ProcessGroups, StepAgreement):
+class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
     # Set only in a calibration run (VARUNA_PROFILE), which profiles at set_optimizer and exits.
     _calibration_run: hooks.CalibrationRunHook | None = None
 
@@ -340,94 +343,6 @@ class Varuna(ProcessGroups, StepAgreement):
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer this stage owns, by its name in the user's model."""
         return self._named
-
-    def checkpoint(self, global_store: str, step: int | None = None, tmpdir: str | None = None,
-                   shard: bool = False, on_demand: bool = False) -> str:
-        """Write this job's state as `global_store/varuna_ckpt_<step>`; collective (every worker calls it).
-
-        With `tmpdir` (a local directory), the state is written there and copied into the store in
-        the background while training goes on; the checkpoint is complete (loadable) once rank 0
-        has written its manifest, which `wait_checkpoint` waits for. `on_demand` (a preemption
-        notice) writes straight into the store and returns when it is complete. Either way the
-        staged checkpoint still in flight, if any, is waited for first (a failed one is logged)."""
-        self._settle_upload(together=True)
-        final_dir, self._upload = checkpointing.save(self, global_store, self.iteration if step is None else step,
-                                                     tmpdir=None if on_demand else tmpdir, shard=shard)
-        if self._upload is not None:
-            self._shares_unsettled, self._share_failed = True, False
-        return final_dir
-
-    def _write_checkpoint(self, *, on_demand: bool) -> str | None:
-        """This step's checkpoint through a store outage (trainer.engine.store_outage): one the job
-        needs (`on_demand`: the final one, a notice's, a morph's) is retried, the state held in
-        memory, until it is written; a periodic one is given up (None) and the next interval
-        tries again, while training goes on."""
-        a = self.assignment
-        what = f"checkpoint {self.iteration}"
-
-        def write() -> str:
-            return self.checkpoint(a.store, tmpdir=a.checkpoint_tmpdir, on_demand=on_demand)
-
-        if on_demand:
-            return self.store_health.until_written(write, self.iteration, what)
-        try:
-            path = write()
-        except StoreOutage as exc:
-            self.store_health.failed(exc, self.iteration, what)
-            return None
-        if self._upload is None:
-            self.store_health.wrote()
-        return path
-
-    def wait_checkpoint(self) -> str | None:
-        """Wait for the staged checkpoint in flight to reach the store; returns its directory (None
-        when there is none). Raises CheckpointError if it failed: it stays incomplete and the
-        previous checkpoint is the newest a resume would load."""
-        upload = self._settle_upload()
-        if upload is None:
-            return None
-        if upload.error is not None:
-            raise CheckpointError(f"checkpoint {upload.iteration} did not reach the store: {upload.error}",
-                                  hint="check the store's mount and free space")
-        return upload.final_dir
-
-    def _settle_upload(self, *, together: bool = False) -> checkpointing.Upload | None:
-        """Wait for the staged checkpoint in flight, tell the daemon if it made it, forget it.
-        `together`: every worker calls it (a checkpoint), and they compare their shares first."""
-        upload, self._upload = self._upload, None
-        if together and self._shares_unsettled:
-            self._shares_unsettled = False
-            self._compare_shares(upload)
-        if upload is not None:
-            upload.wait()
-            self._share_failed = upload.share_error is not None
-            if upload.error is None:
-                self.control.checkpointed(upload.iteration, upload.final_dir, upload.stalled_s)
-                self.store_health.wrote()
-            elif isinstance(upload.error, StoreOutage):
-                self.store_health.failed(upload.error, upload.iteration, f"checkpoint {upload.iteration}")
-        return upload
-
-    def _compare_shares(self, upload: checkpointing.Upload | None) -> None:
-        """Every worker says whether its share of the staged checkpoint before this one reached the
-        store; collective. A store can refuse one worker's files and take another's (nearly full):
-        rank 0 then stops waiting for files that will never come, instead of holding up this
-        checkpoint until its commit deadline."""
-        if upload is not None:
-            upload.shared.wait()
-            self._share_failed = upload.share_error is not None
-        failed = torch.tensor([float(self._share_failed)])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed[0] > 0 and upload is not None:
-            upload.abandon()
-
-    def load_checkpoint(self, global_store: str, iteration: int | None = None, check_complete: bool = True) -> int:
-        """Load `varuna_ckpt_<iteration>` (default: the newest complete one); collective.
-        Call after set_optimizer so the optimizer state is restored too. Returns the iteration."""
-        loaded = checkpointing.load(self, global_store, iteration, check_complete=check_complete)
-        self._held_since = self.iteration
-        self._scheduler_steps = getattr(self.lr_scheduler, "last_epoch", None)
-        return loaded
 
     def _abandon(self, exc: BaseException) -> None:
         """The epoch broke inside a step: keep the state of the last completed step, save it from
