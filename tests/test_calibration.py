@@ -76,20 +76,54 @@ def test_round_trip_keeps_overheads_and_tied_weights():
     assert again.links["intra"].recv_overhead_s == 3e-4
 
 
+def _v2(doc: dict) -> dict:
+    doc["version"] = 2
+    del doc["step_bytes_add"]
+    for seg in doc["segments"]:
+        del seg["step_bytes"]
+    return doc
+
+
 def test_version_1_documents_migrate_with_no_overheads_and_no_tied_weights():
-    doc = _doc()
+    doc = _v2(_doc())
     doc["version"] = 1
     del doc["tied"]
     for table in ("links", "allreduce"):
         for v in doc[table].values():
             del v["send_overhead_s"], v["recv_overhead_s"]
     cal = Calibration.from_dict(doc)
-    assert cal.version == SCHEMA_VERSION == 2 and cal.tied == ()
+    assert cal.version == SCHEMA_VERSION == 3 and cal.tied == ()
     assert cal.links == LINKS and cal.links["intra"].send_overhead_s == cal.links["intra"].recv_overhead_s == 0
     assert cal.segments == _cal().segments
     doc["links"]["intra"]["send_overhead_s"] = 0.1   # a version 1 document has none
     with pytest.raises(CalibrationError, match="unexpected"):
         Calibration.from_dict(doc)
+
+
+def test_version_2_documents_migrate_with_no_step_temporaries():
+    cal = Calibration.from_dict(_v2(_doc()))
+    assert cal.step_bytes_add and all(seg.step_bytes == 0 for seg in cal.segments)
+    assert cal.step_bytes(0, 3) == 0
+    doc = _v2(_doc())
+    doc["segments"][0]["step_bytes"] = 5   # a version 2 document has none
+    with pytest.raises(CalibrationError, match="unexpected"):
+        Calibration.from_dict(doc)
+
+
+def test_a_stages_step_temporaries_add_up_or_are_its_largest_segments():
+    """A foreach optimizer holds every tensor's temporaries at once; a for-loop one, one
+    tensor's at a time (trainer.profiler.steps.step_bytes_add says which)."""
+    segs = tuple(SegmentProfile(100, 200, 0.0, (SegmentCost(0.0, 0.0, 0.0, 1, 1),), step) for step in (30, 50, 20))
+    cal = dataclasses.replace(_cal(micro_batch_sizes=(1,)), segments=segs)
+    assert cal.step_bytes(0, 3) == 100 and cal.step_bytes(1, 3) == 70 and cal.step_bytes(2, 2) == 0
+    one_at_a_time = Calibration.from_bytes(dataclasses.replace(cal, step_bytes_add=False).to_bytes())
+    assert not one_at_a_time.step_bytes_add
+    assert one_at_a_time.step_bytes(0, 3) == 50 and one_at_a_time.step_bytes(2, 3) == 20
+    assert one_at_a_time.step_bytes(1, 1) == 0
+    with pytest.raises(CalibrationError, match="step_bytes"):
+        SegmentProfile(1, 1, 0.0, (SegmentCost(0.0, 0.0, 0.0, 1, 1),), -1)
+    with pytest.raises(CalibrationError, match="step_bytes_add"):
+        dataclasses.replace(cal, step_bytes_add=1)
 
 
 def test_tied_weights_are_validated():

@@ -11,7 +11,14 @@ Memory model (shared by the simulator and the planner):
   * `activation_bytes` is the tensor at the segment's output boundary: what is sent to the next
     stage and, when recomputing, stashed; its gradient has the same size;
   * `peak_activation_bytes` is what the autograd graph keeps for one micro-batch of the segment
-    (a forward with grad, or a recompute), freed by its backward.
+    (a forward with grad, or a recompute), freed by its backward;
+  * `step_bytes` is what the optimizer's step allocates and frees again for the segment's
+    parameters (Adam's `sqrt(v)` and its quotient, the gradient norms): measured, since it depends
+    on the optimizer's implementation. A for-loop optimizer holds one tensor's temporaries at a
+    time, so a stage's are its largest segment's; a foreach one (torch's default on CUDA) holds
+    all of them at once, so they add up. `step_bytes_add` says which the calibration measured.
+    The step runs once the stage's activations are freed: a stage holds its static bytes plus
+    the larger of its activations and its step's temporaries.
 
 Links: a send of n bytes takes ``latency_s + n / bandwidth_Bps``. All-reduce of n bytes over a
 ring of D replicas takes ``2 (D-1)/D * n / bandwidth_Bps + 2 (D-1) * latency_s`` (reduce-scatter
@@ -25,7 +32,8 @@ it, in an all-reduce among those stages' workers every step, even at D = 1; `tie
 set's segments and bytes so that the simulator can charge it.
 
 Schema history: version 1 had no message overheads and no tied sets; such documents still load
-(the overheads read as 0 and the tied sets as unknown, i.e. none).
+(the overheads read as 0 and the tied sets as unknown, i.e. none). Version 2 had no step
+temporaries: they read as 0 (what the planner counted before them), adding up.
 """
 
 from __future__ import annotations
@@ -53,8 +61,8 @@ __all__ = [
 ]
 
 SCHEMA = "varunad.calibration"
-SCHEMA_VERSION = 2
-_READABLE_VERSIONS = (1, 2)   # version 1 migrates: zero message overheads, no tied sets
+SCHEMA_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)   # older ones migrate: zero message overheads, no tied sets, no step temporaries
 LINK_KINDS = ("intra", "inter")  # same host, across hosts
 
 
@@ -135,16 +143,18 @@ class SegmentCost:
 @dataclass(frozen=True, slots=True)
 class SegmentProfile:
     """One segment: its static memory, optimizer step time, and a cost per micro-batch size
-    (aligned with `Calibration.micro_batch_sizes`)."""
+    (aligned with `Calibration.micro_batch_sizes`); `step_bytes`, its optimizer step's temporaries."""
 
     param_bytes: int
     optimizer_bytes: int
     step_s: float
     costs: tuple[SegmentCost, ...]
+    step_bytes: int = 0
 
     def __post_init__(self) -> None:
         _int("SegmentProfile", "param_bytes", self.param_bytes)
         _int("SegmentProfile", "optimizer_bytes", self.optimizer_bytes)
+        _int("SegmentProfile", "step_bytes", self.step_bytes)
         _num("SegmentProfile", "step_s", self.step_s)
         object.__setattr__(self, "costs", tuple(self.costs))
         if not self.costs or not all(isinstance(c, SegmentCost) for c in self.costs):
@@ -177,6 +187,7 @@ class Calibration:
     allreduce: Mapping[str, LinkCost]
     version: int = field(default=SCHEMA_VERSION)
     tied: tuple[TiedWeights, ...] = ()  # weights shared by several segments
+    step_bytes_add: bool = True  # the segments' step temporaries are held at once (foreach), not in turn
 
     def __post_init__(self) -> None:
         if self.version != SCHEMA_VERSION:
@@ -215,6 +226,8 @@ class Calibration:
                 raise CalibrationError("Calibration.tied must be a sequence of TiedWeights")
             if t.segments[-1] >= len(self.segments):
                 raise CalibrationError(f"tied weights name segment {t.segments[-1]} of {len(self.segments)}")
+        if not isinstance(self.step_bytes_add, bool):
+            raise CalibrationError(f"Calibration.step_bytes_add must be a bool, got {self.step_bytes_add!r}")
 
     def __hash__(self) -> int:  # the mapping fields are read-only proxies
         return hash((self.model, self.device_kind, self.micro_batch_sizes, self.segments))
@@ -239,6 +252,11 @@ class Calibration:
     def cost(self, segment: int, micro_batch_size: int) -> SegmentCost:
         return self.segments[segment].costs[self.size_index(micro_batch_size)]
 
+    def step_bytes(self, first: int, end: int) -> int:
+        """The optimizer step's temporaries on a stage of segments first..end-1."""
+        steps = [s.step_bytes for s in self.segments[first:end]]
+        return sum(steps) if self.step_bytes_add else max(steps, default=0)
+
     # --- serialisation --------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -255,6 +273,7 @@ class Calibration:
                     "param_bytes": s.param_bytes,
                     "optimizer_bytes": s.optimizer_bytes,
                     "step_s": s.step_s,
+                    "step_bytes": s.step_bytes,
                     "costs": [
                         {f: getattr(c, f) for f in SegmentCost.__slots__} for c in s.costs
                     ],
@@ -264,6 +283,7 @@ class Calibration:
             "links": {k: link(v) for k, v in self.links.items()},
             "allreduce": {k: link(v) for k, v in self.allreduce.items()},
             "tied": [{"segments": list(t.segments), "param_bytes": t.param_bytes} for t in self.tied],
+            "step_bytes_add": self.step_bytes_add,
         }
 
     @classmethod
@@ -272,21 +292,26 @@ class Calibration:
             raise CalibrationError(
                 f"calibration schema version {doc.get('version')!r} is not supported (this build reads "
                 f"{', '.join(map(str, _READABLE_VERSIONS))})", hint="re-run the profiler")
-        v1 = isinstance(doc, dict) and doc.get("version") == 1
+        version = doc.get("version") if isinstance(doc, dict) else None
+        v1 = version == 1
         names = {"schema", "version", "model", "device_kind", "micro_batch_sizes", "input_bytes", "segments",
                  "links", "allreduce"}
-        top = _fields(doc, "calibration", names if v1 else names | {"tied"})
+        names |= set() if v1 else {"tied"}
+        names |= {"step_bytes_add"} if version == SCHEMA_VERSION else set()
+        top = _fields(doc, "calibration", names)
         if top["schema"] != SCHEMA:
             raise CalibrationError(f"not a calibration document (schema {top['schema']!r})")
         link_fields = {"latency_s", "bandwidth_Bps"} | (set() if v1 else {"send_overhead_s", "recv_overhead_s"})
         segs = []
         for k, s in enumerate(_list(top["segments"], "segments")):
-            sd = _fields(s, f"segments[{k}]", {"param_bytes", "optimizer_bytes", "step_s", "costs"})
+            sd = _fields(s, f"segments[{k}]", {"param_bytes", "optimizer_bytes", "step_s", "costs"}
+                         | ({"step_bytes"} if version == SCHEMA_VERSION else set()))
             costs = tuple(
                 SegmentCost(**_fields(c, f"segments[{k}].costs[{j}]", set(SegmentCost.__slots__)))
                 for j, c in enumerate(_list(sd["costs"], f"segments[{k}].costs"))
             )
-            segs.append(SegmentProfile(sd["param_bytes"], sd["optimizer_bytes"], sd["step_s"], costs))
+            segs.append(SegmentProfile(sd["param_bytes"], sd["optimizer_bytes"], sd["step_s"], costs,
+                                       sd.get("step_bytes", 0)))
 
         def links(name: str) -> dict[str, LinkCost]:
             d = _fields(top[name], name, set(LINK_KINDS))
@@ -306,6 +331,7 @@ class Calibration:
             links=links("links"),
             allreduce=links("allreduce"),
             tied=tied,   # a version 1 document is migrated: no overheads, no tied sets
+            step_bytes_add=top.get("step_bytes_add", True),
         )
 
     def to_bytes(self) -> bytes:
@@ -351,6 +377,8 @@ class Calibration:
         links: Mapping[str, LinkCost],
         allreduce: Mapping[str, LinkCost] | None = None,
         tied: Sequence[TiedWeights] = (),
+        step_bytes: int = 0,
+        step_bytes_add: bool = True,
     ) -> Calibration:
         """Identical segments whose per-sample costs and activations scale linearly with the
         micro-batch size (forward_s etc. are per sample)."""
@@ -359,7 +387,7 @@ class Calibration:
             SegmentCost(forward_s * b, backward_s * b, rec * b, activation_bytes * b, peak_activation_bytes * b)
             for b in micro_batch_sizes
         )
-        seg = SegmentProfile(param_bytes, optimizer_bytes, step_s, costs)
+        seg = SegmentProfile(param_bytes, optimizer_bytes, step_s, costs, step_bytes)
         return cls(
             model=model,
             device_kind=device_kind,
@@ -369,6 +397,7 @@ class Calibration:
             links=links,
             allreduce=links if allreduce is None else allreduce,
             tied=tuple(tied),
+            step_bytes_add=step_bytes_add,
         )
 
 
