@@ -13,7 +13,8 @@ Conventions:
   * a stage's memory is the schedule's bound, the same accounting the simulator replays:
     parameters, gradients and optimizer state, plus the micro-batches the schedule stashes
     (`Schedule.stash_bound`: inputs only on a recomputing stage, full activation sets
-    otherwise), plus one full set while recomputing;
+    otherwise), plus one full set while recomputing, or the optimizer step's temporaries
+    (`Calibration.step_bytes`) where they are more: the step runs once the activations are freed;
   * slots of one stage are one device kind, so its replicas run in step; the pipeline puts
     kinds with more memory first (early stages stash more) and gives slower kinds fewer layers.
 """
@@ -94,7 +95,7 @@ def _fill(kinds: Sequence[_Kind], j: int, X: float, schedule: Schedule, m: int, 
             c = stash[s][rec]
             while e > i:
                 act = k.act[j][e] - k.act[j][i]
-                mem = k.static[e] - k.static[i] + (c * in_b + act if rec else c * (in_b + act))
+                mem = k.static[e] - k.static[i] + max(k.cal.step_bytes(i, e), c * in_b + act if rec else c * (in_b + act))
                 if mem <= k.capacity:
                     break
                 if s == P - 1:
@@ -422,7 +423,7 @@ def plan(
         j = k.cal.size_index(mbs)
         c = sched.stash_bound(P, s, m, flags[s])
         act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
-        mem = k.static[b] - k.static[a] + (c * in_b + act if flags[s] else c * (in_b + act))
+        mem = k.static[b] - k.static[a] + max(k.cal.step_bytes(a, b), c * in_b + act if flags[s] else c * (in_b + act))
         pre = k.fbr[j] if flags[s] else k.fb[j]
         stages.append(StagePlan(a, b, name, flags[s], int(mem), k.capacity, pre[b] - pre[a]))
     parallel = ParallelPlan(P=P, D=D, micro_batch_size=int(mbs), schedule=schedule,
