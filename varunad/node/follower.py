@@ -1,0 +1,169 @@
+"""The plan follower: this daemon applies each new plan epoch to its own workers.
+
+It watches ``plan`` in etcd and reads the plan back at each event, at start and at least once a
+TTL (a silent watch is not trusted); a pushed PlanChanged only makes it read at once
+([Note: etcd holds the truth]). A ``run`` plan that has this member starts its workers with the
+job's files (the spec, its signature when the daemon takes only signed jobs, the unpacked
+bundle); a ``profile`` plan for this member starts a calibration run, whose file it stores for
+the leader; ``stop`` and ``idle`` plans stop the workers.
+
+``PlanFollowing`` is a part of ``varunad.node.daemon.Daemon``: it acts on its supervisor, link
+prober and membership, and keeps (in attributes the daemon sets up) the epoch it applied last
+(``applied_epoch``) and the jobs whose files it has unpacked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from pathlib import Path
+
+from trainer.planning.calibration import Calibration
+from varunad.control.fleet import read_plan
+from varunad.control.jobs import BundleError, JobSpec, JobSpecError, script_fingerprint, unpack_bundle
+from varunad.control.plans import PlanDoc
+from varunad.node.housekeeping import BUNDLES, job_dir, prune_jobs
+from varunad.node.signing import SigningError
+from varunad.store.contract import StoreError
+
+__all__ = ["PlanFollowing"]
+
+log = logging.getLogger("varunad")   # the daemon's log: its lines keep their logger name
+
+
+class PlanFollowing:
+    async def _read_plan(self, why: str) -> None:
+        try:
+            doc, epoch = await read_plan(self.store, self.keys, timeout=self.config.retry_timeout)
+        except StoreError as exc:
+            log.warning("%s: cannot read the plan (%s): %s", self.name, why, exc)
+            return
+        if doc is not None:
+            await self._apply(doc, epoch)
+
+    async def _follow_plan(self) -> None:
+        while True:
+            watch = self.store.watch(self.keys.plan)
+            try:
+                await watch.start(timeout=self.config.retry_timeout)
+                await self._read_plan("start of the plan watch")
+                while True:
+                    event = await watch.next(timeout=self.config.ttl)
+                    if event is None:
+                        await self._read_plan("periodic check")  # a silent watch (frozen etcd) is not trusted
+                    elif event.kind == "put":
+                        # read back, not taken from the event: read_plan checks who wrote it (a
+                        # plan no leader wrote is skipped and the plan in force stays)
+                        await self._read_plan(f"a put at revision {event.revision}")
+            except StoreError as exc:
+                log.debug("%s: plan watch broke (%s); watching again", self.name, exc)
+                await asyncio.sleep(min(1.0, self.config.loop_wait))
+            finally:
+                await watch.cancel()
+
+    async def _apply(self, doc: PlanDoc, epoch: int) -> None:
+        async with self._apply_lock:
+            if epoch <= self.applied_epoch:
+                return
+            self.applied_epoch = epoch
+            log.info("%s: plan epoch %d: %s %s (%s)", self.name, epoch, doc.kind, doc.job or "", doc.reason)
+            sup = self.supervisor
+            if doc.kind == "idle":
+                sup.stop(None, None, checkpoint=False, reason=doc.reason)
+            elif doc.kind == "stop":
+                sup.stop(doc.job, doc.stop_epoch, checkpoint=doc.checkpoint, reason=doc.reason,
+                         grace=0.0 if doc.kill else None)
+            elif self.draining:
+                return
+            elif doc.kind == "run":
+                await self._start_run(doc, epoch)
+            elif doc.kind == "profile" and doc.profile_member == self.name:
+                await self._start_profile(doc, epoch)
+
+    def _planned_for_me(self, doc: PlanDoc) -> bool:
+        lease = self.membership.lease
+        mine = doc.incarnations.get(self.name)
+        if mine is not None and (lease is None or lease.id != mine):
+            log.warning("%s: the plan was made for an earlier registration of this daemon; waiting for a new one",
+                        self.name)
+            return False
+        return True
+
+    async def _start_run(self, doc: PlanDoc, epoch: int) -> None:
+        sup = self.supervisor
+        if self.name not in doc.members:
+            if sup.alive():
+                sup.stop(None, None, checkpoint=False, reason=f"epoch {epoch} runs without {self.name}")
+            return
+        if not self._planned_for_me(doc):
+            return
+        try:
+            spec, script = await self._job_files(doc.job or "")
+        except (StoreError, JobSpecError) as exc:
+            log.error("%s: cannot start %s epoch %d: %s", self.name, doc.job, epoch, exc)
+            sup.fail_epoch(doc.job or "", epoch, [s.rank for s in doc.slots_on(self.name)],
+                           f"{self.name} could not get the job's files: {exc}")
+            return
+        await self.prober.stop(f"{doc.job} epoch {epoch} starts here")   # a probe never runs beside a step
+        await sup.start_epoch(doc, epoch, spec, script)
+
+    async def _start_profile(self, doc: PlanDoc, epoch: int) -> None:
+        if not self._planned_for_me(doc):
+            return
+        try:
+            spec, script = await self._job_files(doc.job or "")
+        except (StoreError, JobSpecError) as exc:
+            self.supervisor.fail_epoch(doc.job or "", epoch, [0], f"{self.name} could not get the job's files: {exc}")
+            return
+        out = Path(self.config.state_dir) / "calibration" / f"{script_fingerprint(spec)}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log.info("%s: calibrating the model of %s (writing %s)", self.name, spec.job, out)
+        await self.prober.stop(f"calibrating {spec.job} here")
+        await self.supervisor.start_profile(doc, epoch, spec, script, str(out))
+
+    async def _after_worker(self, worker) -> None:
+        """A calibration run that exited 0 has written its file: store it for the leader."""
+        if worker.profile_path is None or worker.outcome != "done":
+            return
+        try:
+            spec, _ = self._jobs[worker.job]
+            cal = Calibration.load(worker.profile_path)
+            kind = self.membership.member.device_kind
+            if cal.device_kind != kind:
+                cal = dataclasses.replace(cal, device_kind=kind)
+            await self.store.put(self.keys.calibration_entry(script_fingerprint(spec), kind), cal.to_bytes(),
+                                 timeout=self.config.retry_timeout)
+            log.info("%s: stored the calibration of %s for %s", self.name, spec.job, kind)
+        except (OSError, ValueError, KeyError, StoreError) as exc:
+            worker.outcome = "failed"
+            worker.error = f"the calibration run of {worker.job} on {self.name} left no usable calibration: {exc}"
+
+    async def _job_files(self, job: str) -> tuple[JobSpec, Path]:
+        t = self.config.retry_timeout
+        kv = await self.store.get(self.keys.job(job), timeout=t)
+        if kv is None:
+            raise JobSpecError(f"job {job} has no spec in etcd")
+        spec = JobSpec.decode(kv.value, job=job)
+        if self.allowed_submitters is not None:
+            sig = await self.store.get(self.keys.signature(job), timeout=t)
+            try:
+                signer = self.allowed_submitters.verify(job, kv.value, None if sig is None else sig.value)
+            except SigningError as exc:
+                raise BundleError(str(exc)) from None
+            log.info("%s: job %s is signed by %s", self.name, job, signer)
+        cached = self._jobs.get(job)
+        if cached is not None and cached[0] == spec:
+            return cached
+        bundle = await self.store.get(self.keys.bundle(job), timeout=t)
+        if bundle is None:
+            raise BundleError(f"job {job} has no bundle in etcd")
+        directory = unpack_bundle(bundle.value, spec.bundle_digest, job_dir(self.config.state_dir, BUNDLES, job))
+        running = {w.job for w in self.supervisor.alive()}
+        for old in prune_jobs(self.config.state_dir, self.config.keep_jobs, protect={job, *running}):
+            self._jobs.pop(old, None)
+        script = directory / spec.script
+        if not script.is_file():
+            raise BundleError(f"the bundle of {job} holds no {spec.script}")
+        self._jobs[job] = (spec, script)
+        return spec, script
