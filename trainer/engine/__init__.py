@@ -1,4 +1,5 @@
-"""The engine: one worker's view of a P x D job (`Varuna`), the executor that interprets a stage's
+"""The engine: one worker's view of a P x D job (`Varuna`, with its process groups, step agreement
+and checkpoints: groups, agreement, checkpoints), the executor that interprets a stage's
 schedule table, activations between stages (comm), gradient reduction across replicas
 (data_parallel), mixed precision, the worker's control line to its daemon, Chrome traces, and
 how a worker sets itself up (setup: assignment, device, tensor placement, stream security).

@@ -1,7 +1,8 @@
-"""One VM's daemon: the process (daemon), its settings (config), the leader loop it runs while it
-leads (leader), supervision of its workers and what they report (supervisor, reporter,
-log_shipper), the spare worker processes kept per slot (spares), the ZeroMQ server and clients between daemons (peers), the Unix control channel to
-its workers, Prometheus metrics, local housekeeping and job signatures.
+"""One VM's daemon: the process (daemon) and its plan follower (follower), its settings (config),
+the leader loop it runs while it leads (leader, leader_planning), supervision of its workers and
+what they report (supervisor, stopping, reporter, log_shipper), the spare worker processes kept per
+slot (spares), the ZeroMQ server and clients between daemons (peers), the Unix control channel to
+its workers (control_channel), Prometheus metrics, local housekeeping and job signatures.
 
 Layer 5 of varunad (store < cluster < control < report < node < ctl; tests/test_imports.py checks it).
 May import: varunad.store, varunad.cluster, varunad.control, varunad.report (the leader writes the
