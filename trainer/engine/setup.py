@@ -19,7 +19,7 @@ from protocol.errors import SecurityError
 from protocol.security import Security, SecurityConfig
 from trainer.errors import ConfigError
 from trainer.planning.parallel import ParallelPlan, ParallelPlanError, micro_batches
-from trainer.planning.schedule import SCHEDULES
+from trainer.planning.schedule import ScheduleError, schedule_named
 from trainer.worker_env import WorkerAssignment
 
 __all__ = [
@@ -86,8 +86,10 @@ def check_sizes(batch: int, chunk: int, D: int, precision: str, schedule: str) -
     micro_batches(batch, D, chunk)  # the one rule, as `varunactl submit` and the planner follow it
     if precision not in ("fp32", "fp16", "bf16"):
         raise ConfigError(f"precision must be fp32, fp16 or bf16, got {precision!r}")
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {sorted(SCHEDULES)}")
+    try:
+        schedule_named(schedule)
+    except ScheduleError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def choose_device(a: WorkerAssignment, local_rank: int, device: int | str) -> torch.device:
