@@ -19,7 +19,7 @@ from test_membership import make_member
 
 from protocol.messages import WorkerProgress, encode
 from trainer.engine.control import TOKEN_ENV, ControlClient
-from varunad.cluster.facts import PortReservation
+from varunad.cluster.facts import DaemonMember, PortReservation
 from varunad.cluster.membership import Membership
 from varunad.node.config import load_config
 from varunad.node.supervisor import Supervisor, _SupervisedWorker
@@ -27,12 +27,17 @@ from varunad.store.etcd import EtcdStore
 from varunad.store.keys import Keys
 
 
+def _member(name: str) -> DaemonMember:
+    # what a daemon announces, with no worker ports: no usable slot, so the supervisor starts no spare
+    return DaemonMember(**{f: getattr(make_member(name), f) for f in make_member(name).__dataclass_fields__})
+
+
 def _supervisor(tmp_path: Path, ctx: zmq.asyncio.Context) -> Supervisor:
     config = load_config(["--etcd", "127.0.0.1:1", "--store", str(tmp_path / "store"), "--plaintext",
                           "--state-dir", str(tmp_path / "state"), "--name", "vm1"], environ={})
     store = EtcdStore("127.0.0.1:1")   # never called: nothing here reports to etcd
     keys = Keys("/t/")
-    return Supervisor(config=config, store=store, keys=keys, membership=Membership(store, keys, make_member("vm1")),
+    return Supervisor(config=config, store=store, keys=keys, membership=Membership(store, keys, _member("vm1")),
                       ports=PortReservation("127.0.0.1"), ctx=ctx, security_env={}, peer_keys=lambda doc: {})
 
 
