@@ -221,3 +221,27 @@ def test_constructors_validate_directly():
         LinkCost(0.0, float("inf") * 0)
     with pytest.raises(CalibrationError, match="link kinds"):
         _cal(links={"intra": LinkCost(0, 1)})
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_the_profiler_measures_the_optimizer_steps_temporaries(foreach):
+    """Adam's for-loop step holds one tensor's `sqrt(v)` and its quotient at a time; its foreach
+    step, one `sqrt(v)` per tensor, all at once. Counted tensor by tensor, whatever the allocator
+    keeps; plain SGD makes none worth counting."""
+    import torch
+
+    from trainer.profiler.steps import _optimizer_factory, measure_steps, step_bytes_add
+
+    params = [torch.nn.Parameter(torch.randn(256, 256)), torch.nn.Parameter(torch.randn(256))]
+    weight = 256 * 256 * 4
+    adam = _optimizer_factory(torch.optim.Adam(params, lr=1e-4, foreach=foreach))
+    (_, state, temporaries), = measure_steps([params], adam, repeats=1, warmup=0)
+    assert state == 2 * (weight + 256 * 4)
+    if foreach:
+        assert weight <= temporaries < 1.5 * weight
+    else:
+        assert 2 * weight <= temporaries < 2.5 * weight
+    assert step_bytes_add(adam) is foreach
+    sgd = _optimizer_factory(torch.optim.SGD(params, lr=1e-4))
+    (_, state, temporaries), = measure_steps([params], sgd, repeats=1, warmup=0)
+    assert state == 0 and temporaries < 1024

@@ -23,7 +23,7 @@ from trainer.profiler.identity import calibration_path, device_kind_of, model_fi
 from trainer.profiler.network import measure_network
 from trainer.profiler.segments import IN_FLIGHT, _batch_size_of, segment_slices, tied_weights
 from trainer.profiler.slots import _Job, _run_concurrently
-from trainer.profiler.steps import OptimizerFactory, _optimizer_factory
+from trainer.profiler.steps import OptimizerFactory, _optimizer_factory, step_bytes_add
 
 __all__ = ["Profiler"]
 
@@ -189,16 +189,16 @@ class Profiler:
         for k in range(self.n_segments):
             if k not in by_seg:  # filled from the saved calibration by _merge
                 src = existing.segments[k]
-                profiles.append(SegmentProfile(src.param_bytes, src.optimizer_bytes, src.step_s,
-                                               tuple(existing.cost(k, b) for b in sizes)))
+                profiles.append(replace(src, costs=tuple(existing.cost(k, b) for b in sizes)))
                 continue
-            step_s, opt_bytes = by_seg[k]
+            step_s, opt_bytes, temporaries = by_seg[k]
             pbytes = sum(_nbytes(p) for p in slices[k].module.parameters())
             profiles.append(SegmentProfile(pbytes, opt_bytes, step_s,
-                                           tuple(per_size[b][k].cost() for b in sizes)))
+                                           tuple(per_size[b][k].cost() for b in sizes), temporaries))
         return Calibration(model=self.fingerprint, device_kind=self.device_kind, micro_batch_sizes=tuple(sizes),
                            input_bytes=tuple(input_bytes), segments=tuple(profiles), links=links,
-                           allreduce=allreduce, tied=tied_weights(slices))
+                           allreduce=allreduce, tied=tied_weights(slices),
+                           step_bytes_add=step_bytes_add(self._factory, self.device))
 
     def _network(self, existing: Calibration | None) -> tuple[dict[str, LinkCost], dict[str, LinkCost]]:
         links, allreduce = dict(self._links), dict(self._allreduce)
@@ -253,7 +253,7 @@ def _merge(old: Calibration, new: Calibration, measured: Sequence[int]) -> Calib
                 costs.append(new.cost(k, b))
             else:
                 costs.append(old.cost(k, b))
-        segs.append(SegmentProfile(src.param_bytes, src.optimizer_bytes, src.step_s, tuple(costs)))
+        segs.append(replace(src, costs=tuple(costs)))
     inputs = tuple(new.input_bytes[new.size_index(b)] if b in new.micro_batch_sizes
                    else old.input_bytes[old.size_index(b)] for b in sizes)
     return replace(new, micro_batch_sizes=tuple(sizes), input_bytes=inputs, segments=tuple(segs))

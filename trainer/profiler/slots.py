@@ -33,7 +33,7 @@ class _Job:
     in_flight: int = 1
 
     def run(self, between: Callable[[], object] | None = None
-            ) -> tuple[dict[int, dict[int, SegmentMeasurement]], list[tuple[float, int]]]:
+            ) -> tuple[dict[int, dict[int, SegmentMeasurement]], list[tuple[float, int, int]]]:
         """Segments, then (after `between()`: the slots meet there) optimizer steps."""
         per_size = {b: measure_segments_interleaved(self.slices, batch, device=self.device, precision=self.precision,
                                                     segments=self.segments, repeats=self.repeats, warmup=self.warmup,
@@ -51,13 +51,13 @@ class _Job:
         # A stage runs one STEP over all of its segments: one call's fixed costs, not one per
         # segment. Take all but one of those off, so that the segments' times add up to one STEP
         # of them all; the fixed cost is a step over one one-element parameter.
-        total = sum(t for t, _ in steps)
+        total = sum(t for t, *_ in steps)
         if len(steps) > 1 and total > 0:
             one = torch.zeros(1, device=self.device, requires_grad=True)
-            (fixed, _), = measure_steps([[one]], self.factory, optimizer_factor=self.optimizer_factor,
+            (fixed, *_), = measure_steps([[one]], self.factory, optimizer_factor=self.optimizer_factor,
                                         repeats=max(self.repeats, 5), warmup=self.warmup, device=self.device)
             whole = max(total - (len(steps) - 1) * fixed, total / len(steps))
-            steps = [(t * whole / total, b) for t, b in steps]
+            steps = [(t * whole / total, *rest) for t, *rest in steps]
         return per_size, steps
 
     def filler(self) -> None:
@@ -115,5 +115,5 @@ def _run_concurrently(job: _Job, slots: int, timeout_s: float = 1800.0):
             per_size[b][k] = SegmentMeasurement(
                 max(m.forward_s for m in ms), max(m.recompute_s for m in ms),
                 max(m.backward_s for m in ms), ms[0].activation_bytes, ms[0].peak_activation_bytes)
-    steps = [(max(res[1][i][0] for res in results), results[0][1][i][1]) for i in range(len(results[0][1]))]
+    steps = [(max(res[1][i][0] for res in results), *results[0][1][i][1:]) for i in range(len(results[0][1]))]
     return per_size, steps

@@ -1,19 +1,23 @@
-"""Optimizer-step timing: what the engine's STEP costs for each segment's parameters, and the
-optimizer state it keeps, with the script's optimizer or a stand-in (AdamW)."""
+"""Optimizer-step timing: what the engine's STEP costs for each segment's parameters, the
+optimizer state it keeps and the temporaries it allocates and frees on the way (step_bytes), with
+the script's optimizer or a stand-in (AdamW)."""
 
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from trainer.engine.precision import squared_norms
 from trainer.profiler.common import _median, _nbytes, _sync
 
-__all__ = ["OptimizerFactory", "measure_steps"]
+__all__ = ["OptimizerFactory", "measure_steps", "step_bytes_add"]
 
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -36,13 +40,80 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of the tensors made inside the mode that are still alive, and their peak: what a
+    step allocates, counted tensor by tensor, whatever the allocator keeps of it once freed (glibc's
+    heap, CUDA's cache) and without resetting the device's peak statistics, which the calibration
+    run's own meter reads. An output whose storage an input already had (a view, an in-place op)
+    is not new; a storage is freed when the last tensor seen holding it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._holders: dict[int, list[int]] = {}   # storage address -> [tensors alive, bytes]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            entry = self._holders.get(ptr)
+            if entry is None:
+                if not ptr or ptr in inputs:
+                    continue
+                entry = self._holders[ptr] = [0, t.untyped_storage().nbytes()]
+                self.live += entry[1]
+                self.peak = max(self.peak, self.live)
+            entry[0] += 1
+            weakref.finalize(t, self._release, ptr)
+        return out
+
+    def _release(self, ptr: int) -> None:
+        entry = self._holders[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._holders[ptr]
+            self.live -= entry[1]
+
+
+def _step_bytes(copies: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """The temporaries of one STEP (its state already made): the most it held at once beyond
+    what it kept."""
+    with _LiveBytes() as live:
+        _engine_step(copies, optimizer)
+    return max(0, live.peak - live.live)
+
+
+def step_bytes_add(factory: OptimizerFactory | None, device: torch.device | str = "cpu",
+                   numel: int = 1024) -> bool:
+    """Whether this optimizer holds the temporaries of all its tensors at once (a foreach step:
+    a stage's add up over its segments) or one tensor's at a time (a for-loop step: a stage's are
+    its largest segment's): its step over two equal tensors against its step over one."""
+    factory = factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+    device = torch.device(device)
+
+    def temporaries(n: int) -> int:
+        ps = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(n)]
+        for p in ps:
+            p.grad = torch.full_like(p, 1e-3)
+        opt = factory(ps)
+        _engine_step(ps, opt)   # the state, made at the first step, is kept, not temporary
+        return _step_bytes(ps, opt)
+
+    one = temporaries(1)
+    return one == 0 or temporaries(2) > 1.5 * one
+
+
 def measure_steps(groups: Sequence[Sequence[nn.Parameter]], factory: OptimizerFactory | None, *,
                   optimizer_factor: float = 2.0, repeats: int = 5, warmup: int = 2,
-                  device: torch.device | str = "cpu") -> list[tuple[float, int]]:
-    """(step seconds, optimizer-state bytes) per parameter group, on copies of the parameters
-    with random gradients. Without a factory, AdamW's step is timed and the state is
-    `optimizer_factor` x the parameter bytes. On CPU the groups' repeats are interleaved (like
-    `measure_segments`), which holds every group's copies at once; on a GPU one group at a time."""
+                  device: torch.device | str = "cpu") -> list[tuple[float, int, int]]:
+    """(step seconds, optimizer-state bytes, step temporaries' bytes) per parameter group, on
+    copies of the parameters with random gradients. Without a factory, AdamW's step is timed and
+    the state is `optimizer_factor` x the parameter bytes. On CPU the groups' repeats are
+    interleaved (like `measure_segments`), which holds every group's copies at once; on a GPU one
+    group at a time. The temporaries are counted on one more step, after the timed ones."""
     device = torch.device(device)
     given = factory is not None
     factory = factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-4))
@@ -63,12 +134,13 @@ def measure_steps(groups: Sequence[Sequence[nn.Parameter]], factory: OptimizerFa
         _sync(device)
         return time.perf_counter() - t0
 
-    def result(group, opt, times) -> tuple[float, int]:
+    def result(group, copies, opt, times) -> tuple[float, int, int]:
         if opt is None:
-            return 0.0, 0
+            return 0.0, 0, 0
+        temporaries = _step_bytes(copies, opt)
         if given:   # measured, 0 included: plain SGD keeps no state
-            return _median(times), _state_bytes(opt)
-        return _median(times), int(round(optimizer_factor * sum(_nbytes(p) for p in group)))
+            return _median(times), _state_bytes(opt), temporaries
+        return _median(times), int(round(optimizer_factor * sum(_nbytes(p) for p in group))), temporaries
 
     if device.type == "cpu":
         states = [setup(g) for g in groups]
@@ -79,12 +151,12 @@ def measure_steps(groups: Sequence[Sequence[nn.Parameter]], factory: OptimizerFa
                     t = timed(copies, opt)
                     if r >= warmup:
                         times[i].append(t)
-        return [result(g, opt, ts) for g, (_, opt), ts in zip(groups, states, times)]
+        return [result(g, copies, opt, ts) for g, (copies, opt), ts in zip(groups, states, times)]
     out = []
     for group in groups:
         copies, opt = setup(group)
         ts = [timed(copies, opt) for _ in range(warmup + repeats)][warmup:] if opt is not None else []
-        out.append(result(group, opt, ts))
+        out.append(result(group, copies, opt, ts))
         del copies, opt
     return out
 
