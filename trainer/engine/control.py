@@ -1,9 +1,10 @@
 """A worker's line to the daemon that started it: progress out, checkpoint/stop requests in.
 
 Requests are only *noted* here. They take effect at a step boundary that every worker of the
-job agrees on: the flags ride in the step's one world all-reduce (see Varuna._optimizer_step),
-so all P x D workers checkpoint or stop after the same step, or none does. SIGTERM (a spot
-VM's preemption notice, or systemd stopping the unit) counts as "checkpoint, then stop".
+job agrees on: the flags ride in the step's one exchange of statistics, summed alike on every
+worker (see trainer.engine.agreement: StepAgreement._optimizer_step), so all P x D workers
+checkpoint or stop after the same step, or none does. SIGTERM (a spot VM's preemption notice,
+or systemd stopping the unit) counts as "checkpoint, then stop".
 """
 
 from __future__ import annotations
