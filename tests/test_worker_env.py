@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from trainer.errors import ConfigError
 from trainer.launch import worker_environment
-from trainer.planning.parallel import ParallelPlan
+from trainer.planning.parallel import PER_STAGE, ParallelPlan, per_stage_fields
 from trainer.worker_env import WorkerAssignment, decode, encode, env_fields, env_name
 
 # Every plan field away from its default; a field added to ParallelPlan must be given a value here
@@ -128,7 +128,7 @@ def test_bools_read_as_people_write_them():
 
 Wider = dataclasses.make_dataclass(
     "Wider", [("interleave", int, dataclasses.field(default=1)),
-              ("stage_weights", tuple[float, ...] | None, dataclasses.field(default=None))],
+              ("stage_weights", tuple[float, ...] | None, dataclasses.field(default=None, metadata=PER_STAGE))],
     bases=(ParallelPlan,), frozen=True, slots=True, kw_only=True)
 
 Assigned = dataclasses.make_dataclass(
@@ -164,7 +164,6 @@ def _assign(monkeypatch, a: WorkerAssignment, stage_to_rank_map):
 
 @pytest.mark.parametrize("plan", [FULL_PLAN, _wider()], ids=["plan", "a-new-field"])
 def test_a_stage_to_rank_map_keeps_every_field_the_shape_does_not_size(monkeypatch, plan):
-    from trainer.engine.setup import PER_STAGE
     a = full_assignment(plan, cls=Assigned if isinstance(plan, Wider) else WorkerAssignment)
     renumbered = _assign(monkeypatch, a, {0: [0, 1, 2], 1: [3, 4, 5]})
     assert type(renumbered) is type(plan) and renumbered.ranks == ((0, 1, 2), (3, 4, 5))
@@ -172,5 +171,31 @@ def test_a_stage_to_rank_map_keeps_every_field_the_shape_does_not_size(monkeypat
     reshaped = _assign(monkeypatch, a, {0: [0, 1], 1: [2, 3], 2: [4, 5]})
     assert type(reshaped) is type(plan) and (reshaped.P, reshaped.D) == (3, 2)
     changed = {f.name for f in dataclasses.fields(plan) if getattr(reshaped, f.name) != getattr(plan, f.name)}
-    assert changed == {"P", "D", "ranks", *PER_STAGE}
-    assert all(getattr(reshaped, name) is None for name in PER_STAGE)
+    per_stage = per_stage_fields(plan)
+    assert {"cuts", "recompute"} <= set(per_stage) and ("stage_weights" in per_stage) == isinstance(plan, Wider)
+    assert changed == {"P", "D", "ranks", *per_stage}
+    assert all(getattr(reshaped, name) is None for name in per_stage)
+
+
+# -- derived names never take a variable another module owns ------------------------------------------
+
+def test_a_field_named_like_a_variable_another_module_owns_is_refused():
+    Clash = dataclasses.make_dataclass("Clash", [("security", str, dataclasses.field(default="x"))],
+                                       bases=(WorkerAssignment,), frozen=True, kw_only=True)
+    with pytest.raises(TypeError, match="VARUNA_SECURITY"):
+        env_fields(Clash)
+
+
+def test_every_varuna_variable_the_code_spells_is_derived_or_owned_elsewhere():
+    """OWNED_ELSEWHERE stays complete: a module that starts reading VARUNA_X without listing it
+    fails here, before a field of that name could override it."""
+    import re
+    from pathlib import Path
+
+    from trainer.worker_env import OWNED_ELSEWHERE
+    root = Path(__file__).resolve().parents[1]
+    spelled = {m for pkg in ("trainer", "varunad", "protocol") for f in (root / pkg).rglob("*.py")
+               for m in re.findall(r"[\"'](VARUNA_[A-Z0-9_]+)[\"']", f.read_text())}
+    derived = {env_name(f.name) for f, _ in env_fields(WorkerAssignment)}
+    assert spelled - derived - OWNED_ELSEWHERE == set()
+    assert derived & OWNED_ELSEWHERE == set()

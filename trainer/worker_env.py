@@ -48,7 +48,7 @@ from typing import Any
 from trainer.errors import ConfigError
 from trainer.planning.parallel import ParallelPlan
 
-__all__ = ["WorkerAssignment", "job_setting", "env_name", "env_fields", "encode", "decode"]
+__all__ = ["WorkerAssignment", "OWNED_ELSEWHERE", "job_setting", "env_name", "env_fields", "encode", "decode"]
 
 log = logging.getLogger("varuna")
 
@@ -56,6 +56,15 @@ _PREFIX = "VARUNA_"
 
 # Read by earlier releases, now fields of VARUNA_PLAN: set by hand, they would be ignored unsaid.
 _REPLACED = ("VARUNA_STAGE_TO_RANK", "VARUNA_CUTS", "VARUNA_RECOMPUTE", "VARUNA_SCHEDULE", "VARUNA_MICRO_BATCH")
+
+# Variables other modules own and read themselves (stream security, the control token, timeouts,
+# the calibration's cap), and the ones above: a field whose derived name is one of them would
+# silently override it, so env_fields refuses such a field. tests/test_worker_env.py keeps this
+# list complete against every VARUNA_* name the code spells.
+OWNED_ELSEWHERE = frozenset({
+    "VARUNA_WORLD_SIZE", "VARUNA_SECURITY", "VARUNA_TRUSTED_NETWORK", "VARUNA_SECRET_KEY_FILE",
+    "VARUNA_ALLOWED_KEYS_DIR", "VARUNA_CONTROL_TOKEN", "VARUNA_PEER_TIMEOUT", "VARUNA_DIST_TIMEOUT",
+    "VARUNA_PROFILE_MAX_MICRO_BATCH", "VARUNA_CHECKPOINT_COMMIT_TIMEOUT", *_REPLACED})
 
 # Job settings that the plan decides, read from it: the name a script uses -> the plan's field.
 _FROM_PLAN = {"micro_batch": "micro_batch_size"}
@@ -165,7 +174,11 @@ def _typed(doc: Any, kind: Any) -> Any:
 def env_fields(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
     """(field, declared type) of each field of ``cls`` that is a variable of its own."""
     hints = typing.get_type_hints(cls)
-    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls) if not f.metadata.get(_AS_IS))
+    fields = tuple((f, hints[f.name]) for f in dataclasses.fields(cls) if not f.metadata.get(_AS_IS))
+    taken = sorted(env_name(f.name) for f, _ in fields if env_name(f.name) in OWNED_ELSEWHERE)
+    if taken:
+        raise TypeError(f"{cls.__name__}: field(s) would be {', '.join(taken)}, a variable another module owns")
+    return fields
 
 
 def _required(f: dataclasses.Field) -> bool:

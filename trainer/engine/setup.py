@@ -18,12 +18,11 @@ from torch import nn
 from protocol.errors import SecurityError
 from protocol.security import Security, SecurityConfig
 from trainer.errors import ConfigError
-from trainer.planning.parallel import ParallelPlan, ParallelPlanError, micro_batches
+from trainer.planning.parallel import ParallelPlan, ParallelPlanError, micro_batches, per_stage_fields
 from trainer.planning.schedule import ScheduleError, schedule_named
 from trainer.worker_env import WorkerAssignment
 
 __all__ = [
-    "PER_STAGE",
     "assignment_for",
     "stats_tree",
     "check_sizes",
@@ -39,11 +38,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("varuna")
-
-# The plan's fields sized by its stages: under a stage_to_rank_map of another shape they no longer
-# apply, and the script or Varuna chooses again (a field missing here fails the plan's own check).
-PER_STAGE = ("cuts", "recompute")
-
 
 def assignment_for(stage_to_rank_map) -> WorkerAssignment:
     if "VARUNA_RANK" not in os.environ:
@@ -61,9 +55,14 @@ def assignment_for(stage_to_rank_map) -> WorkerAssignment:
             raise ConfigError(f"stage_to_rank_map has {given.world_size} ranks, the job was started with "
                               f"{a.plan.world_size} workers", hint="pass None to use the launcher's or daemon's plan")
         # The map renumbers, and may reshape: every field of the plan the shape does not size is
-        # kept (a field added to the plan included), its subclass too.
-        reshaped = {} if given.shape == a.plan.shape else {"P": given.P, "D": given.D, **dict.fromkeys(PER_STAGE)}
-        plan = a.plan.replace(ranks=given.ranks, **reshaped)
+        # kept (a field added to the plan included), its subclass too; the per-stage ones are reset.
+        reshaped = {} if given.shape == a.plan.shape else \
+            {"P": given.P, "D": given.D, **dict.fromkeys(per_stage_fields(a.plan))}
+        try:
+            plan = a.plan.replace(ranks=given.ranks, **reshaped)
+        except ParallelPlanError as exc:
+            raise ConfigError(f"stage_to_rank_map does not fit the job's plan: {exc}",
+                              hint="pass None to use the launcher's or daemon's plan") from None
         a = dataclasses.replace(a, plan=plan)
     return a
 

@@ -24,12 +24,23 @@ from typing import Any
 from trainer.errors import ConfigError, VarunaError
 from trainer.planning.schedule import ScheduleError, schedule_named
 
-__all__ = ["ParallelPlan", "ParallelPlanError", "MAX_WORKERS", "micro_batches"]
+__all__ = ["ParallelPlan", "ParallelPlanError", "MAX_WORKERS", "PER_STAGE", "micro_batches", "per_stage_fields"]
 
 # More workers than any fleet has; a plan read from etcd that claims more is refused before its
 # rank table is built (P = D = 10**9 would otherwise be 10**18 entries).
 MAX_WORKERS = 1 << 16
 _MAX_INDEX = (1 << 31) - 1   # micro-batch sizes and cut points: anything that indexes real memory
+
+
+# The metadata of a field sized by the plan's stages: when a stage_to_rank_map reshapes a plan,
+# such a field no longer applies and goes back to None (the script or Varuna chooses again), while
+# every other field is carried over. A new per-stage field says so here, where it is declared.
+PER_STAGE: Mapping[str, bool] = {"per_stage": True}
+
+
+def per_stage_fields(plan: Any) -> tuple[str, ...]:
+    """The names of `plan`'s fields (a ParallelPlan or a subclass, or its class) sized by its stages."""
+    return tuple(f.name for f in dataclasses.fields(plan) if f.metadata.get("per_stage"))
 
 
 class ParallelPlanError(VarunaError, ValueError):
@@ -75,8 +86,10 @@ class ParallelPlan:
     D: int                                      # data-parallel replicas of each stage
     micro_batch_size: int | None = None         # None: the script's chunk_size
     schedule: str | None = None                 # None: the script's (default varuna)
-    cuts: tuple[int, ...] | None = None         # active cut points; None: Varuna balances them
-    recompute: tuple[bool, ...] | None = None   # per stage; None: the script's choice
+    # active cut points; None: Varuna balances them
+    cuts: tuple[int, ...] | None = dataclasses.field(default=None, metadata=PER_STAGE)
+    # per stage; None: the script's choice
+    recompute: tuple[bool, ...] | None = dataclasses.field(default=None, metadata=PER_STAGE)
     ranks: tuple[tuple[int, ...], ...] | None = None  # [stage][replica] -> rank; None: replica-major
 
     def __post_init__(self) -> None:
