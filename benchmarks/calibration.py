@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from etcd_server import EtcdServer  # noqa: E402
-from ring import Ring  # noqa: E402
+from support.etcd_server import EtcdServer  # noqa: E402
+from support.ring import Ring  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

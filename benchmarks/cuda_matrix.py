@@ -3,7 +3,7 @@
 For a lent GPU machine (not CI: CI has no GPU). Each shape runs tests/workers/train_check.py under
 the local launcher (real worker processes, ZeroMQ streams between stages, NCCL all-reduce between
 replicas on CUDA tensors) for the tiny GPT, and compares its per-step losses with the plain
-single-process loop of tests/reference.py run on the same GPU and on the CPU.
+single-process loop of tests/support/reference.py run on the same GPU and on the CPU.
 
 With one GPU every worker shares it (``--device cuda:0``), and NCCL refuses two ranks of one
 communicator on one GPU ('Duplicate GPU detected'): D > 1, and a pipeline whose tied weights span
@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from reference import reference_run  # noqa: E402  (tests/reference.py: the plain loop)
+from support.reference import reference_run  # noqa: E402  (tests/support/reference.py: the plain loop)
 
 from trainer.launch import launch  # noqa: E402
 

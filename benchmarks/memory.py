@@ -54,8 +54,8 @@ def _mb(x: float | None) -> str:
 
 
 def run_ring(args) -> dict:
-    from etcd_server import EtcdServer
-    from ring import Ring
+    from support.etcd_server import EtcdServer
+    from support.ring import Ring
 
     server = EtcdServer()
     server.start()

@@ -48,8 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from etcd_server import EtcdServer  # noqa: E402
-from ring import Ring  # noqa: E402
+from support.etcd_server import EtcdServer  # noqa: E402
+from support.ring import Ring  # noqa: E402
 
 NAMES = ["d1", "d2", "d3", "d4"]
 SHAPES = {"2x2": ("--cheap-allreduce",), "4x1": ()}

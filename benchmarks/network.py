@@ -6,7 +6,7 @@ them, varunad.control.links), the wide job (tests/netns/wide_job.py: activations
 is submitted, and the table shows the link as measured (and as a ratio of the cap, the limit
 measured in the same run), the plan chosen, its estimated step, the measured steady step (the
 median from rank 0's log, warm-up steps and the final checkpoint's step left out: the estimate is
-of a steady step; tests/netns/linkrun.py), and the error. One one-thread slot per VM (two workers
+of a steady step; tests/support/linkrun.py), and the error. One one-thread slot per VM (two workers
 on two cores): other work on the machine's cores shows in the measured column.
 
 Run (as root):  python benchmarks/network.py [--steps N] [--batch B]
@@ -20,12 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "netns"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fabric import Fabric, _rate_bits, unavailable_reason  # noqa: E402
-from linkrun import FabricRing, run_once, table  # noqa: E402
+from support.fabric import Fabric, _rate_bits, unavailable_reason  # noqa: E402
+from support.linkrun import FabricRing, run_once, table  # noqa: E402
 
 RATES = (None, "1gbit", "100mbit", "10mbit")
 

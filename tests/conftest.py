@@ -14,7 +14,7 @@ import re
 import uuid
 
 import pytest
-from etcd_server import EtcdNotInstalled, EtcdServer
+from support.etcd_server import EtcdNotInstalled, EtcdServer
 
 # ----------------------------------------------------------------------------- async tests
 

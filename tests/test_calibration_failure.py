@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ring import Ring
+from support.ring import Ring
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import reference_run
+from support.reference import reference_run
 
 from trainer.launch import launch
 from trainer.models.gpt import GPT, GPTConfig

@@ -6,7 +6,7 @@ and 1 GiB per slot: the first job is calibrated by running its script once (the 
 writes a calibration whose model does not fit one slot), so the jobs run as pipelines (P >= 2)
 and morph between P x D shapes. The job is the tiny GPT with dropout 0 and SGD with momentum:
 after any morph its loss history must equal the uninterrupted single-process run
-(tests/reference.py) within 1e-4 relative, and no epoch may redo more steps than the
+(tests/support/reference.py) within 1e-4 relative, and no epoch may redo more steps than the
 checkpoint interval.
 """
 
@@ -23,9 +23,9 @@ import time
 
 import pytest
 import zmq
-from etcd_server import EtcdServer
-from reference import keyed_reference_run, reference_run
-from ring import JOB_SCRIPT, REPO, Ring
+from support.etcd_server import EtcdServer
+from support.reference import keyed_reference_run, reference_run
+from support.ring import JOB_SCRIPT, REPO, Ring
 
 from protocol.messages import Ping, Pong, decode, encode
 
@@ -221,7 +221,7 @@ def test_kill9_in_a_2x2_resumes_from_the_survivors_memory(healthy, reference):
 def test_a_morph_with_dropout_trains_the_plain_loops_model(healthy):
     """With dropout 0.1 the model depends on every mask: a 2x2 job that loses a VM and goes on
     at another P x D from the survivors' memory still trains, step for step, what the plain
-    single-process loop over the keyed-random capture trains (tests/reference.py), so a morph
+    single-process loop over the keyed-random capture trains (tests/support/reference.py), so a morph
     does not change the model."""
     ring = healthy
     reference = keyed_reference_run(STEPS, BATCH, dropout=0.1)

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from reference import reference_run
-from ring import Ring
+from support.reference import reference_run
+from support.ring import Ring
 from test_metrics import metric_types, sample_value, scrape, scrape_when
 
 from trainer.launch import free_ports

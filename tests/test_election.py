@@ -7,7 +7,7 @@ import contextlib
 import time
 
 import pytest
-from etcd_server import poll_until
+from support.etcd_server import poll_until
 from test_membership import make_member
 
 from varunad.cluster.election import Election, NotLeader, Role

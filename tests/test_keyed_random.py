@@ -3,7 +3,7 @@ ops, and (slow) every P x D, recompute and resume reproducing the plain loop wit
 
 Launch tests use real worker processes, real gloo and ZeroMQ; the models are Hugging Face GPT-2
 and BERT with dropout 0.1 everywhere (random init, tiny configs) and a hand-written network with
-stochastic depth, dropout on flattened tokens and noise injection (tests/keyed_zoo.py).
+stochastic depth, dropout on flattened tokens and noise injection (tests/support/keyed_zoo.py).
 """
 
 import json
@@ -280,7 +280,7 @@ def _losses(out: Path, name: str, rank: int) -> list[float]:
 @pytest.fixture(scope="module")
 def references():
     pytest.importorskip("transformers")
-    import keyed_zoo
+    from support import keyed_zoo
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -291,7 +291,7 @@ def references():
 
 @pytest.mark.slow
 def test_the_randomness_matters_and_the_reference_does_not_depend_on_its_micro_batches(references):
-    import keyed_zoo
+    from support import keyed_zoo
     for name in keyed_zoo.MODELS:
         assert keyed_zoo.reference(name, micro_batch_size=5) == pytest.approx(references[name], rel=1e-5)
     # with another seed the masks differ, and so does the model: the comparisons below can fail
@@ -313,7 +313,7 @@ def test_the_randomness_matters_and_the_reference_does_not_depend_on_its_micro_b
     pytest.param(4, 1, ("--recompute", "0", "--schedule", "gpipe"), id="4x1-no-recompute"),
 ])
 def test_every_layout_trains_the_plain_loops_model(tmp_path, references, stages, replicas, args):
-    import keyed_zoo
+    from support import keyed_zoo
     out = _launch(tmp_path / "out", stages, replicas, *args)
     for name in keyed_zoo.MODELS:
         for rank in range(stages * replicas):

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from etcd_server import poll_until
+from support.etcd_server import poll_until
 
 from varunad.cluster.membership import Member, Membership, NameInUse, read_members
 from varunad.store.etcd import EtcdStore

@@ -188,7 +188,7 @@ def test_a_worker_the_oom_killer_ends_makes_the_leader_plan_with_less_memory(tmp
     peak, and the worker sometimes trained under it. The next job's worker is OOM-killed at its
     first step; the job says so, and the leader re-plans with 80% of a cpu slot's memory, where
     1x1 no longer fits."""
-    from ring import Ring
+    from support.ring import Ring
 
     group = _memory_cgroup()
     if group is None or kernel_oom_kills() is None:

@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from ring import Ring
+from support.ring import Ring
 
 from trainer.launch import free_ports
 from varunad.node.config import DaemonConfigError, load_config

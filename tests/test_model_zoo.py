@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import zoo
+from support import zoo
 
 from trainer.launch import launch
 

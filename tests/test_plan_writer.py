@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from etcd_server import poll_until
+from support.etcd_server import poll_until
 from test_election import fleet, leaders, one_leader
 
 from varunad.cluster.election import NotLeader, PlanWriter

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ring import Ring
+from support.ring import Ring
 from test_trace import png_size
 
 from trainer.engine.trace import CATEGORIES, TraceRecorder, trace_path

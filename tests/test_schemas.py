@@ -11,7 +11,7 @@ import json
 import logging
 
 import pytest
-from etcd_server import poll_until
+from support.etcd_server import poll_until
 from test_election import fleet, one_leader
 from test_membership import make_member
 

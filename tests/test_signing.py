@@ -7,7 +7,7 @@ import os
 import stat
 
 import pytest
-from ring import JOB_SCRIPT, Ring
+from support.ring import JOB_SCRIPT, Ring
 
 from varunad.control.jobs import JobSpec
 from varunad.node.signing import AllowList, Signature, SigningError, generate_submit_key, sign_spec

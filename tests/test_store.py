@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from etcd_server import EtcdServer, make_pki, poll_until
+from support.etcd_server import EtcdServer, make_pki, poll_until
 
 from varunad.store.contract import (
     DELETE,

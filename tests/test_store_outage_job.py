@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from support.reference import reference_run
+from support.store_faults import MountRefused, fill, read_only, tmpfs_store
+from test_worker_control import BATCH, STEPS, FakeDaemon, start_launch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "chaos"))
-
-from reference import reference_run  # noqa: E402
-from store_faults import MountRefused, fill, read_only, tmpfs_store  # noqa: E402
-from test_worker_control import BATCH, STEPS, FakeDaemon, start_launch  # noqa: E402
-
-from protocol.messages import WorkerCheckpointed, WorkerProgress, WorkerStoreOutage  # noqa: E402
-from trainer.checkpoint.reading import MANIFEST, checkpoint_dir  # noqa: E402
-from trainer.checkpoint.store import latest_complete  # noqa: E402
+from protocol.messages import WorkerCheckpointed, WorkerProgress, WorkerStoreOutage
+from trainer.checkpoint.reading import MANIFEST, checkpoint_dir
+from trainer.checkpoint.store import latest_complete
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +99,7 @@ def test_a_worker_that_dies_of_a_store_outage_restarts_without_using_up_a_restar
     while the store is read-only, and dies of it. The leader starts it again uncounted; the new
     epoch's fence waits for the store; once it is writable the job finishes with the plain loop's
     losses."""
-    from ring import Ring
+    from support.ring import Ring
 
     ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=10.0)
     try:

@@ -10,8 +10,8 @@ attempt, not after every restart. One daemon (one slot, the synthetic calibratio
 from __future__ import annotations
 
 import pytest
-from etcd_server import EtcdServer
-from ring import Ring
+from support.etcd_server import EtcdServer
+from support.ring import Ring
 
 pytestmark = pytest.mark.slow
 

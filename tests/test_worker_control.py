@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from reference import reference_run
+from support.reference import reference_run
 
 from protocol.messages import StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
 from trainer.checkpoint.reading import verify

@@ -11,7 +11,7 @@ leader are tests/test_daemon_ring.py's kill tests (marked chaos; the same fault 
 from __future__ import annotations
 
 import pytest
-from chaos_harness import ELSEWHERE, EVERY, SCENARIOS, run_named
+from support.chaos_harness import ELSEWHERE, EVERY, SCENARIOS, run_named
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 

@@ -1,6 +1,6 @@
 """The job the daemon tests submit with varunactl: the tiny GPT of tests/workers/train_check.py
 (dropout 0, SGD with momentum), written as a plain Varuna script that reads its steps and batch
-from the job (VARUNA_STEPS, VARUNA_BATCH_SIZE), so `tests/reference.py` predicts every loss.
+from the job (VARUNA_STEPS, VARUNA_BATCH_SIZE), so `tests/support/reference.py` predicts every loss.
 
 --step-sleep slows each step down so that a test can act while the job runs. With
 VARUNA_PROFILE set (a calibration run), it writes a synthetic calibration of the model's five
@@ -21,7 +21,7 @@ p.add_argument("--stop-at", type=int, default=None, help="leave the loop before 
 p.add_argument("--save-at", type=int, default=None, help="after this many steps the script saves a checkpoint "
                "itself (Varuna.checkpoint into the job's store), as a Varuna script may")
 p.add_argument("--script-batch", type=int, default=None, help="pass this global batch to Varuna instead of the job's")
-p.add_argument("--dropout", type=float, default=0.0, help="the GPT's dropout (tests/reference.py's "
+p.add_argument("--dropout", type=float, default=0.0, help="the GPT's dropout (tests/support/reference.py's "
                "keyed_reference_run predicts the losses)")
 p.add_argument("--cheap-allreduce", action="store_true", help="calibrate all-reduces as nearly free: the planner "
                "then runs 4 slots as 2x2 (replicas to recover from) instead of 4x1")

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from fabric import Fabric, unavailable_reason
-from reference import reference_run
-from ring import REPO
+from support.fabric import Fabric, unavailable_reason
+from support.reference import reference_run
+from support.ring import REPO
 from test_netns_fleet import BATCH, DAEMON_FLAGS, STEPS, N, NetRing, run_job
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """The fleet off loopback: daemons in network namespaces on a bridge, as separate VMs.
 
 Every daemon runs with default addressing (no --advertise, no --name), its host name resolving
-to 127.0.0.1 and no reachable DNS server (tests/netns/fabric.py). Jobs must bind gloo and the
+to 127.0.0.1 and no reachable DNS server (tests/support/fabric.py). Jobs must bind gloo and the
 ZeroMQ streams to the advertised address, and finish with the reference losses.
 Skipped, with the reason, only where `ip netns` cannot be used (not root, no iproute2).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from fabric import Fabric, unavailable_reason
-from linkrun import FabricRing
-from reference import reference_run
+from support.fabric import Fabric, unavailable_reason
+from support.linkrun import FabricRing
+from support.reference import reference_run
 
 pytestmark = pytest.mark.slow
 

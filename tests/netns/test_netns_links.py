@@ -13,8 +13,8 @@ comes to the measured step is a timing on a shared machine, so benchmarks/networ
 from __future__ import annotations
 
 import pytest
-from fabric import Fabric, unavailable_reason
-from linkrun import FabricRing, run_once, table
+from support.fabric import Fabric, unavailable_reason
+from support.linkrun import FabricRing, run_once, table
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Trains the models of tests/keyed_zoo.py (randomness inside forward) one after another in one
+"""Trains the models of tests/support/keyed_zoo.py (randomness inside forward) one after another in one
 set of workers, each a fresh Varuna on one process group, and writes each one's per-step losses."""
 
 import argparse
@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import keyed_zoo  # noqa: E402
+from support import keyed_zoo  # noqa: E402
 
 from trainer import Varuna  # noqa: E402
 from trainer.worker_env import WorkerAssignment  # noqa: E402

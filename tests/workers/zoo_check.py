@@ -1,4 +1,4 @@
-"""Trains several models of tests/zoo.py one after another in one set of workers (each a
+"""Trains several models of tests/support/zoo.py one after another in one set of workers (each a
 fresh Varuna on one process group, so a launcher run covers many models) and writes each
 one's per-step losses and (replica 0) its stage's final parameters."""
 
@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import zoo  # noqa: E402
+from support import zoo  # noqa: E402
 
 from trainer import Varuna  # noqa: E402
 from trainer.worker_env import WorkerAssignment  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
-p.add_argument("--models", required=True, help="comma-separated names from tests/zoo.py, "
+p.add_argument("--models", required=True, help="comma-separated names from tests/support/zoo.py, "
                "each optionally name@schedule")
 p.add_argument("--steps", type=int, default=zoo.STEPS)
 p.add_argument("--store", default=None)

@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from etcd_server import EtcdServer
-from ring import DaemonProc
+from support.etcd_server import EtcdServer
+from support.ring import DaemonProc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,7 +54,7 @@ def unavailable_reason() -> str | None:
 
 
 class NetnsDaemon(DaemonProc):
-    """A daemon of tests/ring.py's kind, running inside network namespace `ns`."""
+    """A daemon of tests/support/ring.py's kind, running inside network namespace `ns`."""
 
     def __init__(self, index: int, ns: str, proc: subprocess.Popen, log: Path) -> None:
         super().__init__(f"vm{index}", proc, log)

@@ -1,10 +1,10 @@
 """The chaos suite's scenarios, shared by tests/chaos/ and benchmarks/chaos.py.
 
-Each scenario starts its own etcd (single or 3-member) and a ring of real daemons (``tests/ring.py``:
+Each scenario starts its own etcd (single or 3-member) and a ring of real daemons (``tests/support/ring.py``:
 ``python -m varunad.node.daemon`` per VM, real workers, loopback), submits a short job of the tiny GPT
 that checkpoints every ``EVERY`` steps, injects one fault while it runs, and returns an
 :class:`Outcome`: whether the job finished, whether its per-step losses equal the plain PyTorch
-loop (``tests/reference.py``, 1e-4 relative), how many steps were redone, how long from the fault
+loop (``tests/support/reference.py``, 1e-4 relative), how many steps were redone, how long from the fault
 to the next new step, and which processes were left running afterwards (none may be).
 """
 
@@ -17,7 +17,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,11 +25,8 @@ from typing import Any
 
 import psutil
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: ring, etcd_server, reference
-
-from etcd_server import EtcdServer, free_ports  # noqa: E402
-from ring import Ring  # noqa: E402
+from support.etcd_server import EtcdServer, free_ports
+from support.ring import Ring
 
 TTL = 2.0
 STEPS, BATCH, EVERY = 14, 12, 4
@@ -43,7 +39,7 @@ _reference: dict[tuple[int, int], list[float]] = {}
 
 def reference_losses(steps: int = STEPS, batch: int = BATCH) -> list[float]:
     if (steps, batch) not in _reference:
-        from reference import reference_run
+        from support.reference import reference_run
 
         _reference[(steps, batch)] = reference_run(steps, batch)[0]
     return _reference[(steps, batch)]
@@ -521,7 +517,7 @@ ELSEWHERE = {"kill9-vm": "tests/test_daemon_ring.py::test_kill9_of_a_non_leader_
                                 "test_a_worker_that_dies_of_a_store_outage_restarts_without_using_up_a_restart"}
 
 
-from store_faults import STORE_SCENARIOS  # noqa: E402  (the checkpoint store's faults: full, read-only)
+from support.store_faults import STORE_SCENARIOS  # noqa: E402  (the checkpoint store's faults: full, read-only)
 
 SCENARIOS.update(STORE_SCENARIOS)
 

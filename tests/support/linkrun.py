@@ -11,13 +11,12 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from fabric import Fabric
-from ring import Ring
+from support import TESTS
+from support.fabric import Fabric
+from support.ring import Ring
 
-HERE = Path(__file__).resolve().parent
-WIDE_JOB = HERE / "wide_job.py"
+WIDE_JOB = TESTS / "netns" / "wide_job.py"
 DAEMON_FLAGS = ("--slots", "1", "--threads", "1", "--ttl", "4", "--calibrate", "profile", "--plaintext",
                 "--progress-interval", "0.5", "--debounce", "0.3", "--max-restarts", "1")
 
@@ -38,7 +37,7 @@ class LinkRun:
 
 
 class FabricRing(Ring):
-    """tests/ring.py's helpers (status, polls, submit) over a Fabric's etcd and daemons."""
+    """tests/support/ring.py's helpers (status, polls, submit) over a Fabric's etcd and daemons."""
 
     def __init__(self, fabric: Fabric, root: str, ttl: float = 4.0) -> None:
         assert fabric.etcd is not None

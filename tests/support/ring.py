@@ -23,7 +23,7 @@ from varunad.ctl import commands as ctl
 from varunad.store.etcd import EtcdStore
 from varunad.store.keys import Keys
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 JOB_SCRIPT = REPO / "tests" / "daemon_job" / "train_job.py"
 T = TypeVar("T")
 

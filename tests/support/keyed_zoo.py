@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zoo import LossOf  # what a user writes around a Hugging Face model, as the zoo has it
 
+from support.zoo import LossOf  # what a user writes around a Hugging Face model, as the zoo has it
 from trainer import CutPoint
 from trainer.graph.reference import keyed_model, train_step
 

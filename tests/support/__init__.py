@@ -1,0 +1,21 @@
+"""What the test modules share: helpers no test module owns, and the repository's paths.
+
+Test modules import from here (``from support.ring import Ring``, ``from support import REPO``),
+never from one another; tests/ is on sys.path through tests/conftest.py (pytest's rootdir
+conftest), and a worker or benchmark script puts it there itself.
+
+Modules:
+  * etcd_server: a real etcd (start, stop, pause, kill) and a throwaway PKI.
+  * ring: a ring of real daemons on loopback (and JOB_SCRIPT, the job they train).
+  * reference: the plain single-process loops a run's losses are checked against.
+  * zoo, keyed_zoo: the model zoos the launcher tests train.
+  * chaos_harness, store_faults: the chaos suite's scenarios and the checkpoint store's faults.
+  * fabric: daemons in network namespaces on a bridge (root only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent
+REPO = TESTS.parent
