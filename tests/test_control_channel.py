@@ -15,7 +15,7 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
-from test_membership import make_member
+from support.fleet import make_member
 
 from protocol.messages import WorkerProgress, encode
 from trainer.engine.control import TOKEN_ENV, ControlClient

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from support.metrics import metric_types, sample_value, scrape, scrape_when
 from support.reference import reference_run
 from support.ring import Ring
-from test_metrics import metric_types, sample_value, scrape, scrape_when
 
 from trainer.launch import free_ports
 from varunad.control.plans import PlanDoc

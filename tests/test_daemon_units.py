@@ -13,10 +13,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support.decisions import d, member, reports_for, run_plan, running, snapshot, spec
 
 from varunad.cluster.facts import DaemonMember, detect_device_kind, detect_memory, gpu_count, gpu_models
-from varunad.control.decide import LeaderMemory, decide, error_summary
-from varunad.control.fleet import FleetSnapshot, JobEntry
+from varunad.control.decide import LeaderMemory, error_summary
+from varunad.control.fleet import JobEntry
 from varunad.control.jobs import (
     BundleError,
     JobSpec,
@@ -29,7 +30,6 @@ from varunad.control.jobs import (
 )
 from varunad.control.plans import PlanDoc, make_plan, uniform_calibration
 from varunad.control.records import (
-    WorkerRecord,
     WorkerReport,
     decode_history,
     encode_history,
@@ -152,13 +152,6 @@ def test_the_daemon_never_imports_torch():
 
 # --- jobs and bundles ---------------------------------------------------------------------------------
 
-def spec(**kw) -> JobSpec:
-    doc = dict(job="j", script="train.py", batch_size=12, steps=10, checkpoint_every=3, bundle_digest="a" * 64,
-               bundle_bytes=10)
-    doc.update(kw)
-    return JobSpec(**doc)
-
-
 @pytest.mark.parametrize("kw, message", [
     ({"batch_size": 10, "chunk_size": 0}, "micro-batch size must be a positive integer"),
     ({"steps": 0}, "steps must be a positive integer"),
@@ -230,14 +223,6 @@ def test_unpack_refuses_entries_outside_the_bundle(tmp_path):
 
 
 # --- plans ----------------------------------------------------------------------------------------
-
-def member(name: str, *, lease_ports: int = 0, draining: bool = False, slots: int = 1) -> DaemonMember:
-    base = 20000 + 10 * int(name[-1])
-    return DaemonMember(name=name, host=f"10.0.0.{name[-1]}", endpoint=f"tcp://10.0.0.{name[-1]}:{base}", slots=slots,
-                        device_kind="cpu", memory_bytes=2**30, version="0.1.0", started_at=0.0,
-                        worker_ports=tuple(range(base + 1, base + 1 + slots)), rendezvous_port=base + 9,
-                        probe_ports=(base + 7, base + 8), draining=draining)
-
 
 def test_a_failed_workers_error_is_summed_up_by_the_exception_that_ended_it():
     tail = ("rank 0 on vm1 exited with code 1; last output:\n"
@@ -375,39 +360,6 @@ def test_a_plan_document_checks_its_placement_and_reads_the_previous_release_for
 
 
 # --- the leader's decisions -------------------------------------------------------------------------
-
-def snapshot(*, plan=None, epoch=0, jobs=None, states=None, reports=None, members=None, cancels=()):
-    members = members if members is not None else {f"d{i}": (member(f"d{i}"), 100 + i) for i in (1, 2, 3)}
-    return FleetSnapshot(revision=1000, members=members, plan=plan, plan_epoch=epoch,
-                         jobs=tuple(jobs or [JobEntry("j", spec(), None, 5)]), states=states or {},
-                         cancels=frozenset(cancels), reports=reports or {})
-
-
-def run_plan(members=("d1", "d2", "d3")) -> PlanDoc:
-    s = spec()
-    ms = [(member(m), 100 + int(m[-1])) for m in members]
-    return make_plan(s, ms, {"cpu": uniform_calibration(s, "cpu")}, calibrated=False, reason="t")[0]
-
-
-def reports_for(plan: PlanDoc, epoch: int, outcome="running", step=3, overrides=None):
-    out = {}
-    for m in plan.members:
-        records = []
-        for s in plan.slots_on(m):
-            o = (overrides or {}).get(s.rank, outcome)
-            records.append(WorkerRecord(rank=s.rank, slot=s.slot, outcome=o, step=step,
-                                        error="Traceback\nboom" if o == "failed" else ""))
-        out[m] = WorkerReport(member=m, job="j", epoch=epoch, workers=tuple(records))
-    return out
-
-
-def running(epoch=50):
-    return {"j": JobState(job="j", state="running", epoch=epoch, epochs=(epoch,))}
-
-
-def d(snap, memory=None, now=100.0):
-    return decide(snap, memory or LeaderMemory(), now=now, start_timeout=60.0)
-
 
 def test_decide_starts_the_head_of_the_queue_and_clears_an_empty_one():
     assert d(snapshot()).action == "start"

@@ -8,71 +8,12 @@ import time
 
 import pytest
 from support.etcd_server import poll_until
-from test_membership import make_member
+from support.fleet import TTL, fleet, leaders, one_leader
 
-from varunad.cluster.election import Election, NotLeader, Role
-from varunad.cluster.membership import Membership
-from varunad.store.etcd import EtcdStore
+from varunad.cluster.election import NotLeader, Role
 from varunad.store.keys import Keys
 
-TTL = 2.0
 MARGIN = 3.0  # generous: etcd's expiry check (500 ms), a watch round trip, a loaded CI host
-
-
-class Node:
-    """One simulated daemon: its own store connection, membership and election loop."""
-
-    def __init__(self, endpoint: str, keys: Keys, name: str, *, clock=time.monotonic, timeout=3.0):
-        self.store = EtcdStore(endpoint, timeout=timeout)
-        self.membership = Membership(self.store, keys, make_member(name), ttl=TTL, clock=clock)
-        self.changes = []
-        self.election = Election(self.store, keys, self.membership, on_change=self._record)
-        self.task: asyncio.Task | None = None
-
-    def _record(self, state):
-        self.changes.append((time.monotonic(), state))
-
-    async def start(self):
-        await self.store.connect()
-        await self.membership.join()
-        self.task = asyncio.create_task(self.election.run())
-
-    async def stop(self):
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-        await self.membership.leave()
-        await self.store.close()
-
-
-@contextlib.asynccontextmanager
-async def fleet(endpoint, keys, names, **kwargs):
-    nodes = [Node(endpoint, keys, name, **kwargs) for name in names]
-    try:
-        for node in nodes:
-            await node.start()
-        yield nodes
-    finally:
-        for node in nodes:
-            await node.stop()
-
-
-def leaders(nodes):
-    return [n for n in nodes if n.election.is_leader()]
-
-
-async def one_leader(nodes, timeout):
-    """Wait until exactly one node leads and every other node names it; return it."""
-
-    def settled():
-        current = leaders(nodes)
-        if len(current) != 1:
-            return None
-        name = current[0].election.name
-        return current[0] if all(n.election.state.leader == name for n in nodes) else None
-
-    return await poll_until(settled, timeout=timeout, what="exactly one agreed leader")
 
 
 async def test_exactly_one_of_three_contenders_leads(etcd, etcd_root):

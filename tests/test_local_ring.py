@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_trace import png_size
+from support.png import png_size
 
 from varunad.ctl import cli, local, progress
 from varunad.node.metrics import METRIC_NAMES

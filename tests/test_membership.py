@@ -7,6 +7,7 @@ import time
 
 import pytest
 from support.etcd_server import poll_until
+from support.fleet import make_member
 
 from varunad.cluster.membership import Member, Membership, NameInUse, read_members
 from varunad.store.etcd import EtcdStore
@@ -14,13 +15,6 @@ from varunad.store.keys import Keys
 
 TTL = 2.0
 MARGIN = 2.5  # etcd checks expiry every 500 ms; loaded CI machines are slower still
-
-
-def make_member(name: str, **changes) -> Member:
-    facts = dict(name=name, host=f"{name}.internal", endpoint=f"tcp://{name}.internal:7100", slots=2,
-                 device_kind="cpu", memory_bytes=8 << 30, version="0.1.0", started_at=1_700_000_000.0)
-    facts.update(changes)
-    return Member(**facts)
 
 
 async def test_two_members_see_each_other(etcd, etcd_root):

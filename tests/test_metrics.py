@@ -4,29 +4,16 @@ a daemon that cannot serve them (tests/test_daemon_single.py scrapes a real daem
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 import subprocess
-import urllib.error
-import urllib.request
 
 import pytest
+from support.metrics import metric_types, sample_value
 from support.ring import Ring
 
 from trainer.launch import free_ports
 from varunad.node.config import DaemonConfigError, load_config
 from varunad.node.metrics import METRIC_NAMES, DaemonMetrics, MetricsError, serve
-
-
-def sample_value(text: str, sample: str) -> float | None:
-    """The value of one sample line (``name{labels}`` exactly as exposed), or None."""
-    m = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.M)
-    return None if m is None else float(m.group(1))
-
-
-def metric_types(text: str) -> set[str]:
-    return set(re.findall(r"^# TYPE (\S+) ", text, re.M))
-
 
 # -- the registry -----------------------------------------------------------------------------------
 
@@ -116,23 +103,6 @@ def test_metrics_port_option():
 
 
 # -- a real daemon ------------------------------------------------------------------------------------
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
-        return r.read().decode()
-
-
-def scrape_when(ring: Ring, port: int, check) -> str:
-    """The first scrape of ``port`` for which ``check(text)`` holds (the daemon may not serve yet)."""
-    def attempt():
-        try:
-            text = scrape(port)
-        except (urllib.error.URLError, ConnectionError):
-            return None
-        return check(text) and text
-    return ring.poll(attempt, timeout=60, what="a scrape that passes")
-
 
 # A daemon serving every documented metric while it runs a job: tests/test_daemon_single.py's first
 # test (one daemon start for both).

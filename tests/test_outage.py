@@ -3,7 +3,7 @@ lapsed at once, from the fleet's snapshot alone (varunad.control.outage, through
 
 from __future__ import annotations
 
-from test_daemon_units import member, reports_for, run_plan, running, snapshot
+from support.decisions import member, reports_for, run_plan, running, snapshot
 
 from varunad.control.decide import LeaderMemory, decide
 

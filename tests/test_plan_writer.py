@@ -9,7 +9,7 @@ import logging
 
 import pytest
 from support.etcd_server import poll_until
-from test_election import fleet, leaders, one_leader
+from support.fleet import fleet, leaders, one_leader
 
 from varunad.cluster.election import NotLeader, PlanWriter
 from varunad.control.fleet import read_fleet, read_plan

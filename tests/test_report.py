@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.calibrations import report_calibration
+from support.png import png_size
 from support.ring import Ring
-from test_trace import png_size
+from support.traces import trace_step
 
 from trainer.engine.trace import CATEGORIES, TraceRecorder, trace_path
-from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
 from trainer.planning.schedule import build_table
 from trainer.planning.simulator import simulate, stage_costs
 from varunad.control.jobs import JobSpec, JobState, MorphEvent
@@ -213,19 +214,10 @@ def test_varunactl_report_refuses_a_bad_price_file_in_one_line(tmp_path, capsys)
 
 # --- simulated and measured timelines --------------------------------------------------------------------
 
-def _calibration(n_segments: int = 4, kind: str = "cpu") -> Calibration:
-    links = {"intra": LinkCost(50e-6, 5e9), "inter": LinkCost(200e-6, 1e8)}
-    sizes = (1, 2, 4)
-    costs = tuple(SegmentCost(1e-3 * b, 2e-3 * b, 1e-3 * b, 10_000 * b, 10_000 * b) for b in sizes)
-    return Calibration(model="m", device_kind=kind, micro_batch_sizes=sizes, input_bytes=tuple(100 * b for b in sizes),
-                       segments=(SegmentProfile(1_000_000, 1_000_000, 1e-4, costs),) * n_segments, links=links,
-                       allreduce=links)
-
-
 def test_simulated_events_cover_every_action_of_every_stage():
     P, m = 3, 5
     table = build_table("varuna", P, m, True)
-    costs = stage_costs([_calibration()] * P, [0, 1, 2, 4], 2, 2, ["inter"] * (P - 1), ["inter"] * P)
+    costs = stage_costs([report_calibration()] * P, [0, 1, 2, 4], 2, 2, ["inter"] * (P - 1), ["inter"] * P)
     events: list[dict] = []
     result = simulate(table, costs, events=events)
     assert simulate(table, costs).minibatch_s == result.minibatch_s  # recording changes nothing
@@ -247,7 +239,7 @@ def test_predict_replays_the_plan_for_every_stage_and_replica():
     plan = {"P": 2, "D": 2, "micro_batch_size": 2, "cuts": [1], "calibrated": True, "schedule": "varuna",
             "members": ["a", "b"], "stage_kinds": ["cpu", "cpu"], "recompute": [True, False],
             "link_kinds": ["intra"], "allreduce_kinds": ["inter", "inter"], "micro_batches": 3}
-    seconds, events = predict(plan, {"cpu": _calibration().to_bytes()}, batch_size=12)
+    seconds, events = predict(plan, {"cpu": report_calibration().to_bytes()}, batch_size=12)
     assert seconds > 0
     assert {(e["pid"], e["tid"]) for e in events} == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert not any(e["cat"] == "recompute" and e["pid"] == 1 for e in events)  # the planner's flags
@@ -257,23 +249,15 @@ def test_predict_replays_the_plan_for_every_stage_and_replica():
         predict(plan, {}, batch_size=12)
 
 
-def _trace_step(directory, stage: int, replica: int, rank: int, step: int, t0: float) -> TraceRecorder:
-    rec = TraceRecorder(trace_path(directory, rank), rank=rank, stage=stage, replica=replica)
-    for i, cat in enumerate(("forward", "recompute", "backward", "allreduce")):
-        rec.events.append({"name": cat, "cat": cat, "ph": "X", "ts": t0 + 1000 * i, "dur": 900, "pid": stage,
-                           "tid": replica, "args": {"step": step, "micro_batch": 0}})
-    return rec
-
-
 def test_the_measured_step_is_the_newest_epochs_last_complete_one_after_warm_up(tmp_path):
     old, new = tmp_path / "traces" / "epoch7", tmp_path / "traces" / "epoch12"
     for stage in range(2):
-        rec = _trace_step(old, stage, 0, stage, 0, 0.0)
+        rec = trace_step(old, stage, 0, stage, 0, 0.0)
         rec.save()
-    recs = [_trace_step(new, stage, 0, stage, 4, 0.0) for stage in range(2)]
+    recs = [trace_step(new, stage, 0, stage, 4, 0.0) for stage in range(2)]
     for rec in recs:  # steps 4 (warm-up) and 5 complete; 6 only on stage 0 (a worker stopped mid-step)
-        rec.events += _trace_step(new, rec.stage, 0, rec.rank, 5, 10_000.0).events[4:]
-    recs[0].events += _trace_step(new, 0, 0, 0, 6, 20_000.0).events[4:]
+        rec.events += trace_step(new, rec.stage, 0, rec.rank, 5, 10_000.0).events[4:]
+    recs[0].events += trace_step(new, 0, 0, 0, 6, 20_000.0).events[4:]
     for rec in recs:
         rec.save()
     got = pick_measured_step(str(tmp_path), {12: 2})
@@ -287,9 +271,9 @@ def test_the_measured_step_is_the_newest_epochs_last_complete_one_after_warm_up(
 def test_the_measured_step_is_not_one_that_ran_beside_a_checkpoint_copy(tmp_path):
     d = tmp_path / "traces" / "epoch3"
     for stage in range(2):
-        rec = _trace_step(d, stage, 0, stage, 4, 0.0)   # warm-up
+        rec = trace_step(d, stage, 0, stage, 4, 0.0)   # warm-up
         for step in (5, 6):   # 6 follows the checkpoint at step 6 (every 3): its copy runs beside it
-            rec.events += _trace_step(d, stage, 0, stage, step, 10_000.0 * step).events
+            rec.events += trace_step(d, stage, 0, stage, step, 10_000.0 * step).events
         rec.save()
     assert pick_measured_step(str(tmp_path), {3: 2}, checkpoint_every=3).step == 5
     assert pick_measured_step(str(tmp_path), {3: 2}).step == 6
@@ -331,7 +315,7 @@ def morphed(tmp_path_factory):
     """The report of a 60-step job that ran 2x2 on steps 0-27, lost vm4 (lease, re-plan), and
     resumed as 2x1 from the checkpoint at step 20, traced in the new epoch."""
     root = tmp_path_factory.mktemp("morphed")
-    cal = _calibration()
+    cal = report_calibration()
     events: list[dict] = []
     simulate(build_table("varuna", 2, 4, True), stage_costs([cal, cal], [0, 2, 4], 2, 1, ["inter"], ["inter"] * 2),
              events=events)

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_report import _calibration, _trace_step
+from support.calibrations import report_calibration
+from support.traces import trace_step
 
 from varunad.control.jobs import JobSpec, JobState, MorphEvent
 from varunad.report import ReportInputs, build_report, cost_report
@@ -40,11 +41,11 @@ def _traces(store: Path, epoch: int, P: int, D: int, durations_ms: list[float]) 
     for stage in range(P):
         for replica in range(D):
             rank = replica * P + stage
-            rec = _trace_step(store / "traces" / f"epoch{epoch}", stage, replica, rank, 0, 0.0)
+            rec = trace_step(store / "traces" / f"epoch{epoch}", stage, replica, rank, 0, 0.0)
             rec.events = []
             t = 0.0
             for step, ms in enumerate(durations_ms):
-                one = _trace_step(store / "traces" / f"epoch{epoch}", stage, replica, rank, step, t)
+                one = trace_step(store / "traces" / f"epoch{epoch}", stage, replica, rank, step, t)
                 for e in one.events:   # four events of 0.9 ms, 1 ms apart: stretch the last to the step time
                     if e.get("cat") == "allreduce":
                         e["dur"] = ms * 1000 - 3000
@@ -54,7 +55,7 @@ def _traces(store: Path, epoch: int, P: int, D: int, durations_ms: list[float]) 
 
 
 def _report(tmp_path: Path, state: JobState, status: dict) -> tuple[dict, str, Path]:
-    inputs = ReportInputs(spec=SPEC, state=state, status=status, calibrations={"cpu": _calibration().to_bytes()},
+    inputs = ReportInputs(spec=SPEC, state=state, status=status, calibrations={"cpu": report_calibration().to_bytes()},
                           store_dir=str(tmp_path / "store"), now=state.finished_at + 10)
     out = tmp_path / "report"
     build_report(inputs, out, DEFAULT_PRICES)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_stage_tensors import Normed, _batch
+from support.normed import Normed, normed_batch
 
 from trainer import Varuna
 from trainer.errors import ConfigError
 
 
 def _worker(lr_lambda):
-    v = Varuna(Normed(), {0: [0]}, _batch, 8, 4)
+    v = Varuna(Normed(), {0: [0]}, normed_batch, 8, 4)
     opt = torch.optim.SGD(v.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     v.set_optimizer(opt, lr_scheduler=sched)
@@ -25,7 +25,7 @@ def _train(v, opt, steps):
     out = []
     for _ in range(steps):
         lr = opt.param_groups[0]["lr"]
-        loss, _ = v.step(_batch(8))
+        loss, _ = v.step(normed_batch(8))
         out.append((v.iteration - 1, lr, loss))
     return out
 
@@ -62,10 +62,10 @@ def test_a_resumed_run_uses_the_uninterrupted_learning_rates(tmp_path):
 def test_a_script_that_also_steps_the_scheduler_is_told_to_stop(tmp_path):
     v, opt, sched = _worker(_decay)
     try:
-        v.step(_batch(8))
+        v.step(normed_batch(8))
         sched.step()   # the habit of plain PyTorch loops: here it would skip a step of the schedule
         with pytest.raises(ConfigError, match="stepped outside Varuna") as err:
-            v.step(_batch(8))
+            v.step(normed_batch(8))
         assert "remove the script's own scheduler.step()" in str(err.value.hint)
     finally:
         v.close()

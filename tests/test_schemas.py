@@ -12,8 +12,7 @@ import logging
 
 import pytest
 from support.etcd_server import poll_until
-from test_election import fleet, one_leader
-from test_membership import make_member
+from support.fleet import fleet, make_member, one_leader
 
 from varunad.cluster.membership import Member, Membership
 from varunad.control.fleet import read_plan

@@ -11,30 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from support.normed import Normed, normed_batch
 
 from trainer import Varuna
 from trainer.checkpoint.contents import _optimizer_state_on
 from trainer.checkpoint.reading import checkpoint_dir, read_tensors, verify
-
-
-class Normed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        gen = torch.Generator().manual_seed(0)
-        self.body = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(self.body(x), y)
-
-
-def _batch(size: int, device=None) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(size)
-    batch = {"x": torch.randn(size, 6, generator=gen) * 3 + 2, "y": torch.randn(size, 1, generator=gen)}
-    return {k: v.to(device) if device is not None else v for k, v in batch.items()}
 
 
 def _device() -> str:
@@ -42,7 +23,7 @@ def _device() -> str:
 
 
 def test_trained_buffers_reach_the_checkpoint_and_loaded_ones_the_stage(tmp_path):
-    v = Varuna(Normed(), {0: [0]}, _batch, 8, 4, device=_device())
+    v = Varuna(Normed(), {0: [0]}, normed_batch, 8, 4, device=_device())
     try:
         v.set_optimizer(torch.optim.SGD(v.parameters(), lr=0.01))
         live = {n: b for n, b in v.module.named_buffers()}
@@ -51,7 +32,7 @@ def test_trained_buffers_reach_the_checkpoint_and_loaded_ones_the_stage(tmp_path
         # what checkpoints read is what the stage computes with, object for object
         assert {id(b) for b in live.values()} <= {id(t) for t in v._named.values()}
         for step in range(2):
-            v.step(_batch(8, v.device))
+            v.step(normed_batch(8, v.device))
         trained = means[0].detach().cpu().clone()
         assert not bool((trained == 0).any()), "training should have moved the running mean"
         path = v.checkpoint(str(tmp_path))

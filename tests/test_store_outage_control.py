@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from test_daemon_units import d, reports_for, run_plan, running, snapshot
+from support.decisions import d, reports_for, run_plan, running, snapshot
 
 from varunad.control.decide import LeaderMemory, error_summary, store_failing
 from varunad.control.failures import classify

@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 import pytest
+from support.fake_daemon import BATCH, STEPS, FakeDaemon, start_launch
 from support.reference import reference_run
 from support.store_faults import MountRefused, fill, read_only, tmpfs_store
-from test_worker_control import BATCH, STEPS, FakeDaemon, start_launch
 
 from protocol.messages import WorkerCheckpointed, WorkerProgress, WorkerStoreOutage
 from trainer.checkpoint.reading import MANIFEST, checkpoint_dir

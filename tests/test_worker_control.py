@@ -7,52 +7,19 @@ The daemon's end is a real ZeroMQ ROUTER socket in the test; the workers are rea
 import json
 import os
 import signal
-import threading
-from pathlib import Path
 
 import psutil
 import pytest
-import zmq
+from support.fake_daemon import BATCH, STEPS, WORKER, FakeDaemon, start_launch
 from support.reference import reference_run
 
-from protocol.messages import StopWorkers, WorkerCheckpointed, WorkerProgress, decode, encode
+from protocol.messages import StopWorkers, WorkerCheckpointed, WorkerProgress, encode
 from trainer.checkpoint.reading import verify
 from trainer.checkpoint.store import latest_complete
 from trainer.engine.control import STOPPED_EXIT_CODE
 from trainer.launch import launch
 
-WORKER = Path(__file__).parent / "workers" / "train_check.py"
-STEPS, BATCH = 12, 12
-
 pytestmark = pytest.mark.slow
-
-
-class FakeDaemon:
-    """Just the daemon's control socket."""
-
-    def __init__(self):
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-
-    def next_message(self, timeout_s=60.0):
-        if not self.sock.poll(timeout_s * 1000):
-            raise AssertionError("no message from the workers")
-        identity, data = self.sock.recv_multipart()
-        return identity, decode(data)
-
-    def close(self):
-        self.sock.close(0)
-
-
-def start_launch(tmp_path, store, env, name, job="local"):
-    out = tmp_path / name
-    box = {}
-    args = ["--out", str(out), "--steps", str(STEPS), "--batch-size", str(BATCH)]
-    thread = threading.Thread(target=lambda: box.setdefault("result", launch(
-        WORKER, args, stages=2, replicas=1, timeout=240, job=job, env={"VARUNA_STORE": str(store), **env})))
-    thread.start()
-    return thread, box, out
 
 
 def test_stop_request_checkpoints_every_worker_at_one_step_and_resume_continues(tmp_path):

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 from support.fabric import Fabric, unavailable_reason
+from support.netns_ring import BATCH, DAEMON_FLAGS, STEPS, N, NetRing, run_job
 from support.reference import reference_run
 from support.ring import REPO
-from test_netns_fleet import BATCH, DAEMON_FLAGS, STEPS, N, NetRing, run_job
 
 pytestmark = pytest.mark.slow
 

@@ -11,6 +11,12 @@ Modules:
   * zoo, keyed_zoo: the model zoos the launcher tests train.
   * chaos_harness, store_faults: the chaos suite's scenarios and the checkpoint store's faults.
   * fabric: daemons in network namespaces on a bridge (root only).
+  * linkrun, netns_ring: runs over a fabric (the link experiment; the 3-VM ring).
+  * fleet: members and election contenders against a real etcd.
+  * decisions: the leader's inputs as plain data (snapshots, plans, reports).
+  * fake_daemon: the daemon's control socket alone, and a launch of the tiny GPT against it.
+  * metrics: reading Prometheus expositions and scraping a daemon.
+  * calibrations, traces, png, normed: synthetic calibrations, trace files, PNG checks, a small model.
 """
 
 from __future__ import annotations
