@@ -16,6 +16,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 from support.fleet import make_member
+from support.waiting import until_async
 
 from protocol.messages import WorkerProgress, encode
 from trainer.engine.control import TOKEN_ENV, ControlClient
@@ -53,12 +54,6 @@ def _progress(step: int, loss: float, *, epoch: int = 5, rank: int = 0) -> bytes
                                  busy_fraction=0.5))
 
 
-async def _until(check, what: str, timeout: float = 5.0):
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.01)
-
-
 async def test_the_socket_is_a_unix_socket_in_a_private_directory(tmp_path):
     ctx = zmq.asyncio.Context()
     sup = _supervisor(tmp_path, ctx)
@@ -92,7 +87,7 @@ async def test_only_the_current_workers_identity_is_heard(tmp_path, monkeypatch)
         client = ControlClient(sup.control_endpoint, job="j", epoch=5, rank=0)
         try:
             client.progress(3, 1.5, 10.0, 0.5)
-            await _until(lambda: w.step == 3, "the worker's own progress")
+            await until_async(lambda: w.step == 3, "the worker's own progress", timeout=5.0, interval=0.01)
             # a second connection claiming the worker's identity is refused (no ROUTER_HANDOVER)
             hijacker.setsockopt(zmq.IDENTITY, w.identity)
             hijacker.setsockopt(zmq.LINGER, 0)
@@ -101,8 +96,8 @@ async def test_only_the_current_workers_identity_is_heard(tmp_path, monkeypatch)
             # a stale epoch with the right identity is no report of this epoch either
             await forger.send(_progress(5000, 7.0, epoch=4))
             client.progress(4, 1.25, 10.0, 0.5)
-            await _until(lambda: w.step == 4, "the worker's next progress")
-            await _until(lambda: sup.line.dropped >= 2, "the forgeries dropped")
+            await until_async(lambda: w.step == 4, "the worker's next progress", timeout=5.0, interval=0.01)
+            await until_async(lambda: sup.line.dropped >= 2, "the forgeries dropped", timeout=5.0, interval=0.01)
             assert sup.reporter.progress[0].step == 4 and sup.reporter.progress[0].loss == 1.25
             assert dict(sup.reporter._history[("j", 5)]) == {3: 1.5, 4: 1.25}
             assert sup.metrics.dropped_messages._value.get() >= 2
@@ -128,7 +123,7 @@ async def test_a_stop_is_delivered_even_after_a_failed_send(tmp_path, monkeypatc
         w = _running(sup, 0, "tok")
         w.connected = True   # believed connected, but no worker is: the send fails (EHOSTUNREACH)
         sup.stop("j", 5, checkpoint=True, reason="preemption notice", grace=60)
-        await _until(lambda: w.pending, "the failed stop kept for later")
+        await until_async(lambda: w.pending, "the failed stop kept for later", timeout=5.0, interval=0.01)
         monkeypatch.setenv(TOKEN_ENV, "tok")
         client = ControlClient(sup.control_endpoint, job="j", epoch=5, rank=0)
         try:
@@ -138,7 +133,7 @@ async def test_a_stop_is_delivered_even_after_a_failed_send(tmp_path, monkeypatc
                 client.poll()
                 return client.stop_requested and client.checkpoint_requested
 
-            await _until(got_stop, "the stop at the worker")
+            await until_async(got_stop, "the stop at the worker", timeout=5.0, interval=0.01)
         finally:
             client.close()
     finally:

@@ -7,8 +7,8 @@ import contextlib
 import time
 
 import pytest
-from support.etcd_server import poll_until
 from support.fleet import TTL, fleet, leaders, one_leader
+from support.waiting import until_async
 
 from varunad.cluster.election import NotLeader, Role
 from varunad.store.keys import Keys
@@ -49,7 +49,7 @@ async def test_failover_within_a_ttl_when_the_leader_stops_renewing(etcd, etcd_r
         old_deadline = old.membership.lease_deadline
         others = [n for n in nodes if n is not old]
 
-        new = await poll_until(lambda: next(iter(leaders(others)), None), timeout=TTL + MARGIN,
+        new = await until_async(lambda: next(iter(leaders(others)), None), timeout=TTL + MARGIN,
                                what="a new leader")
         took = time.monotonic() - stopped
         assert took < TTL + MARGIN
@@ -85,12 +85,12 @@ async def test_etcd_fences_a_deposed_leader_that_still_believes_it_leads(etcd, e
     clock = FrozenClock()
     async with fleet(etcd.endpoint, keys, ["x"], clock=clock) as (stale,):
         async with fleet(etcd.endpoint, keys, ["y"]) as (other,):
-            await poll_until(stale.election.is_leader, timeout=5, what="x leading")
+            await until_async(stale.election.is_leader, timeout=5, what="x leading")
             # x's time stops and its renewals stop: it keeps believing it leads.
             clock.freeze()
             await stale.membership.abandon()
             stale.task.cancel()
-            await poll_until(other.election.is_leader, timeout=TTL + MARGIN, what="y taking over")
+            await until_async(other.election.is_leader, timeout=TTL + MARGIN, what="y taking over")
             assert stale.election.state.is_leader  # wrong, but only etcd can tell it so
             with pytest.raises(NotLeader, match="deposed"):
                 await stale.election.write_as_leader(keys.plan, "stale plan")
@@ -108,7 +108,7 @@ async def test_leader_with_frozen_etcd_stops_leading_by_its_own_deadline(etcd_fa
             # The election loop itself reports the step-down (on_change) at the deadline, while
             # its read of the leader key is still unanswered. Watch only what it reports here:
             # asking is_leader() would compute the answer on the spot.
-            change = await poll_until(
+            change = await until_async(
                 lambda: next(((t, s) for t, s in leader.changes if s.role is Role.FOLLOWER), None),
                 timeout=TTL + 1, interval=0.02, what="the leader's loop stepping down")
             reported_at, state = change
@@ -130,7 +130,7 @@ async def test_leader_resigns_and_leave_hands_over_at_once(etcd, etcd_root):
             await leader.task
         left = time.monotonic()
         await leader.membership.leave()  # revokes the lease: the leader key goes with it
-        await poll_until(other.election.is_leader, timeout=2.0, what="handover after leave")
+        await until_async(other.election.is_leader, timeout=2.0, what="handover after leave")
         assert time.monotonic() - left < TTL  # faster than any expiry
         other.task.cancel()  # or its next cycle would take the vacant key again
         with contextlib.suppress(asyncio.CancelledError):

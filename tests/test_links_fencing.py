@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 
 import pytest
+from support.waiting import until_async
 
 from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
 from varunad.cluster.facts import DaemonMember, PortReservation
@@ -104,13 +104,6 @@ class _Side:
         self.reservation.close()
 
 
-async def _until(predicate, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.1)
-
-
 async def test_a_stale_probe_request_is_deleted_not_run(etcd, etcd_root, tmp_path):
     keys = Keys(etcd_root)
     ran = tmp_path / "ran"
@@ -134,11 +127,12 @@ async def test_a_stale_probe_request_is_deleted_not_run(etcd, etcd_root, tmp_pat
             }
             for why, req in stale.items():
                 await store.put(key, req.encode())
-                await _until(lambda: _absent(store, key), f"the request from {why} is deleted")
+                await until_async(lambda: _absent(store, key), f"the request from {why} is deleted", timeout=30.0,
+                                  interval=0.1)
             assert not ran.exists(), f"a stale request was run: {ran.read_text()}"
             # the present leader's request for this start of the daemon, on its probe ports, runs
             await store.put(key, good.encode())
-            await _until(lambda: _absent(store, key), "the probe ran and withdrew its request")
+            await until_async(lambda: _absent(store, key), "the probe ran and withdrew its request", timeout=30.0, interval=0.1)
             assert [json.loads(line)["ports"] for line in ran.read_text().splitlines()] == [list(good.ports)]
             links = await read_links(store, keys, timeout=3.0)
             assert links[("vm1", "vm2")].bandwidth_Bps == 1.25e8
@@ -158,7 +152,7 @@ async def _survey_until(survey, members, predicate, what, timeout=30.0):
     async def done():
         await survey.survey(members, set())
         return predicate()
-    await _until(done, what, timeout)
+    await until_async(done, what, timeout, interval=0.1)
 
 
 @pytest.mark.parametrize("outcome", ["ok", "fail"])

@@ -11,12 +11,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 from support.png import png_size
+from support.waiting import until
 
 from varunad.ctl import cli, local, progress
 from varunad.node.metrics import METRIC_NAMES
@@ -231,10 +231,7 @@ def test_up_finds_down_stops_everything(tmp_path):
         assert watch.returncode == 0, watch.stdout + watch.stderr
         assert watch.stdout.splitlines()[-1].startswith("t 4/4 done: loss ") and "\r" not in watch.stdout
         report = state / "store" / "t" / "report" / "report.json"
-        deadline = time.monotonic() + 60
-        while not report.exists() and time.monotonic() < deadline:   # the leader writes it after "done"
-            time.sleep(0.2)
-        assert report.exists()
+        until(report.exists, "report.json (the leader writes it after done)", timeout=60, interval=0.2)
         again = _varunactl("up", "1", env=env)
         assert again.returncode == 1 and "already up" in again.stderr
         # the demo's helpers: a VM vanishes, another boots

@@ -6,8 +6,8 @@ import asyncio
 import time
 
 import pytest
-from support.etcd_server import poll_until
 from support.fleet import make_member
+from support.waiting import until_async
 
 from varunad.cluster.membership import Member, Membership, NameInUse, read_members
 from varunad.store.etcd import EtcdStore
@@ -50,7 +50,7 @@ async def test_member_whose_keepalive_stops_disappears_within_ttl(etcd, etcd_roo
         async def crashed_gone():
             return "crashed" not in await read_members(store, keys)
 
-        await poll_until(crashed_gone, timeout=TTL + MARGIN, interval=0.1, what="expiry of the crashed member")
+        await until_async(crashed_gone, timeout=TTL + MARGIN, interval=0.1, what="expiry of the crashed member")
         elapsed = time.monotonic() - stopped
         # Its own deadline had passed by then: the node knew before (or when) the fleet did.
         assert crashed.lease_deadline <= time.monotonic() and not crashed.lease_valid()
@@ -81,11 +81,11 @@ async def test_renewals_move_the_deadline_and_a_lost_lease_is_replaced(etcd, etc
         m = Membership(store, keys, make_member("m"), ttl=TTL)
         await m.join()
         first_deadline, first_lease = m.lease_deadline, m.lease
-        await poll_until(lambda: m.lease_deadline > first_deadline, timeout=TTL, what="a renewal")
+        await until_async(lambda: m.lease_deadline > first_deadline, timeout=TTL, what="a renewal")
         # etcd forgets the lease behind the node's back (e.g. etcd was frozen past the TTL).
         await store.revoke(first_lease)
 
-        await poll_until(lambda: m.lease is not None and m.lease.id != first_lease.id,
+        await until_async(lambda: m.lease is not None and m.lease.id != first_lease.id,
                          timeout=TTL + MARGIN, what="registration under a new lease")
         assert m.lease_valid()
         assert (await store.get(keys.member("m"))).lease == m.lease.id
@@ -145,7 +145,7 @@ async def test_member_survives_an_etcd_restart_shorter_than_its_ttl(etcd_fault, 
         await asyncio.to_thread(etcd_fault.stop)
         await asyncio.to_thread(etcd_fault.start)
         back = time.monotonic()
-        await poll_until(lambda: m.lease_deadline > back, timeout=5, what="a renewal after the restart")
+        await until_async(lambda: m.lease_deadline > back, timeout=5, what="a renewal after the restart")
         # etcd renews every lease when it comes back, so nothing expired and nothing re-registered.
         assert m.lease is lease and m.lease_valid()
         assert (await store.get(keys.member("steady"))).lease == lease.id

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from support.etcd_server import poll_until
 from support.fleet import fleet, leaders, one_leader
+from support.waiting import until_async
 
 from varunad.cluster.election import NotLeader, PlanWriter
 from varunad.control.fleet import read_fleet, read_plan
@@ -73,7 +73,7 @@ async def test_a_deposed_leader_cannot_write_a_plan(etcd, etcd_root):
         old.task.cancel()
         await store.delete(keys.leader)
         others = [n for n in nodes if n is not old]
-        new = await poll_until(lambda: next(iter(leaders(others)), None), timeout=10, what="a new leader")
+        new = await until_async(lambda: next(iter(leaders(others)), None), timeout=10, what="a new leader")
         assert old.election.is_leader()
         with pytest.raises(NotLeader):
             await old.election.write_plan(PlanDoc.idle("stale").encode())

@@ -11,8 +11,8 @@ import json
 import logging
 
 import pytest
-from support.etcd_server import poll_until
 from support.fleet import fleet, make_member, one_leader
+from support.waiting import until_async
 
 from varunad.cluster.membership import Member, Membership
 from varunad.control.fleet import read_plan
@@ -139,7 +139,7 @@ async def test_a_member_whose_key_is_overwritten_or_deleted_registers_again(etcd
                 kv = await store.get(keys.member("vm1"))
                 return kv is not None and kv.lease == m.lease.id and Member.decode(kv.value) == m.member
 
-            await poll_until(restored, timeout=5.0, what="vm1's key written again under its lease")
+            await until_async(restored, timeout=5.0, what="vm1's key written again under its lease")
         finally:
             guard.cancel()
             with contextlib.suppress(asyncio.CancelledError):

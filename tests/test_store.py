@@ -7,7 +7,8 @@ import asyncio
 import time
 
 import pytest
-from support.etcd_server import EtcdServer, make_pki, poll_until
+from support.etcd_server import EtcdServer, make_pki
+from support.waiting import until_async
 
 from varunad.store.contract import (
     DELETE,
@@ -71,7 +72,7 @@ async def test_key_with_lease_disappears_when_lease_expires(etcd, etcd_root):
         async def gone():
             return await store.get(etcd_root + "ephemeral") is None
 
-        await poll_until(gone, timeout=2 + 3, interval=0.1, what="expiry of a 2 s lease")
+        await until_async(gone, timeout=2 + 3, interval=0.1, what="expiry of a 2 s lease")
         assert time.monotonic() - started >= 1.0  # not deleted early
         assert await lease.time_to_live() is None
         with pytest.raises(LeaseExpired, match="expired or was revoked"):
@@ -167,7 +168,7 @@ async def test_watch_replays_from_revision_and_cancels_from_another_task(etcd, e
                 seen.append(event.value)
 
         consumer = asyncio.create_task(consume())
-        await poll_until(lambda: len(seen) == 2, timeout=5, what="replay of two puts")
+        await until_async(lambda: len(seen) == 2, timeout=5, what="replay of two puts")
         assert await watch.next(timeout=0.1) is None  # a timeout is not an error
         await watch.cancel()
         await asyncio.wait_for(consumer, 5)  # iteration ended cleanly
@@ -201,7 +202,7 @@ async def test_unavailable_within_bound_when_etcd_is_stopped_then_reconnects(etc
         assert time.monotonic() - started < 1.5 + 0.5
         assert "etcdctl" in str(info.value)  # says what to check
         etcd_fault.start()  # same data dir and port
-        value = await poll_until(lambda: _get_or_none(store, etcd_root + "survives"), timeout=10,
+        value = await until_async(lambda: _get_or_none(store, etcd_root + "survives"), timeout=10,
                                  interval=0.1, what="reconnect after etcd restart")
         assert value.value == b"yes"
 

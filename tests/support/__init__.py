@@ -16,6 +16,7 @@ Modules:
   * decisions: the leader's inputs as plain data (snapshots, plans, reports).
   * fake_daemon: the daemon's control socket alone, and a launch of the tiny GPT against it.
   * metrics: reading Prometheus expositions and scraping a daemon.
+  * waiting: bounded waits (``until``, ``until_async``) instead of sleeps.
   * calibrations, traces, png, normed: synthetic calibrations, trace files, PNG checks, a small model.
 """
 

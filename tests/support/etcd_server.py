@@ -8,13 +8,11 @@ Used by the fixtures in conftest.py; fault-injection tests drive it directly::
     server.start()      # same name, data dir and ports: leases and keys survive
     server.kill()       # SIGKILL, like a crashed VM
 
-Also ``make_pki`` (a throwaway CA with server and client certificates, for TLS tests) and
-``poll_until`` (wait for a condition with a bound, instead of sleeping).
+Also ``make_pki`` (a throwaway CA with server and client certificates, for TLS tests).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -27,14 +25,14 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from trainer.launch import free_ports
 
-__all__ = ["EtcdServer", "EtcdNotInstalled", "Pki", "make_pki", "poll_until", "find_etcd"]
+__all__ = ["EtcdServer", "EtcdNotInstalled", "Pki", "make_pki", "find_etcd"]
 
 T = TypeVar("T")
 
@@ -323,23 +321,3 @@ class EtcdServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-async def poll_until(
-    check: Callable[[], Awaitable[T] | T],
-    *,
-    timeout: float,
-    interval: float = 0.05,
-    what: str = "condition",
-) -> T:
-    """Call ``check`` (sync or async) until it returns something truthy; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} not reached within {timeout:.1f}s")
-        await asyncio.sleep(interval)

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import time
 
-from support.etcd_server import poll_until
+from support.waiting import until_async
 from varunad.cluster.election import Election
 from varunad.cluster.membership import Member, Membership
 from varunad.store.etcd import EtcdStore
@@ -78,4 +78,4 @@ async def one_leader(nodes, timeout):
         name = current[0].election.name
         return current[0] if all(n.election.state.leader == name for n in nodes) else None
 
-    return await poll_until(settled, timeout=timeout, what="exactly one agreed leader")
+    return await until_async(settled, timeout=timeout, what="exactly one agreed leader")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from support.waiting import until
 from varunad.ctl import commands as ctl
 from varunad.store.etcd import EtcdStore
 from varunad.store.keys import Keys
@@ -77,21 +78,9 @@ class Ring:
         return self.loop.run_until_complete(aw)
 
     def poll(self, check: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.1) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                result = check()
-            except Exception as exc:  # etcd briefly unavailable (a paused etcd): try again
-                result = None
-                last = exc
-            else:
-                last = None
-            if result:
-                return result
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what} not reached within {timeout:.0f}s" + (f" (last error {last!r})" if last else "")
-                                     + "\n" + self.tails())
-            time.sleep(interval)
+        """waiting.until, with etcd briefly unavailable (a paused etcd) counted as "not yet" and the
+        daemons' log tails in the failure."""
+        return until(check, what, timeout, interval, retry_on=(Exception,), on_timeout=self.tails)
 
     def status(self, job: str) -> dict[str, Any]:
         return self.call(ctl.job_status(self.store, self.keys, job))
