@@ -7,9 +7,10 @@ import json
 import sys
 
 import pytest
+from support.calibrations import calibration
 from support.waiting import until_async
 
-from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
+from trainer.planning.calibration import LinkCost
 from varunad.cluster.facts import DaemonMember, PortReservation
 from varunad.cluster.fencing import put_for_epoch
 from varunad.control.links import LinkMeasurement, LinkProber, LinkSurvey, ProbeRequest, apply_links, read_links
@@ -29,20 +30,14 @@ async def test_an_old_epoch_never_overwrites_a_newer_record(etcd, etcd_root):
         assert json.loads((await store.get(key)).value)["epoch"] == 8
 
 
-def _cal() -> Calibration:
-    links = {"intra": LinkCost(50e-6, 5e9, 1e-4, 2e-4), "inter": LinkCost(50e-6, 5e9, 1e-4, 2e-4)}
-    costs = (SegmentCost(1e-3, 2e-3, 1e-3, 1000, 1000),)
-    return Calibration(model="m", device_kind="cpu", micro_batch_sizes=(1,), input_bytes=(100,),
-                       segments=(SegmentProfile(1000, 1000, 0.0, costs),) * 2, links=links, allreduce=links)
-
-
 def _m(a, b, bw, ar):
     return LinkMeasurement(members=(a, b), hosts=("10.0.0.1", "10.0.0.2"), started=(1.0, 2.0), latency_s=1e-3,
                            bandwidth_Bps=bw, allreduce_latency_s=2e-3, allreduce_Bps=ar, at=0.0)
 
 
 def test_plans_use_the_slowest_measured_link_and_keep_the_cpu_overheads():
-    cal = _cal()
+    link = LinkCost(50e-6, 5e9, 1e-4, 2e-4)
+    cal = calibration(2, links={"intra": link, "inter": link})
     out = apply_links({"cpu": cal}, [_m("a", "b", 1e8, 9e7), _m("a", "c", 1.25e6, 2e6)])["cpu"]
     assert out.links["inter"] == LinkCost(1e-3, 1.25e6, 1e-4, 2e-4)
     assert out.allreduce["inter"].bandwidth_Bps == 2e6 and out.allreduce["inter"].latency_s == 2e-3

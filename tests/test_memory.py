@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.calibrations import calibration
 
 from trainer.engine.memory import PeakMemory, StageOutOfMemoryError
-from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
+from trainer.planning.calibration import LinkCost
 from trainer.planning.plan import Slot
 from trainer.planning.planner import plan
 from trainer.planning.schedule import stash_bound
@@ -52,21 +53,16 @@ def test_the_peak_counts_the_stage_and_what_it_grew_by_not_the_build():
     assert meter.peak_bytes() >= peak   # a high-water mark: freeing does not lower it
 
 
-def _cal(seg_bytes: int, act: int) -> Calibration:
-    costs = (SegmentCost(1e-3, 2e-3, 1e-3, act, act),)
-    return Calibration(model="m", device_kind="cpu", micro_batch_sizes=(1,), input_bytes=(act,),
-                       segments=(SegmentProfile(seg_bytes, 2 * seg_bytes, 1e-4, costs),) * 4,
-                       links={"intra": LinkCost(1e-5, 1e10), "inter": LinkCost(1e-5, 1e10)},
-                       allreduce={"intra": LinkCost(1e-5, 1e10), "inter": LinkCost(1e-5, 1e10)})
-
-
 @pytest.mark.parametrize("schedule", ["varuna", "gpipe", "1f1b"])
 def test_the_estimate_counts_the_micro_batches_in_flight_and_recompute(schedule):
     """Each stage's memory is its weights, gradients and optimizer state plus, for the micro-batches
     the schedule keeps in flight on it, their inputs (recomputing) or their whole activations."""
     seg, act = 100 << 20, 30 << 20
     slots = [Slot(f"s{i}", f"h{i}", "cpu", 4 << 30) for i in range(4)]
-    p = plan(slots, 8, [_cal(seg, act)], schedule=schedule, micro_batch_sizes=[1])
+    fast = {"intra": LinkCost(1e-5, 1e10), "inter": LinkCost(1e-5, 1e10)}
+    cal = calibration(activation_bytes=act, input_bytes=act, param_bytes=seg, optimizer_bytes=2 * seg, step_s=1e-4,
+                      links=fast)
+    p = plan(slots, 8, [cal], schedule=schedule, micro_batch_sizes=[1])
     assert p.P > 1, p.explain()
     for s, st in enumerate(p.stages):
         n = st.end_segment - st.first_segment

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from support.calibrations import calibration
 
 from trainer.planning.calibration import Calibration, LinkCost
 from trainer.planning.parallel import ParallelPlan
@@ -23,11 +24,9 @@ FREE = {"intra": LinkCost(0.0, 1e18), "inter": LinkCost(0.0, 1e18)}
 
 
 def _cal(kind="gpu", f=1.0, segments=4, param=GiB // 2, opt=GiB, peak=1000, links=FREE, allreduce=None, sizes=(1,)):
-    return Calibration.uniform(
-        model="toy", device_kind=kind, segments=segments, micro_batch_sizes=sizes, forward_s=f, backward_s=2 * f,
-        activation_bytes=100, peak_activation_bytes=peak, param_bytes=param, optimizer_bytes=opt,
-        links=links, allreduce=allreduce,
-    )
+    return calibration(segments, model="toy", kind=kind, sizes=sizes, forward_s=f, activation_bytes=100,
+                       peak_activation_bytes=peak, input_bytes=0, param_bytes=param, optimizer_bytes=opt, links=links,
+                       allreduce=allreduce)
 
 
 def _slots(n, kind="gpu", mem=64, per_host=4, prefix=""):
