@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support import REPO
 
 from trainer.errors import ConfigError
 from trainer.planning.calibration import Calibration, LinkCost
@@ -19,7 +19,6 @@ from trainer.planning.plan import Slot
 from trainer.planning.planner import plan
 from varunad.control.jobs import JobSpec, JobSpecError
 
-REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "train_gpt.py"
 FREE = {"intra": LinkCost(0.0, 1e18), "inter": LinkCost(0.0, 1e18)}
 

@@ -4,14 +4,13 @@ workers that fail the same way, later and in other words."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from support import REPO
 from support.ring import Ring
 
 pytestmark = pytest.mark.slow
 
-GPT_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+GPT_SCRIPT = REPO / "examples" / "train_gpt.py"
 
 
 def test_a_failed_calibration_run_fails_the_job_with_the_scripts_error(tmp_path, etcd, etcd_root):

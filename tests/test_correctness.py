@@ -4,17 +4,17 @@ Real worker processes from the local launcher, real gloo all-reduce, real ZeroMQ
 """
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from support import REPO, TESTS
 from support.reference import reference_run
 
 from trainer.launch import launch
 from trainer.models.gpt import GPT, GPTConfig
 from varunad.report.traces import load_events
 
-WORKER = Path(__file__).parent / "workers" / "train_check.py"
+WORKER = TESTS / "workers" / "train_check.py"
 STEPS, BATCH = 5, 12
 
 pytestmark = pytest.mark.slow
@@ -169,7 +169,7 @@ def test_fp16_overflow_skips_step_and_lowers_scale(tmp_path):
 
 def test_cnn_without_cutpoints_trains_under_2x1():
     """A non-transformer model, cut automatically between its Sequential blocks, learns."""
-    script = Path(__file__).parent.parent / "examples" / "train_cnn.py"
+    script = REPO / "examples" / "train_cnn.py"
     result = launch(script, ["--steps", "30"], stages=2, replicas=1, timeout=240)
     assert result.ok, result.errors
     losses = [float(line.split()[-1]) for line in result.outputs[0].splitlines() if line.startswith("step ")]

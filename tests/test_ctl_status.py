@@ -6,15 +6,14 @@ import io
 import shlex
 import subprocess
 import sys
-from pathlib import Path
+
+from support import REPO
 
 from varunad.control.jobs import JobSpec, JobState, MorphEvent
 from varunad.control.records import encode_history
 from varunad.ctl import commands as ctl
 from varunad.store.etcd import EtcdStore
 from varunad.store.keys import Keys
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 async def test_a_resumed_epoch_shows_the_step_it_is_at_not_the_highest_reached(etcd, etcd_root):

@@ -23,9 +23,10 @@ import time
 
 import pytest
 import zmq
+from support import REPO
 from support.etcd_server import EtcdServer
 from support.reference import keyed_reference_run, reference_run
-from support.ring import JOB_SCRIPT, REPO, Ring
+from support.ring import JOB_SCRIPT, Ring
 
 from protocol.messages import Ping, Pong, decode, encode
 

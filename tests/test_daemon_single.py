@@ -8,9 +8,9 @@ import json
 import re
 import signal
 import time
-from pathlib import Path
 
 import pytest
+from support import REPO
 from support.metrics import metric_types, sample_value, scrape, scrape_when
 from support.reference import reference_run
 from support.ring import Ring
@@ -96,7 +96,7 @@ def test_the_default_profiles_the_real_script_before_planning(tmp_path, etcd, et
         ring.wait_members(["solo"])
         member = json.loads(ring.call(ring.store.get(ring.keys.member("solo"))).value)
         assert member["device_kind"] == "cpu-2slots"
-        script = Path(__file__).parent.parent / "examples" / "train_gpt.py"
+        script = REPO / "examples" / "train_gpt.py"
         r = ring.varunactl("submit", "--name", "prof", "--batch-size", "8", "--steps", "3", "--checkpoint-every",
                            "3", str(script), "--", "--preset", "tiny")
         assert r.returncode == 0, r.stderr

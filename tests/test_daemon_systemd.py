@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import REPO
 
 from varunad.node.config import load_config, parse_env_file
 
-SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
+SYSTEMD = REPO / "systemd"
 UNIT = SYSTEMD / "varunad.service"
 ENV = SYSTEMD / "varunad.env"
 

@@ -10,9 +10,9 @@ import os
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
+from support import REPO
 from support.decisions import d, member, reports_for, run_plan, running, snapshot, spec
 
 from varunad.cluster.facts import DaemonMember, detect_device_kind, detect_memory, gpu_count, gpu_models
@@ -41,7 +41,6 @@ from varunad.control.records import (
 from varunad.node.config import DaemonConfigError, load_config, parse_env_file
 from varunad.node.housekeeping import LOGS, job_dir, prune_jobs
 
-REPO = Path(__file__).resolve().parent.parent
 BASE = ["--etcd", "127.0.0.1:2379", "--store", "/tmp/store", "--plaintext"]
 
 

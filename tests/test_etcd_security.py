@@ -14,8 +14,8 @@ import sys
 import urllib.request
 
 import pytest
+from support import REPO
 from support.etcd_server import EtcdServer, make_pki
-from support.ring import REPO
 
 from varunad.store.contract import StoreAuthError
 from varunad.store.etcd import EtcdStore

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import TESTS
 
 from trainer.checkpoint import reading
 from trainer.checkpoint.export import CONFIG, INDEX, SINGLE, export_checkpoint
@@ -26,7 +27,7 @@ from trainer.checkpoint.model_record import ModelRecord, record_model
 from trainer.errors import CheckpointError
 from trainer.launch import launch
 
-WORKER = Path(__file__).parent / "workers" / "train_export.py"
+WORKER = TESTS / "workers" / "train_export.py"
 STEPS, CHECKPOINTS = 4, (2, 4)
 # which of the engine's names holds each tied key of the user's state_dict
 TIED = {"tagger": {"head.weight": "embed.weight"},

@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO
+
 PACKAGES = ("trainer", "varunad", "protocol")
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from support import TESTS
 from torch import nn
 
 from trainer.graph.capture import capture_model
@@ -20,7 +21,7 @@ from trainer.graph.keyed_random import draws_unkeyed
 from trainer.graph.keyed_rng import Draws, keyed_keep, keyed_normal, keyed_randomness, keyed_uniform, keyed_words
 from trainer.graph.reference import keyed_model, train_step
 
-WORKER = Path(__file__).parent / "workers" / "keyed_check.py"
+WORKER = TESTS / "workers" / "keyed_check.py"
 
 
 # -- the generator ---------------------------------------------------------------------------

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support import REPO, TESTS
 from support.png import png_size
 from support.waiting import until
 
 from varunad.ctl import cli, local, progress
 from varunad.node.metrics import METRIC_NAMES
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _metric_types(text: str) -> set[str]:
@@ -223,7 +222,7 @@ def test_up_finds_down_stops_everything(tmp_path):
         assert nodes.returncode == 0, nodes.stderr
         assert sorted(m["name"] for m in json.loads(nodes.stdout)) == ["vm1", "vm2"]
         # submit and watch a short job, also without --etcd; not a terminal: plain lines
-        script = str(REPO / "tests" / "daemon_job" / "train_job.py")
+        script = str(TESTS / "daemon_job" / "train_job.py")
         sub = _varunactl("submit", "--name", "t", "--batch-size", "8", "--steps", "4", "--checkpoint-every", "2",
                          script, env=env)
         assert sub.returncode == 0, sub.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import REPO, TESTS
 from support.calibrations import calibration
 
 from trainer.engine.memory import PeakMemory, StageOutOfMemoryError
@@ -29,8 +30,7 @@ from varunad.control.records import Progress
 from varunad.control.status import memory_lines, stage_memory
 from varunad.node.oom import OOM_WORDS, kernel_oom_kills
 
-REPO = Path(__file__).resolve().parent.parent
-JOB = REPO / "tests" / "memory_job" / "mlp_job.py"
+JOB = TESTS / "memory_job" / "mlp_job.py"
 
 
 def _touch(nbytes: int) -> torch.Tensor:

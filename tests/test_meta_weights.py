@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import TESTS
 
 from trainer import GlobalBatches
 from trainer.launch import launch
 
 pytestmark = pytest.mark.slow
 
-WORKERS = Path(__file__).parent / "workers"
+WORKERS = TESTS / "workers"
 sys.path.insert(0, str(WORKERS))
 from meta_models import build, data  # noqa: E402
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import zoo
+from support import TESTS, zoo
 
 from trainer.launch import launch
 
 pytest.importorskip("transformers", reason="transformers is in the test extra: pip install -e .[test]")
 
-WORKER = Path(__file__).parent / "workers" / "zoo_check.py"
+WORKER = TESTS / "workers" / "zoo_check.py"
 
 pytestmark = pytest.mark.slow
 

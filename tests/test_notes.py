@@ -2,9 +2,9 @@
 never a document a clone does not have."""
 
 import re
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO
+
 SOURCES = [p for d in ("protocol", "trainer", "varunad", "tests", "benchmarks", "examples")
            for p in (REPO / d).rglob("*.py") if p.name != "test_notes.py"]
 NOTE = re.compile(r"\[Note: ([^\]]+)\]")

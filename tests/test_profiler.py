@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from support import TESTS
 
 from trainer.data import TextDataset
 from trainer.graph.partition import capture_model
@@ -341,10 +342,9 @@ def test_calibration_grows_by_less_than_the_weights_plus_one_slot():
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 << 20), MALLOC_TRIM_THRESHOLD_=str(256 << 20))
-    script = Path(__file__).parent / "workers" / "calibration_memory.py"
+    script = TESTS / "workers" / "calibration_memory.py"
     # the micro-batch sizes a daemon's calibration run measures for a batch of 8
     out = subprocess.run([sys.executable, str(script), "--sizes", "1", "2", "4", "8"], env=env, capture_output=True,
                          text=True, timeout=300)

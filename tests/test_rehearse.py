@@ -8,16 +8,15 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
 import pytest
+from support import REPO, TESTS
 
 from varunad.ctl import local
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _varunactl(*args: str, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -38,7 +37,7 @@ def test_kill_at_a_step_morphs_the_job_and_says_where_it_resumed(tmp_path):
         assert none.returncode == 1 and "no job is running or queued: submit one first" in none.stderr, none.stderr
         wrong = _varunactl("kill", "vm7", "--at-step", "3", env=env)
         assert wrong.returncode == 1 and "the ring has no daemon vm7 (it has vm1, vm2, vm3)" in wrong.stderr
-        script = str(REPO / "tests" / "daemon_job" / "train_job.py")
+        script = str(TESTS / "daemon_job" / "train_job.py")
         sub = _varunactl("submit", "--name", "rehearsal", "--batch-size", "12", "--steps", "300",
                          "--checkpoint-every", "5", script, env=env)
         assert sub.returncode == 0, sub.stderr

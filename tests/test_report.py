@@ -9,9 +9,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support import REPO
 from support.calibrations import report_calibration
 from support.png import png_size
 from support.ring import Ring
@@ -40,9 +40,6 @@ from varunad.report.pictures import EXTRA, draw_report
 from varunad.report.prices import DEFAULT_PRICES, DevicePrice, PriceError, load_prices, price_of
 from varunad.store.etcd import EtcdStore
 from varunad.store.keys import Keys
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 # --- device time and cost ------------------------------------------------------------------------------
 

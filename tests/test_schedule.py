@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import REPO, TESTS
 
 from trainer.planning.lockstep import dry_run, format_table
 from trainer.planning.schedule import (
@@ -29,7 +29,7 @@ from trainer.planning.schedule import (
     varuna,
 )
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = TESTS / "golden"
 GOLDEN_CASES = [(4, 6, True), (2, 4, True), (3, 5, True), (4, 6, False)]
 
 
@@ -247,7 +247,7 @@ def test_schedule_names_are_checked_in_one_place(name):
 def test_no_module_decides_by_a_schedule_name():
     # a schedule's facts live in its record; a comparison with its name elsewhere is a fact kept
     # apart from it, which a new schedule would silently miss
-    root = Path(__file__).parent.parent
+    root = REPO
     names = "|".join(re.escape(n) for n in SCHEDULES)
     compared = re.compile(rf"""(==|!=|\bin)\s*\(?\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
     found = [f"{path.relative_to(root)}:{i}: {line.strip()}"

@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer import spare
+from support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
+from trainer import spare
 
 SCRIPT = """
 import json, os, sys

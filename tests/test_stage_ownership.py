@@ -11,12 +11,13 @@ import json
 from pathlib import Path
 
 import pytest
+from support import TESTS
 
 from trainer.launch import launch
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).parent / "workers" / "stage_refs.py"
+WORKER = TESTS / "workers" / "stage_refs.py"
 
 
 def _run(tmp_path: Path, model: str, stages: int) -> list[dict]:

@@ -4,10 +4,10 @@ non-persistent buffers are recomputed, and what cannot be done says what to chan
 The launched runs that train from such weights are in tests/test_meta_weights.py."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from support import TESTS
 from torch import nn
 
 from trainer.engine import setup
@@ -15,7 +15,7 @@ from trainer.engine.weights import WeightsFile, load_stage, tensor_names
 from trainer.errors import ConfigError
 from trainer.graph.partition import capture_model, dry_run, slice_stages
 
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
+sys.path.insert(0, str(TESTS / "workers"))
 from meta_models import build, data  # noqa: E402
 
 save_file = pytest.importorskip("safetensors.torch").save_file

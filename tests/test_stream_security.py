@@ -2,14 +2,14 @@
 not on the allow-list delivers nothing."""
 
 import json
-from pathlib import Path
 
 import pytest
+from support import TESTS
 
 from protocol.security import generate_key_pair, load_public_key
 from trainer.launch import launch
 
-WORKER = Path(__file__).parent / "workers" / "train_check.py"
+WORKER = TESTS / "workers" / "train_check.py"
 
 pytestmark = pytest.mark.slow
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import TESTS
 
 from trainer import GlobalBatches
 from trainer.data import TextDataset
@@ -22,7 +23,7 @@ from trainer.models.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).parent / "workers" / "train_tied.py"
+WORKER = TESTS / "workers" / "train_tied.py"
 CONFIG = GPTConfig.preset("tiny", seq_len=16, n_embd=32)   # the worker's model
 STEPS, BATCH = 5, 8
 STYLES = ("module", "shared")

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from support import REPO
 from support.fabric import Fabric, unavailable_reason
 from support.netns_ring import BATCH, DAEMON_FLAGS, STEPS, N, NetRing, run_job
 from support.reference import reference_run
-from support.ring import REPO
 
 pytestmark = pytest.mark.slow
 

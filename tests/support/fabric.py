@@ -27,10 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from support import REPO
 from support.etcd_server import EtcdServer
 from support.ring import DaemonProc
-
-REPO = Path(__file__).resolve().parents[2]
 
 __all__ = ["Fabric", "NetnsDaemon", "unavailable_reason"]
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from support import REPO, TESTS
 from support.waiting import until
 from varunad.ctl import commands as ctl
 from varunad.store.etcd import EtcdStore
 from varunad.store.keys import Keys
 
-REPO = Path(__file__).resolve().parents[2]
-JOB_SCRIPT = REPO / "tests" / "daemon_job" / "train_job.py"
+JOB_SCRIPT = TESTS / "daemon_job" / "train_job.py"
 T = TypeVar("T")
 
 
