@@ -1,6 +1,6 @@
 """The chaos suite as a table: one fault per scenario against real etcd, daemons and workers.
 
-The scenarios are tests/support/chaos_harness.py's (the same ones tests/chaos/ asserts on): kill -9
+The scenarios are tests/support/chaos_harness.py's (the same ones tests/integration/chaos/ asserts on): kill -9
 of a VM, of the leader, of two VMs at once, SIGTERM to the leader, etcd SIGKILLed and restarted,
 etcd frozen (SIGSTOP) for 3 TTLs, one member of a 3-member etcd lost, its quorum lost briefly, a
 daemon frozen (SIGSTOP of its process group) for 3 TTLs, the newest checkpoint corrupted, garbage

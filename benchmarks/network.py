@@ -2,7 +2,7 @@
 their links uncapped and capped at 1 Gbit/s, 100 Mbit/s and 10 Mbit/s by `tc tbf`.
 
 For each speed both daemons start afresh (new VMs: the leader has them measure the link between
-them, varunad.control.links), the wide job (tests/netns/wide_job.py: activations large for its compute)
+them, varunad.control.links), the wide job (tests/integration/netns/wide_job.py: activations large for its compute)
 is submitted, and the table shows the link as measured (and as a ratio of the cap, the limit
 measured in the same run), the plan chosen, its estimated step, the measured steady step (the
 median from rank 0's log, warm-up steps and the final checkpoint's step left out: the estimate is

@@ -1,20 +1,25 @@
-"""Shared pytest fixtures and hooks. Keep each section short; add new sections at the end.
+"""Shared pytest hooks for the whole suite. Keep each section short; add new sections at the end.
+
+The suite is split by directory (tests/README.md has the rule):
+  * tests/unit/: runs inside the pytest process: no etcd server, no child process, no socket to
+    another process (two ZeroMQ or TCP sockets of the test process talking to each other are
+    fine). ``python3 -m pytest tests/unit`` is the fast loop.
+  * tests/integration/: the real parts: a real etcd (its fixtures are in
+    tests/integration/conftest.py), daemon and worker processes, sockets between them, training;
+    chaos/ and netns/ are under it.
+  * tests/support/: the helpers test modules share (a test module never imports another one);
+    this directory is on sys.path because this conftest.py is pytest's rootdir conftest.
 
 Sections:
   * async tests: ``async def test_...`` runs on a fresh event loop, with a time limit.
-  * etcd: a real etcd server per test module (``etcd``), a private one for fault injection
-    (``etcd_fault``), and a unique key root per test (``etcd_root``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import re
-import uuid
 
 import pytest
-from support.etcd_server import EtcdNotInstalled, EtcdServer
 
 # ----------------------------------------------------------------------------- async tests
 
@@ -34,45 +39,3 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     asyncio.run(asyncio.wait_for(func(**kwargs), ASYNC_TEST_TIMEOUT))
     return True
-
-
-# ----------------------------------------------------------------------------- etcd
-
-
-def _start_server() -> EtcdServer:
-    missing = None
-    try:
-        server = EtcdServer()
-    except EtcdNotInstalled as exc:
-        missing = str(exc)
-    if missing is not None:  # a failure, never a skip: a CI without etcd must not pass quietly
-        pytest.fail(missing, pytrace=False)
-    try:
-        server.start()
-    except BaseException:
-        server.close()  # no stray process or data directory when etcd fails to start
-        raise
-    return server
-
-
-@pytest.fixture(scope="module")
-def etcd() -> EtcdServer:
-    """A running etcd shared by the tests of one module. Do not stop or pause it: use etcd_fault."""
-    server = _start_server()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def etcd_fault() -> EtcdServer:
-    """A private etcd for one test, which may pause, stop, kill and restart it."""
-    server = _start_server()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def etcd_root(request: pytest.FixtureRequest) -> str:
-    """A key root no other test uses, e.g. ``/t/test_put_get-1a2b3c4d/``."""
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:60]
-    return f"/t/{name}-{uuid.uuid4().hex[:8]}/"

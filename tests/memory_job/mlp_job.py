@@ -4,7 +4,7 @@ daemons (steps and batch from the job, a real calibration run when VARUNA_PROFIL
 under trainer.launch.
 
 At the end each worker prints one line `MEMORY {json}`: its rank, stage, parameter bytes and the
-peak it measured (Varuna.memory), which benchmarks/memory.py and tests/test_memory.py read from
+peak it measured (Varuna.memory), which benchmarks/memory.py and tests/integration/test_memory_workers.py read from
 its log. `--memory-error-at STEP` makes the first stage's forward raise MemoryError at that step,
 as an allocation the host refused would.
 """

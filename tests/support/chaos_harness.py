@@ -1,4 +1,4 @@
-"""The chaos suite's scenarios, shared by tests/chaos/ and benchmarks/chaos.py.
+"""The chaos suite's scenarios, shared by tests/integration/chaos/ and benchmarks/chaos.py.
 
 Each scenario starts its own etcd (single or 3-member) and a ring of real daemons (``tests/support/ring.py``:
 ``python -m varunad.node.daemon`` per VM, real workers, loopback), submits a short job of the tiny GPT
@@ -480,7 +480,7 @@ def garbage_on_sockets(run: Run) -> None:
 
 
 SCENARIOS: dict[str, dict[str, Any]] = {
-    # (tests/chaos/ runs these two as tests/test_daemon_ring.py's kill -9 tests, marked chaos)
+    # (tests/integration/chaos/ runs these two as tests/integration/test_daemon_ring.py's kill -9 tests, marked chaos)
     "kill9-vm": dict(fault=kill9_member),
     "kill9-leader": dict(fault=kill9_leader),
     "kill9-two-vms": dict(fault=kill9_two, names=("vm1", "vm2", "vm3", "vm4")),
@@ -509,11 +509,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                                    etcd_args=("--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1s")),
 }
 
-# Scenarios tests/chaos/ leaves to another test that injects the same fault (one run per fault in CI).
-ELSEWHERE = {"kill9-vm": "tests/test_daemon_ring.py::test_kill9_of_a_non_leader_morphs_and_the_job_finishes",
-             "kill9-leader": "tests/test_daemon_ring.py::test_kill9_of_the_leader_elects_another_within_a_ttl_and_the_job_finishes",
-             "store-full": "tests/test_store_outage_job.py::test_a_store_that_fills_up_mid_run_pauses_checkpoints_and_the_job_finishes",
-             "store-read-only": "tests/test_store_outage_job.py::"
+# Scenarios tests/integration/chaos/ leaves to another test that injects the same fault (one run per fault in CI).
+ELSEWHERE = {"kill9-vm": "tests/integration/test_daemon_ring.py::test_kill9_of_a_non_leader_morphs_and_the_job_finishes",
+             "kill9-leader": "tests/integration/test_daemon_ring.py::test_kill9_of_the_leader_elects_another_within_a_ttl_and_the_job_finishes",
+             "store-full": "tests/integration/test_store_outage_job.py::test_a_store_that_fills_up_mid_run_pauses_checkpoints_and_the_job_finishes",
+             "store-read-only": "tests/integration/test_store_outage_job.py::"
                                 "test_a_worker_that_dies_of_a_store_outage_restarts_without_using_up_a_restart"}
 
 

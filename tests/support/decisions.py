@@ -1,6 +1,7 @@
 """The leader's inputs as plain data, for tests of its decisions without etcd or processes: a job
 ``spec``, a daemon ``member``, a fleet ``snapshot``, a ``run_plan`` and its workers'
-``reports_for`` an epoch, a ``running`` job state, and ``d`` (one call of ``decide``)."""
+``reports_for`` an epoch, a ``running`` job state, ``d`` (one call of ``decide``), and
+``BAD_PLANS`` (plan documents a reader must refuse)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,16 @@ def running(epoch=50):
 
 def d(snap, memory=None, now=100.0):
     return decide(snap, memory or LeaderMemory(), now=now, start_timeout=60.0)
+
+
+# Plan documents a reader must refuse (the schema tests decode them, and write some into etcd).
+BAD_PLANS = [
+    b'{"kind":"idle","reason":12345}',
+    b'{"kind":"stop","reason":"x","job":"j","stop_epoch":"abc","checkpoint":true}',
+    b'{"kind":"stop","reason":"x","job":"j","stop_epoch":3,"checkpoint":"yes"}',
+    b'{"kind":"run","reason":"x","job":"j","slots":[{"rank":"0"}]}',
+    b'{"kind":"run","reason":"x","job":"j","incarnations":{"vm1":"lease"}}',
+    b'{"kind":"idle"}',
+    b'{"kind":7,"reason":"x"}',
+    b'[1,2]', b'null', b'\xff\xfe', b'',
+]

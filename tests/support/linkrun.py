@@ -1,6 +1,6 @@
-"""One run of the link experiment (tests/netns/test_netns_links.py and benchmarks/network.py):
+"""One run of the link experiment (tests/integration/netns/test_netns_links.py and benchmarks/network.py):
 two namespaces, one one-thread slot each, links capped at a rate, the wide job
-(tests/netns/wide_job.py) submitted; what the leader measured, planned and estimated, and the
+(tests/integration/netns/wide_job.py) submitted; what the leader measured, planned and estimated, and the
 step time the job then took."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from support import TESTS
 from support.fabric import Fabric
 from support.ring import Ring
 
-WIDE_JOB = TESTS / "netns" / "wide_job.py"
+WIDE_JOB = TESTS / "integration" / "netns" / "wide_job.py"
 DAEMON_FLAGS = ("--slots", "1", "--threads", "1", "--ttl", "4", "--calibrate", "profile", "--plaintext",
                 "--progress-interval", "0.5", "--debounce", "0.3", "--max-restarts", "1")
 
@@ -88,7 +88,7 @@ _STEP_LINE = re.compile(r"^step (\d+) loss \S+ t=([0-9.]+)$", re.M)
 
 def steady_step_s(fabric: Fabric, job: str, epoch: int) -> float:
     """The median step of the job's epoch after WARMUP_STEPS: the intervals between the ends of
-    consecutive steps as rank 0 printed them (tests/netns/wide_job.py), like the simulator
+    consecutive steps as rank 0 printed them (tests/integration/netns/wide_job.py), like the simulator
     benchmark's measured side (benchmarks/simulator.py), not the epoch's mean, which the slow
     first steps pull up. The last step is left out too: it ends in the job's final checkpoint."""
     logs = sorted(fabric.base.glob(f"vm*/logs/{job}/e{epoch}-r0.log"))

@@ -1,0 +1,71 @@
+"""trainer.spare: a process started ahead with torch imported runs a worker script as `python
+script args` would: its arguments, directory, environment, output and exit status. Real processes.
+The daemon's use of it (a morph's workers started in spares) runs in every daemon ring test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from support import REPO
+
+SCRIPT = """
+import json, os, sys
+import torch
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+                  "job": os.environ.get("JOB_VAR"), "spare_only": os.environ.get("SPARE_ONLY"),
+                  "stdin": sys.stdin.read(), "threads": os.environ.get("OMP_NUM_THREADS")}), flush=True)
+if sys.argv[1] == "fail":
+    raise RuntimeError("the script failed")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _spare(tmp_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPARE_ONLY": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "trainer.spare"], stdin=subprocess.PIPE, cwd=tmp_path, env=env,
+                            stdout=open(tmp_path / "spare.log", "wb"), stderr=subprocess.STDOUT)
+
+
+def _order(tmp_path: Path, *args: str) -> tuple[dict, Path]:
+    job = tmp_path / "job"
+    job.mkdir(exist_ok=True)
+    (job / "train.py").write_text(SCRIPT)
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO), "JOB_VAR": "from the job",
+           "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "worker.log"
+    return {"script": str(job / "train.py"), "args": list(args), "cwd": str(job), "env": env, "log": str(log)}, log
+
+
+def test_a_spare_runs_the_script_as_python_would(tmp_path):
+    proc = _spare(tmp_path)
+    order, log = _order(tmp_path, "3", "--flag")
+    proc.communicate((json.dumps(order) + "\n").encode(), timeout=120)
+    assert proc.returncode == 3
+    seen = json.loads(log.read_text().splitlines()[-1])
+    assert seen["argv"] == ["3", "--flag"] and seen["name"] == "__main__"
+    assert seen["cwd"] == order["cwd"] and seen["path0"] == order["cwd"]
+    # the job's environment, and nothing left of the spare's
+    assert seen["job"] == "from the job" and seen["spare_only"] is None and seen["threads"] == "1"
+    assert seen["stdin"] == ""   # as a worker started afresh: /dev/null
+
+
+def test_an_uncaught_exception_is_printed_and_exits_1(tmp_path):
+    proc = _spare(tmp_path)
+    order, log = _order(tmp_path, "fail")
+    proc.communicate((json.dumps(order) + "\n").encode(), timeout=120)
+    assert proc.returncode == 1
+    text = log.read_text()
+    assert "Traceback" in text and "RuntimeError: the script failed" in text
+
+
+def test_a_spare_never_needed_exits_0(tmp_path):
+    proc = _spare(tmp_path)
+    proc.communicate(b"", timeout=120)
+    assert proc.returncode == 0
+
+

@@ -1,0 +1,259 @@
+"""Randomness that belongs to the sample: the counter-based generator, the capture's keyed random
+ops, and (slow) every P x D, recompute and resume reproducing the plain loop with dropout on.
+
+Launch tests use real worker processes, real gloo and ZeroMQ; the models are Hugging Face GPT-2
+and BERT with dropout 0.1 everywhere (random init, tiny configs) and a hand-written network with
+stochastic depth, dropout on flattened tokens and noise injection (tests/support/keyed_zoo.py).
+"""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.graph.capture import capture_model
+from trainer.graph.keyed_random import draws_unkeyed
+from trainer.graph.keyed_rng import Draws, keyed_keep, keyed_normal, keyed_randomness, keyed_uniform, keyed_words
+from trainer.graph.reference import keyed_model, train_step
+
+# -- the generator ---------------------------------------------------------------------------
+
+def test_a_micro_batch_draws_the_concatenation_of_its_examples_draws():
+    with keyed_randomness(5, 9, 0):
+        whole = keyed_uniform(3, (8, 4, 5))
+        whole_mask = keyed_keep(3, (8, 3, 5), 0.5)   # an odd count per example: words hold two
+    parts, masks = [], []
+    for start, size in ((0, 3), (3, 1), (4, 4)):
+        with keyed_randomness(5, 9, start):
+            parts.append(keyed_uniform(3, (size, 4, 5)))
+            masks.append(keyed_keep(3, (size, 3, 5), 0.5))
+    assert torch.equal(torch.cat(parts), whole)
+    assert torch.equal(torch.cat(masks), whole_mask)
+    # each part of the key matters
+    for seed, step, op in ((6, 9, 3), (5, 10, 3), (5, 9, 4)):
+        with keyed_randomness(seed, step, 0):
+            assert not torch.equal(keyed_uniform(op, (8, 4, 5)), whole)
+
+
+def test_the_batch_dimension_may_be_any_dimension_and_span_several_rows():
+    with keyed_randomness(1, 2, 0):
+        first = keyed_uniform(0, (6, 4))
+        seq_first = keyed_uniform(0, (4, 6), batch_dim=1)
+        flat = keyed_uniform(0, (6 * 2, 2), rows_per_example=2)
+    assert torch.equal(seq_first, first.t())
+    assert torch.equal(flat.view(6, 4), first)
+    with pytest.raises(ValueError, match="not a multiple"):
+        keyed_uniform(0, (5, 2), rows_per_example=2)
+
+
+def test_uniforms_and_normals_have_their_distributions():
+    with keyed_randomness(7, 0, 0):
+        u = keyed_uniform(0, (64, 16384), dtype=torch.float64)
+        n = keyed_normal(1, (64, 16384))
+        keep = keyed_keep(2, (64, 16384), 0.1)
+        words = keyed_words(3, 0, 64, 16384, "cpu")
+    assert 0.0 <= u.min() and u.max() < 1.0
+    assert abs(u.mean().item() - 0.5) < 2e-3 and abs(u.var().item() - 1 / 12) < 1e-3
+    counts = torch.histc(u.float(), 256, 0, 1)
+    expected = u.numel() / 256
+    assert ((counts - expected) ** 2 / expected).sum().item() / 255 < 1.3   # chi-square per degree
+    # neighbours along an example and across examples are uncorrelated
+    for a, b in ((u[:, :-1], u[:, 1:]), (u[:-1], u[1:])):
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()) < 5e-3
+    bits = torch.stack([(words >> b) & 1 for b in range(32)]).double().mean(dim=(1, 2))
+    assert ((bits - 0.5).abs() < 3e-3).all()
+    assert abs(n.mean().item()) < 5e-3 and abs(n.std().item() - 1) < 5e-3
+    assert abs(keep.double().mean().item() - 0.9) < 2e-3
+
+
+def test_draws_validate_themselves():
+    with pytest.raises(ValueError, match="step"):
+        Draws(step=-1)
+    with pytest.raises(ValueError, match="seed"):
+        Draws(seed=True)
+    with pytest.raises(ValueError, match="example_offset"):
+        Draws(example_offset=2**32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_draws_the_same_bits_as_the_cpu():
+    with keyed_randomness(3, 4, 10):
+        for shape, dim, rows in (((8, 3, 5), 0, 1), ((3, 8), 1, 1), ((16, 7), 0, 2)):
+            cpu = keyed_uniform(2, shape, batch_dim=dim, rows_per_example=rows)
+            gpu = keyed_uniform(2, shape, batch_dim=dim, rows_per_example=rows, device="cuda")
+            assert torch.equal(gpu.cpu(), cpu)
+            assert torch.equal(keyed_keep(2, shape, 0.3, batch_dim=dim, rows_per_example=rows, device="cuda").cpu(),
+                               keyed_keep(2, shape, 0.3, batch_dim=dim, rows_per_example=rows))
+        torch.testing.assert_close(keyed_normal(1, (8, 9), device="cuda").cpu(), keyed_normal(1, (8, 9)))
+
+
+# -- the capture -----------------------------------------------------------------------------
+
+class Everything(nn.Module):
+    """Every kind of random op the capture keys, on shapes the code was not written for:
+    channel dropout, dropout on (B*T, C), per-example masks, in-place fills, attention dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.qkv = nn.Linear(6, 8), nn.Linear(8, 24)
+        self.drop, self.drop1d, self.alpha = nn.Dropout(0.3), nn.Dropout1d(0.2), nn.AlphaDropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.drop(self.inp(x))
+        h = F.dropout(h.reshape(b * t, 8), 0.25, True).view(b, t, 8)
+        h = self.alpha(self.drop1d(h))
+        q, k, v = self.qkv(h).view(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True).transpose(1, 2).reshape(b, t, 8)
+        keep = (torch.rand(b, 1, 1, device=x.device) > 0.3).to(h.dtype)
+        noise = torch.empty_like(h).uniform_(-0.1, 0.1) + torch.empty_like(h).normal_(0, 0.1)
+        coins = torch.bernoulli(torch.full_like(h, 0.5)) + torch.empty_like(h).bernoulli_(0.3)
+        h = h * keep + noise + coins * 0.1 + torch.randn_like(h) * 0.01
+        return h.pow(2).mean() + torch.rand(3, 8, device=x.device).sum()
+
+
+def _loss_and_grads(gm, x, micro: int, step: int = 3):
+    gm.zero_grad()
+    total = 0.0
+    for start in range(0, x.shape[0], micro):
+        part = x[start:start + micro]
+        with keyed_randomness(11, step, start):
+            loss = gm(x=part) * (part.shape[0] / x.shape[0])
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.clone() for n, p in gm.named_parameters()}
+
+
+def test_every_random_op_of_a_captured_model_draws_the_same_at_every_micro_batch_size():
+    torch.manual_seed(0)
+    model = Everything().train()
+    x = torch.randn(8, 5, 6)
+    traced = capture_model(model, {"x": x[:2]})
+    gm = traced.graph_module
+    assert not draws_unkeyed(gm)
+    keyed = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"
+             and getattr(n.target, "__module__", "") == "trainer.graph.keyed_random"]
+    assert len(keyed) == 12 and "attention" in keyed and "uniform_" in keyed
+    ref_loss, ref_grads = _loss_and_grads(gm, x, 8)
+    for micro in (1, 3, 4):   # 3: ragged micro-batches of 3, 3 and 2
+        loss, grads = _loss_and_grads(gm, x, micro)
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert _loss_and_grads(gm, x, 8, step=4)[0] != pytest.approx(ref_loss, rel=1e-3)   # the step is in the key
+
+
+def test_a_sequence_first_model_keys_its_dropout_by_the_batch_dimension_it_has():
+    class SeqFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = F.dropout(self.lin(x).transpose(0, 1), 0.5, True)   # (T, B, C)
+            return h.pow(2).mean()
+
+    torch.manual_seed(0)
+    gm = capture_model(SeqFirst(), {"x": torch.randn(2, 5, 6)}).graph_module
+    x = torch.randn(6, 5, 6)
+    ref_loss, ref_grads = _loss_and_grads(gm, x, 6)
+    loss, grads = _loss_and_grads(gm, x, 2)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_random_op_without_a_batch_dimension_is_keyed_by_the_op_alone():
+    class Shared(nn.Module):
+        def forward(self, x):
+            return (x * torch.rand(x.shape[1], device=x.device)).sum()
+
+    gm = capture_model(Shared(), {"x": torch.ones(4, 3)}).graph_module
+    draws = {}
+    for step, offset in ((1, 0), (1, 2), (2, 0)):
+        with keyed_randomness(0, step, offset):
+            draws[step, offset] = gm(x=torch.ones(2, 3)).item()
+    assert draws[1, 0] == draws[1, 2]   # every micro-batch of a step draws the same vector
+    assert draws[1, 0] != draws[2, 0]
+
+
+def test_outside_training_dropout_is_the_identity():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return self.m(x)
+
+    x = torch.randn(6, 4)
+    gm = capture_model(_Sum(Loss()), {"x": x}).graph_module
+    with keyed_randomness(0, 0, 0, training=False):
+        assert gm(x=x).item() == pytest.approx(model[0](x).sum().item(), rel=1e-6)
+    with keyed_randomness(0, 0, 0):
+        assert gm(x=x).item() != pytest.approx(model[0](x).sum().item(), rel=1e-3)
+
+
+class _Sum(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).sum()
+
+
+def test_a_random_op_the_engine_cannot_key_is_named_in_the_log(caplog):
+    class Ints(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return (self.lin(x) * torch.randint_like(x, 0, 3)).sum()
+
+    with caplog.at_level(logging.WARNING, logger="varuna"):
+        gm = capture_model(Ints(), {"x": torch.randn(4, 4)}).graph_module
+    assert draws_unkeyed(gm)
+    assert "randint_like" in caplog.text and "P x D" in caplog.text
+
+
+def test_the_plain_loop_helper_splits_a_step_as_the_engine_does():
+    torch.manual_seed(0)
+    model = Everything().train()
+    keyed = keyed_model(model, {"x": torch.randn(2, 5, 6)})
+    x = torch.randn(6, 5, 6)
+    whole = train_step(keyed, {"x": x}, 2, seed=11)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    split = train_step(keyed, {"x": x}, 2, seed=11, micro_batch_size=4)
+    assert split == pytest.approx(whole, rel=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_the_executor_keys_each_micro_batch_and_saves_no_generator_state():
+    """The executor enters each micro-batch's key around its forward: two micro-batches of one
+    step draw as examples 0..1 and 2..3 of it, what the plain loop draws for them."""
+    from trainer.engine.executor import StageExecutor
+    from trainer.planning.schedule import Action, Kind
+
+    torch.manual_seed(0)
+    model = Everything().train()
+    gm = capture_model(model, {"x": torch.randn(2, 5, 6)}).graph_module
+    executor = StageExecutor(gm, stage=0, stages=1, takes_activation=False, channel=None,
+                             device=torch.device("cpu"), precision="fp32")
+    assert not executor._saves_rng   # keyed ops replay from their keys: nothing to save
+    x = torch.randn(4, 5, 6)
+    micro = [{"x": x[:2]}, {"x": x[2:]}]
+    actions = [Action(0, kind, m) for m in (0, 1) for kind in (Kind.FORWARD, Kind.BACKWARD)]
+    got = executor.run(actions, micro, [0.5, 0.5], draws=[Draws(11, 3, 0), Draws(11, 3, 2)])
+    engine_grads = {n: p.grad.clone() for n, p in gm.named_parameters()}
+    want, grads = _loss_and_grads(gm, x, 4, step=3)
+    assert got == pytest.approx(want, rel=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(engine_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)

@@ -1,0 +1,88 @@
+"""Bad values in etcd are rejected by type, in one place, and never stop a reader (issue 17).
+
+Against a real etcd where the reader needs one: the plan's history, the leader key, the member key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from support.decisions import BAD_PLANS
+from support.fleet import make_member
+
+from varunad.cluster.membership import Member
+from varunad.control.jobs import JobSpecError, JobState
+from varunad.control.plans import PlanDoc
+from varunad.control.records import Progress, WorkerReport
+from varunad.store import schemas
+
+# The values the chaos run wrote (issue 17, item 1), and more of the same kind.
+
+
+@pytest.mark.parametrize("value", BAD_PLANS)
+def test_a_plan_of_wrong_types_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="plan is malformed"):
+        PlanDoc.decode(value)
+
+
+def test_the_error_names_the_field_and_what_it_should_be():
+    with pytest.raises(ValueError, match=r"'reason': expected a string, got 12345"):
+        PlanDoc.decode(BAD_PLANS[0])
+    with pytest.raises(ValueError, match=r"'stop_epoch': expected an integer, got 'abc'"):
+        PlanDoc.decode(BAD_PLANS[1])
+
+
+def test_every_document_kind_checks_types():
+    with pytest.raises(ValueError, match="'epoch': expected an integer"):
+        WorkerReport.decode(json.dumps({"member": "a", "epoch": "x"}).encode())
+    with pytest.raises(ValueError, match="'outcome': expected a string"):
+        WorkerReport.decode(json.dumps({"member": "a", "workers": [{"rank": 0, "slot": 0, "outcome": 1}]}).encode())
+    with pytest.raises(ValueError, match="'loss': expected a number"):
+        Progress.decode(json.dumps({"job": "j", "epoch": 1, "rank": 0, "step": 1, "loss": "x", "samples_per_s": 1,
+                                    "busy_fraction": 1}).encode())
+    with pytest.raises(JobSpecError, match="'restarts': expected an integer"):
+        JobState.decode(json.dumps({"job": "j", "restarts": "many"}).encode())
+    good = make_member("a")
+    doc = json.loads(good.encode())
+    doc["started_at"] = "yesterday"
+    with pytest.raises(ValueError, match="'started_at': expected a number"):
+        Member.decode(json.dumps(doc).encode())
+    assert Member.decode(good.encode()) == good
+
+
+def test_good_documents_still_round_trip():
+    for doc in (PlanDoc.idle("x"), PlanDoc.stop("j", 5, checkpoint=True, reason="r")):
+        assert PlanDoc.decode(doc.encode()) == doc
+    assert JobState.decode(JobState(job="j", epochs=(3, 4)).encode()).epochs == (3, 4)
+
+
+def test_rejections_are_counted_and_logged_once(caplog):
+    seen = []
+    schemas.on_reject(seen.append)
+    before = schemas.rejected().get("plan", 0)
+    with caplog.at_level(logging.WARNING, logger="varunad.store.schemas"):
+        for _ in range(50):
+            schemas.reject("plan", "/t/plan@99", "plan is malformed: x")
+    assert schemas.rejected()["plan"] == before + 50
+    assert seen.count("plan") == 50
+    assert sum("ignored plan key /t/plan@99" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_json_nested_past_the_parsers_depth_is_a_value_error_for_every_reader():
+    # json.loads raises RecursionError on it, which no reader caught: one such value in etcd
+    # would have ended whatever loop read it.
+    from varunad.cluster.fencing import stored_epoch
+    from varunad.control.jobs import JobSpec
+    from varunad.control.records import decode_history
+    from varunad.node.signing import Signature
+
+    deep = b"[" * 100_000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        schemas.load_json(deep)
+    for decode in (PlanDoc.decode, Member.decode, JobSpec.decode, JobState.decode, decode_history,
+                   Signature.decode, lambda d: schemas.decode(Progress, d, "progress")):
+        with pytest.raises(ValueError):
+            decode(deep)
+    assert stored_epoch(deep) is None
