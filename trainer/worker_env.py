@@ -59,7 +59,7 @@ _REPLACED = ("VARUNA_STAGE_TO_RANK", "VARUNA_CUTS", "VARUNA_RECOMPUTE", "VARUNA_
 
 # Variables other modules own and read themselves (stream security, the control token, timeouts,
 # the calibration's cap), and the ones above: a field whose derived name is one of them would
-# silently override it, so env_fields refuses such a field. tests/test_worker_env.py keeps this
+# silently override it, so env_fields refuses such a field. tests/unit/test_worker_env.py keeps this
 # list complete against every VARUNA_* name the code spells.
 OWNED_ELSEWHERE = frozenset({
     "VARUNA_WORLD_SIZE", "VARUNA_SECURITY", "VARUNA_TRUSTED_NETWORK", "VARUNA_SECRET_KEY_FILE",

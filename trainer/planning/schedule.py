@@ -263,7 +263,7 @@ ScheduleFn = Callable[[int, int, int, Recompute], list[Action]]
 # The memory rule of each schedule: how many micro-batches stage `stage` of P holds at most
 # (forwarded, backward not yet finished) with m micro-batches, given whether it recomputes.
 # The planner sizes stages by it; the generators above produce orders whose peak is exactly
-# this (tests/test_schedule.py checks it against the orders), and Varuna's ordering enforces it.
+# this (tests/unit/test_schedule.py checks it against the orders), and Varuna's ordering enforces it.
 def _varuna_stash(P: int, stage: int, m: int, recompute: bool) -> int:
     # a recomputing stage keeps only each micro-batch's input, so it may run twice as far ahead
     return min(m, (2 if recompute else 1) * (P - stage))

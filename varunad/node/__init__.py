@@ -4,7 +4,7 @@ what they report (supervisor, stopping, reporter, log_shipper), the spare worker
 slot (spares), the ZeroMQ server and clients between daemons (peers), the Unix control channel to
 its workers (control_channel), Prometheus metrics, local housekeeping and job signatures.
 
-Layer 5 of varunad (store < cluster < control < report < node < ctl; tests/test_imports.py checks it).
+Layer 5 of varunad (store < cluster < control < report < node < ctl; tests/unit/test_imports.py checks it).
 May import: varunad.store, varunad.cluster, varunad.control, varunad.report (the leader writes the
 end-of-job report, lazily), trainer.planning, trainer.worker_env,
 trainer.launch, trainer.net.netaddr, trainer.engine.control (the workers' side of the channel),

@@ -7,7 +7,7 @@
     pictures   `varunactl report`'s PNGs from those files; imports draw only when asked
     draw       the matplotlib figures (the optional `report` extra)
 
-Layer 4 of varunad (store < cluster < control < report < node < ctl; tests/test_imports.py checks it).
+Layer 4 of varunad (store < cluster < control < report < node < ctl; tests/unit/test_imports.py checks it).
 May import: varunad.store, varunad.cluster, varunad.control (jobs, records, the job's status) and
 trainer's numpy-only planning modules (calibration, schedule, simulator). Never varunad.node or ctl. Never torch; matplotlib only in draw, so a daemon (whose leader writes
 the data) runs without it. Importing this package imports neither.

@@ -190,10 +190,11 @@ def test_every_varuna_variable_the_code_spells_is_derived_or_owned_elsewhere():
     """OWNED_ELSEWHERE stays complete: a module that starts reading VARUNA_X without listing it
     fails here, before a field of that name could override it."""
     import re
-    from pathlib import Path
+
+    from support import REPO
 
     from trainer.worker_env import OWNED_ELSEWHERE
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     spelled = {m for pkg in ("trainer", "varunad", "protocol") for f in (root / pkg).rglob("*.py")
                for m in re.findall(r"[\"'](VARUNA_[A-Z0-9_]+)[\"']", f.read_text())}
     derived = {env_name(f.name) for f, _ in env_fields(WorkerAssignment)}
