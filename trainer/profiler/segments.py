@@ -158,9 +158,10 @@ def resident(module: torch.nn.Module, device: torch.device):
 
 
 def _release_heap(device: torch.device) -> None:
-    """On a CPU, hand the heap this segment freed back to the kernel: under the workers' malloc
-    settings (large trim and mmap thresholds, for speed) glibc keeps it, and the next segment's
-    tensors do not fit the holes, so each segment would add to the resident size."""
+    """On a CPU, hand the heap this segment freed back to the kernel: glibc keeps it (all of it
+    under trainer.launch's large trim and mmap thresholds, for speed; blocks under 1 MiB in a
+    calibration run, which returns larger ones as it frees them: trainer.engine.memory), and the
+    next segment's tensors do not fit the holes, so each segment would add to the resident size."""
     if device.type != "cpu" or _LIBC is None:
         return
     _LIBC.malloc_trim(0)
