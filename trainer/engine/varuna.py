@@ -59,7 +59,7 @@ from trainer.graph.layout import Layout, build_layout
 from trainer.graph.partition import capture_model, slice_stages
 from trainer.graph.placement import retarget_graph
 from trainer.planning.parallel import ParallelPlan
-from trainer.planning.schedule import Action, Kind, build_table
+from trainer.planning.schedule import DEFAULT_SCHEDULE, Action, Kind, build_table
 from trainer.worker_env import WorkerAssignment
 
 __all__ = ["Varuna"]
@@ -104,7 +104,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
                               f"batch_size={self.batch_size} to Varuna",
                               hint="make the script read the batch size it is given, or submit it with the script's")
         self.precision: Precision = precision or ("fp16" if fp16 else "fp32")
-        self.schedule = schedule or a.plan.schedule or "varuna"
+        self.schedule = schedule or a.plan.schedule or DEFAULT_SCHEDULE
         # An explicit argument wins; else the planner's per-stage choice; else recompute everywhere.
         self.recompute: bool | tuple[bool, ...] = (
             recompute if recompute is not None else a.plan.recompute if a.plan.recompute is not None else True)

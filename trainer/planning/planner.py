@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from trainer.planning.calibration import Calibration
 from trainer.planning.parallel import ParallelPlan, micro_batches
 from trainer.planning.plan import Candidate, Plan, PlanError, Slot, StagePlan
-from trainer.planning.schedule import Schedule, ScheduleError, schedule_named
+from trainer.planning.schedule import DEFAULT_SCHEDULE, Schedule, ScheduleError, schedule_named
 from trainer.planning.simulator import simulate, stage_costs
 
 # The plan types live in trainer.planning.plan; they are named here too, as the planner's return types.
@@ -274,7 +274,7 @@ def plan(
     global_batch: int,
     calibrations: Mapping[str, Calibration] | Sequence[Calibration],
     *,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
     micro_batch_sizes: Sequence[int] | None = None,
     memory_fraction: float = 0.9,
     allow_recompute: bool = True,

@@ -37,6 +37,7 @@ __all__ = [
     "ScheduleError",
     "Schedule",
     "SCHEDULES",
+    "DEFAULT_SCHEDULE",
     "schedule_named",
     "Recompute",
     "stash_bound",
@@ -331,6 +332,10 @@ SCHEDULES: Mapping[str, Schedule] = types.MappingProxyType({
         Schedule("1f1b", one_f_one_b, _one_f_one_b_stash, overlap_recompute=False),
     )
 })
+
+
+# What a job, a plan or a script that names no schedule runs: Varuna's own (the paper's).
+DEFAULT_SCHEDULE = "varuna"
 
 
 def schedule_named(name: object) -> Schedule:

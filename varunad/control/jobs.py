@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from trainer.errors import ConfigError
 from trainer.planning.parallel import micro_batches
-from trainer.planning.schedule import ScheduleError, schedule_named  # pure Python
+from trainer.planning.schedule import DEFAULT_SCHEDULE, ScheduleError, schedule_named  # pure Python
 from varunad.store import schemas
 
 __all__ = [
@@ -87,7 +87,7 @@ class JobSpec:
     checkpoint_every: int
     keep_checkpoints: int = 3
     store: str | None = None  # None: the daemon's --store / <job>
-    schedule: str = "varuna"
+    schedule: str = DEFAULT_SCHEDULE
     bundle_digest: str
     bundle_bytes: int
     submitted_at: float = 0.0  # wall clock, display only

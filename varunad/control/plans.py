@@ -34,6 +34,7 @@ from trainer.planning import planner
 from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
 from trainer.planning.parallel import MAX_WORKERS, ParallelPlan
 from trainer.planning.planner import Plan, PlanError, Slot
+from trainer.planning.schedule import DEFAULT_SCHEDULE
 from varunad.cluster.facts import DaemonMember
 from varunad.control.jobs import JobSpec
 from varunad.store import schemas
@@ -178,7 +179,7 @@ def _flat(doc: PlanDoc) -> dict[str, Any]:
     To be dropped in the release after this one."""
     plan, where = doc.plan, doc.plan.positions()
     return {"pipeline_depth": plan.P, "data_depth": plan.D, "micro_batch_size": plan.micro_batch_size or 1,
-            "schedule": plan.schedule or "varuna", "cuts": list(plan.cuts or ()), "recompute": list(plan.recompute or ()),
+            "schedule": plan.schedule or DEFAULT_SCHEDULE, "cuts": list(plan.cuts or ()), "recompute": list(plan.recompute or ()),
             "slots": [{**asdict(s), "stage": where[s.rank][0], "replica": where[s.rank][1]} for s in doc.slots]}
 
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from protocol.errors import ProtocolError
-from trainer.planning.schedule import SCHEDULES
+from trainer.planning.schedule import DEFAULT_SCHEDULE, SCHEDULES
 
 # The handlers are bound by their names here when main() builds the parser, so a test can replace
 # one (cli._cmd_status) before calling main().
@@ -83,7 +83,7 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, required=True, metavar="K", help="checkpoint every K steps")
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="complete checkpoints kept (3)")
     p.add_argument("--store", metavar="DIR", help="checkpoint store of the job (default: the daemons' --store/NAME)")
-    p.add_argument("--schedule", default="varuna", choices=list(SCHEDULES),
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=list(SCHEDULES),
                    help="pipeline schedule (default varuna)")
     p.add_argument("--no-import-check", action="store_true",
                    help="do not refuse a script whose imports are not installed on this machine (they are on the VMs)")

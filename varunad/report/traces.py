@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.planning.calibration import Calibration
-from trainer.planning.schedule import build_table
+from trainer.planning.schedule import DEFAULT_SCHEDULE, build_table
 from trainer.planning.simulator import simulate, stage_costs
 
 __all__ = ["WARMUP", "Missing", "MeasuredStep", "pick_measured_step", "chrome_trace", "stage_meta", "predict",
@@ -152,7 +152,7 @@ def predict(plan: Mapping[str, Any], calibrations: Mapping[str, bytes], batch_si
     ar = plan.get("allreduce_kinds") or ["intra" if one_host or D == 1 else "inter"] * P
     costs = stage_costs(cals, bounds, mbs, D, links, ar)
     events: list[dict[str, Any]] = []
-    result = simulate(build_table(plan.get("schedule") or "varuna", P, m, plan.get("recompute") or True), costs,
+    result = simulate(build_table(plan.get("schedule") or DEFAULT_SCHEDULE, P, m, plan.get("recompute") or True), costs,
                       events=events)
     # The simulator runs a stage's replicas in lock-step: draw each, so rows match the measured step.
     return result.minibatch_s, [{**e, "tid": r} for r in range(D) for e in events]
