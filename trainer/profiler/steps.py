@@ -87,23 +87,27 @@ def _step_bytes(copies: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
 
 
 def step_bytes_add(factory: OptimizerFactory | None, device: torch.device | str = "cpu",
-                   numel: int = 1024) -> bool:
+                   side: int = 32) -> bool:
     """Whether this optimizer holds the temporaries of all its tensors at once (a foreach step:
     a stage's add up over its segments) or one tensor's at a time (a for-loop step: a stage's are
-    its largest segment's): its step over two equal tensors against its step over one."""
+    its largest segment's): its step over two equal matrices against its step over one. An
+    optimizer that cannot step such small matrices is taken to add them up: the larger estimate."""
     factory = factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-4))
     device = torch.device(device)
 
     def temporaries(n: int) -> int:
-        ps = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(n)]
+        ps = [torch.zeros(side, side, device=device, requires_grad=True) for _ in range(n)]
         for p in ps:
             p.grad = torch.full_like(p, 1e-3)
         opt = factory(ps)
         _engine_step(ps, opt)   # the state, made at the first step, is kept, not temporary
         return _step_bytes(ps, opt)
 
-    one = temporaries(1)
-    return one == 0 or temporaries(2) > 1.5 * one
+    try:
+        one = temporaries(1)
+        return one == 0 or temporaries(2) > 1.5 * one
+    except Exception:   # the user's optimizer, whatever it raises on a probe
+        return True
 
 
 def measure_steps(groups: Sequence[Sequence[nn.Parameter]], factory: OptimizerFactory | None, *,
