@@ -226,6 +226,9 @@ def worker_environment(assignment: WorkerAssignment, extra: Mapping[str, str] | 
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
     # Gradients are freed and reallocated every step; glibc's default of returning big blocks
     # to the OS turns that into ~1,000 page faults a step (~9% of a worker's CPU, measured).
+    # A worker on the CPU overrides this when trainer.engine.memory is imported: there the
+    # slot's memory budget comes first (it returns every freed block of 1 MiB or more, so its
+    # resident memory follows its tensors, which the planner counts), at ~14% of a step's time.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 << 20))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
     path = env.get("PYTHONPATH", "")

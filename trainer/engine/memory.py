@@ -95,8 +95,8 @@ def return_freed_blocks(threshold: int = FREED_BLOCK_BYTES) -> bool:
 def _a_cpu_worker(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this process is a worker or a calibration run (its assignment is in the
     environment) whose device is the host."""
-    if env_name("plan") not in environ and env_name("profile") not in environ:
-        return False
+    if not environ.get(env_name("plan")) and not environ.get(env_name("profile")):
+        return False   # an empty variable is an unset one (trainer.worker_env)
     device = environ.get(env_name("device"), "")
     return device in ("cpu", "-1") or (device == "" and not torch.cuda.is_available())
 
