@@ -87,7 +87,10 @@ def test_a_store_that_fills_up_mid_run_pauses_checkpoints_and_the_job_finishes(t
     failing = [m for m in said if m.failing]
     assert failing and all("No space left on device" in m.error for m in failing)
     assert min(m.step for m in failing) > full_at   # since the first refused one
-    assert sorted(m.rank for m in said if not m.failing) == sorted({m.rank for m in failing})   # and over
+    # and over: every rank that said so says it recovered, last. The refill above can end the
+    # outage for a moment (a loaded host saw each rank fail, recover, fail and recover again).
+    assert {m.rank for m in said if not m.failing} == {m.rank for m in failing}
+    assert not any({m.rank: m.failing for m in said}.values())
     ref_losses, _ = reference_run(STEPS, BATCH)
     record = json.loads((out / "losses_rank1.json").read_text())["record"]
     assert [r["step"] for r in record] == list(range(STEPS))
