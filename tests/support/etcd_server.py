@@ -61,8 +61,9 @@ def find_etcd() -> str:
     return found
 
 
-def _die_with_parent() -> list[str]:
-    # If pytest is killed, etcd must not linger holding ports. Not a preexec_fn calling prctl:
+def die_with_parent() -> list[str]:
+    """A prefix for a command line: the process gets SIGKILL when the test process dies."""
+    # If pytest is killed, etcd (or a daemon) must not linger holding ports. Not a preexec_fn calling prctl:
     # that forces a plain fork() of a process with gRPC threads, whose fork handlers can wedge
     # the child before exec. setpriv (util-linux) sets the parent-death signal, then execs etcd.
     setpriv = shutil.which("setpriv")
@@ -168,7 +169,7 @@ class EtcdServer:
                 self.client_port, self.peer_port = free_ports(2)
             with open(self.log_path, "ab") as log:
                 self._proc = subprocess.Popen(
-                    _die_with_parent() + self._command(), stdout=log, stderr=subprocess.STDOUT,
+                    die_with_parent() + self._command(), stdout=log, stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                 )
             self._paused = False

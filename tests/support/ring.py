@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from support import REPO, TESTS
+from support.etcd_server import die_with_parent
 from support.waiting import until
 from varunad.ctl import commands as ctl
 from varunad.store.etcd import EtcdStore
@@ -101,7 +102,8 @@ class Ring:
         n = self._incarnation.get(name, 0) + 1
         self._incarnation[name] = n
         log = self.base / f"{name}.{n}.log"
-        cmd = [sys.executable, "-m", "varunad.node.daemon", "--etcd", self.etcd, "--name", name, "--advertise", "127.0.0.1",
+        # a killed pytest takes its daemons along (they were left running, re-parented to PID 1)
+        cmd = [*die_with_parent(), sys.executable, "-m", "varunad.node.daemon", "--etcd", self.etcd, "--name", name, "--advertise", "127.0.0.1",
                "--slots", "1", "--store", str(self.store_dir), "--state-dir", str(self.base / name), "--root", self.root,
                "--ttl", str(self.ttl), "--threads", "1", "--log-level", "INFO"]
         cmd += ["--curve-keys", str(self.curve_keys)] if self.curve_keys else ["--plaintext"]
