@@ -47,3 +47,36 @@ def test_key_layout():
         Keys("varunad")
     with pytest.raises(ValueError, match="nested"):
         keys.member_name("/varunad/members/a/b")
+
+
+async def test_a_call_cut_off_by_a_closed_channel_is_an_outage_not_a_cancellation(monkeypatch):
+    """gRPC cancels the calls in flight on a channel that is closed (another task's reconnect):
+    the caller gets StoreUnavailable, while its own cancellation and the call's deadline still
+    act as they did."""
+    import asyncio
+
+    from varunad.store.contract import StoreUnavailable
+
+    store = EtcdStore("127.0.0.1:1")
+
+    async def a_client():
+        return object()
+
+    monkeypatch.setattr(store, "_ensure_client", a_client)
+
+    async def cut_off(client):
+        raise asyncio.CancelledError()   # what grpc.aio raises in the awaiting coroutine
+
+    with pytest.raises(StoreUnavailable, match="cut off"):
+        await store._call("read '/k'", cut_off, timeout=5.0)
+
+    async def slow(client):
+        await asyncio.sleep(3600)
+
+    with pytest.raises(StoreUnavailable, match="did not answer"):
+        await store._call("read '/k'", slow, timeout=0.2)
+    task = asyncio.create_task(store._call("read '/k'", slow, timeout=30.0))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -237,6 +237,15 @@ class EtcdConnection:
                 client = await self._ensure_client()
                 try:
                     return await op(client)
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is None or task.cancelling():
+                        raise   # the caller's cancellation, or bounded()'s deadline
+                    # Nobody cancelled this task: gRPC cancels the calls in flight on a channel that
+                    # is closed (another task's reconnect). Letting that CancelledError out would end
+                    # the caller as if it had been cancelled (it silently stopped a daemon once).
+                    raise StoreUnavailable(f"etcd call to {what} was cut off: its connection was closed",
+                                           hint=HINT_UNAVAILABLE) from None
                 except (Exception, asyncio.TimeoutError) as exc:
                     err = translate(exc, what, self.endpoint)
                     # Simple auth tokens expire (5 min by default): re-authenticate once. The
