@@ -119,6 +119,11 @@ class GradReducer:
         bucket = self.buckets[i]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
         flat = torch.cat([g.reshape(-1) for g in grads])
+        # The flat copy is the gradient now (wait() gives each parameter its view of it): holding
+        # the old `.grad`s until then would keep the stage's gradients twice, which the planner's
+        # estimate does not count; this way the reducer adds at most one bucket.
+        for p in bucket:
+            p.grad = None
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._pending.append((bucket, flat, work))
 
