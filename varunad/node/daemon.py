@@ -215,18 +215,13 @@ class Daemon(PlanFollowing):
             try:
                 await run()
                 why = "it returned"
-            except asyncio.CancelledError as exc:
-                if asyncio.current_task().cancelling():
+            except (asyncio.CancelledError, Exception) as exc:
+                cancelled = isinstance(exc, asyncio.CancelledError)
+                if cancelled and asyncio.current_task().cancelling():
                     raise   # the daemon is stopping it
-                # a CancelledError nobody asked for (a library cancelling a call of its own) must
-                # not end the task as if the daemon had: the daemon would take that as its end
-                why = "an unrequested cancellation"
-                log.error("%s: task %s failed: %s; restarting it in %.1fs", self.name, name, why, delay,
-                          exc_info=exc)
-            except KeyboardInterrupt:
-                raise
-            except Exception as exc:
-                why = repr(exc)
+                # A CancelledError nobody asked for (a library cancelling a call of its own) is a
+                # failure like any other: ended as cancelled, the task would take the daemon with it.
+                why = "an unrequested cancellation" if cancelled else repr(exc)
                 log.error("%s: task %s failed: %s; restarting it in %.1fs", self.name, name, why, delay,
                           exc_info=exc)
             self.failures[name] = self.failures.get(name, 0) + 1
