@@ -7,14 +7,24 @@ import asyncio
 import contextlib
 import logging
 
+import pytest
+
 from varunad.node.config import load_config
 from varunad.node.daemon import Daemon
 
 
-async def test_a_failing_task_is_restarted_and_counted(tmp_path, caplog):
+@pytest.fixture
+def daemon(tmp_path):
+    """A daemon that is built but not started: its tasks run only where a test starts them."""
     config = load_config(["--etcd", "127.0.0.1:1", "--store", str(tmp_path / "store"), "--plaintext",
                           "--state-dir", str(tmp_path / "state"), "--name", "vm1"], environ={})
-    daemon = Daemon(config)
+    built = Daemon(config)
+    yield built
+    built.security.close()
+    built.ctx.term()
+
+
+async def test_a_failing_task_is_restarted_and_counted(daemon, caplog):
     runs = []
     settled = asyncio.Event()
 
@@ -25,30 +35,23 @@ async def test_a_failing_task_is_restarted_and_counted(tmp_path, caplog):
         settled.set()
         await asyncio.sleep(3600)
 
-    try:
-        with caplog.at_level(logging.ERROR, logger="varunad"):
-            task = asyncio.create_task(daemon._keep_running("plan-follower", flaky))
-            await asyncio.wait_for(settled.wait(), 10)
-        assert len(runs) == 3 and not task.done()
-        assert daemon.failures == {"plan-follower": 2}
-        assert daemon.metrics.task_restarts.labels(task="plan-follower")._value.get() == 2
-        assert sum("task plan-follower failed" in r.getMessage() for r in caplog.records) == 2
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    finally:
-        daemon.security.close()
-        daemon.ctx.term()
+    with caplog.at_level(logging.ERROR, logger="varunad"):
+        task = asyncio.create_task(daemon._keep_running("plan-follower", flaky))
+        await asyncio.wait_for(settled.wait(), 10)
+    assert len(runs) == 3 and not task.done()
+    assert daemon.failures == {"plan-follower": 2}
+    assert daemon.metrics.task_restarts.labels(task="plan-follower")._value.get() == 2
+    assert sum("task plan-follower failed" in r.getMessage() for r in caplog.records) == 2
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
-async def test_a_cancellation_nobody_asked_for_restarts_the_task_and_a_real_one_ends_it(tmp_path, caplog):
+async def test_a_cancellation_nobody_asked_for_restarts_the_task_and_a_real_one_ends_it(daemon, caplog):
     """gRPC cancels the calls in flight on a channel another task closes: that CancelledError once
     ended the daemon's registration task as if the daemon had cancelled it, and the daemon, seeing
     a task done, shut down (the chaos scenario etcd-lose-quorum, 'daemons exited that the fault did
     not touch')."""
-    config = load_config(["--etcd", "127.0.0.1:1", "--store", str(tmp_path / "store"), "--plaintext",
-                          "--state-dir", str(tmp_path / "state"), "--name", "vm1"], environ={})
-    daemon = Daemon(config)
     runs = []
     settled = asyncio.Event()
 
@@ -59,17 +62,13 @@ async def test_a_cancellation_nobody_asked_for_restarts_the_task_and_a_real_one_
         settled.set()
         await asyncio.sleep(3600)
 
-    try:
-        with caplog.at_level(logging.ERROR, logger="varunad"):
-            task = asyncio.create_task(daemon._keep_running("registration", cut_off))
-            await asyncio.wait_for(settled.wait(), 10)
-        assert len(runs) == 2 and not task.done()
-        assert daemon.failures == {"registration": 1}
-        assert any("unrequested cancellation" in r.getMessage() for r in caplog.records)
-        task.cancel()   # the daemon's own cancellation still ends it
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        assert task.cancelled()
-    finally:
-        daemon.security.close()
-        daemon.ctx.term()
+    with caplog.at_level(logging.ERROR, logger="varunad"):
+        task = asyncio.create_task(daemon._keep_running("registration", cut_off))
+        await asyncio.wait_for(settled.wait(), 10)
+    assert len(runs) == 2 and not task.done()
+    assert daemon.failures == {"registration": 1}
+    assert any("unrequested cancellation" in r.getMessage() for r in caplog.records)
+    task.cancel()   # the daemon's own cancellation still ends it
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert task.cancelled()
