@@ -384,7 +384,10 @@ class CheckpointNow(Message):
 class WorkerProgress(Message):
     """A worker finished `step`. `loss` is finite (a diverged worker sends WorkerFailed instead);
     `busy_fraction` is the share of wall time spent computing rather than waiting, in [0, 1];
-    `peak_bytes` the most memory its stage has held since it was built (0: not measured)."""
+    `peak_bytes` the most memory its stage has held since it was built (0: not measured);
+    `compute_s` the seconds its stage computed per micro-batch in the step, waits on peers and the
+    stage-wide all-reduce and optimizer step left out (0: not measured), which the leader compares
+    across slots to find a slow one."""
 
     TYPE: ClassVar[str] = "worker_progress"
     job: str = _f(_ID)
@@ -395,6 +398,7 @@ class WorkerProgress(Message):
     samples_per_s: float = _f(_Float(0.0))
     busy_fraction: float = _f(_Float(0.0, 1.0))
     peak_bytes: int = field(default=0, metadata={"kind": _Int(0, _U64_MAX)})
+    compute_s: float = field(default=0.0, metadata={"kind": _Float(0.0)})
 
 
 @_register

@@ -126,12 +126,13 @@ class ControlClient:
         self.checkpoint_requested = False
 
     def progress(self, step: int, loss: float, samples_per_s: float, busy_fraction: float,
-                 peak_bytes: int = 0) -> None:
-        if not (math.isfinite(loss) and math.isfinite(samples_per_s) and math.isfinite(busy_fraction)):
+                 peak_bytes: int = 0, compute_s: float = 0.0) -> None:
+        if not all(math.isfinite(x) for x in (loss, samples_per_s, busy_fraction, compute_s)):
             return   # an overflowed fp16 step or a zero-length timing: nothing worth reporting
         self._send(WorkerProgress(job=self.job, epoch=self.epoch, rank=self.rank, step=step, loss=loss,
                                   samples_per_s=max(0.0, samples_per_s),
-                                  busy_fraction=min(1.0, max(0.0, busy_fraction)), peak_bytes=max(0, peak_bytes)))
+                                  busy_fraction=min(1.0, max(0.0, busy_fraction)), peak_bytes=max(0, peak_bytes),
+                                  compute_s=max(0.0, compute_s)))
 
     def checkpointed(self, step: int, path: str, stalled_s: float) -> None:
         self._send(WorkerCheckpointed(job=self.job, epoch=self.epoch, rank=self.rank, step=step, path=path,

@@ -46,6 +46,7 @@ from trainer.engine import hooks, setup
 from trainer.engine import weights as stage_weights
 from trainer.engine.agreement import StepAgreement
 from trainer.engine.checkpoints import WorkerCheckpoints
+from trainer.engine.compute_clock import ComputeClock
 from trainer.engine.control import STOPPED_EXIT_CODE, ControlClient, StepAbandoned, StopRequested
 from trainer.engine.executor import StageExecutor
 from trainer.engine.groups import ProcessGroups
@@ -252,14 +253,16 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         table = self._table(self.schedule, len(micro), self.recompute)
         self.optimizer.zero_grad(set_to_none=True)
         result: dict[str, object] = {}
+        draws = self._draws(len(micro), setup.shard_size(inputs))
+        clock = ComputeClock(self.channel, self.device)
         try:
             self.control.abandonable = True
             self.executor.run(
                 table, micro, weights, loss_scale=self.scaler.scale,
-                handlers={Kind.ALLREDUCE: self._allreduce,
-                          Kind.STEP: lambda: result.update(self._optimizer_step(clip_grad_max_norm))},
+                handlers={Kind.ALLREDUCE: clock.apart(self._allreduce),
+                          Kind.STEP: clock.apart(lambda: result.update(self._optimizer_step(clip_grad_max_norm)))},
                 before_last_backward=self.reducer.arm,
-                draws=self._draws(len(micro), setup.shard_size(inputs)),
+                draws=draws,
             )
         except OUT_OF_MEMORY as exc:   # before _BROKEN_EPOCH: CUDA's is a RuntimeError, and this is no lost peer
             raise self.memory.out_of_memory(self.stage, self.plan.P, exc) from exc
@@ -268,6 +271,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             raise
         finally:
             self.control.abandonable = False
+        computed_s = clock.computed_s()
         self.iteration += 1
         self._applied = False
         if self.recorder.enabled:
@@ -283,7 +287,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         elapsed = time.perf_counter() - start
         blocked = (self.channel.wait_s if self.channel is not None else 0.0) - waited
         self.control.progress(self.iteration - 1, result["loss"], self.batch_size / elapsed,
-                              1.0 - blocked / elapsed, self.memory.peak_bytes())
+                              1.0 - blocked / elapsed, self.memory.peak_bytes(), computed_s / len(micro))
         try:
             self.control.abandonable = True   # a checkpoint's collectives: the state is the step's, whole
             self._after_step()

@@ -246,6 +246,11 @@ class JobState:
     # device kind -> the share of a slot's memory the planner counts on for this job, lowered each
     # time a stage of that kind ran out of memory (absent: all of it)
     memory_scale: dict[str, float] = field(default_factory=dict)
+    # slot ("member/index") -> how many times slower than the fastest slot of its kind it computes,
+    # as measured in the running epoch (varunad.control.speeds); stragglers: those the leader plans
+    # around
+    paces: dict[str, float] = field(default_factory=dict)
+    stragglers: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.state not in STATES:

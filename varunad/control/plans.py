@@ -37,6 +37,7 @@ from trainer.planning.planner import Plan, PlanError, Slot
 from trainer.planning.schedule import DEFAULT_SCHEDULE
 from varunad.cluster.facts import DaemonMember
 from varunad.control.jobs import JobSpec
+from varunad.control.speeds import slowed_calibrations, slowed_kind
 from varunad.store import schemas
 from varunad.store.keys import check_component
 
@@ -236,26 +237,35 @@ def make_plan(
     calibrated: bool,
     reason: str,
     memory_scale: Mapping[str, float] | None = None,
+    slowdowns: Mapping[str, float] | None = None,
 ) -> tuple[PlanDoc, Plan]:
     """Plan ``spec`` on the usable slots of ``members`` ((member, lease id) pairs). Raises
     PlanError when nothing fits (the caller keeps the job waiting with that reason).
     ``memory_scale``: device kind -> the share of its slots' memory to plan with (the job's,
-    lowered after a stage of that kind ran out)."""
+    lowered after a stage of that kind ran out). ``slowdowns``: slot id ("member/index") -> how
+    many times slower than its kind that slot computes (`varunad.control.speeds`, stragglers)."""
     slots: list[Slot] = []
     by_id: dict[str, tuple[DaemonMember, int]] = {}
     incarnations = {}
+    slowed: set[tuple[str, float]] = set()
     for member, lease in members:
         for i in range(member.usable_slots):
             slot_id = f"{member.name}/{i}"
             share = (memory_scale or {}).get(member.device_kind, 1.0)
-            slots.append(Slot(slot_id, member.host, member.device_kind, max(1, int(member.memory_bytes * share))))
+            factor = (slowdowns or {}).get(slot_id, 1.0)
+            if factor > 1.0 and member.device_kind in calibrations:
+                slowed.add((member.device_kind, factor))
+            else:
+                factor = 1.0
+            slots.append(Slot(slot_id, member.host, slowed_kind(member.device_kind, factor),
+                              max(1, int(member.memory_bytes * share))))
             by_id[slot_id] = (member, i)
         if member.usable_slots:
             incarnations[member.name] = lease
     if not slots:
         raise PlanError("no member offers a usable slot", hint="start varunad on more VMs")
     sizes = spec.micro_batch_sizes()
-    result = planner.plan(slots, spec.batch_size, dict(calibrations), schedule=spec.schedule,
+    result = planner.plan(slots, spec.batch_size, slowed_calibrations(calibrations, slowed), schedule=spec.schedule,
                           micro_batch_sizes=sizes)
     plan_slots = []
     for slot_id, (stage, replica) in sorted(result.assignment.items()):

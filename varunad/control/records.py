@@ -112,6 +112,7 @@ class Progress:
     member: str = ""
     at: float = 0.0
     peak_bytes: int = 0   # the most memory the worker's stage held since it was built (0: not measured)
+    compute_s: float = 0.0   # the stage's compute per micro-batch in this step, waits left out (0: not measured)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

@@ -134,6 +134,9 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
         "stages": stage_memory(plan, current),
         "restarts": state.restarts, "error": state.error,
         "store_failing": await _store_failing(store, keys, job, state.epoch) if state.state in _LIVE else None,
+        # slot -> how many times slower than the fastest of its kind it computes; the stragglers
+        # among them are the slots the plan works around (varunad.control.speeds)
+        "paces": dict(state.paces), "stragglers": dict(state.stragglers),
         "warnings": await _notes(store, keys, job),
         "epochs": {str(e): list(r) for e, r in sorted(ranges.items())},
         "steps_trained_twice": steps_trained_twice(ranges),
@@ -206,6 +209,18 @@ def memory_lines(stages: list[dict[str, Any]]) -> list[str]:
             f", usable {mb(st['capacity'])}" + (" (over)" if st["peak"] and st["capacity"]
                                                and st["peak"] > st["capacity"] else "")
             for st in stages]
+
+
+def speed_lines(paces: dict[str, float], stragglers: dict[str, float]) -> list[str]:
+    """`varunactl status JOB` and the report: the stragglers, then each slot's measured speed."""
+    lines = [f"straggler {slot}: computes {factor:.1f}x slower than the fastest slot of its kind"
+             + (" (planned around)" if slot not in paces else "")
+             for slot, factor in sorted(stragglers.items(), key=lambda x: -x[1])]
+    if paces:
+        lines.append("speed     " + ", ".join(f"{slot} {pace:.2f}x" for slot, pace in
+                                              sorted(paces.items(), key=lambda x: (-x[1], x[0]))[:12])
+                     + " (compute per micro-batch over its kind's fastest)")
+    return lines
 
 
 def activity(state: str, change: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from varunad.cluster.facts import parse_member
 from varunad.control.fleet import read_plan
 from varunad.control.jobs import BundleError, JobSpec, JobSpecError, bundle_digest, pack_bundle
-from varunad.control.status import job_queue, job_status, memory_lines, plan_lines, read_state
+from varunad.control.status import job_queue, job_status, memory_lines, plan_lines, read_state, speed_lines
 from varunad.store.contract import (
     HistoryCompacted,
     Store,
@@ -237,6 +237,7 @@ def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
         f"plan      epoch {doc['epoch']}: {shape} on {', '.join(plan['members']) or '-'}",
         *plan_lines(plan),
         *memory_lines(doc.get("stages") or []),
+        *speed_lines(doc.get("paces") or {}, doc.get("stragglers") or {}),
         f"step      {doc['step']}" + (f" of {doc['steps']}" if doc.get("steps") else "") + " done"
         + (f", loss {doc['loss']:.4f} (step {doc['step'] - 1})" if doc["loss"] is not None and doc["step"] else "")
         + (f", {doc['samples_per_s']:.1f} samples/s" if doc["samples_per_s"] else "")

@@ -92,6 +92,12 @@ def _store_failing(doc: dict[str, Any]) -> str:
     return _one_line(doc.get("store_failing") or "", 100)
 
 
+def _stragglers(doc: dict[str, Any]) -> str:
+    slow = doc.get("stragglers") or {}
+    return ("straggler " + ", ".join(f"{slot} {factor:.1f}x slower" for slot, factor in sorted(slow.items()))
+            if slow else "")
+
+
 def _state_word(doc: dict[str, Any]) -> str:
     """Nothing while running; otherwise the state in status's words (restarting, stopping or
     morphing for a job between plans) and why (e.g. queued while the model is calibrated)."""
@@ -114,14 +120,15 @@ def bar_line(doc: dict[str, Any], steps: int, width: int = 20) -> str:
     step = min(int(doc.get("step") or 0), steps)
     filled = width * step // max(steps, 1)
     parts = [f"{doc['job']} [{'#' * filled}{'.' * (width - filled)}] {step}/{steps}",
-             _numbers(doc), _shape(doc), _state_word(doc), _redoing(doc), _store_failing(doc)]
+             _numbers(doc), _shape(doc), _state_word(doc), _redoing(doc), _store_failing(doc), _stragglers(doc)]
     return " ".join(p for p in parts if p)
 
 
 def plain_line(doc: dict[str, Any], steps: int) -> str:
     """``job step/steps state: loss .. samples/s PxD mb M epoch E``."""
     step = min(int(doc.get("step") or 0), steps)
-    details = " ".join(p for p in (_numbers(doc), _shape(doc), _redoing(doc), _store_failing(doc)) if p)
+    details = " ".join(p for p in (_numbers(doc), _shape(doc), _redoing(doc), _store_failing(doc), _stragglers(doc))
+                       if p)
     return f"{doc['job']} {step}/{steps} {_state_word(doc) or 'running'}" + (f": {details}" if details else "")
 
 

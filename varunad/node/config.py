@@ -123,6 +123,14 @@ class DaemonConfig:
     """On SIGTERM, how long to wait for the checkpoint before leaving (0 = stop_grace + 5)."""
     scale_up_threshold: float = 0.1
     """A running job is re-planned onto new members only if the estimate improves by more than this fraction."""
+    straggler_threshold: float = 1.5
+    """A slot whose measured compute per micro-batch is this many times its kind's fastest slot's
+    (alone of its kind: its calibration's) is a straggler, and plans weigh it by its speed (0 = off)."""
+    straggler_window: int = 3
+    """Progress reports in a row a slot must be slow (or fast again) in before it is called a
+    straggler (or no longer one)."""
+    straggler_forget: float = 1800.0
+    """Seconds after its last measurement that a straggler no plan uses is tried again at full speed."""
     max_restarts: int = 3
     """Failed epochs (a worker error, not a lost member) before a job fails."""
     debounce: float = 0.5
@@ -171,6 +179,11 @@ class DaemonConfig:
             raise DaemonConfigError(f"--abort-grace {self.abort_grace} must be shorter than --stop-grace {self.stop_grace}")
         if self.scale_up_threshold < 0:
             raise DaemonConfigError("--scale-up-threshold must be >= 0 (a fraction: 0.1 means 10% faster)")
+        if not 0 <= self.straggler_threshold or 0 < self.straggler_threshold <= 1:
+            raise DaemonConfigError(f"--straggler-threshold {self.straggler_threshold} must be above 1 (a slowdown "
+                                    "factor: 1.5 means 1.5x slower than the fastest slot of its kind), or 0 for off")
+        if self.straggler_window < 1 or not self.straggler_forget > 0:
+            raise DaemonConfigError("--straggler-window must be at least 1 and --straggler-forget positive")
         if self.calibrate not in ("uniform", "profile"):
             raise DaemonConfigError(f"--calibrate must be uniform or profile, got {self.calibrate!r}")
         if (self.etcd_cert is None) != (self.etcd_key is None):
@@ -326,6 +339,16 @@ def build_parser() -> argparse.ArgumentParser:
       help="on SIGTERM, longest wait for the checkpoint (default stop-grace + 5)")
     a("--scale-up-threshold", type=float, metavar="FRACTION",
       help="re-plan a running job onto new VMs only if it gets this much faster (default 0.1)")
+    a("--straggler-threshold", type=float, metavar="FACTOR",
+      help="a slot computing this many times slower than the fastest of its device kind (alone of its kind: "
+           "than its calibration) is a straggler: plans give it less work or leave it idle, and status names "
+           "it (default 1.5; 0 = off)")
+    a("--straggler-window", type=int, metavar="N",
+      help="progress reports in a row a slot must be slow, or fast again, in to become, or stop being, a "
+           "straggler (default 3)")
+    a("--straggler-forget", type=float, metavar="SECONDS",
+      help="a straggler no plan uses is tried again at full speed this long after its last measurement "
+           "(default 1800)")
     a("--max-restarts", type=int, metavar="N", help="failed epochs before a job fails (default 3)")
     a("--debounce", type=float, metavar="SECONDS", help="seconds to collect changes before re-planning (default 0.5)")
     a("--start-timeout", type=float, metavar="SECONDS",

@@ -45,7 +45,9 @@ from varunad.control.links import LinkSurvey
 from varunad.control.plans import PlanDoc, describe
 from varunad.control.records import Progress
 from varunad.control.resume import ResumeSource, complete_manifest, resume_source
+from varunad.control.speeds import SlotSpeeds
 from varunad.node.config import DaemonConfig
+from varunad.node.leader_pace import LeaderPace
 from varunad.node.leader_planning import LeaderPlanning
 from varunad.node.metrics import DaemonMetrics
 from varunad.node.peers import PeerClients, SilentMembers
@@ -69,7 +71,7 @@ class _Deposed(Exception):
     pass
 
 
-class Leader(LeaderPlanning):
+class Leader(LeaderPlanning, LeaderPace):
     """Runs while this daemon leads; cancelled when it stops leading."""
 
     def __init__(self, *, config: DaemonConfig, store: Store, keys: Keys, election: Election,
@@ -88,6 +90,8 @@ class Leader(LeaderPlanning):
         self._changed = asyncio.Event()
         self._last_sentence = ""
         self._reports: set[asyncio.Task[None]] = set()  # end-of-job reports being written
+        self.speeds = SlotSpeeds(threshold=config.straggler_threshold, window=config.straggler_window,
+                                 forget_s=config.straggler_forget)
         self.links = LinkSurvey(store, keys, timeout=config.retry_timeout, put=election.write_as_leader,
                                 term=lambda: election.state.term, clock=clock)
 
@@ -164,7 +168,10 @@ class Leader(LeaderPlanning):
         log.log(logging.DEBUG if sentence == self._last_sentence else logging.INFO, "%s", sentence)
         self._last_sentence = sentence
         try:
-            return await self._execute(decision, snap)
+            acted = await self._execute(decision, snap)
+            if not acted and decision.action == "nothing":
+                acted = await self._pace(snap)   # nothing else to do: how fast each slot computes
+            return acted
         except NotLeader as exc:
             raise _Deposed(str(exc)) from None
         except StoreError as exc:

@@ -22,18 +22,25 @@ from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet
 from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
 from varunad.control.links import apply_links
 from varunad.control.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
+from varunad.control.speeds import base_kind
 
 __all__ = ["LeaderPlanning"]
 
 log = logging.getLogger("varunad.node.leader")   # the leader's log, one logger name for all its lines
 
 
-def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot) -> dict:
+def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot, slowdowns: dict[str, float]) -> dict:
     """What the end-of-job report needs beyond ``describe`` (which has the per-stage recompute
     flags): devices per kind (to price the run) and the planner's other per-stage choices (to
     replay its prediction in the simulator)."""
     kinds = Counter(snap.members[s.member][0].device_kind for s in doc.slots)
-    return {"device_kinds": dict(kinds), "stage_kinds": [st.device_kind for st in planned.stages],
+    stage_kinds = [base_kind(st.device_kind) for st in planned.stages]   # a straggler's own kind -> its kind
+    return {"device_kinds": dict(kinds), "stage_kinds": [kind for kind, _ in stage_kinds],
+            # what each stage's compute per micro-batch should take at its kind's full speed (the
+            # leader measures each slot against it), and the slowdown the plan assumed there
+            "stage_compute_s": [st.compute_s / factor for st, (_, factor) in zip(planned.stages, stage_kinds)],
+            "stage_slowdown": [factor for _, factor in stage_kinds],
+            "slowdowns": dict(slowdowns),   # the stragglers planned for (slot -> slowdown)
             "link_kinds": list(planned.link_kinds),
             "allreduce_kinds": list(planned.allreduce_kinds), "micro_batches": planned.micro_batches,
             # why this plan (varunactl status JOB and the report say it): the runners-up and their
@@ -117,8 +124,9 @@ class LeaderPlanning:
         try:
             if not members:
                 raise PlanError("no member offers a usable slot that answers")
+            slowdowns = self._slowdowns()
             doc, planned = make_plan(spec, members, cals, calibrated=measured, reason=reason,
-                                     memory_scale=state.memory_scale)
+                                     memory_scale=state.memory_scale, slowdowns=slowdowns)
         except PlanError as exc:
             why = f"waiting for a plan: {exc}" + "".join(
                 f" (counting {100 * share:.0f}% of a {kind} slot's memory: a stage of this job ran out)"
@@ -149,7 +157,7 @@ class LeaderPlanning:
             now = f"resumed as {doc.shape} on {', '.join(doc.members)} after {info['cause']}"
         await self._put_state(state.but(state="running", change="", reason=now, epoch=epoch,
                                         epochs=state.epochs + (epoch,),
-                                        plan={**describe(doc, epoch), **_report_facts(doc, planned, snap)},
+                                        plan={**describe(doc, epoch), **_report_facts(doc, planned, snap, slowdowns)},
                                         morphs=morphs[-50:], started_at=state.started_at or planned_at,
                                         store=job_store(spec, self.config.store),
                                         calibration_ended=state.calibration_ended or
@@ -186,7 +194,8 @@ class LeaderPlanning:
         cals = apply_links(cals, self.links.measured([m.name for m, _ in members]))
         try:
             scales = snap.states[d.job].memory_scale if d.job in snap.states else None
-            doc, _ = make_plan(entry.spec, members, cals, calibrated=measured, reason=d.reason, memory_scale=scales)
+            doc, _ = make_plan(entry.spec, members, cals, calibrated=measured, reason=d.reason, memory_scale=scales,
+                               slowdowns=self._slowdowns())
         except PlanError as exc:
             log.info("leader: no better plan for %s: %s", d.job, exc)
             return False

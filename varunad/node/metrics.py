@@ -28,6 +28,10 @@ name                                type     labels              meaning
 ``since_step``                                                   worker's writes (full, read-only, failing): the
                                                                  step since which it does; the series goes when
                                                                  a write succeeds again
+``varunad_slot_slowdown``            gauge    slot, straggler     served by the leader: how many times slower than
+                                                                 the fastest slot of its device kind each slot of
+                                                                 the running job computes (1 = as fast); straggler
+                                                                 is "1" for the slots plans now work around
 ==================================  =======  ==================  ===============================================
 
 Job series keep their last value after the job ends (a finished job's final loss stays visible);
@@ -65,7 +69,7 @@ METRIC_NAMES = (
     "varunad_members", "varunad_leader", "varunad_plan_epoch", "varunad_workers", "varunad_job_step",
     "varunad_job_loss", "varunad_samples_per_second", "varunad_stage_busy_fraction", "varunad_morphs_total",
     "varunad_checkpoint_seconds", "varunad_bad_documents_total", "varunad_task_restarts_total",
-    "varunad_dropped_messages_total", "varunad_checkpoints_failing_since_step",
+    "varunad_dropped_messages_total", "varunad_checkpoints_failing_since_step", "varunad_slot_slowdown",
 )
 """Every documented name, as it appears in the exposition (for tests and docs)."""
 
@@ -111,6 +115,9 @@ class DaemonMetrics:
         self.checkpoints_failing_since_step = Gauge(
             "varunad_checkpoints_failing_since_step", "While the checkpoint store refuses a local worker's writes: "
             "the step since which it does", ["job", "rank", "reason"], registry=r)
+        self.slot_slowdown = Gauge(
+            "varunad_slot_slowdown", "Leader: how many times slower than the fastest slot of its kind each slot "
+            "of the running job computes", ["slot", "straggler"], registry=r)
         self._failing: dict[tuple[str, int], str] = {}   # (job, rank) -> the reason of its failing series
         self.before_scrape: Callable[[], Awaitable[None]] | None = None
         self._stage_of: dict[int, int] = {}
@@ -163,6 +170,16 @@ class DaemonMetrics:
             reason = error.split(" (", 1)[0][:120]
             self._failing[(job, rank)] = reason
             self.checkpoints_failing_since_step.labels(job=job, rank=str(rank), reason=reason).set(since)
+
+    def slot_paces(self, paces: Mapping[str, float], stragglers: Mapping[str, float]) -> None:
+        """The leader's measured slowdown of each slot of the running job (the series of slots no
+        longer measured go)."""
+        self.slot_slowdown.clear()
+        for slot, pace in paces.items():
+            self.slot_slowdown.labels(slot=slot, straggler="1" if slot in stragglers else "0").set(pace)
+        for slot, pace in stragglers.items():
+            if slot not in paces:   # planned around, so idle: its last measurement
+                self.slot_slowdown.labels(slot=slot, straggler="1").set(pace)
 
     # -- exposition ---------------------------------------------------------------------------------
 

@@ -446,7 +446,7 @@ class Supervisor(WorkerStopping):
         self.reporter.record_progress(Progress(job=msg.job, epoch=msg.epoch, rank=msg.rank, step=msg.step,
                                                loss=msg.loss, samples_per_s=msg.samples_per_s,
                                                busy_fraction=msg.busy_fraction, member=self.name, at=now,
-                                               peak_bytes=msg.peak_bytes),
+                                               peak_bytes=msg.peak_bytes, compute_s=msg.compute_s),
                                       reports_job=reports_job)
         self.metrics.worker_progress(job=msg.job, rank=msg.rank, step=msg.step, loss=msg.loss,
                                      samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,

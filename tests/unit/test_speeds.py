@@ -1,0 +1,129 @@
+"""Measured speed per slot, stragglers with hysteresis, and plans around a slow slot
+(varunad.control.speeds, varunad.control.plans.make_plan's ``slowdowns``)."""
+
+from __future__ import annotations
+
+import pytest
+from support.calibrations import calibration
+from support.decisions import member, spec
+
+from trainer.planning.calibration import LinkCost
+from varunad.control.plans import make_plan, uniform_calibration
+from varunad.control.records import Progress
+from varunad.control.speeds import Expected, SlotSpeeds, base_kind, bucket, slowed_calibrations, slowed_kind
+
+LINKS = {"intra": LinkCost(50e-6, 5e9), "inter": LinkCost(200e-6, 1e9)}
+
+
+def _expected(n: int = 3, compute_s: float = 0.01) -> dict[int, Expected]:
+    return {r: Expected(f"d{r + 1}/0", "cpu", compute_s) for r in range(n)}
+
+
+def _feed(speeds: SlotSpeeds, steps: range, per_rank: dict[int, float], epoch: int = 7, t0: float = 0.0) -> list[bool]:
+    """One progress round per step: rank r reports compute per_rank[r] (seconds per micro-batch)."""
+    changed = []
+    for step in steps:
+        progress = [Progress(job="j", epoch=epoch, rank=r, step=step, loss=1.0, samples_per_s=1.0, busy_fraction=1.0,
+                             compute_s=c) for r, c in per_rank.items()]
+        changed.append(speeds.observe(epoch, _expected(len(per_rank)), progress, now=t0 + step))
+    return changed
+
+
+def test_a_slot_slower_than_its_kind_for_a_window_becomes_a_straggler_and_its_peers_do_not():
+    speeds = SlotSpeeds(threshold=1.5, window=3, forget_s=600)
+    # the whole fleet 1.6x slower than calibrated (a ring sharing cores): nobody is a straggler
+    changed = _feed(speeds, range(0, 5), {0: 0.016, 1: 0.017, 2: 0.016})
+    assert not any(changed) and speeds.stragglers == {}
+    assert speeds.paces == pytest.approx({"d1/0": 1.0, "d2/0": 1.06, "d3/0": 1.0}, abs=0.01)
+    # d3 turns 4x slower: a straggler only after `window` slow reports in a row, not at the first
+    changed = _feed(speeds, range(5, 10), {0: 0.016, 1: 0.016, 2: 0.064})
+    assert changed.index(True) == 2 and speeds.stragglers == {"d3/0": pytest.approx(4.0, rel=0.01)}
+    assert speeds.slowdowns() == {"d3/0": 4.0}
+
+
+def test_the_first_step_of_an_epoch_and_repeated_steps_are_not_measured():
+    speeds = SlotSpeeds(threshold=1.5, window=1, forget_s=600)
+    _feed(speeds, range(0, 1), {0: 0.01, 1: 0.5})     # the first step: warming up, not its pace
+    assert speeds.stragglers == {} and speeds.paces == {}
+    _feed(speeds, range(1, 2), {0: 0.01, 1: 0.01})
+    _feed(speeds, range(1, 2), {0: 0.01, 1: 0.5})     # the same step again says nothing new
+    assert speeds.stragglers == {}
+
+
+def test_hysteresis_a_straggler_near_the_threshold_stays_one_until_clearly_fast_again():
+    speeds = SlotSpeeds(threshold=1.5, window=2, forget_s=600)
+    _feed(speeds, range(0, 4), {0: 0.01, 1: 0.02})
+    assert "d2/0" in speeds.stragglers
+    _feed(speeds, range(4, 8), {0: 0.01, 1: 0.0145})   # below the threshold, above threshold * RECOVER
+    assert "d2/0" in speeds.stragglers
+    changed = _feed(speeds, range(8, 12), {0: 0.01, 1: 0.010})
+    assert True in changed and speeds.stragglers == {}
+
+
+def test_a_straggler_no_plan_measures_is_forgotten_after_forget_s_and_a_new_leader_adopts_the_old_ones():
+    speeds = SlotSpeeds(threshold=1.5, window=1, forget_s=30)
+    _feed(speeds, range(0, 3), {0: 0.01, 1: 0.01, 2: 0.05})
+    assert set(speeds.stragglers) == {"d3/0"}
+    # the next epoch runs without d3: nothing measures it, until forget_s after its last report
+    two = {0: Expected("d1/0", "cpu", 0.01), 1: Expected("d2/0", "cpu", 0.01)}
+    for t in (10, 31):
+        progress = [Progress(job="j", epoch=8, rank=r, step=t, loss=1.0, samples_per_s=1.0, busy_fraction=1.0,
+                             compute_s=0.01) for r in two]
+        speeds.observe(8, two, progress, now=t)
+    assert set(speeds.stragglers) == {"d3/0"}
+    assert speeds.observe(8, two, [], now=40) is True and speeds.stragglers == {}
+    heir = SlotSpeeds(threshold=1.5, window=1, forget_s=30)
+    heir.adopt({"d3/0": 5.0, "bad": "x", "d1/0": 0.5}, now=0.0)
+    assert heir.slowdowns() == {"d3/0": 5.7}
+
+
+def test_a_kind_with_one_measured_slot_is_compared_with_its_calibration_and_threshold_0_is_off():
+    alone = SlotSpeeds(threshold=1.5, window=1, forget_s=600)
+    _feed(alone, range(0, 3), {0: 0.03})
+    assert alone.stragglers == {"d1/0": 3.0}
+    off = SlotSpeeds(threshold=0, window=1, forget_s=600)
+    _feed(off, range(0, 3), {0: 0.01, 1: 0.05})
+    assert off.stragglers == {} and off.paces["d2/0"] == 5.0
+
+
+def test_slowed_kinds_round_trip_and_scale_only_compute():
+    assert [bucket(f) for f in (0.5, 1.0, 1.2, 2.1, 3.7, 6.0)] == [1.0, 1.0, 1.4, 2.0, 4.0, 5.7]
+    assert base_kind(slowed_kind("NVIDIA A100-SXM4-80GB", 2.8)) == ("NVIDIA A100-SXM4-80GB", 2.8)
+    assert base_kind("cpu~bad") == ("cpu~bad", 1.0) and slowed_kind("cpu", 1.0) == "cpu"
+    cal = calibration(4, step_s=1e-3, links=LINKS)
+    both = slowed_calibrations({"cpu": cal}, [("cpu", 4.0), ("gpu", 2.0)])
+    slow = both["cpu~4x"]
+    assert set(both) == {"cpu", "cpu~4x"} and slow.device_kind == "cpu~4x"
+    for a, b in zip(cal.segments, slow.segments):
+        assert (b.step_s, b.param_bytes, b.static_bytes) == (pytest.approx(4 * a.step_s), a.param_bytes, a.static_bytes)
+        for x, y in zip(a.costs, b.costs):
+            assert y.forward_s == pytest.approx(4 * x.forward_s) and y.backward_s == pytest.approx(4 * x.backward_s)
+            assert y.activation_bytes == x.activation_bytes
+
+
+def test_a_plan_leaves_a_much_slower_slot_idle_where_using_it_costs_more_than_it_brings():
+    s = spec(batch_size=12)
+    members = [(member(f"d{i}"), 100 + i) for i in (1, 2, 3)]
+    cals = {"cpu": uniform_calibration(s, "cpu")}
+    even, _ = make_plan(s, members, cals, calibrated=False, reason="t")
+    assert (even.plan.P, even.plan.D) == (1, 3)
+    doc, planned = make_plan(s, members, cals, calibrated=False, reason="t", slowdowns={"d3/0": 4.0})
+    assert doc.members == ("d1", "d2") and (doc.plan.P, doc.plan.D) == (1, 2)
+    assert doc.estimated_s < even.estimated_s * 4   # what 1x3 would take at d3's pace
+    assert any("cpu~4x" in n and "left out" in n for n in planned.notes)
+
+
+def test_a_pipeline_gives_a_slower_slot_fewer_layers_where_it_cannot_leave_it_out():
+    """Two slots, a model that fits neither alone: both are needed, the slow one takes less."""
+    s = spec(batch_size=8)
+    members = [(member("d1"), 101), (member("d2"), 102)]
+    cal = calibration(12, sizes=(1, 2, 4, 8), param_bytes=40 << 20, optimizer_bytes=0, links=LINKS)
+    even, _ = make_plan(s, members, {"cpu": cal}, calibrated=True, reason="t")
+    doc, planned = make_plan(s, members, {"cpu": cal}, calibrated=True, reason="t", slowdowns={"d2/0": 2.0})
+    assert (even.plan.P, doc.plan.P) == (2, 2)
+    kinds = [st.device_kind for st in planned.stages]
+    slow_stage = kinds.index("cpu~2x")
+    sizes = [st.end_segment - st.first_segment for st in planned.stages]
+    assert sizes[slow_stage] < sizes[1 - slow_stage], (kinds, sizes)
+    where = doc.plan.positions()
+    assert next(x.member for x in doc.slots if where[x.rank][0] == slow_stage) == "d2"

@@ -1,0 +1,143 @@
+"""The leader's view of how fast each slot of the running job computes, and the re-plan around a
+straggler (`varunad.control.speeds` has the measurements and the rules).
+
+`LeaderPace` is a part of `varunad.node.leader.Leader`. Every ``progress_interval`` while a job
+runs, it reads the ranks' progress, measures each slot against what the plan expected of its
+stage, and records the paces and stragglers in the job's state (``status`` shows them). When the
+stragglers differ from those the running plan assumed, it plans again with them; the job morphs
+(after a checkpoint, like a scale-up) only when the new plan is estimated faster, by more than
+``scale_up_threshold``, than the running plan at the measured speeds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from varunad.control.fleet import FleetSnapshot
+from varunad.control.decide import Decision
+from varunad.control.jobs import JobState
+from varunad.control.plans import PlanDoc, make_plan
+from varunad.control.links import apply_links
+from varunad.control.records import Progress
+from varunad.control.speeds import Expected, SlotSpeeds
+from trainer.planning.planner import PlanError
+
+__all__ = ["LeaderPace", "expected_of"]
+
+log = logging.getLogger("varunad.node.leader")   # the leader's log, one logger name for all its lines
+
+
+def expected_of(plan: PlanDoc, facts: dict, snap: FleetSnapshot) -> dict[int, Expected]:
+    """rank -> what the plan expects of it, from the run plan and the facts the leader recorded
+    with it (``stage_compute_s``); empty for a plan whose facts lack them (an older leader's)."""
+    compute = facts.get("stage_compute_s")
+    if plan.plan is None or not isinstance(compute, list):
+        return {}
+    where = plan.plan.positions()
+    out = {}
+    for s in plan.slots:
+        stage = where[s.rank][0]
+        member = snap.members.get(s.member)
+        if member is None or stage >= len(compute) or not isinstance(compute[stage], (int, float)):
+            continue
+        out[s.rank] = Expected(f"{s.member}/{s.slot}", member[0].device_kind, float(compute[stage]))
+    return out
+
+
+def _names(slowdowns: dict[str, float]) -> str:
+    return ", ".join(f"{slot} ({factor:.1f}x slower)" for slot, factor in sorted(slowdowns.items()))
+
+
+class LeaderPace:
+    speeds: SlotSpeeds
+    _next_pace: float = 0.0
+    _pace_considered: tuple[int, tuple] | None = None
+    _pace_adopted: bool = False
+
+    def _slowdowns(self) -> dict[str, float]:
+        return self.speeds.slowdowns()
+
+    async def _pace(self, snap: FleetSnapshot) -> bool:
+        """Measure the running job's slots; True when it started a morph around a straggler."""
+        plan = snap.plan
+        now = self.clock()
+        if plan is None or plan.kind != "run" or not plan.job or now < self._next_pace:
+            return False
+        self._next_pace = now + self.config.progress_interval
+        state = snap.states.get(plan.job)
+        if state is None or state.epoch != snap.plan_epoch or state.state != "running":
+            return False
+        if not self._pace_adopted:   # a new leader: the stragglers its predecessor planned around
+            self._pace_adopted = True
+            self.speeds.adopt(state.stragglers, now)
+        expected = expected_of(plan, state.plan, snap)
+        if not expected:
+            return False
+        progress = []
+        for kv in await self.store.get_prefix(self.keys.progress_of(plan.job), timeout=self.t):
+            try:
+                progress.append(Progress.decode(kv.value))
+            except ValueError:
+                continue   # a malformed record: the reporter's key, the schema check says why elsewhere
+        changed = self.speeds.observe(snap.plan_epoch, expected, progress, now)
+        paces, stragglers = dict(self.speeds.paces), dict(self.speeds.stragglers)
+        self.metrics.slot_paces(paces, stragglers)
+        if changed:
+            if stragglers:
+                log.warning("leader: %s: stragglers: %s", plan.job, _names(stragglers))
+            else:
+                log.info("leader: %s: no straggler any more", plan.job)
+        if _moved(state.paces, paces) or set(state.stragglers) != set(stragglers):
+            state = state.but(paces=paces, stragglers=stragglers)
+            await self._put_state(state)
+        wanted = self._slowdowns()
+        assumed = state.plan.get("slowdowns") or {}
+        key = (snap.plan_epoch, tuple(sorted(wanted.items())))
+        if wanted == assumed or key == self._pace_considered:
+            return False
+        self._pace_considered = key
+        return await self._replan_for_speed(snap, state, wanted, assumed)
+
+    async def _replan_for_speed(self, snap: FleetSnapshot, state: JobState, wanted: dict[str, float],
+                                assumed: dict[str, float]) -> bool:
+        plan = snap.plan
+        entry = snap.entry(state.job)
+        if plan is None or entry is None or entry.spec is None:
+            return False
+        members = await self._candidates(snap)
+        cals, measured, missing = await self._calibrations(entry.spec, sorted({m.device_kind for m, _ in members}))
+        if missing:
+            return False
+        cals = apply_links(cals, self.links.measured([m.name for m, _ in members]))
+        try:
+            doc, _ = make_plan(entry.spec, members, cals, calibrated=measured, reason="", slowdowns=wanted,
+                               memory_scale=state.memory_scale)
+        except PlanError as exc:
+            log.info("leader: no plan around the stragglers of %s: %s", state.job, exc)
+            return False
+        # the running plan at the measured speeds: its slowest slot sets the pace of every step
+        used = [f"{s.member}/{s.slot}" for s in plan.slots]
+        worst = max([wanted.get(slot, 1.0) / assumed.get(slot, 1.0) for slot in used] + [1.0])
+        current = plan.estimated_s * worst
+        gain = (current - doc.estimated_s) / current if current > 0 else 0.0
+        if (doc.plan, _placement(doc)) == (plan.plan, _placement(plan)) or gain <= self.config.scale_up_threshold:
+            log.info("leader: keeping %s as %s: planning around %s would gain %.1f%% (threshold %.1f%%)",
+                     state.job, plan.shape, _names(wanted) or "no straggler", 100 * gain,
+                     100 * self.config.scale_up_threshold)
+            return False
+        why = (f"{_names(wanted)} computes slower than the rest of its kind" if wanted
+               else "no slot is a straggler any more")
+        reason = (f"{why}: {doc.shape} on {', '.join(doc.members)} is estimated {100 * gain:.0f}% faster than "
+                  f"{plan.shape} at the measured speeds; checkpointing, then re-planning")
+        return await self._abort(snap, Decision("abort", reason, state.job, checkpoint=True))
+
+
+def _placement(doc: PlanDoc) -> tuple[tuple[int, str, int], ...]:
+    return tuple(sorted((s.rank, s.member, s.slot) for s in doc.slots))
+
+
+def _moved(before: dict[str, float], now: dict[str, float]) -> bool:
+    """Whether the recorded paces are worth writing again: a slot came or went, or one moved by 10%."""
+    if set(before) != set(now):
+        return True
+    return any(abs(now[k] - before[k]) > 0.1 * max(before[k], 1e-9) for k in now)
