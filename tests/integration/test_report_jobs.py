@@ -126,8 +126,10 @@ def test_a_daemon_job_ends_with_a_report_and_varunactl_report_redraws_it(tmp_pat
         for name in ("timeline.png", "timeline_predicted.png"):
             width, height = png_size(out / name)
             assert width == 1200 and height > 200, name
-        assert f"pictures {', '.join(PICTURES)}" in r.stdout, r.stdout
         report = json.loads((out / "report.json").read_text())
+        # five steps can end before the leader has measured any slot twice: no speeds, no speed.png
+        speeds = report["speeds"]["paces"] or report["speeds"]["stragglers"]
+        assert f"pictures {', '.join(p for p in PICTURES if speeds or p != 'speed.png')}" in r.stdout, r.stdout
         assert report["measured"]["workers"] == 2 and report["measured"]["warm"], report["measured"]
         for name in ("trace.json", "trace_predicted.json"):
             doc = json.loads((out / name).read_text())

@@ -15,7 +15,7 @@ from varunad.report.prices import DEFAULT_PRICES
 
 def morphed_report(root: Path) -> tuple[Path, dict]:
     """The report of a 60-step job that ran 2x2 on steps 0-27, lost vm4 (lease, re-plan), and
-    resumed as 2x1 from the checkpoint at step 20, traced in the new epoch."""
+    resumed as 2x1 from the checkpoint at step 20, traced in the new epoch, with two stragglers."""
     cal = report_calibration()
     events: list[dict] = []
     simulate(build_table("varuna", 2, 4, True), stage_costs([cal, cal], [0, 2, 4], 2, 1, ["inter"], ["inter"] * 2),
@@ -38,7 +38,10 @@ def morphed_report(root: Path) -> tuple[Path, dict]:
                      morphs=(lost,), plan=plan)
     status = {"step": 60, "epochs": {"1": [0, 27], "3": [20, 59]},
               "epoch_spans": {"1": [1003.0, 1098.0], "3": [1125.0, 1295.0]},
-              "loss_history": [[s, 4.0 / (1 + s / 10)] for s in range(60)]}
+              "loss_history": [[s, 4.0 / (1 + s / 10)] for s in range(60)],
+              # b/0 computes 2.4x slower than a/0 and the plan gives it fewer layers; c/0, slower
+              # still, is in no plan (no longer measured)
+              "paces": {"a/0": 1.0, "b/0": 2.4}, "stragglers": {"b/0": 2.4, "c/0": 3.1}}
     inputs = ReportInputs(spec=spec, state=state, status=status, calibrations={"cpu": cal.to_bytes()},
                           store_dir=str(root / "store"), now=1400.0)
     doc = build_report(inputs, root / "report", DEFAULT_PRICES)

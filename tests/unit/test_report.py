@@ -25,6 +25,7 @@ from varunad.report import (
     ReportInputs,
     build_report,
     cost_report,
+    format_report,
     morph_losses,
     pick_measured_step,
     predict,
@@ -295,7 +296,8 @@ def test_a_report_from_state_alone_notes_what_it_could_not_make(tmp_path):
     drawn, notes = draw_report(out)
     assert drawn == ["loss.png", "throughput.png"]
     assert notes == ["timeline.png: no trace.json (the report's notes say why)",
-                     "timeline_predicted.png: no trace_predicted.json (the report's notes say why)"]
+                     "timeline_predicted.png: no trace_predicted.json (the report's notes say why)",
+                     "speed.png: no slot speeds in report.json (none were measured, or the report predates them)"]
 
 
 # --- a run with a lost VM: its data and its pictures --------------------------------------------------------
@@ -370,6 +372,7 @@ def test_every_picture_is_a_png_drawn_from_the_data_also_with_varunactl_report_f
     assert drawn == list(PICTURES) and notes == []
     sizes = {name: png_size(tmp_path / "a" / name) for name in PICTURES}
     assert sizes["loss.png"] == (900, 450) and sizes["throughput.png"] == (900, 550)
+    assert sizes["speed.png"] == (900, 256)   # three slots: a/0, b/0 and c/0
     for name in ("timeline.png", "timeline_predicted.png"):   # two rows: stage 0 and stage 1
         assert sizes[name] == (1200, 270), name
     assert all(os.path.getsize(tmp_path / "a" / name) > 10_000 for name in PICTURES)   # drawn, not blank
@@ -379,3 +382,51 @@ def test_every_picture_is_a_png_drawn_from_the_data_also_with_varunactl_report_f
     assert varunactl(["report", "--from", str(tmp_path / "b")]) == 1   # pictures, but no data
     assert capsys.readouterr().err.strip() == (f"varunactl report: no report.json in {tmp_path / 'b'}: "
                                                "`varunactl report JOB --out DIR` writes a report there")
+
+
+# --- each slot's speed --------------------------------------------------------------------------------------
+
+def test_the_report_prints_the_stragglers_and_draws_each_slots_speed(morphed, tmp_path):
+    """b/0 computes 2.4x slower than a/0 and was planned around; c/0 (3.1x) is in no plan any more."""
+    from varunad.report.draw import speed_figure
+
+    report, doc = morphed
+    assert doc["speeds"] == {"paces": {"a/0": 1.0, "b/0": 2.4}, "stragglers": {"b/0": 2.4, "c/0": 3.1}}
+    assert json.loads((report / "report.json").read_text())["speeds"] == doc["speeds"]
+    assert ("straggler c/0: computes 3.1x slower than the fastest slot of its kind (planned around)\n"
+            "straggler b/0: computes 2.4x slower than the fastest slot of its kind\n"
+            "speed     b/0 2.40x, a/0 1.00x (compute per micro-batch over its kind's fastest)\n"
+            ) in (report / "report.txt").read_text()
+    (ax,) = speed_figure(doc).axes
+    assert ax.get_title() == "gpt: per-slot speed (2 stragglers)"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["c/0", "b/0", "a/0"]   # the stragglers first
+    bars = {t.get_text(): bar for t, bar in zip(ax.get_yticklabels(), ax.patches)}
+    assert {slot: bar.get_width() for slot, bar in bars.items()} == {"c/0": 3.1, "b/0": 2.4, "a/0": 1.0}
+    assert bars["b/0"].get_facecolor() != bars["a/0"].get_facecolor()   # a straggler stands out
+    assert [t.get_text() for t in ax.texts] == ["3.10x straggler", "2.40x straggler", "1.00x"]
+    (par,) = [line for line in ax.lines if line.get_label().startswith("1.0")]
+    assert list(par.get_xdata()) == [1.0, 1.0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "slot", "straggler: the plan works around it", "straggler left out of the last plan",
+        "1.0: as fast as the fastest of its kind"]
+    drawn, notes = draw_report(report, tmp_path)
+    assert "speed.png" in drawn and notes == []
+    assert png_size(tmp_path / "speed.png") == (900, 256) and os.path.getsize(tmp_path / "speed.png") > 10_000
+
+
+def test_a_report_from_before_slot_speeds_draws_everything_else(morphed, tmp_path):
+    report, doc = morphed
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in DATA_FILES:
+        (old / name).write_bytes((report / name).read_bytes())
+    before = {k: v for k, v in doc.items() if k != "speeds"}   # report.json as an older release wrote it
+    (old / "report.json").write_text(json.dumps(before))
+    (old / "speed.png").write_bytes(b"stale")   # drawn from other data: must not pass for this report's
+    drawn, notes = draw_report(old)
+    assert drawn == [name for name in PICTURES if name != "speed.png"]
+    assert notes == ["speed.png: no slot speeds in report.json (none were measured, or the report predates them)"]
+    assert not (old / "speed.png").exists()
+    assert all(png_size(old / name) for name in drawn)
+    text = format_report(before)
+    assert "straggler" not in text and "speed " not in text and text.startswith("job      gpt: done")

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-__all__ = ["CATEGORY_COLORS", "loss_figure", "timeline_figure", "throughput_figure", "save"]
+__all__ = ["CATEGORY_COLORS", "loss_figure", "timeline_figure", "throughput_figure", "speed_figure", "save"]
 
 # One colour per activity, as in the Varuna paper's schedule figure: compute in strong colours,
 # communication in its own thin lane under it (an asynchronous send overlaps compute).
@@ -236,4 +236,50 @@ def throughput_figure(report: Mapping[str, Any]) -> Figure:
     bottom.set_xlabel(f"time since the job started ({unit})")
     bottom.grid(True, alpha=0.3)
     top.set_title(f"{report.get('job', '')}: throughput and P × D over time".lstrip(": "))
+    return fig
+
+
+# --- per-slot speed -------------------------------------------------------------------------------------
+
+_PACE_LABEL, _STRAGGLER_LABEL = "slot", "straggler: the plan works around it"
+_UNUSED_LABEL, _PAR_LABEL = "straggler left out of the last plan", "1.0: as fast as the fastest of its kind"
+_MAX_SLOTS = 40   # beyond this the bars are too thin to read; the slowest are the ones that matter
+
+
+def speed_figure(report: Mapping[str, Any]) -> Figure:
+    """Each slot's slowdown (report.json's speeds): a bar per slot, how many times longer than the
+    fastest slot of its device kind it computes a micro-batch, slowest on top, a line at 1.0; the
+    stragglers in their own colour with their factor written beside them."""
+    speeds = report.get("speeds") or {}
+    paces = {str(k): float(v) for k, v in (speeds.get("paces") or {}).items()}
+    stragglers = {str(k): float(v) for k, v in (speeds.get("stragglers") or {}).items()}
+    # a straggler no plan uses any more is no longer measured: its last factor is all there is
+    factors = {**stragglers, **paces}
+    if not factors:
+        raise ValueError("the report has no slot speeds to draw")
+    order = sorted(factors, key=lambda slot: (slot not in stragglers, -factors[slot], slot))[:_MAX_SLOTS]
+    fig = _figure(9.0, 1.6 + 0.32 * len(order))
+    ax = fig.add_subplot()
+    seen = set()
+    for y, slot in enumerate(order):
+        kind = ("pace" if slot not in stragglers else "straggler" if slot in paces else "unused")
+        label = {"pace": _PACE_LABEL, "straggler": _STRAGGLER_LABEL, "unused": _UNUSED_LABEL}[kind]
+        ax.barh(y, factors[slot], height=0.6, color=_MORPH if kind != "pace" else CATEGORY_COLORS["forward"],
+                alpha=0.45 if kind == "unused" else 1.0, hatch="//" if kind == "unused" else None,
+                edgecolor="white" if kind != "unused" else _MORPH, label=None if kind in seen else label)
+        seen.add(kind)
+        ax.annotate(f"{factors[slot]:.2f}x" + (" straggler" if kind != "pace" else ""), xy=(factors[slot], y),
+                    xytext=(3, 0), textcoords="offset points", ha="left", va="center", fontsize=8,
+                    color=_MORPH if kind != "pace" else "black")
+    ax.axvline(1.0, color=_RESTART, ls="--", lw=1.2, label=_PAR_LABEL)
+    ax.set_yticks(range(len(order)), order)
+    ax.set_ylim(len(order) - 0.5, -0.5)
+    ax.set_xlim(0, max(max(factors[s] for s in order), 1.0) * 1.25)
+    ax.set_xlabel("compute per micro-batch over the fastest slot of its kind (1.0 = as fast)")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    _legend(ax, [_PACE_LABEL, _STRAGGLER_LABEL, _UNUSED_LABEL, _PAR_LABEL], **_BESIDE)
+    n = len(stragglers)
+    shown = f", the {len(order)} slowest of {len(factors)} slots" if len(order) < len(factors) else ""
+    ax.set_title(f"{report.get('job', '')}: per-slot speed ({n} straggler{'s' * (n != 1)}{shown})".lstrip(": "))
     return fig

@@ -4,6 +4,7 @@
     timeline.png             from trace.json: the measured step, a row per worker
     timeline_predicted.png   from trace_predicted.json: the simulator's replay of the plan
     throughput.png           from report.json: samples/s and P x D over the job's time
+    speed.png                from report.json: each slot's slowdown against its kind's fastest, stragglers marked
 
 matplotlib is the optional `report` extra (pip install 'varunad[report]'): varunad.report.draw
 is imported only here and only when a picture is asked for, and its absence is one clear
@@ -77,9 +78,18 @@ def draw_report(report_dir: str | os.PathLike[str], out_dir: str | os.PathLike[s
             job, "the plan's step as the simulator predicts it"
             + (f" ({100 * pred['error']:+.0f}% vs measured)" if pred and "error" in pred else "")))),
         "throughput.png": ("report.json", lambda d: draw.throughput_figure(d)),
+        "speed.png": ("report.json", lambda d: draw.speed_figure(d)),
     }
+    speeds = doc.get("speeds") or {}
+    # not a failure: a report from before slots' speeds were measured, or a job whose workers
+    # reported none, simply has no such picture
+    absent = {} if speeds.get("paces") or speeds.get("stragglers") else {
+        "speed.png": "no slot speeds in report.json (none were measured, or the report predates them)"}
     written, notes = [], []
     for png, (data, figure) in jobs.items():
+        if png in absent:
+            notes.append(f"{png}: {absent[png]}")
+            continue
         if not (src / data).is_file():
             notes.append(f"{png}: no {data} (the report's notes say why)")
             continue

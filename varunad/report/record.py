@@ -9,7 +9,8 @@
     trace_predicted.json     the simulator's replay of the job's plan from its calibration, as a Chrome trace
     cost.json                device-hours, cost at spot and on-demand prices, samples per dollar,
                              time lost to morphs (varunad.report.cost says what is counted)
-    report.json, report.txt  all of it summarised, with a row per run plan (shape, steps, samples/s);
+    report.json, report.txt  all of it summarised, with a row per run plan (shape, steps, samples/s)
+                             and each slot's measured speed (the stragglers among them);
                              report.txt is what varunactl prints
 
 Pictures are drawn from these files by `varunad.report.pictures` (matplotlib, the `report`
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from varunad.control.jobs import JobSpec, JobState, script_fingerprint
-from varunad.control.status import job_status, memory_lines, plan_lines
+from varunad.control.status import job_status, memory_lines, plan_lines, speed_lines
 from varunad.report.cost import Interval, cost_lines, cost_report, morph_losses, plural, run_intervals
 from varunad.report.prices import DevicePrice, load_prices
 from varunad.report.traces import MeasuredStep, Missing, chrome_trace, pick_measured_step, predict, stage_meta
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 DATA_FILES = ("loss.json", "trace.json", "trace_predicted.json", "cost.json", "report.json", "report.txt")
 # Drawn from the data by varunactl (varunad.report.pictures); named here so a new report clears old ones.
-PICTURES = ("loss.png", "timeline.png", "timeline_predicted.png", "throughput.png")
+PICTURES = ("loss.png", "timeline.png", "timeline_predicted.png", "throughput.png", "speed.png")
 _HISTORY_GRACE_S = 1.0  # daemons write the last loss history just after the workers' exit reports
 
 
@@ -186,6 +187,9 @@ def build_report(inputs: ReportInputs, out_dir: str | os.PathLike[str], prices: 
         "job": inputs.spec.job, "state": state.state, "reason": state.reason, "steps": status.get("step"),
         "batch_size": inputs.spec.batch_size, "shapes": shapes, "plan": state.plan,
         "memory": inputs.status.get("stages") or [],
+        # as the leader last measured them while the job ran (a slot's slowdown against the
+        # fastest of its kind); stragglers: the slots its plan was made around
+        "speeds": {"paces": dict(status.get("paces") or {}), "stragglers": dict(status.get("stragglers") or {})},
         "runs": _runs(inputs, intervals),
         "calibration": ([state.calibration_started, state.calibration_ended]
                         if state.calibration_started and state.calibration_ended else None),
@@ -255,6 +259,8 @@ def format_report(doc: dict[str, Any]) -> str:
     # the same explanation as `varunactl status JOB`
     lines += [ln.replace("why      ", "plan     ", 1) for ln in plan_lines(doc.get("plan") or {})]
     lines += memory_lines(doc.get("memory") or [])
+    speeds = doc.get("speeds") or {}
+    lines += speed_lines(speeds.get("paces") or {}, speeds.get("stragglers") or {})
     lines += cost_lines(doc["cost"])
     lines.append("files    " + ", ".join(doc["files"]))
     lines += [f"note     {n}" for n in doc["notes"]]
