@@ -393,8 +393,8 @@ def test_the_report_prints_the_stragglers_and_draws_each_slots_speed(morphed, tm
     report, doc = morphed
     assert doc["speeds"] == {"paces": {"a/0": 1.0, "b/0": 2.4}, "stragglers": {"b/0": 2.4, "c/0": 3.1}}
     assert json.loads((report / "report.json").read_text())["speeds"] == doc["speeds"]
-    assert ("straggler c/0: computes 3.1x slower than the fastest slot of its kind (planned around)\n"
-            "straggler b/0: computes 2.4x slower than the fastest slot of its kind\n"
+    assert ("straggler c/0: computes 3.1x slower than the fastest slot of its kind; planned around, idle in this plan\n"
+            "straggler b/0: computes 2.4x slower than the fastest slot of its kind; planned around\n"
             "speed     b/0 2.40x, a/0 1.00x (compute per micro-batch over its kind's fastest)\n"
             ) in (report / "report.txt").read_text()
     (ax,) = speed_figure(doc).axes

@@ -214,7 +214,7 @@ def memory_lines(stages: list[dict[str, Any]]) -> list[str]:
 def speed_lines(paces: dict[str, float], stragglers: dict[str, float]) -> list[str]:
     """`varunactl status JOB` and the report: the stragglers, then each slot's measured speed."""
     lines = [f"straggler {slot}: computes {factor:.1f}x slower than the fastest slot of its kind"
-             + (" (planned around)" if slot not in paces else "")
+             + ("; planned around" + (", idle in this plan" if slot not in paces else ""))
              for slot, factor in sorted(stragglers.items(), key=lambda x: -x[1])]
     if paces:
         lines.append("speed     " + ", ".join(f"{slot} {pace:.2f}x" for slot, pace in

@@ -116,7 +116,7 @@ class Leader(LeaderPlanning, LeaderPace):
                 if acted:
                     continue
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.config.loop_wait):
+                    async with asyncio.timeout(self._pause()):
                         await self._changed.wait()
                 if self._changed.is_set():
                     await asyncio.sleep(self.config.debounce)  # let related changes arrive together
@@ -127,6 +127,13 @@ class Leader(LeaderPlanning, LeaderPace):
             for w in watchers:
                 with contextlib.suppress(asyncio.CancelledError):
                     await w
+
+    def _pause(self) -> float:
+        """How long the loop may wait for a change: ``loop_wait``, or less while a job runs, so that
+        each slot's speed is measured at every progress write (LeaderPace), not every other."""
+        if not self._pacing:
+            return self.config.loop_wait
+        return min(self.config.loop_wait, max(0.05, self._next_pace - self.clock()))
 
     async def _watch(self, key: str, is_prefix: bool) -> None:
         while True:

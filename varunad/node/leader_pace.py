@@ -53,6 +53,7 @@ class LeaderPace:
     _next_pace: float = 0.0
     _pace_considered: tuple[int, tuple] | None = None
     _pace_adopted: bool = False
+    _pacing: bool = False   # a job runs: the loop wakes for each measurement
 
     def _slowdowns(self) -> dict[str, float]:
         return self.speeds.slowdowns()
@@ -61,7 +62,8 @@ class LeaderPace:
         """Measure the running job's slots; True when it started a morph around a straggler."""
         plan = snap.plan
         now = self.clock()
-        if plan is None or plan.kind != "run" or not plan.job or now < self._next_pace:
+        self._pacing = plan is not None and plan.kind == "run" and bool(plan.job)
+        if not self._pacing or now < self._next_pace:
             return False
         self._next_pace = now + self.config.progress_interval
         state = snap.states.get(plan.job)
@@ -125,8 +127,9 @@ class LeaderPace:
                      state.job, plan.shape, _names(wanted) or "no straggler", 100 * gain,
                      100 * self.config.scale_up_threshold)
             return False
-        why = (f"{_names(wanted)} computes slower than the rest of its kind" if wanted
-               else "no slot is a straggler any more")
+        measured = self.speeds.stragglers
+        why = (", ".join(f"{slot} computes {measured.get(slot, factor):.1f}x slower" for slot, factor in sorted(wanted.items()))
+               + " than the fastest slot of its kind" if wanted else "no slot is a straggler any more")
         reason = (f"{why}: {doc.shape} on {', '.join(doc.members)} is estimated {100 * gain:.0f}% faster than "
                   f"{plan.shape} at the measured speeds; checkpointing, then re-planning")
         return await self._abort(snap, Decision("abort", reason, state.job, checkpoint=True))
