@@ -25,6 +25,8 @@ p.add_argument("--dropout", type=float, default=0.0, help="the GPT's dropout (te
                "keyed_reference_run predicts the losses)")
 p.add_argument("--cheap-allreduce", action="store_true", help="calibrate all-reduces as nearly free: the planner "
                "then runs 4 slots as 2x2 (replicas to recover from) instead of 4x1")
+p.add_argument("--timed-calibration", action="store_true", help="scale the synthetic calibration's times by how long "
+               "a fixed piece of work takes on this slot: a slot held to a share of a core calibrates slower")
 args = p.parse_args()
 
 if os.environ.get("VARUNA_PROFILE"):
@@ -37,7 +39,19 @@ if os.environ.get("VARUNA_PROFILE"):
     links = {"intra": LinkCost(50e-6, 5e9), "inter": LinkCost(200e-6, 1e9)}
     allreduce = {"intra": LinkCost(50e-6, 1e11), "inter": LinkCost(1e-6, 1e11)} if args.cheap_allreduce else links
     sizes = (1, 2, 3, 4, 6)
-    costs = tuple(SegmentCost(1e-3 + 1e-3 * b, 2e-3 + 2e-3 * b, 1e-3 + 1e-3 * b, 1000 * b, 1000 * b) for b in sizes)
+    scale = 1.0
+    if args.timed_calibration:
+        # the faster of two runs of a fixed loop against its time on a free core; a quarter of a
+        # second, many periods of the kernel's CPU quota (100 ms), so that a quota shows in full
+        runs = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            sum(i * i for i in range(3_000_000))
+            runs.append(time.perf_counter() - t0)
+        scale = max(1.0, min(runs) / 0.25)
+        print(f"timed calibration: scale {scale:.2f}", flush=True)
+    costs = tuple(SegmentCost(scale * (1e-3 + 1e-3 * b), scale * (2e-3 + 2e-3 * b), scale * (1e-3 + 1e-3 * b),
+                              1000 * b, 1000 * b) for b in sizes)
     Calibration(model="tiny-gpt", device_kind="cpu", micro_batch_sizes=sizes, input_bytes=tuple(100 * b for b in sizes),
                 segments=(SegmentProfile(100_000_000, 100_000_000, 0.0, costs),) * 5, links=links,
                 allreduce=allreduce).save(os.environ["VARUNA_PROFILE"])

@@ -1,4 +1,5 @@
-"""A VM that turns slow mid-job is planned around (issue 33; varunad.control.speeds).
+"""A VM that turns slow mid-job is planned around, and two device kinds of unequal speed are
+planned together (issue 33; varunad.control.speeds).
 
 A ring of three real daemons trains the daemon tests' GPT job data-parallel. At step SLOW_AT,
 one daemon, with the workers it runs, is moved into a cgroup v1 cpu group held to a quarter of one
@@ -17,6 +18,8 @@ from support.cpu_quota import CpuQuota
 from support.reference import reference_run
 from support.ring import Ring
 
+from trainer.planning.calibration import Calibration
+from varunad.control.status import read_state
 from varunad.ctl.commands import print_job
 
 pytestmark = pytest.mark.slow
@@ -74,3 +77,53 @@ def test_a_vm_that_turns_slow_mid_job_is_planned_around_and_the_losses_hold(tmp_
     # within a few steps: the window of slow reports, the step that checkpoints, and slack for a busy machine
     ranges = sorted((int(e), r) for e, r in done["epochs"].items())
     assert ranges[0][1][1] <= SLOW_AT + 12, ranges
+
+
+def test_two_device_kinds_each_calibrated_on_its_own_are_planned_together(tmp_path, etcd, etcd_root):
+    """One VM of kind "fast" and two of kind "slow", each slow one held to a quarter of a core. The
+    job's calibration run times a fixed loop on its slot (--timed-calibration), so each kind's
+    calibration says its own speed. Had the planner taken both kinds to run alike, the two slow
+    VMs would win as 1x2; knowing the slow kind is about 4x slower, it runs the fast one alone or
+    gives the slow kind's stage less of the model."""
+    groups = [CpuQuota.create(0.25, name=f"varunad-slow-{i}-{id(tmp_path)}") for i in (1, 2)]
+    if None in groups:
+        for g in groups:
+            if g is not None:
+                g.close()
+        pytest.skip("no writable cgroup v1 cpu controller here")
+    steps = 12
+    ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=5.0,
+                extra=["--calibrate", "profile", "--progress-interval", "0.5", "--debounce", "0.3"])
+    reference = reference_run(steps, BATCH)[0]
+    try:
+        ring.start("f1", "--device-kind", "fast")
+        for name, group in zip(("s1", "s2"), groups):
+            group.add(ring.start(name, "--device-kind", "slow").proc.pid)
+        ring.wait_members(["f1", "s1", "s2"])
+        ring.submit("kinds", steps=steps, batch=BATCH, every=4, script_args=("--cheap-allreduce", "--timed-calibration"))
+        done = ring.wait_state("kinds", ("done", "failed"), timeout=300)
+        state = ring.call(read_state(ring.store, ring.keys, "kinds"))
+        stored = ring.call(ring.store.get_prefix(ring.keys.calibration))
+    finally:
+        ring.close()
+        for g in groups:
+            g.close()
+    assert done["state"] == "done", (done["reason"], ring.tails())
+    cals = {kv.key.rsplit("/", 1)[-1]: Calibration.from_bytes(kv.value) for kv in stored}
+    assert set(cals) == {"fast", "slow"}, set(cals)
+    fast, slow = (cals[k].segments[0].costs[0].forward_s for k in ("fast", "slow"))
+    assert slow > 2 * fast, (fast, slow)   # each kind measured on its own slots
+    plan = state.plan
+    print(f"fast {fast:.4f} s, slow {slow:.4f} s per segment: {plan['P']}x{plan['D']} on {plan['members']}, "
+          f"stages {plan['stage_kinds']}, cuts {plan['cuts']}")
+    kinds, cuts = plan["stage_kinds"], [-1, *plan["cuts"], cals["fast"].n_segments - 1]
+    sizes = [b - a for a, b in zip(cuts, cuts[1:])]
+    assert "f1" in plan["members"], plan
+    assert not (plan["D"] == 2 and set(plan["members"]) == {"s1", "s2"}), plan
+    for stage, kind in enumerate(kinds):   # a slow stage never holds more of the model than a fast one
+        if kind == "slow":
+            assert all(sizes[stage] < sizes[other] for other, k in enumerate(kinds) if k == "fast"), (kinds, sizes)
+    history = done["loss_history"]
+    assert [s for s, _ in history] == list(range(steps))
+    for step, loss in history:
+        assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (step, loss, reference[step])

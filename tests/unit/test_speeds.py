@@ -77,10 +77,16 @@ def test_a_straggler_no_plan_measures_is_forgotten_after_forget_s_and_a_new_lead
     assert heir.slowdowns() == {"d3/0": 5.7}
 
 
-def test_a_kind_with_one_measured_slot_is_compared_with_its_calibration_and_threshold_0_is_off():
+def test_a_lone_slot_is_compared_with_its_calibration_only_when_measured_and_threshold_0_is_off():
     alone = SlotSpeeds(threshold=1.5, window=1, forget_s=600)
     _feed(alone, range(0, 3), {0: 0.03})
     assert alone.stragglers == {"d1/0": 3.0}
+    synthetic = SlotSpeeds(threshold=1.5, window=1, forget_s=600)
+    for step in range(3):   # a synthetic calibration's times say nothing about speed
+        p = Progress(job="j", epoch=7, rank=0, step=step, loss=1.0, samples_per_s=1.0, busy_fraction=1.0,
+                     compute_s=0.5)
+        synthetic.observe(7, _expected(1), [p], now=step, calibrated=False)
+    assert synthetic.stragglers == {} and synthetic.paces == {}
     off = SlotSpeeds(threshold=0, window=1, forget_s=600)
     _feed(off, range(0, 3), {0: 0.01, 1: 0.05})
     assert off.stragglers == {} and off.paces["d2/0"] == 5.0
@@ -127,3 +133,14 @@ def test_a_pipeline_gives_a_slower_slot_fewer_layers_where_it_cannot_leave_it_ou
     assert sizes[slow_stage] < sizes[1 - slow_stage], (kinds, sizes)
     where = doc.plan.positions()
     assert next(x.member for x in doc.slots if where[x.rank][0] == slow_stage) == "d2"
+
+
+def test_a_kind_with_one_measured_slot_is_compared_with_the_fastest_slot_of_any_kind():
+    speeds = SlotSpeeds(threshold=1.5, window=1, forget_s=600)
+    expected = {0: Expected("a1/0", "A100", 0.01), 1: Expected("a2/0", "A100", 0.01), 2: Expected("v1/0", "V100", 0.03)}
+    for step in range(3):   # the V100 at 2.5x its own calibration, the A100s at 1.2x theirs
+        progress = [Progress(job="j", epoch=7, rank=r, step=step, loss=1.0, samples_per_s=1.0, busy_fraction=1.0,
+                             compute_s=c) for r, c in ((0, 0.012), (1, 0.012), (2, 0.075))]
+        speeds.observe(7, expected, progress, now=step)
+    assert speeds.paces == {"a1/0": 1.0, "a2/0": 1.0, "v1/0": pytest.approx(2.08, abs=0.01)}
+    assert set(speeds.stragglers) == {"v1/0"}

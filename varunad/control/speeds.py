@@ -9,8 +9,10 @@ divides it by what the plan expected of that stage on its kind, which gives a ra
 * A slot's *pace* is the median of its last ``window`` ratios (one per new step reported).
 * Its *slowdown* is its pace over the pace of the fastest slot of its kind measured in the same
   epoch, so a fleet that runs uniformly slower than its calibration (a local ring whose daemons
-  share a host's cores) has no straggler. A kind with one measured slot is compared with its
-  calibration (a ratio of 1.0).
+  share a host's cores) has no straggler. A kind with one measured slot is compared with the
+  fastest slot of any kind (each measured against its own kind's calibration), and a slot alone in
+  its epoch with its calibration (a ratio of 1.0), but only where that calibration was measured: a
+  synthetic one says nothing about speed.
 * A slot becomes a straggler when its slowdown is above ``threshold`` for ``window`` reports in a
   row, and stops being one when it is below ``threshold * RECOVER`` for as long: hysteresis, so a
   slot near the threshold does not flip the plan back and forth. A straggler that no plan uses is
@@ -117,8 +119,9 @@ class SlotSpeeds:
         self.paces: dict[str, float] = {}        # slot -> slowdown, every slot measured in the epoch
 
     def observe(self, epoch: int, expected: Mapping[int, Expected], progress: Iterable[Progress],
-                now: float) -> bool:
-        """Take in the ranks' latest progress of ``epoch``; True when the set of stragglers changed."""
+                now: float, *, calibrated: bool = True) -> bool:
+        """Take in the ranks' latest progress of ``epoch``; True when the set of stragglers changed.
+        ``calibrated``: the plan's calibrations were measured (else a lone slot has no reference)."""
         for p in progress:
             want = expected.get(p.rank)
             if p.epoch != epoch or want is None or p.compute_s <= 0 or want.compute_s <= 0:
@@ -136,9 +139,9 @@ class SlotSpeeds:
             while len(s.ratios) > self.window:
                 s.ratios.popleft()
             s.measured_at = now
-        return self._judge(epoch, now)
+        return self._judge(epoch, now, calibrated)
 
-    def _judge(self, epoch: int, now: float) -> bool:
+    def _judge(self, epoch: int, now: float, calibrated: bool) -> bool:
         current = {name: s for name, s in self._slots.items() if s.epoch == epoch and s.ratios}
         fastest: dict[str, float] = {}
         for s in current.values():
@@ -149,8 +152,12 @@ class SlotSpeeds:
             counts[s.kind] = counts.get(s.kind, 0) + 1
         before = set(self.stragglers)
         self.paces = {}
+        anyone = min(fastest.values(), default=1.0)
         for name, s in current.items():
-            reference = fastest[s.kind] if counts[s.kind] > 1 else 1.0
+            reference = (fastest[s.kind] if counts[s.kind] > 1 else anyone if len(current) > 1
+                         else 1.0 if calibrated else None)
+            if reference is None:
+                continue
             slowdown = statistics.median(s.ratios) / reference
             self.paces[name] = round(slowdown, 2)
             if not self.threshold or s.measured_at != now:

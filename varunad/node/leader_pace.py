@@ -81,7 +81,7 @@ class LeaderPace:
                 progress.append(Progress.decode(kv.value))
             except ValueError:
                 continue   # a malformed record: the reporter's key, the schema check says why elsewhere
-        changed = self.speeds.observe(snap.plan_epoch, expected, progress, now)
+        changed = self.speeds.observe(snap.plan_epoch, expected, progress, now, calibrated=plan.calibrated)
         paces, stragglers = dict(self.speeds.paces), dict(self.speeds.stragglers)
         self.metrics.slot_paces(paces, stragglers)
         if changed:
