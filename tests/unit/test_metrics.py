@@ -57,6 +57,18 @@ async def test_checkpoint_seconds_are_the_stall_the_worker_reports():
     assert sample_value(text, 'varunad_checkpoint_seconds_sum{job="j"}') == pytest.approx(0.08)
 
 
+async def test_slot_slowdown_is_each_measured_slot_and_each_straggler_even_idle():
+    m = DaemonMetrics()
+    m.slot_paces({"d1/0": 1.0, "d2/0": 3.9}, {"d2/0": 3.9, "d9/0": 5.1})
+    text = (await m.exposition()).decode()
+    assert sample_value(text, 'varunad_slot_slowdown{slot="d1/0",straggler="0"}') == 1.0
+    assert sample_value(text, 'varunad_slot_slowdown{slot="d2/0",straggler="1"}') == 3.9
+    assert sample_value(text, 'varunad_slot_slowdown{slot="d9/0",straggler="1"}') == 5.1   # idle, its last figure
+    m.slot_paces({"d1/0": 1.0}, {})   # a new epoch without d2, d9 no longer a straggler: their series go
+    text = (await m.exposition()).decode()
+    assert 'slot="d2/0"' not in text and 'slot="d9/0"' not in text
+
+
 async def test_the_endpoint_answers_get_metrics_and_refreshes_first():
     m = DaemonMetrics()
     scrapes = []

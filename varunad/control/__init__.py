@@ -1,5 +1,5 @@
 """The control plane's data and pure decisions: plan documents and how they are made, jobs and their
-state, worker records, failure rules, measured links, etcd outages, the fleet snapshot of one leader
+state, worker records, failure rules, measured links, each slot's measured speed (speeds), etcd outages, the fleet snapshot of one leader
 cycle (fleet), what the leader does next given a snapshot (decide) and a job's status as etcd tells
 it (status). The loop that acts on them, the leader, runs inside a daemon and lives in varunad.node.
 

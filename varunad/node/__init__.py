@@ -1,5 +1,5 @@
 """One VM's daemon: the process (daemon) and its plan follower (follower), its settings (config),
-the leader loop it runs while it leads (leader, leader_planning), supervision of its workers and
+the leader loop it runs while it leads (leader, leader_planning, leader_pace), supervision of its workers and
 what they report (supervisor, stopping, reporter, log_shipper), the spare worker processes kept per
 slot (spares), the ZeroMQ server and clients between daemons (peers), the Unix control channel to
 its workers (control_channel), Prometheus metrics, local housekeeping and job signatures.
