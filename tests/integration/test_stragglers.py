@@ -29,30 +29,40 @@ SLEEP = ("--step-sleep", "0.2")   # outside the step: a step as long as a real j
 NAMES = ["d1", "d2", "d3"]
 
 
-def test_a_vm_that_turns_slow_mid_job_is_planned_around_and_the_losses_hold(tmp_path, etcd, etcd_root):
-    group = CpuQuota.create(None)
-    if group is None:
+@pytest.fixture
+def vms(tmp_path):
+    """One cgroup cpu group per daemon, uncapped: a VM of its own each. Only one daemon in a group
+    would make it the slow one even uncapped, its processes sharing one group's weight where the
+    others' each count."""
+    made = [CpuQuota.create(None, name=f"varunad-vm{i}-{id(tmp_path)}") for i in range(3)]
+    if None in made:
+        for g in made:
+            if g is not None:
+                g.close()
         pytest.skip("no writable cgroup v1 cpu controller here")
+    yield made
+    for g in made:
+        g.close()
+
+
+def test_a_vm_that_turns_slow_mid_job_is_planned_around_and_the_losses_hold(tmp_path, etcd, etcd_root, vms):
     ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=5.0,
                 extra=["--calibrate", "profile", "--progress-interval", "0.5", "--debounce", "0.3",
                        "--straggler-window", "3"])
     reference = reference_run(STEPS, BATCH)[0]
     try:
-        with group:
-            for name in NAMES:
-                d = ring.start(name)
-                if name == "d3":
-                    group.add(d.proc.pid)   # before any job: its workers and spares start in the group
-            ring.wait_members(NAMES)
-            # cheap all-reduces: the planner runs the three slots data-parallel, one stage each
-            ring.submit("slow", steps=STEPS, batch=BATCH, every=EVERY, script_args=("--cheap-allreduce", *SLEEP))
-            first = ring.wait_step("slow", SLOW_AT, timeout=180)
-            assert first["plan"]["D"] == 3 and "d3" in first["plan"]["members"], first["plan"]
-            group.set(0.25)   # d3's VM turns slow
-            st = ring.poll(lambda: (s := ring.status("slow"))["stragglers"] and s, timeout=120,
-                           what="d3 named a straggler")
-            assert set(st["stragglers"]) == {"d3/0"} and st["stragglers"]["d3/0"] > 1.5, st["stragglers"]
-            done = ring.wait_state("slow", ("done", "failed"), timeout=300)
+        for name, group in zip(NAMES, vms):
+            group.add(ring.start(name).proc.pid)   # before any job: its workers and spares start in the group
+        ring.wait_members(NAMES)
+        # cheap all-reduces: the planner runs the three slots data-parallel, one stage each
+        ring.submit("slow", steps=STEPS, batch=BATCH, every=EVERY, script_args=("--cheap-allreduce", *SLEEP))
+        first = ring.wait_step("slow", SLOW_AT, timeout=180)
+        assert first["plan"]["D"] == 3 and "d3" in first["plan"]["members"], first["plan"]
+        vms[2].set(0.25)   # d3's VM turns slow
+        st = ring.poll(lambda: (s := ring.status("slow"))["stragglers"] and s, timeout=120,
+                       what="d3 named a straggler")
+        assert set(st["stragglers"]) == {"d3/0"} and st["stragglers"]["d3/0"] > 1.5, st["stragglers"]
+        done = ring.wait_state("slow", ("done", "failed"), timeout=300)
     finally:
         ring.close()
     assert done["state"] == "done", (done["reason"], ring.tails())
@@ -79,25 +89,20 @@ def test_a_vm_that_turns_slow_mid_job_is_planned_around_and_the_losses_hold(tmp_
     assert ranges[0][1][1] <= SLOW_AT + 12, ranges
 
 
-def test_two_device_kinds_each_calibrated_on_its_own_are_planned_together(tmp_path, etcd, etcd_root):
+def test_two_device_kinds_each_calibrated_on_its_own_are_planned_together(tmp_path, etcd, etcd_root, vms):
     """One VM of kind "fast" and two of kind "slow", each slow one held to a quarter of a core. The
     job's calibration run times a fixed loop on its slot (--timed-calibration), so each kind's
     calibration says its own speed. Had the planner taken both kinds to run alike, the two slow
     VMs would win as 1x2; knowing the slow kind is about 4x slower, it runs the fast one alone or
     gives the slow kind's stage less of the model."""
-    groups = [CpuQuota.create(0.25, name=f"varunad-slow-{i}-{id(tmp_path)}") for i in (1, 2)]
-    if None in groups:
-        for g in groups:
-            if g is not None:
-                g.close()
-        pytest.skip("no writable cgroup v1 cpu controller here")
     steps = 12
     ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=5.0,
                 extra=["--calibrate", "profile", "--progress-interval", "0.5", "--debounce", "0.3"])
     reference = reference_run(steps, BATCH)[0]
     try:
-        ring.start("f1", "--device-kind", "fast")
-        for name, group in zip(("s1", "s2"), groups):
+        vms[0].add(ring.start("f1", "--device-kind", "fast").proc.pid)
+        for name, group in zip(("s1", "s2"), vms[1:]):
+            group.set(0.25)
             group.add(ring.start(name, "--device-kind", "slow").proc.pid)
         ring.wait_members(["f1", "s1", "s2"])
         ring.submit("kinds", steps=steps, batch=BATCH, every=4, script_args=("--cheap-allreduce", "--timed-calibration"))
@@ -106,8 +111,6 @@ def test_two_device_kinds_each_calibrated_on_its_own_are_planned_together(tmp_pa
         stored = ring.call(ring.store.get_prefix(ring.keys.calibration))
     finally:
         ring.close()
-        for g in groups:
-            g.close()
     assert done["state"] == "done", (done["reason"], ring.tails())
     cals = {kv.key.rsplit("/", 1)[-1]: Calibration.from_bytes(kv.value) for kv in stored}
     assert set(cals) == {"fast", "slow"}, set(cals)

@@ -79,8 +79,10 @@ def test_a_straggler_no_plan_measures_is_forgotten_after_forget_s_and_a_new_lead
 
 def test_a_lone_slot_is_compared_with_its_calibration_only_when_measured_and_threshold_0_is_off():
     alone = SlotSpeeds(threshold=1.5, window=1, forget_s=600)
-    _feed(alone, range(0, 3), {0: 0.03})
-    assert alone.stragglers == {"d1/0": 3.0}
+    _feed(alone, range(0, 3), {0: 0.025})   # 2.5x its calibration: within CROSS x the threshold
+    assert alone.stragglers == {} and alone.paces == {"d1/0": 2.5}
+    _feed(alone, range(3, 7), {0: 0.04})
+    assert alone.stragglers == {"d1/0": 4.0}
     synthetic = SlotSpeeds(threshold=1.5, window=1, forget_s=600)
     for step in range(3):   # a synthetic calibration's times say nothing about speed
         p = Progress(job="j", epoch=7, rank=0, step=step, loss=1.0, samples_per_s=1.0, busy_fraction=1.0,
@@ -142,5 +144,26 @@ def test_a_kind_with_one_measured_slot_is_compared_with_the_fastest_slot_of_any_
         progress = [Progress(job="j", epoch=7, rank=r, step=step, loss=1.0, samples_per_s=1.0, busy_fraction=1.0,
                              compute_s=c) for r, c in ((0, 0.012), (1, 0.012), (2, 0.075))]
         speeds.observe(7, expected, progress, now=step)
+    # measured against another kind's calibration: only CROSS x the threshold counts
     assert speeds.paces == {"a1/0": 1.0, "a2/0": 1.0, "v1/0": pytest.approx(2.08, abs=0.01)}
+    assert speeds.stragglers == {}
+    for step in range(3, 6):   # now at 4x its calibration: 3.3x the A100s
+        progress = [Progress(job="j", epoch=7, rank=r, step=step, loss=1.0, samples_per_s=1.0, busy_fraction=1.0,
+                             compute_s=c) for r, c in ((0, 0.012), (1, 0.012), (2, 0.12))]
+        speeds.observe(7, expected, progress, now=step)
     assert set(speeds.stragglers) == {"v1/0"}
+
+
+def test_a_replica_of_the_same_stage_is_the_reference_and_other_stages_only_past_cross_times_the_threshold():
+    """A healthy pipeline's stages differ by the calibration's error (2.5x seen under load): not a
+    straggler. A replica 2.5x slower than its twin on the same stage is one."""
+    pipeline = {0: Expected("d1/0", "cpu", 0.01, stage=0), 1: Expected("d2/0", "cpu", 0.01, stage=1)}
+    both = {**pipeline, 2: Expected("d3/0", "cpu", 0.01, stage=0), 3: Expected("d4/0", "cpu", 0.01, stage=1)}
+    for name, expected, measured, slow in (("2x1", pipeline, {0: 0.01, 1: 0.025}, set()),
+                                           ("2x2", both, {0: 0.01, 1: 0.01, 2: 0.025, 3: 0.011}, {"d3/0"})):
+        speeds = SlotSpeeds(threshold=1.5, window=2, forget_s=600)
+        for step in range(4):
+            progress = [Progress(job="j", epoch=7, rank=r, step=step, loss=1.0, samples_per_s=1.0,
+                                 busy_fraction=1.0, compute_s=c) for r, c in measured.items()]
+            speeds.observe(7, expected, progress, now=step)
+        assert set(speeds.stragglers) == slow, name

@@ -7,12 +7,16 @@ throttled GPU. Workers report the seconds their stage computed per micro-batch i
 divides it by what the plan expected of that stage on its kind, which gives a ratio per slot.
 
 * A slot's *pace* is the median of its last ``window`` ratios (one per new step reported).
-* Its *slowdown* is its pace over the pace of the fastest slot of its kind measured in the same
-  epoch, so a fleet that runs uniformly slower than its calibration (a local ring whose daemons
-  share a host's cores) has no straggler. A kind with one measured slot is compared with the
-  fastest slot of any kind (each measured against its own kind's calibration), and a slot alone in
-  its epoch with its calibration (a ratio of 1.0), but only where that calibration was measured: a
-  synthetic one says nothing about speed.
+* Its *slowdown* is its pace over a reference pace measured in the same epoch, so a fleet that runs
+  uniformly slower than its calibration (a local ring whose daemons share a host's cores) has no
+  straggler. The best reference is the fastest replica of the same stage on the same kind: same
+  work, same calibration. Failing that, the fastest slot of its kind, then of any kind (each
+  measured against its own kind's calibration), then, for a slot alone in its epoch, its
+  calibration (a ratio of 1.0), but only where that calibration was measured: a synthetic one says
+  nothing about speed. Those comparisons lean on the calibration's split of the work between
+  segments, which is off by tens of percent on a busy host: a slot compared only that way must be
+  ``CROSS`` times as slow again to count (a healthy 2x1 pipeline measured its second stage 2.5x
+  its first under load).
 * A slot becomes a straggler when its slowdown is above ``threshold`` for ``window`` reports in a
   row, and stops being one when it is below ``threshold * RECOVER`` for as long: hysteresis, so a
   slot near the threshold does not flip the plan back and forth. A straggler that no plan uses is
@@ -41,6 +45,7 @@ from varunad.control.records import Progress
 __all__ = ["SlotSpeeds", "RECOVER", "slowed_kind", "base_kind", "slowed_calibrations", "bucket"]
 
 RECOVER = 0.8   # a straggler is one no longer once its slowdown is below threshold * RECOVER
+CROSS = 2.0     # the threshold's factor for a slot with no replica of its stage to compare with
 _STEP = math.sqrt(2.0)
 _SLOWED = re.compile(r"(?P<kind>.+)~(?P<factor>[0-9.]+)x")
 
@@ -94,11 +99,13 @@ class Expected:
     slot: str   # "member/index", the planner's slot id
     kind: str
     compute_s: float
+    stage: int = 0
 
 
 @dataclass
 class _Slot:
     kind: str
+    stage: int = 0
     ratios: deque = field(default_factory=deque)
     last_step: int = -1
     epoch: int = 0
@@ -128,7 +135,7 @@ class SlotSpeeds:
                 continue
             s = self._slots.setdefault(want.slot, _Slot(want.kind))
             if s.epoch != epoch:   # a new epoch: a new stage, maybe; the history of ratios stays
-                s.epoch, s.last_step, s.steps_seen, s.kind = epoch, -1, 0, want.kind
+                s.epoch, s.last_step, s.steps_seen, s.kind, s.stage = epoch, -1, 0, want.kind, want.stage
             if p.step <= s.last_step:
                 continue
             s.last_step = p.step
@@ -143,19 +150,10 @@ class SlotSpeeds:
 
     def _judge(self, epoch: int, now: float, calibrated: bool) -> bool:
         current = {name: s for name, s in self._slots.items() if s.epoch == epoch and s.ratios}
-        fastest: dict[str, float] = {}
-        for s in current.values():
-            pace = statistics.median(s.ratios)
-            fastest[s.kind] = min(fastest.get(s.kind, math.inf), pace)
-        counts: dict[str, int] = {}
-        for s in current.values():
-            counts[s.kind] = counts.get(s.kind, 0) + 1
         before = set(self.stragglers)
         self.paces = {}
-        anyone = min(fastest.values(), default=1.0)
         for name, s in current.items():
-            reference = (fastest[s.kind] if counts[s.kind] > 1 else anyone if len(current) > 1
-                         else 1.0 if calibrated else None)
+            reference, bar = self._reference(name, s, current, calibrated)
             if reference is None:
                 continue
             slowdown = statistics.median(s.ratios) / reference
@@ -163,14 +161,14 @@ class SlotSpeeds:
             if not self.threshold or s.measured_at != now:
                 continue   # off, or nothing new from this slot in this round
             latest = s.ratios[-1] / reference
-            s.slow_run = s.slow_run + 1 if latest > self.threshold else 0
-            s.fast_run = s.fast_run + 1 if latest < self.threshold * RECOVER else 0
+            s.slow_run = s.slow_run + 1 if latest > self.threshold * bar else 0
+            s.fast_run = s.fast_run + 1 if latest < self.threshold * bar * RECOVER else 0
             if name in self.stragglers:
                 if s.fast_run >= self.window:
                     del self.stragglers[name]
                 else:
                     self.stragglers[name] = round(slowdown, 2)
-            elif s.slow_run >= self.window and slowdown > self.threshold:
+            elif s.slow_run >= self.window and slowdown > self.threshold * bar:
                 self.stragglers[name] = round(slowdown, 2)
         for name in list(self.stragglers):
             s = self._slots.get(name)
@@ -178,6 +176,22 @@ class SlotSpeeds:
                 self.stragglers.pop(name, None)
                 self._slots.pop(name, None)
         return set(self.stragglers) != before
+
+    @staticmethod
+    def _reference(name: str, s: _Slot, current: Mapping[str, _Slot], calibrated: bool
+                   ) -> tuple[float | None, float]:
+        """(the pace ``s`` is compared with, the factor on the threshold), best reference first
+        (see the module's docstring); (None, 1) where there is none."""
+        def fastest(peers):
+            return min((statistics.median(p.ratios) for p in peers), default=None)
+        others = [p for n, p in current.items() if n != name]
+        replicas = [p for p in others if p.kind == s.kind and p.stage == s.stage]
+        if replicas:
+            return min(fastest(replicas), statistics.median(s.ratios)), 1.0
+        same_kind = [p for p in others if p.kind == s.kind]
+        if same_kind or others:
+            return min(fastest(same_kind or others), statistics.median(s.ratios)), CROSS
+        return (1.0, CROSS) if calibrated else (None, 1.0)
 
     def adopt(self, stragglers: Mapping[str, float], now: float) -> None:
         """Stragglers another leader found (the job's state): a new leader plans as its

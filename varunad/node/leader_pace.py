@@ -3,28 +3,33 @@ straggler (`varunad.control.speeds` has the measurements and the rules).
 
 `LeaderPace` is a part of `varunad.node.leader.Leader`. Every ``progress_interval`` while a job
 runs, it reads the ranks' progress, measures each slot against what the plan expected of its
-stage, and records the paces and stragglers in the job's state (``status`` shows them). When the
-stragglers differ from those the running plan assumed, it plans again with them; the job morphs
-(after a checkpoint, like a scale-up) only when the new plan is estimated faster, by more than
-``scale_up_threshold``, than the running plan at the measured speeds.
+stage, and records the paces and stragglers in the job's state (``status`` shows them). When a
+slot is slower than the running plan assumed (a new straggler, or one slower than planned), it
+plans again; the job morphs (after a checkpoint, like a scale-up) only when the new plan is
+estimated faster, by more than ``scale_up_threshold``, than the running plan at the measured
+speeds. Against flapping, besides the hysteresis of `SlotSpeeds`: a straggler that recovers (or
+is forgotten) never morphs the job by itself, the next plan made for any reason uses it again;
+and a morph around a straggler is at least ``QUIET_S`` after the previous one.
 """
 
 from __future__ import annotations
 
 import logging
 
-from varunad.control.fleet import FleetSnapshot
+from trainer.planning.planner import PlanError
 from varunad.control.decide import Decision
+from varunad.control.fleet import FleetSnapshot
 from varunad.control.jobs import JobState
-from varunad.control.plans import PlanDoc, make_plan
 from varunad.control.links import apply_links
+from varunad.control.plans import PlanDoc, make_plan
 from varunad.control.records import Progress
 from varunad.control.speeds import Expected, SlotSpeeds
-from trainer.planning.planner import PlanError
 
 __all__ = ["LeaderPace", "expected_of"]
 
 log = logging.getLogger("varunad.node.leader")   # the leader's log, one logger name for all its lines
+
+QUIET_S = 60.0   # the least time between two morphs around stragglers: speeds that swing must not keep a job morphing
 
 
 def expected_of(plan: PlanDoc, facts: dict, snap: FleetSnapshot) -> dict[int, Expected]:
@@ -40,7 +45,7 @@ def expected_of(plan: PlanDoc, facts: dict, snap: FleetSnapshot) -> dict[int, Ex
         member = snap.members.get(s.member)
         if member is None or stage >= len(compute) or not isinstance(compute[stage], (int, float)):
             continue
-        out[s.rank] = Expected(f"{s.member}/{s.slot}", member[0].device_kind, float(compute[stage]))
+        out[s.rank] = Expected(f"{s.member}/{s.slot}", member[0].device_kind, float(compute[stage]), stage)
     return out
 
 
@@ -54,6 +59,7 @@ class LeaderPace:
     _pace_considered: tuple[int, tuple] | None = None
     _pace_adopted: bool = False
     _pacing: bool = False   # a job runs: the loop wakes for each measurement
+    _quiet_until: float = 0.0   # no morph around a straggler before then (monotonic clock)
 
     def _slowdowns(self) -> dict[str, float]:
         return self.speeds.slowdowns()
@@ -94,11 +100,15 @@ class LeaderPace:
             await self._put_state(state)
         wanted = self._slowdowns()
         assumed = state.plan.get("slowdowns") or {}
+        worse = any(factor > assumed.get(slot, 1.0) for slot, factor in wanted.items())
         key = (snap.plan_epoch, tuple(sorted(wanted.items())))
-        if wanted == assumed or key == self._pace_considered:
+        if not worse or key == self._pace_considered or now < self._quiet_until:
             return False
         self._pace_considered = key
-        return await self._replan_for_speed(snap, state, wanted, assumed)
+        morphed = await self._replan_for_speed(snap, state, wanted, assumed)
+        if morphed:
+            self._quiet_until = self.clock() + QUIET_S
+        return morphed
 
     async def _replan_for_speed(self, snap: FleetSnapshot, state: JobState, wanted: dict[str, float],
                                 assumed: dict[str, float]) -> bool:
