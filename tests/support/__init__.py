@@ -11,6 +11,7 @@ Modules:
   * zoo, keyed_zoo: the model zoos the launcher tests train.
   * chaos_harness, store_faults: the chaos suite's scenarios and the checkpoint store's faults.
   * fabric: daemons in network namespaces on a bridge (root only).
+  * cpu_quota: a cgroup v1 cpu group with a quota: a daemon as a slow VM (root only).
   * linkrun, netns_ring: runs over a fabric (the link experiment; the 3-VM ring).
   * fleet: members and election contenders against a real etcd.
   * decisions: the leader's inputs as plain data (snapshots, plans, reports).
