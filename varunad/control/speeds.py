@@ -20,7 +20,9 @@ divides it by what the plan expected of that stage on its kind, which gives a ra
 * A slot becomes a straggler when its slowdown is above ``threshold`` for ``window`` reports in a
   row, and stops being one when it is below ``threshold * RECOVER`` for as long: hysteresis, so a
   slot near the threshold does not flip the plan back and forth. A straggler that no plan uses is
-  no longer measured; ``forget_s`` after its last measurement it is tried again at full speed.
+  no longer measured; ``forget_s`` after its last measurement it is taken at full speed again, by
+  the next plan made for any reason (a straggler's recovery never morphs a job by itself:
+  `varunad.node.leader_pace`).
 
 The planner sees a straggler as a device kind of its own, ``KIND~Fx``, whose calibration is its
 kind's with every compute time F times longer (F rounded to a step of a factor of sqrt(2), so the

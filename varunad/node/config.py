@@ -130,7 +130,8 @@ class DaemonConfig:
     """Progress reports in a row a slot must be slow (or fast again) in before it is called a
     straggler (or no longer one)."""
     straggler_forget: float = 1800.0
-    """Seconds after its last measurement that a straggler no plan uses is tried again at full speed."""
+    """Seconds after its last measurement that a straggler no plan uses is taken at full speed again
+    (by the next plan made for any reason)."""
     max_restarts: int = 3
     """Failed epochs (a worker error, not a lost member) before a job fails."""
     debounce: float = 0.5
@@ -347,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="progress reports in a row a slot must be slow, or fast again, in to become, or stop being, a "
            "straggler (default 3)")
     a("--straggler-forget", type=float, metavar="SECONDS",
-      help="a straggler no plan uses is tried again at full speed this long after its last measurement "
-           "(default 1800)")
+      help="a straggler no plan uses is taken at full speed again this long after its last measurement, "
+           "by the next plan made for any reason (default 1800)")
     a("--max-restarts", type=int, metavar="N", help="failed epochs before a job fails (default 3)")
     a("--debounce", type=float, metavar="SECONDS", help="seconds to collect changes before re-planning (default 0.5)")
     a("--start-timeout", type=float, metavar="SECONDS",

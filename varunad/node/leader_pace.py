@@ -20,8 +20,7 @@ from trainer.planning.planner import PlanError
 from varunad.control.decide import Decision
 from varunad.control.fleet import FleetSnapshot
 from varunad.control.jobs import JobState
-from varunad.control.links import apply_links
-from varunad.control.plans import PlanDoc, make_plan
+from varunad.control.plans import PlanDoc
 from varunad.control.records import Progress
 from varunad.control.speeds import Expected, SlotSpeeds
 
@@ -116,16 +115,12 @@ class LeaderPace:
         entry = snap.entry(state.job)
         if plan is None or entry is None or entry.spec is None:
             return False
-        members = await self._candidates(snap)
-        cals, measured, missing = await self._calibrations(entry.spec, sorted({m.device_kind for m, _ in members}))
-        if missing:
-            return False
-        cals = apply_links(cals, self.links.measured([m.name for m, _ in members]))
         try:
-            doc, _ = make_plan(entry.spec, members, cals, calibrated=measured, reason="", slowdowns=wanted,
-                               memory_scale=state.memory_scale)
+            doc = await self._plan_now(snap, entry.spec, reason="", memory_scale=state.memory_scale)
         except PlanError as exc:
             log.info("leader: no plan around the stragglers of %s: %s", state.job, exc)
+            return False
+        if doc is None:
             return False
         # the running plan at the measured speeds: its slowest slot sets the pace of every step
         used = [f"{s.member}/{s.slot}" for s in plan.slots]
@@ -138,8 +133,8 @@ class LeaderPace:
                      100 * self.config.scale_up_threshold)
             return False
         measured = self.speeds.stragglers
-        why = (", ".join(f"{slot} computes {measured.get(slot, factor):.1f}x slower" for slot, factor in sorted(wanted.items()))
-               + " than the fastest slot of its kind" if wanted else "no slot is a straggler any more")
+        why = ", ".join(f"{slot} computes {measured.get(slot, factor):.1f}x slower"
+                        for slot, factor in sorted(wanted.items())) + " than the fastest slot of its kind"
         reason = (f"{why}: {doc.shape} on {', '.join(doc.members)} is estimated {100 * gain:.0f}% faster than "
                   f"{plan.shape} at the measured speeds; checkpointing, then re-planning")
         return await self._abort(snap, Decision("abort", reason, state.job, checkpoint=True))

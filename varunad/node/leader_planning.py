@@ -179,6 +179,19 @@ class LeaderPlanning:
                                         calibration_started=state.calibration_started or time.time()))
         return True
 
+    async def _plan_now(self, snap: FleetSnapshot, spec: JobSpec, *, reason: str,
+                        memory_scale: dict[str, float] | None) -> PlanDoc | None:
+        """The plan the members that answer a ping would run ``spec`` as now, stragglers weighed
+        (PlanError when none fits; None while a device kind has no calibration)."""
+        members = await self._candidates(snap)
+        cals, measured, missing = await self._calibrations(spec, sorted({m.device_kind for m, _ in members}))
+        if missing:
+            return None
+        cals = apply_links(cals, self.links.measured([m.name for m, _ in members]))
+        doc, _ = make_plan(spec, members, cals, calibrated=measured, reason=reason, memory_scale=memory_scale,
+                           slowdowns=self._slowdowns())
+        return doc
+
     async def _consider(self, snap: FleetSnapshot, d: Decision) -> bool:
         assert d.job is not None and snap.plan is not None
         plan, epoch = snap.plan, snap.plan_epoch
@@ -187,17 +200,13 @@ class LeaderPlanning:
         entry = snap.entry(d.job)
         if entry is None or entry.spec is None:
             return False
-        members = await self._candidates(snap)
-        cals, measured, missing = await self._calibrations(entry.spec, sorted({m.device_kind for m, _ in members}))
-        if missing:
-            return False
-        cals = apply_links(cals, self.links.measured([m.name for m, _ in members]))
         try:
             scales = snap.states[d.job].memory_scale if d.job in snap.states else None
-            doc, _ = make_plan(entry.spec, members, cals, calibrated=measured, reason=d.reason, memory_scale=scales,
-                               slowdowns=self._slowdowns())
+            doc = await self._plan_now(snap, entry.spec, reason=d.reason, memory_scale=scales)
         except PlanError as exc:
             log.info("leader: no better plan for %s: %s", d.job, exc)
+            return False
+        if doc is None:
             return False
         current = plan.estimated_s
         gain = (current - doc.estimated_s) / current if current > 0 else 0.0
