@@ -10,11 +10,14 @@ group of its own (tests/support/cpu_quota.py), as if each were a VM: under conte
 shares the cores between the groups, not between the processes, so a daemon's spare importing
 torch takes from its own worker, not from the other VMs'. The slow VM's group is capped at --quota
 of one core; the others are unlimited (the machine has 2 cores, and other work may share them).
-Three cases, each in a fleet of its own (a fresh etcd, so that nothing the leader learnt in one
+Four cases, each in a fleet of its own (a fresh etcd, so that nothing the leader learnt in one
 case carries over to the next):
 
 * healthy     d1, d2: the job on the two healthy daemons alone (a ring of 2); the default
               `--calibrate profile` measures the script on a healthy slot first
+* neighbour   d1, d2 as healthy, the same calibration, beside a busy loop held to d3's quota: the
+              most the slow VM's group can take from the healthy two on this one host (separate
+              VMs would take nothing), so with slow over neighbour is the ratio to this host's limit
 * with slow   d1, d2, then d3: the healthy fleet's calibration is put in this fleet's etcd first
               (it is keyed by script, arguments and device kind: every case plans from the same
               measurement, and the slow slot never profiles); d3 is then started and moved into
@@ -53,6 +56,7 @@ import argparse
 import contextlib
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -350,8 +354,8 @@ def main() -> None:
     p.add_argument("--replan-timeout", type=float, default=None,
                    help="turns slow: seconds to wait for a re-plan after the cap (default 120, 60 with --quick)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="the jobs' checkpoint interval (default 100)")
-    p.add_argument("--cases", default="healthy,slow,turns-slow",
-                   help="comma-separated, of healthy, slow, turns-slow (default all three)")
+    p.add_argument("--cases", default="healthy,neighbour,slow,turns-slow",
+                   help="comma-separated, of healthy, neighbour, slow, turns-slow (default all four)")
     p.add_argument("--keep", metavar="DIR", help="keep the fleets' state (daemon and worker logs) in DIR")
     args = p.parse_args()
     steps = args.steps or (120 if args.quick else 300)
@@ -359,7 +363,7 @@ def main() -> None:
     replan_timeout = args.replan_timeout or (60.0 if args.quick else 120.0)
     after_s = 10.0 if args.quick else 30.0
     cases = [c for c in args.cases.split(",") if c]
-    unknown = sorted(set(cases) - {"healthy", "slow", "turns-slow"})
+    unknown = sorted(set(cases) - {"healthy", "neighbour", "slow", "turns-slow"})
     if unknown:
         p.error(f"unknown case(s) {unknown}")
 
@@ -393,6 +397,21 @@ def main() -> None:
                 rows.append(full_run(ring, "healthy", steps, args.checkpoint_every, timeout=600))
                 calibrations.update(read_calibrations(ring))
             print(f"  healthy: {rows[-1]['shape']} on {rows[-1]['members']}, {rows[-1]['wall']:.1f}s", flush=True)
+        if "neighbour" in cases:
+            # The most the slow VM's group can take from the healthy two on this one host: a busy
+            # loop held to the same quota beside the healthy job. On separate VMs it takes nothing.
+            with fleet(tmp / "neighbour", groups) as ring:
+                for key, value in calibrations.items():
+                    ring.call(ring.store.put(ring.keys.calibration + key, value))
+                group.set(args.quota)
+                burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                try:
+                    group.add(burner.pid)
+                    rows.append(full_run(ring, "neighbour", steps, args.checkpoint_every, timeout=600))
+                finally:
+                    burner.kill()
+                    burner.wait()
+            print(f"  neighbour: {rows[-1]['shape']} on {rows[-1]['members']}, {rows[-1]['wall']:.1f}s", flush=True)
         if "slow" in cases:
             with fleet(tmp / "with-slow", groups) as ring:
                 calibrate_then_add_slow(ring, group, args.quota, calibrations)
@@ -435,6 +454,9 @@ def main() -> None:
     by = {r["run"]: r["steady"] for r in rows}
     healthy = by.get("healthy", math.nan)
     ratio = by.get("with-slow", math.nan) / healthy if healthy else math.nan
+    limit = by.get("neighbour", math.nan)
+    print(f"with the slow VM, {by.get('with-slow', math.nan) / limit:.2f} of the healthy two beside a neighbour "
+          f"held to the same quota (this host's limit: the slow VM's group shares its cores)")
     print(f"bench stragglers: with_slow_vs_without={ratio:.2f} replan_s={replan['replan_s']:.1f}")
 
 
