@@ -48,7 +48,7 @@ def vms(tmp_path):
 def test_a_vm_that_turns_slow_mid_job_is_planned_around_and_the_losses_hold(tmp_path, etcd, etcd_root, vms):
     ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=5.0,
                 extra=["--calibrate", "profile", "--progress-interval", "0.5", "--debounce", "0.3",
-                       "--straggler-window", "3"])
+                       "--straggler-threshold", "1.5", "--straggler-window", "3"])
     reference = reference_run(STEPS, BATCH)[0]
     try:
         for name, group in zip(NAMES, vms):
