@@ -28,6 +28,7 @@ __all__ = ["LeaderPace", "expected_of"]
 
 log = logging.getLogger("varunad.node.leader")   # the leader's log, one logger name for all its lines
 
+PACES_EVERY = 5.0   # seconds between writes of the paces alone to the job's state
 QUIET_S = 60.0   # the least time between two morphs around stragglers: speeds that swing must not keep a job morphing
 
 
@@ -59,6 +60,7 @@ class LeaderPace:
     _pace_adopted: bool = False
     _pacing: bool = False   # a job runs: the loop wakes for each measurement
     _quiet_until: float = 0.0   # no morph around a straggler before then (monotonic clock)
+    _paces_due: float = 0.0
 
     def _slowdowns(self) -> dict[str, float]:
         return self.speeds.slowdowns()
@@ -94,7 +96,10 @@ class LeaderPace:
                 log.warning("leader: %s: stragglers: %s", plan.job, _names(stragglers))
             else:
                 log.info("leader: %s: no straggler any more", plan.job)
-        if _moved(state.paces, paces) or set(state.stragglers) != set(stragglers):
+        # the job's state is a document of its own history: rewritten for a new straggler at once,
+        # for paces that moved at most every PACES_EVERY seconds
+        if set(state.stragglers) != set(stragglers) or (_moved(state.paces, paces) and now >= self._paces_due):
+            self._paces_due = now + PACES_EVERY
             state = state.but(paces=paces, stragglers=stragglers)
             await self._put_state(state)
         wanted = self._slowdowns()
