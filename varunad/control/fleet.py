@@ -16,12 +16,12 @@ from varunad.cluster.election import PlanWriter
 from varunad.cluster.facts import DaemonMember, parse_member
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
 from varunad.control.plans import PlanDoc
-from varunad.control.records import WorkerReport
+from varunad.control.records import Progress, WorkerReport
 from varunad.store import schemas
 from varunad.store.contract import HistoryCompacted, KeyValue, Store, StoreError
 from varunad.store.keys import Keys
 
-__all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest", "forget_progress"]
+__all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest", "read_progress", "forget_progress"]
 
 T = TypeVar("T")
 
@@ -204,6 +204,18 @@ async def read_newest(store: Store, key: str, decode: Callable[[bytes], T], kind
         if kv is not None and kv.version == 0:
             return None, 0
     return None, 0
+
+
+async def read_progress(store: Store, keys: Keys, job: str, *, timeout: float | None = None) -> list[Progress]:
+    """Every rank's newest progress record of ``job``; one that does not parse is left out (its
+    writer, a daemon of another release or a hand, is no reason to stop reading the others)."""
+    out = []
+    for kv in await store.get_prefix(keys.progress_of(job), timeout=timeout):
+        try:
+            out.append(Progress.decode(kv.value))
+        except ValueError:
+            continue
+    return out
 
 
 async def forget_progress(store: Store, keys: Keys, job: str, ranks: int, *, timeout: float) -> int:

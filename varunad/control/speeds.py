@@ -154,8 +154,10 @@ class SlotSpeeds:
         current = {name: s for name, s in self._slots.items() if s.epoch == epoch and s.ratios}
         before = set(self.stragglers)
         self.paces = {}
+        references = _references({name: (s.kind, s.stage, statistics.median(s.ratios)) for name, s in current.items()},
+                                 calibrated)
         for name, s in current.items():
-            reference, bar = self._reference(name, s, current, calibrated)
+            reference, bar = references[name]
             if reference is None:
                 continue
             slowdown = statistics.median(s.ratios) / reference
@@ -179,22 +181,6 @@ class SlotSpeeds:
                 self._slots.pop(name, None)
         return set(self.stragglers) != before
 
-    @staticmethod
-    def _reference(name: str, s: _Slot, current: Mapping[str, _Slot], calibrated: bool
-                   ) -> tuple[float | None, float]:
-        """(the pace ``s`` is compared with, the factor on the threshold), best reference first
-        (see the module's docstring); (None, 1) where there is none."""
-        def fastest(peers):
-            return min((statistics.median(p.ratios) for p in peers), default=None)
-        others = [p for n, p in current.items() if n != name]
-        replicas = [p for p in others if p.kind == s.kind and p.stage == s.stage]
-        if replicas:
-            return min(fastest(replicas), statistics.median(s.ratios)), 1.0
-        same_kind = [p for p in others if p.kind == s.kind]
-        if same_kind or others:
-            return min(fastest(same_kind or others), statistics.median(s.ratios)), CROSS
-        return (1.0, CROSS) if calibrated else (None, 1.0)
-
     def adopt(self, stragglers: Mapping[str, float], now: float) -> None:
         """Stragglers another leader found (the job's state): a new leader plans as its
         predecessor did until its own measurements say otherwise."""
@@ -206,3 +192,25 @@ class SlotSpeeds:
     def slowdowns(self) -> dict[str, float]:
         """slot -> the slowdown the planner should assume (bucketed), stragglers only."""
         return {name: bucket(f) for name, f in self.stragglers.items()}
+
+
+def _references(paces: Mapping[str, tuple[str, int, float]], calibrated: bool
+                ) -> dict[str, tuple[float | None, float]]:
+    """slot -> (the pace it is compared with, the factor on the threshold), from each slot's
+    (kind, stage, pace), best reference first (see the module's docstring); (None, 1) where there
+    is none. A slot belongs to the group it is compared with, so the group's fastest pace is the
+    fastest of its peers' and its own. One pass over the slots: the leader judges every second."""
+    groups: dict[tuple, list[float]] = {}
+    for kind, stage, pace in paces.values():
+        for key in ((kind, stage), (kind,), ()):
+            groups.setdefault(key, []).append(pace)
+    out: dict[str, tuple[float | None, float]] = {}
+    for name, (kind, stage, _) in paces.items():
+        if len(groups[(kind, stage)]) > 1:
+            out[name] = min(groups[(kind, stage)]), 1.0
+        elif len(groups[()]) > 1:
+            peers = groups[(kind,)] if len(groups[(kind,)]) > 1 else groups[()]
+            out[name] = min(peers), CROSS
+        else:
+            out[name] = (1.0, CROSS) if calibrated else (None, 1.0)
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from varunad.control.fleet import read_newest
+from varunad.control.fleet import read_newest, read_progress
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
 from varunad.control.records import (
     Progress,
@@ -86,13 +86,7 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
         if span is not None:
             spans.setdefault(epoch, []).append(span)
     history = merge_history({e: list(v.items()) for e, v in per_epoch.items()})
-    progress = []
-    for kv in await store.get_prefix(keys.progress_of(job)):
-        try:
-            progress.append(Progress.decode(kv.value))
-        except ValueError:
-            continue
-    current = [p for p in progress if p.epoch == state.epoch]
+    current = [p for p in await read_progress(store, keys, job) if p.epoch == state.epoch]
     now = [s + 1 for s in per_epoch.get(state.epoch, {})] + [p.step + 1 for p in current]
     # where the running epoch is, once it has reported: after a resume from an older checkpoint
     # it redoes steps an earlier epoch had reached, and says so rather than the highest step

@@ -39,11 +39,10 @@ from varunad.control.decide import (
     who_and_cause,
 )
 from varunad.control.failures import classify, memory_backoff
-from varunad.control.fleet import FleetSnapshot, read_fleet, read_newest
+from varunad.control.fleet import FleetSnapshot, read_fleet, read_newest, read_progress
 from varunad.control.jobs import JobState, job_store
 from varunad.control.links import LinkSurvey
 from varunad.control.plans import PlanDoc, describe
-from varunad.control.records import Progress
 from varunad.control.resume import ResumeSource, complete_manifest, resume_source
 from varunad.control.speeds import SlotSpeeds
 from varunad.node.config import DaemonConfig
@@ -433,15 +432,8 @@ class Leader(LeaderPlanning, LeaderPace):
 
     async def _peaks(self, job: str, epoch: int) -> dict[int, int]:
         """rank -> the memory peak each worker of ``epoch`` last reported (none that did not)."""
-        peaks = {}
-        for kv in await self.store.get_prefix(self.keys.progress_of(job)):
-            try:
-                p = Progress.decode(kv.value)
-            except ValueError:
-                continue
-            if p.epoch == epoch and p.peak_bytes:
-                peaks[p.rank] = p.peak_bytes
-        return peaks
+        return {p.rank: p.peak_bytes for p in await read_progress(self.store, self.keys, job)
+                if p.epoch == epoch and p.peak_bytes}
 
     async def _resume_source(self, snap: FleetSnapshot, job: str, plan: PlanDoc, lost: list[str], *,
                              checkpointed: bool) -> ResumeSource:

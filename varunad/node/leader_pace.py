@@ -18,10 +18,9 @@ import logging
 
 from trainer.planning.planner import PlanError
 from varunad.control.decide import Decision
-from varunad.control.fleet import FleetSnapshot
+from varunad.control.fleet import FleetSnapshot, read_progress
 from varunad.control.jobs import JobState
 from varunad.control.plans import PlanDoc
-from varunad.control.records import Progress
 from varunad.control.speeds import Expected, SlotSpeeds
 
 __all__ = ["LeaderPace", "expected_of"]
@@ -82,12 +81,7 @@ class LeaderPace:
         expected = expected_of(plan, state.plan, snap)
         if not expected:
             return False
-        progress = []
-        for kv in await self.store.get_prefix(self.keys.progress_of(plan.job), timeout=self.t):
-            try:
-                progress.append(Progress.decode(kv.value))
-            except ValueError:
-                continue   # a malformed record: the reporter's key, the schema check says why elsewhere
+        progress = await read_progress(self.store, self.keys, plan.job, timeout=self.t)
         changed = self.speeds.observe(snap.plan_epoch, expected, progress, now, calibrated=plan.calibrated)
         paces, stragglers = dict(self.speeds.paces), dict(self.speeds.stragglers)
         self.metrics.slot_paces(paces, stragglers)

@@ -37,9 +37,8 @@ def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot, slowdowns: d
     stage_kinds = [base_kind(st.device_kind) for st in planned.stages]   # a straggler's own kind -> its kind
     return {"device_kinds": dict(kinds), "stage_kinds": [kind for kind, _ in stage_kinds],
             # what each stage's compute per micro-batch should take at its kind's full speed (the
-            # leader measures each slot against it), and the slowdown the plan assumed there
+            # leader measures each slot against it)
             "stage_compute_s": [st.compute_s / factor for st, (_, factor) in zip(planned.stages, stage_kinds)],
-            "stage_slowdown": [factor for _, factor in stage_kinds],
             "slowdowns": dict(slowdowns),   # the stragglers planned for (slot -> slowdown)
             "link_kinds": list(planned.link_kinds),
             "allreduce_kinds": list(planned.allreduce_kinds), "micro_batches": planned.micro_batches,
