@@ -3,6 +3,7 @@ documents, and the leader's decisions from snapshot data (Patroni's layer of uni
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -13,7 +14,7 @@ import pytest
 from support.decisions import d, member, reports_for, run_plan, running, snapshot, spec
 
 from varunad.cluster.facts import DaemonMember, detect_device_kind, detect_memory, gpu_count, gpu_models
-from varunad.control.decide import LeaderMemory, error_summary
+from varunad.control.decide import LeaderMemory, epoch_failure, error_summary
 from varunad.control.fleet import JobEntry
 from varunad.control.jobs import (
     BundleError,
@@ -344,6 +345,25 @@ def test_decide_follows_an_epoch_to_its_end():
     assert d(snapshot(plan=plan, epoch=50, states=running(), reports=stopped)).action == "start"
     dec = d(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50, overrides={1: "failed"})))
     assert (dec.action, dec.failure, dec.checkpoint) == ("abort", True, False) and "boom" not in dec.reason
+
+
+def test_the_failure_a_job_is_judged_by_is_the_raise_not_a_neighbours_broken_connection():
+    plan = run_plan()
+    reports = reports_for(plan, 50, overrides={0: "failed", 1: "failed"})
+    words = {0: "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4711",
+             1: "ValueError: failing on purpose"}
+    for m, rep in reports.items():
+        reports[m] = dataclasses.replace(rep, workers=tuple(
+            dataclasses.replace(w, error=f"rank {w.rank} on {m} exited with code 1; last output:\n{words[w.rank]}")
+            if w.rank in words else w for w in rep.workers))
+    snap = snapshot(plan=plan, epoch=50, states=running(), reports=reports)
+    dec = d(snap)
+    assert dec.action == "abort" and dec.reason.startswith("rank 1 on ") and "failing on purpose" in dec.reason, dec
+    assert epoch_failure(snap, "j", 50) == dec.reason
+    # only the broken connection reported so far: that is the failure until the raise is read
+    reports = reports_for(plan, 50, overrides={0: "failed"})
+    assert d(snapshot(plan=plan, epoch=50, states=running(), reports=reports)).reason.startswith("rank 0 on ")
+    assert epoch_failure(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50)), "j", 50) is None
 
 
 def test_decide_morphs_when_a_member_of_the_plan_leaves_or_is_noticed_leaving():

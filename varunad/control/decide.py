@@ -9,11 +9,13 @@ import re
 from dataclasses import dataclass, field
 
 from varunad.control.failures import cause as failure_cause
+from varunad.control.failures import is_transient
 from varunad.control.fleet import FleetSnapshot, JobEntry
 from varunad.control.outage import judge_members
 from varunad.control.plans import PlanDoc
+from varunad.control.records import WorkerRecord
 
-__all__ = ["Decision", "LeaderMemory", "calibration_failed", "decide", "error_summary", "was_lost", "who_and_cause",
+__all__ = ["Decision", "LeaderMemory", "calibration_failed", "decide", "epoch_failure", "error_summary", "was_lost", "who_and_cause",
            "cause_of", "store_failing"]
 
 
@@ -132,18 +134,11 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     # A run plan for the current job.
     if state.epoch != epoch:
         return Decision("adopt", f"plan epoch {epoch} runs {job} but its state says epoch {state.epoch}", job)
-    records = {}
-    for s in plan.slots:
-        report = snap.reports.get(s.member)
-        records[s.rank] = (s.member, report.of(job, epoch).get(s.rank) if report else None)
+    records = _records(snap, job, epoch)
     if records and all(r is not None and r.outcome == "done" for _, r in records.values()):
         return Decision("done", f"every worker of epoch {epoch} finished", job)
-    failed = [(m, r) for m, r in records.values() if r is not None and r.outcome == "failed"]
-    if failed:
-        m, r = failed[0]
-        why = error_summary(r.error)
-        if not why.startswith(f"rank {r.rank} on {m} "):   # the supervisor's own errors name the worker
-            why = f"rank {r.rank} on {m} failed: {why}"
+    why = _root_failure(records)
+    if why is not None:
         return Decision("abort", why, job, failure=True)
     verdict = judge_members(plan, epoch, snap.members, snap.reports, now=now, outage_until=outage_until)
     if verdict.gone:
@@ -184,6 +179,40 @@ def store_failing(snap: FleetSnapshot) -> bool:
 
 def was_lost(names: list[str]) -> str:
     return f"{', '.join(names)} {'was' if len(names) == 1 else 'were'} lost"
+
+
+def _root_failure(records: dict[int, tuple[str, WorkerRecord | None]]) -> str | None:
+    """The summary of the failure that most likely caused the others among an epoch's records
+    (rank -> (member, record)): when one worker raises, its peers fail next with broken
+    connections, and a cause compared between attempts must be the raise, not whichever
+    neighbour's report came first. None when no worker failed."""
+    failed = []
+    for rank in sorted(records):
+        m, r = records[rank]
+        if r is None or r.outcome != "failed":
+            continue
+        why = error_summary(r.error)
+        if not why.startswith(f"rank {r.rank} on {m} "):   # the supervisor's own errors name the worker
+            why = f"rank {r.rank} on {m} failed: {why}"
+        failed.append(why)
+    return min(failed, key=is_transient) if failed else None
+
+
+def epoch_failure(snap: FleetSnapshot, job: str, epoch: int) -> str | None:
+    """The root failure (``_root_failure``) among the records of ``job``'s ``epoch`` in ``snap``,
+    read again once every worker has stopped: by then each has said why it ended."""
+    return _root_failure(_records(snap, job, epoch)) if snap.plan is not None else None
+
+
+def _records(snap: FleetSnapshot, job: str, epoch: int) -> dict[int, tuple[str, WorkerRecord | None]]:
+    """rank -> (member, its worker's record of ``job``'s ``epoch``, None before it reports) for
+    each slot of the snapshot's plan."""
+    assert snap.plan is not None
+    records = {}
+    for s in snap.plan.slots:
+        report = snap.reports.get(s.member)
+        records[s.rank] = (s.member, report.of(job, epoch).get(s.rank) if report else None)
+    return records
 
 
 def who_and_cause(summary: str) -> tuple[str, str]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["DETERMINISTIC", "MemoryBackoff", "cause", "classify", "is_out_of_memory", "is_store_outage",
-           "memory_backoff"]
+           "is_transient", "memory_backoff"]
 
 # Exceptions that a fresh start on the same script, spec and fleet raises again.
 DETERMINISTIC = ("ConfigError", "PartitionError", "SyntaxError", "IndentationError", "ModuleNotFoundError",
@@ -68,6 +68,12 @@ def is_store_outage(summary: str) -> bool:
 def is_out_of_memory(summary: str) -> bool:
     """Whether the failure with ``summary`` (error_summary's line) is a stage out of memory."""
     return bool(_OUT_OF_MEMORY.search(summary))
+
+
+def is_transient(summary: str) -> bool:
+    """Whether the failure with ``summary`` reads like a consequence (a peer's connection broke, a
+    timeout) rather than a cause: when one worker raises, its peers fail next in these words."""
+    return bool(_TRANSIENT.search(cause(summary)))
 
 
 def classify(summary: str, previous: str | None) -> str:

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from protocol.messages import StopWorkers
 from varunad.cluster.election import Election, NotLeader
@@ -34,6 +35,7 @@ from varunad.control.decide import (
     LeaderMemory,
     cause_of,
     decide,
+    epoch_failure,
     store_failing,
     was_lost,
     who_and_cause,
@@ -374,6 +376,14 @@ class Leader(LeaderPlanning, LeaderPace):
         after = await read_fleet(self.store, self.keys, timeout=self.t)   # the fleet once the epoch stopped
         restart = False
         lost: list[str] = []
+        if d.failure:
+            # every worker has said why it ended by now: the raise, not a neighbour's broken connection
+            root = epoch_failure(after, job, epoch) if after.plan_epoch == epoch else None
+            if root is not None and root != d.reason:
+                log.info("leader: %s: the root failure of epoch %d: %s (first seen: %s)", job, epoch, root, d.reason)
+                reason = root
+                d = replace(d, reason=root)
+                who, what = who_and_cause(root)
         cause = cause_of(reason)
         if d.failure:
             answered = await self.silent.answering(after, plan.members, mark=True)
