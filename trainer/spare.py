@@ -8,10 +8,15 @@ its whole environment, and runs `script` as `__main__`, as `python script args` 
 sys.path[0] the script's directory, the script's exit status; an uncaught exception is printed
 and exits 1). stdin closed without a line means the spare is not needed: it exits 0.
 
+Besides torch, a spare imports what `torch.export` loads on its first call (`torch._dynamo`,
+AOT autograd: about 1.6 s of a 2-3 s capture on this project's CI machine), since every worker
+captures its model before its first step.
+
 Only what is read after start-up may differ between the spare's environment and the job's:
 `STARTUP_KEYS` (thread counts torch reads when imported, malloc tuning glibc reads at exec, the
-module path) must be equal, or the daemon starts a fresh process instead (`fits`). The engine's
-own modules are not imported ahead: some read the environment when imported.
+module path) and every `TORCH*`/`PYTORCH*` variable (torch's and dynamo's configs read theirs when
+imported) must be equal, or the daemon starts a fresh process instead (`fits`). The engine's own
+modules are not imported ahead: some read the environment when imported.
 """
 
 from __future__ import annotations
@@ -22,16 +27,22 @@ import os
 import sys
 from collections.abc import Mapping
 
-__all__ = ["STARTUP_KEYS", "fits", "main"]
+__all__ = ["AHEAD", "STARTUP_KEYS", "STARTUP_PREFIXES", "fits", "main"]
 
 STARTUP_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                 "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD",
                 "LD_LIBRARY_PATH")
 
 
+STARTUP_PREFIXES = ("TORCH", "PYTORCH")
+# imported ahead: torch.export's first call loads these (dynamo alone is most of it)
+AHEAD = ("torch", "numpy", "zmq", "msgpack", "torch._dynamo", "torch._functorch.aot_autograd")
+
+
 def fits(spare_env: Mapping[str, str], job_env: Mapping[str, str]) -> bool:
     """Whether a spare started in `spare_env` can run a worker whose environment is `job_env`."""
-    return all(spare_env.get(k) == job_env.get(k) for k in STARTUP_KEYS)
+    keys = set(STARTUP_KEYS) | {k for k in (*spare_env, *job_env) if k.startswith(STARTUP_PREFIXES)}
+    return all(spare_env.get(k) == job_env.get(k) for k in keys)
 
 
 def _run(order: dict) -> None:
@@ -51,7 +62,7 @@ def _run(order: dict) -> None:
 
 
 def main() -> None:
-    for name in ("torch", "numpy", "zmq", "msgpack"):   # the point of a spare: imported before it is needed
+    for name in AHEAD:   # the point of a spare: imported before it is needed
         importlib.import_module(name)
     line = sys.stdin.readline()
     if not line.strip():

@@ -15,8 +15,9 @@ from support import REPO
 
 SCRIPT = """
 import json, os, sys
+ahead = "torch._dynamo" in sys.modules
 import torch
-print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+print(json.dumps({"ahead": ahead, "argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
                   "job": os.environ.get("JOB_VAR"), "spare_only": os.environ.get("SPARE_ONLY"),
                   "stdin": sys.stdin.read(), "threads": os.environ.get("OMP_NUM_THREADS")}), flush=True)
 if sys.argv[1] == "fail":
@@ -52,6 +53,7 @@ def test_a_spare_runs_the_script_as_python_would(tmp_path):
     # the job's environment, and nothing left of the spare's
     assert seen["job"] == "from the job" and seen["spare_only"] is None and seen["threads"] == "1"
     assert seen["stdin"] == ""   # as a worker started afresh: /dev/null
+    assert seen["ahead"]   # what torch.export's first call loads was imported before the order came
 
 
 def test_an_uncaught_exception_is_printed_and_exits_1(tmp_path):

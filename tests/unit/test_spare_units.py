@@ -16,3 +16,7 @@ def test_a_spare_fits_only_a_job_with_its_start_up_environment():
     assert spare.fits(base, {**base, "VARUNA_RANK": "3", "VARUNA_JOB": "gpt"})   # read after start-up
     assert not spare.fits(base, {**base, "OMP_NUM_THREADS": "4"})                 # torch read it at import
     assert not spare.fits(base, {**base, "LD_PRELOAD": "libjemalloc.so"})
+    # torch's and dynamo's configs read their variables when the spare imported them
+    assert not spare.fits(base, {**base, "TORCH_LOGS": "+dynamo"})
+    assert not spare.fits({**base, "TORCHDYNAMO_VERBOSE": "1"}, base)
+    assert spare.fits({**base, "TORCH_LOGS": "graph"}, {**base, "TORCH_LOGS": "graph", "VARUNA_RANK": "1"})
