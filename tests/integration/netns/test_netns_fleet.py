@@ -67,13 +67,16 @@ def _partition(ring: NetRing, reference: list[float], job: str, *, cut_leader: b
     ring.wait_members(names, timeout=60)
     ring.submit(job, steps=24, batch=BATCH, every=EVERY, script_args=("--step-sleep", "0.3"))
     st = ring.wait_step(job, 3, timeout=180)
-    assert st["plan"]["P"] >= 2 and len(st["plan"]["members"]) == N, st["plan"]
+    # the planner may leave a VM out (its measured estimates of 2 and 3 stages are close here)
+    assert st["plan"]["P"] >= 2 and len(st["plan"]["members"]) >= 2, st["plan"]
     ring.wait_checkpoint(job, 3)
     leader = ring.leader()
     victim = leader if cut_leader else next(m for m in st["plan"]["members"] if m != leader)
     d = ring.fabric.daemons[victim]
     old_epoch = ring.status(job)["epoch"]
-    assert _children(d), f"{victim} runs no worker of {job}"
+    in_plan = victim in st["plan"]["members"]
+    print(f"\nplan {st['plan']['P']}x{st['plan']['D']} on {st['plan']['members']}; cutting {victim}")
+    assert _children(d) or not in_plan, f"{victim} runs no worker of {job}"
     cut = time.monotonic()
     ring.fabric.cut(d.index)
     # the cut-off VM fences itself: its workers are gone within the TTL of the cut
@@ -81,9 +84,13 @@ def _partition(ring: NetRing, reference: list[float], job: str, *, cut_leader: b
     gone = time.monotonic() - cut
     print(f"\n{victim}{' (leader)' if cut_leader else ''}: workers gone {gone:.2f}s after the cut (TTL {TTL:g}s)")
     assert gone <= TTL + 0.5, f"{victim}'s workers outlived its lease: {gone:.1f}s after the cut"
-    # the others carry on without it
-    st = ring.poll(lambda: (s := ring.status(job))["epoch"] != old_epoch and s["state"] in ("running", "done")
-                   and victim not in s["plan"]["members"] and s, timeout=90, what=f"{job} re-planned without {victim}")
+    # the others carry on without it: re-planned when it ran workers, else under a new leader
+    if in_plan:
+        st = ring.poll(lambda: (s := ring.status(job))["epoch"] != old_epoch and s["state"] in ("running", "done")
+                       and victim not in s["plan"]["members"] and s, timeout=90, what=f"{job} re-planned without {victim}")
+    else:
+        ring.poll(lambda: ring.leader() not in (None, victim), timeout=30, what="a leader other than the cut one")
+        st = ring.status(job)
     ring.wait_step(job, st["step"] + 1, timeout=120)
     old_lease = ring.call(ring.store.get(ring.keys.member(victim)))
     healed = time.monotonic()
