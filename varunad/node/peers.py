@@ -6,7 +6,9 @@ runs --plaintext) that yields decoded messages; anything that is not exactly one
 carries on. The leader holds one DEALER per member (CURVE client expecting that member's public
 key) to push plan-changed notices and stop requests, and to ping: a member that does not answer a Ping
 within the timeout is left out of the next plan; one of a stopping epoch that does not answer
-is remembered as silent (`SilentMembers`), so that a morph waits the ping timeout for it once.
+is remembered as silent (`SilentMembers`), so that a morph waits the ping timeout for it once, and
+one whose host refuses a connection to its port is silent at once (`refused`: a process killed on a
+host that stays, which breaks its peers' connections at the same moment).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from protocol.security import Security
 if TYPE_CHECKING:
     from varunad.control.fleet import FleetSnapshot
 
-__all__ = ["PeerServer", "PeerClients", "SilentMembers", "drop_reason"]
+__all__ = ["PeerServer", "PeerClients", "SilentMembers", "drop_reason", "refused"]
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +145,11 @@ class PeerClients:
             log.info("could not queue %s for %s (its queue is full)", type(msg).__name__, member)
             return False
 
-    async def ping(self, members: Iterable[tuple[str, str]], timeout: float) -> set[str]:
-        """The members (name, endpoint) that answer a Ping within ``timeout`` seconds."""
+    async def ping(self, members: Iterable[tuple[str, str]], timeout: float, *,
+                   refused_is_silent: bool = False) -> set[str]:
+        """The members (name, endpoint) that answer a Ping within ``timeout`` seconds.
+        ``refused_is_silent``: a member whose host refuses a TCP connection to its endpoint is
+        counted silent at once instead of after the timeout (`refused`)."""
         async def one(member: str, endpoint: str) -> str | None:
             sock = self._sock(member, endpoint)
             if sock is None:
@@ -168,13 +173,48 @@ class PeerClients:
                     return member
             return None
 
-        found = await asyncio.gather(*(one(m, e) for m, e in members))
+        async def either(member: str, endpoint: str) -> str | None:
+            answer = asyncio.ensure_future(one(member, endpoint))
+            probe = asyncio.ensure_future(refused(endpoint, timeout))
+            try:
+                done, _ = await asyncio.wait({answer, probe}, return_when=asyncio.FIRST_COMPLETED)
+                if answer in done or not probe.result():
+                    return await answer
+                log.info("%s: nothing listens on %s any more (connection refused): not waiting for its ping",
+                         member, endpoint)
+                return None
+            finally:
+                for task in (answer, probe):
+                    task.cancel()
+
+        found = await asyncio.gather(*((either if refused_is_silent else one)(m, e) for m, e in members))
         return {m for m in found if m is not None}
 
     def close(self) -> None:
         for _, sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
+
+
+async def refused(endpoint: str, timeout: float) -> bool:
+    """Whether the host of ``endpoint`` ("tcp://host:port") refuses a TCP connection to it within
+    ``timeout``: it runs, and no socket listens on the port, so the daemon that did is gone.
+
+    Why this never takes a busy daemon for a lost one: the kernel completes a connection to a
+    listening socket by itself (the accept queue), whatever the process is doing, so a daemon that
+    is alive, however starved of CPU, is never refused. A host that does not answer at all (a VM
+    that vanished, a cut link) is not refused either: that one is left to the ping's timeout."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
 
 
 class SilentMembers:
@@ -218,7 +258,7 @@ class SilentMembers:
         this morph; `mark`: remember those that do not (a member of the stopped epoch: not one
         that may have just joined, whose socket may not answer yet)."""
         ask = [(m, snap.members[m][0].endpoint) for m in names if m in snap.members and not self._known_silent(snap, m)]
-        answered = await self.clients.ping(ask, self._ping_timeout())
+        answered = await self.clients.ping(ask, self._ping_timeout(), refused_is_silent=mark)
         if mark:
             self._mark_silent(snap, {m for m, _ in ask} - answered)
         return answered
