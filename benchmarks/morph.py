@@ -18,25 +18,32 @@ Each trial waits for the job to run on all four members, then:
 
 It then reads the leader's morph record, the job's status and the new epoch's worker logs:
   detect   the event -> the leader decides to morph: after kill -9 the lease TTL, or sooner when a
-           surviving worker's all-reduce fails and the lost member does not answer a ping; after a
-           notice, the leaving member marks itself at once
-  stop     the decision -> every old worker gone (after a kill, the survivors' save from memory)
+           surviving worker's all-reduce fails; after a notice, the leaving member marks itself at once
+  stop     the decision -> every old worker gone and the lost member known (after a kill, the
+           survivors' save from memory; a member whose host refuses its port is lost at once, one
+           that does not answer costs the ping timeout, TTL/4)
   plan     every old worker gone -> the new plan written in etcd
   restart  plan written -> the slowest new worker is ready to load (spawn, imports, tracing, rendezvous)
   load     the slowest checkpoint load (the transfer of the saved state into the new workers)
   step     -> the first step of the new epoch done
   redone   steps the new epoch trained that the old one had already trained
   source   where the new epoch's state came from, as the morph record says
-The lost member is restarted between trials (a scale-up morph, threshold 0, brings it back in).
+The lost member is restarted between trials (a scale-up morph, threshold 0, brings it back in):
+  join stall  the last step of the epoch before that morph -> the first step of the one with the
+              newcomer: how long training stood still for a VM that joined (its worker starts afresh)
+Each trial starts in the steady state between morphs: the job has trained a few steps in its epoch
+and every member's spare worker has finished its imports.
 
 Run:  python benchmarks/morph.py [--quick] [--trials N]
 The last line is `bench morph: kill_to_resume_s=<median, 2x2, TTL 5 s> notice_to_resume_s=<median,
-2x2> steps_redone=<median, 2x2 kill>`.
+2x2> steps_redone=<median, 2x2 kill> join_stall_s=<median of every case's>`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import signal
 import statistics
@@ -44,6 +51,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -80,11 +89,43 @@ def _epoch_timing(ring: Ring, job: str, epoch: int, timeout: float = 120.0) -> t
     return ring.poll(read, timeout=timeout, what=f"the first step of epoch {epoch}")
 
 
+def _waiting_spare(p: psutil.Process) -> bool:
+    """A trainer.spare process still waiting for its order on a pipe (one that runs a worker reads
+    /dev/null)."""
+    try:
+        return "trainer.spare" in " ".join(p.cmdline()) and os.readlink(f"/proc/{p.pid}/fd/0").startswith("pipe:")
+    except (psutil.Error, OSError):
+        return False
+
+
+def _spares_settled(ring: Ring) -> bool:
+    """Whether every spare worker process of the ring (trainer.spare) has finished its imports:
+    none used CPU in the last 0.3 s. A fleet between morphs is in this state; right after one,
+    the next epoch's spares are still importing and a morph then would start in half-ready ones."""
+    spares = []
+    for d in ring.daemons.values():
+        if d.alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                spares += [p for p in psutil.Process(d.proc.pid).children(recursive=True) if _waiting_spare(p)]
+    before = [p.cpu_times() for p in spares]
+    time.sleep(0.3)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return all(p.cpu_times() == b for p, b in zip(spares, before, strict=True))
+    return False
+
+
+def _last_step(ring: Ring, job: str, epoch: int) -> float:
+    """When the last step of ``epoch`` was done (wall clock), from its workers' logs."""
+    return max(float(m.group(2)) for text in _worker_logs(ring, job, epoch) for m in _STEP.finditer(text))
+
+
 def _wait_full(ring: Ring, job: str) -> dict:
-    """Until the job runs on every ring member and has a checkpoint in this epoch."""
+    """Until the job runs on every ring member, has trained a few steps in this epoch, and every
+    member's spare worker is ready (the steady state between morphs)."""
     st = ring.poll(lambda: (s := ring.status(job))["state"] == "running" and len(s["plan"]["members"]) == len(NAMES)
                    and s, timeout=180, what="the job on all members")
     ring.wait_step(job, st["step"] + 4, timeout=120)
+    ring.poll(lambda: _spares_settled(ring), timeout=120, what="the spare workers' imports")
     return ring.status(job)
 
 
@@ -118,7 +159,13 @@ def trial(ring: Ring, job: str, how: str, shape: str) -> dict:
                    what="the new epoch's first step in the status")
     if how != "kill":
         ring.daemons[victim].proc.wait(60)
-    ring.start(victim)  # back for the next trial (a scale-up morph)
+    morphs = len(st["morphs"])
+    ring.poll(lambda: _spares_settled(ring), timeout=120, what="the spare workers' imports")
+    ring.start(victim)  # back for the next trial (a scale-up morph), once the survivors' spares are ready
+    joined = ring.poll(lambda: (s := ring.status(job))["state"] == "running" and len(s["morphs"]) > morphs
+                       and victim in s["plan"]["members"] and s, timeout=180, what=f"{victim} planned in again")
+    grown = joined["morphs"][-1]
+    _, _, resumed = _epoch_timing(ring, job, grown["to_epoch"])
     return {
         "detect": first_morph["noticed_at"] - event,
         "stop": first_morph["stopped_at"] - first_morph["noticed_at"],
@@ -131,6 +178,10 @@ def trial(ring: Ring, job: str, how: str, shape: str) -> dict:
         "source": (morph.get("source") or "?") + (f" {morph['resumed_from']}" if morph.get("resumed_from", -1) >= 0
                                                   else ""),
         "trigger": first_morph["reason"],
+        # a join: from the last step of the epoch the newcomer's plan replaced to the new one's first
+        "join_stall": resumed - _last_step(ring, job, grown["from_epoch"]),
+        "join_stop": grown["stopped_at"] - grown["noticed_at"],
+        "join_restart": resumed - grown["planned_at"],
     }
 
 
@@ -155,7 +206,8 @@ def run_config(base: Path, ttl: float, shape: str, hows: list[str], trials: int)
                       f"{r['detect']:5.2f} + stop {r['stop']:5.2f} + plan {r['plan']:5.2f} "
                       f"+ restart {r['restart']:5.2f}"
                       f" + load {r['load']:5.2f} + step {r['step']:5.2f}; redone {r['redone']}, from {r['source']}"
-                      f"   ({r['trigger'][:60]})", flush=True)
+                      f"; back in: stood still {r['join_stall']:5.2f}s (stop {r['join_stop']:.2f}, restart "
+                      f"{r['join_restart']:.2f})   ({r['trigger'][:60]})", flush=True)
         ring.varunactl("cancel", job)
     finally:
         ring.close()
@@ -164,12 +216,12 @@ def run_config(base: Path, ttl: float, shape: str, hows: list[str], trials: int)
 
 
 def _median_row(label: str, rows: list[dict]) -> tuple[float, float]:
-    keys = ["detect", "stop", "plan", "restart", "load", "step", "total", "redone"]
+    keys = ["detect", "stop", "plan", "restart", "load", "step", "total", "redone", "join_stall"]
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
     sources = sorted({r["source"].split()[0] for r in rows})
-    print(f"| {label} | " + " | ".join(f"{med[k]:.2f}" for k in keys[:-1]) + f" | {med['redone']:g} | "
-          f"{', '.join(sources)} |")
-    return med["total"], med["redone"]
+    print(f"| {label} | " + " | ".join(f"{med[k]:.2f}" for k in keys[:-2]) + f" | {med['redone']:g} | "
+          f"{', '.join(sources)} | {med['join_stall']:.2f} |")
+    return med["total"], med["redone"], med["join_stall"]
 
 
 def main() -> None:
@@ -186,15 +238,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-morph-") as tmp:
         results = {shape: run_config(Path(tmp) / shape, 5.0, shape, ["kill", "notice"], trials) for shape in shapes}
     print("\nmedian seconds, TTL 5 s:")
-    print("| case | detect | stop | plan | restart | load | step | total | steps redone | source |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | detect | stop | plan | restart | load | step | total | steps redone | source | join stall |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     summary = {}
     for shape, by_how in results.items():
         for how, rows in by_how.items():
             summary[shape, how] = _median_row(f"{shape} {'kill -9' if how == 'kill' else 'SIGTERM notice'}", rows)
     head = shapes[0]
     print(f"bench morph: kill_to_resume_s={summary[head, 'kill'][0]:.2f} "
-          f"notice_to_resume_s={summary[head, 'notice'][0]:.2f} steps_redone={summary[head, 'kill'][1]:g}")
+          f"notice_to_resume_s={summary[head, 'notice'][0]:.2f} steps_redone={summary[head, 'kill'][1]:g} "
+          f"join_stall_s={statistics.median(v[2] for v in summary.values()):.2f}")
 
 
 if __name__ == "__main__":

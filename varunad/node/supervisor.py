@@ -348,6 +348,14 @@ class Supervisor(WorkerStopping):
         self.reporter.mark()
         w.wait_task = asyncio.get_running_loop().create_task(self._wait(w), name=f"worker-{w.job}-e{w.epoch}-r{w.rank}")
 
+    def warm_spares(self) -> None:
+        """Start the missing spares in the background: once an epoch trains here, or while this
+        member waits outside a running job's plan (the next morph may take it in: a join)."""
+        if self._spare_task is not None and not self._spare_task.done():
+            return
+        task = asyncio.get_running_loop().create_task(self._fill_spares(), name="spare-workers")
+        self._spare_task = task   # kept: a task without a reference may be collected mid-way
+
     async def _fill_spares(self) -> None:
         """A spare per slot of this member (once an epoch trains here: its import then competes
         with training, not with a start-up), in the environment the slot's workers start with."""
@@ -437,8 +445,7 @@ class Supervisor(WorkerStopping):
         if w.step < 0 and not self.first_step_at:
             self.first_step_at = now
             self.reporter.mark()
-            task = asyncio.get_running_loop().create_task(self._fill_spares(), name="spare-workers")
-            self._spare_task = task   # kept: a task without a reference may be collected mid-way
+            self.warm_spares()
         w.step = max(w.step, msg.step)
         last = self.reporter.progress.get(w.rank)
         if last is not None and last.epoch == msg.epoch:
