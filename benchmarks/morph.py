@@ -42,8 +42,6 @@ The last line is `bench morph: kill_to_resume_s=<median, 2x2, TTL 5 s> notice_to
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import re
 import signal
 import statistics
@@ -52,13 +50,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from support.etcd_server import EtcdServer  # noqa: E402
 from support.ring import Ring  # noqa: E402
+from support.spares import spares_settled  # noqa: E402
 
 NAMES = ["d1", "d2", "d3", "d4"]
 SHAPES = {"2x2": ("--cheap-allreduce",), "4x1": ()}
@@ -89,31 +86,6 @@ def _epoch_timing(ring: Ring, job: str, epoch: int, timeout: float = 120.0) -> t
     return ring.poll(read, timeout=timeout, what=f"the first step of epoch {epoch}")
 
 
-def _waiting_spare(p: psutil.Process) -> bool:
-    """A trainer.spare process still waiting for its order on a pipe (one that runs a worker reads
-    /dev/null)."""
-    try:
-        return "trainer.spare" in " ".join(p.cmdline()) and os.readlink(f"/proc/{p.pid}/fd/0").startswith("pipe:")
-    except (psutil.Error, OSError):
-        return False
-
-
-def _spares_settled(ring: Ring) -> bool:
-    """Whether every spare worker process of the ring (trainer.spare) has finished its imports:
-    none used CPU in the last 0.3 s. A fleet between morphs is in this state; right after one,
-    the next epoch's spares are still importing and a morph then would start in half-ready ones."""
-    spares = []
-    for d in ring.daemons.values():
-        if d.alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                spares += [p for p in psutil.Process(d.proc.pid).children(recursive=True) if _waiting_spare(p)]
-    before = [p.cpu_times() for p in spares]
-    time.sleep(0.3)
-    with contextlib.suppress(psutil.NoSuchProcess):
-        return all(p.cpu_times() == b for p, b in zip(spares, before, strict=True))
-    return False
-
-
 def _last_step(ring: Ring, job: str, epoch: int) -> float:
     """When the last step of ``epoch`` was done (wall clock), from its workers' logs."""
     return max(float(m.group(2)) for text in _worker_logs(ring, job, epoch) for m in _STEP.finditer(text))
@@ -125,7 +97,7 @@ def _wait_full(ring: Ring, job: str) -> dict:
     st = ring.poll(lambda: (s := ring.status(job))["state"] == "running" and len(s["plan"]["members"]) == len(NAMES)
                    and s, timeout=180, what="the job on all members")
     ring.wait_step(job, st["step"] + 4, timeout=120)
-    ring.poll(lambda: _spares_settled(ring), timeout=120, what="the spare workers' imports")
+    ring.poll(lambda: spares_settled(ring), timeout=120, what="the spare workers' imports")
     return ring.status(job)
 
 
@@ -160,7 +132,7 @@ def trial(ring: Ring, job: str, how: str, shape: str) -> dict:
     if how != "kill":
         ring.daemons[victim].proc.wait(60)
     morphs = len(st["morphs"])
-    ring.poll(lambda: _spares_settled(ring), timeout=120, what="the spare workers' imports")
+    ring.poll(lambda: spares_settled(ring), timeout=120, what="the spare workers' imports")
     ring.start(victim)  # back for the next trial (a scale-up morph), once the survivors' spares are ready
     joined = ring.poll(lambda: (s := ring.status(job))["state"] == "running" and len(s["morphs"]) > morphs
                        and victim in s["plan"]["members"] and s, timeout=180, what=f"{victim} planned in again")

@@ -12,6 +12,10 @@ Besides torch, a spare imports what `torch.export` loads on its first call (`tor
 AOT autograd: about 1.6 s of a 2-3 s capture on this project's CI machine), since every worker
 captures its model before its first step.
 
+A spare imports at a lower priority (nice +10) and takes its own back when its order comes, where
+it may (root, or an RLIMIT_NICE that allows it): it imports beside the epoch's running worker on
+the same cores, and that worker's compute time is what the leader judges stragglers by.
+
 Only what is read after start-up may differ between the spare's environment and the job's:
 `STARTUP_KEYS` (thread counts torch reads when imported, malloc tuning glibc reads at exec, the
 module path) and every `TORCH*`/`PYTORCH*` variable (torch's and dynamo's configs read theirs when
@@ -21,9 +25,11 @@ modules are not imported ahead: some read the environment when imported.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import resource
 import sys
 from collections.abc import Mapping
 
@@ -35,6 +41,7 @@ STARTUP_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", 
 
 
 STARTUP_PREFIXES = ("TORCH", "PYTORCH")
+IMPORT_NICE = 10   # how much lower a spare's priority is while it imports
 # imported ahead: torch.export's first call loads these (dynamo alone is most of it)
 AHEAD = ("torch", "numpy", "zmq", "msgpack", "torch._dynamo", "torch._functorch.aot_autograd")
 
@@ -61,12 +68,37 @@ def _run(order: dict) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def _may_return_to(nice: int) -> bool:
+    """Whether this process may set its nice value back to `nice` after raising it: root may, and
+    so may a process whose RLIMIT_NICE allows `nice` (systemd's LimitNICE=)."""
+    if os.geteuid() == 0:
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or 20 - soft <= nice
+
+
+def _set_nice(nice: int) -> None:
+    # Linux applies a nice value per thread: every thread the imports started gets it back
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError, ValueError):
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+
+
 def main() -> None:
+    # A spare imports beside the epoch's running worker on the same cores: it does so with less
+    # priority, so that the worker's measured compute (what the leader judges stragglers by) does
+    # not slow down for its import. Only where the worker it becomes can get its priority back.
+    start = os.getpriority(os.PRIO_PROCESS, 0)
+    humble = _may_return_to(start)
+    if humble:
+        _set_nice(min(19, start + IMPORT_NICE))
     for name in AHEAD:   # the point of a spare: imported before it is needed
         importlib.import_module(name)
     line = sys.stdin.readline()
     if not line.strip():
         return
+    if humble:
+        _set_nice(start)
     devnull = os.open(os.devnull, os.O_RDONLY)   # a worker's stdin, as the daemon starts one afresh
     os.dup2(devnull, 0)
     os.close(devnull)

@@ -12,12 +12,15 @@ import sys
 from pathlib import Path
 
 from support import REPO
+from support.waiting import until
+
+from trainer import spare
 
 SCRIPT = """
 import json, os, sys
 ahead = "torch._dynamo" in sys.modules
 import torch
-print(json.dumps({"ahead": ahead, "argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+print(json.dumps({"ahead": ahead, "nice": os.getpriority(os.PRIO_PROCESS, 0), "argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
                   "job": os.environ.get("JOB_VAR"), "spare_only": os.environ.get("SPARE_ONLY"),
                   "stdin": sys.stdin.read(), "threads": os.environ.get("OMP_NUM_THREADS")}), flush=True)
 if sys.argv[1] == "fail":
@@ -54,6 +57,20 @@ def test_a_spare_runs_the_script_as_python_would(tmp_path):
     assert seen["job"] == "from the job" and seen["spare_only"] is None and seen["threads"] == "1"
     assert seen["stdin"] == ""   # as a worker started afresh: /dev/null
     assert seen["ahead"]   # what torch.export's first call loads was imported before the order came
+    # it imported at a lower priority and runs the worker at the one it started with
+    assert seen["nice"] == os.getpriority(os.PRIO_PROCESS, 0), seen
+
+
+def test_a_spare_imports_at_a_lower_priority(tmp_path):
+    proc = _spare(tmp_path)
+    try:
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        seen = until(lambda: os.getpriority(os.PRIO_PROCESS, proc.pid) != mine
+                     and os.getpriority(os.PRIO_PROCESS, proc.pid), "the spare's lower priority", timeout=30)
+        assert seen == min(19, mine + spare.IMPORT_NICE)
+    finally:
+        proc.communicate(b"", timeout=120)
+    assert proc.returncode == 0
 
 
 def test_an_uncaught_exception_is_printed_and_exits_1(tmp_path):

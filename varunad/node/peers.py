@@ -202,8 +202,10 @@ async def refused(endpoint: str, timeout: float) -> bool:
 
     Why this never takes a busy daemon for a lost one: the kernel completes a connection to a
     listening socket by itself (the accept queue), whatever the process is doing, so a daemon that
-    is alive, however starved of CPU, is never refused. A host that does not answer at all (a VM
-    that vanished, a cut link) is not refused either: that one is left to the ping's timeout."""
+    is alive, however starved of CPU or stopped, is never refused; with its accept queue full,
+    Linux drops the handshake rather than refusing it (unless net.ipv4.tcp_abort_on_overflow is
+    set), which this reads as no answer. A host that does not answer at all (a VM that vanished,
+    a cut link) is not refused either: that one is left to the ping's timeout."""
     host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
