@@ -45,13 +45,6 @@ def vms(tmp_path):
         g.close()
 
 
-# Open bug: with one replica of a data-parallel stage capped, its healthy peers' reported compute
-# (trainer/engine/compute_clock.py) grows too, and on this 2-core host they are named stragglers
-# (e.g. {'d1/0': 2.48, 'd2/0': 4.66} while the capped d3 measured fastest; capped at step 16 once
-# every spare had done its imports). Some of a peer's wait still counts as compute; the bucketed
-# all-reduces launched during the last backward are the first suspect.
-@pytest.mark.known_bug(reason="a capped replica's healthy peers measure slower than it: part of the wait for it "
-                              "counts as their compute")
 def test_a_vm_that_turns_slow_mid_job_is_planned_around_and_the_losses_hold(tmp_path, etcd, etcd_root, vms):
     ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=5.0,
                 extra=["--calibrate", "profile", "--progress-interval", "0.5", "--debounce", "0.3",

@@ -30,6 +30,8 @@ __all__ = ["CpuQuota", "cpu_quota", "cpu_hierarchy"]
 _MOUNTINFO = Path("/proc/self/mountinfo")
 _CGROUP = Path("/proc/self/cgroup")
 
+PERIOD_US = 4000   # the CFS period of a capped group (the kernel's default is 100 ms)
+
 
 def cpu_hierarchy() -> Path | None:
     """This process's cgroup directory in the cgroup v1 hierarchy that has the cpu controller
@@ -124,8 +126,12 @@ class CpuQuota:
             return
         if not cores > 0:
             raise ValueError(f"a CPU quota of {cores} cores: give a positive fraction, or None for unlimited")
-        quota = max(1000, round(cores * self.period_us))   # the kernel refuses less than 1 ms
-        (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+        # A short period: a VM with a slower core is slow at every instant, while a quota per the
+        # default 100 ms lets a burst of a few ms (a tiny model's step) run at full speed and then
+        # stops the group for the rest of the period, outside the compute a worker measures.
+        period = max(PERIOD_US, round(1000 / cores))   # the kernel refuses a quota under 1 ms
+        (self.path / "cpu.cfs_period_us").write_text(str(period))
+        (self.path / "cpu.cfs_quota_us").write_text(str(max(1000, round(cores * period))))
 
     def throttled(self) -> dict[str, int]:
         """cpu.stat: nr_periods, nr_throttled, throttled_time (ns), as the kernel counts them."""
