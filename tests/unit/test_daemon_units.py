@@ -359,11 +359,15 @@ def test_the_failure_a_job_is_judged_by_is_the_raise_not_a_neighbours_broken_con
     snap = snapshot(plan=plan, epoch=50, states=running(), reports=reports)
     dec = d(snap)
     assert dec.action == "abort" and dec.reason.startswith("rank 1 on ") and "failing on purpose" in dec.reason, dec
-    assert epoch_failure(snap, "j", 50) == dec.reason
+    assert epoch_failure(snap, plan, "j", 50) == dec.reason
+    # read after the stop: the snapshot's plan is the stop plan, the records the run plan's
+    stopped = dataclasses.replace(snap, plan=PlanDoc(kind="stop", reason="t", job="j", stop_epoch=50))
+    assert epoch_failure(stopped, plan, "j", 50) == dec.reason
     # only the broken connection reported so far: that is the failure until the raise is read
     reports = reports_for(plan, 50, overrides={0: "failed"})
     assert d(snapshot(plan=plan, epoch=50, states=running(), reports=reports)).reason.startswith("rank 0 on ")
-    assert epoch_failure(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50)), "j", 50) is None
+    assert epoch_failure(snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50)), plan, "j",
+                         50) is None
 
 
 def test_decide_morphs_when_a_member_of_the_plan_leaves_or_is_noticed_leaving():

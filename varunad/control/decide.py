@@ -198,18 +198,21 @@ def _root_failure(records: dict[int, tuple[str, WorkerRecord | None]]) -> str | 
     return min(failed, key=is_transient) if failed else None
 
 
-def epoch_failure(snap: FleetSnapshot, job: str, epoch: int) -> str | None:
-    """The root failure (``_root_failure``) among the records of ``job``'s ``epoch`` in ``snap``,
-    read again once every worker has stopped: by then each has said why it ended."""
-    return _root_failure(_records(snap, job, epoch)) if snap.plan is not None else None
+def epoch_failure(snap: FleetSnapshot, plan: PlanDoc, job: str, epoch: int) -> str | None:
+    """The root failure (``_root_failure``) among the records of ``job``'s ``epoch``, run by
+    ``plan``, in ``snap``'s reports: read again once every worker has stopped (the snapshot's own
+    plan is the stop plan by then), when each has said why it ended."""
+    return _root_failure(_records(snap, job, epoch, plan))
 
 
-def _records(snap: FleetSnapshot, job: str, epoch: int) -> dict[int, tuple[str, WorkerRecord | None]]:
+def _records(snap: FleetSnapshot, job: str, epoch: int,
+             plan: PlanDoc | None = None) -> dict[int, tuple[str, WorkerRecord | None]]:
     """rank -> (member, its worker's record of ``job``'s ``epoch``, None before it reports) for
-    each slot of the snapshot's plan."""
-    assert snap.plan is not None
+    each slot of ``plan`` (default: the snapshot's)."""
+    plan = plan or snap.plan
+    assert plan is not None
     records = {}
-    for s in snap.plan.slots:
+    for s in plan.slots:
         report = snap.reports.get(s.member)
         records[s.rank] = (s.member, report.of(job, epoch).get(s.rank) if report else None)
     return records

@@ -378,7 +378,7 @@ class Leader(LeaderPlanning, LeaderPace):
         lost: list[str] = []
         if d.failure:
             # every worker has said why it ended by now: the raise, not a neighbour's broken connection
-            root = epoch_failure(after, job, epoch) if after.plan_epoch == epoch else None
+            root = epoch_failure(after, plan, job, epoch)
             if root is not None and root != d.reason:
                 log.info("leader: %s: the root failure of epoch %d: %s (first seen: %s)", job, epoch, root, d.reason)
                 reason = root
