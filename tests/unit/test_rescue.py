@@ -174,3 +174,25 @@ def test_the_rescue_signal_is_taken_only_under_a_daemon_and_says_whose_handler_i
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+def test_a_closed_worker_ignores_the_rescue_signal_so_its_own_exit_status_stands():
+    # the interpreter's finalisation would put the handler back to the default, which kills
+    import signal
+
+    from trainer.engine.control import RESCUE_SIGNAL, ControlClient
+
+    before = signal.getsignal(RESCUE_SIGNAL)
+    try:
+        client = ControlClient("tcp://127.0.0.1:9", job="j", epoch=1, rank=0)
+        assert signal.getsignal(RESCUE_SIGNAL) == client._on_rescue
+        client.close()
+        assert signal.getsignal(RESCUE_SIGNAL) is signal.SIG_IGN
+        mine = lambda signum, frame: None   # noqa: E731 - a handler the script set after: left alone
+        signal.signal(RESCUE_SIGNAL, mine)
+        other = ControlClient("tcp://127.0.0.1:9", job="j", epoch=2, rank=0)
+        signal.signal(RESCUE_SIGNAL, mine)
+        other.close()
+        assert signal.getsignal(RESCUE_SIGNAL) is mine
+    finally:
+        signal.signal(RESCUE_SIGNAL, before)

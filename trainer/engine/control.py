@@ -9,6 +9,7 @@ or systemd stopping the unit) counts as "checkpoint, then stop".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -164,3 +165,10 @@ class ControlClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            # Nothing is rescued any more. The interpreter's finalisation puts a Python-handled
+            # signal back to its default, which for this one ends the process: a worker that
+            # exits with its own status (a script's error) while the daemon stops the epoch
+            # would die "killed by SIGUSR1" instead, and its error would lose its exit code.
+            with contextlib.suppress(ValueError):   # not the main thread
+                if signal.getsignal(RESCUE_SIGNAL) == self._on_rescue:
+                    signal.signal(RESCUE_SIGNAL, signal.SIG_IGN)
