@@ -49,6 +49,7 @@ class LeaderMemory:
     profile_failed: set[str] = field(default_factory=set)
     # job -> the MorphEvent fields known when it stopped (the new plan adds to_shape, to_epoch, planned_at)
     morph: dict[str, dict] = field(default_factory=dict)
+    links_since: dict[str, float] = field(default_factory=dict)  # job -> when its first plan began to wait for links
 
 
 _LAST_OUTPUT = "; last output:"

@@ -4,14 +4,22 @@ A calibration measures one VM (its compute, its loopback); the network between V
 fleet's own, and a plan that assumes loopback speed is wrong by the cap's ratio on a 10 Mbit/s
 link. So:
 
-* ``LinkSurvey`` (the leader): for every pair of members without a result for their current
-  addresses (new members, an address that changed), both idle (no worker of a running plan on
-  either, none alive in their reports: a probe never competes with a step), one probe at a
-  time, it writes a request to each side, ``links/probe/<member>``, guarded by its leadership
-  and naming its term. A probe ends when its result is stored, when a side withdraws its
-  request without one (it failed, or refused), or after ``PROBE_TIMEOUT``; the leader
-  then deletes both requests, and a failed pair waits ``RETRY_AFTER`` before another try. It
-  also deletes every request no probe of its own waits for (an earlier leader's, a timed-out one).
+* ``LinkSurvey`` (the leader) measures a sample of the pairs, ``sample_pairs``: the members with
+  probe ports on a ring ordered by name, each paired with its successor and with one about
+  halfway round. That is N to 1.5N pairs for N members (rounded up; 1 for 2 members), not
+  N(N-1)/2: the 45,000 pairs of 300 VMs would never finish, and every member is still measured
+  against at least one other, so a slow NIC on any member shows in some measurement. For each
+  sampled pair on two hosts without a result for their current addresses (new members, an
+  address that changed), both idle (no worker of a running plan on either, none alive in their
+  reports: a probe never competes with a step), it writes a request to each side,
+  ``links/probe/<member>``, guarded by its leadership and naming its term. Pairs that share no
+  member (nor host) are probed at once, ``MAX_PARALLEL_PROBES`` at most: a probe measures a
+  host's link, and two on one host would share it. A probe ends when its result is stored, when
+  a side withdraws its request without one (it failed, or refused), or after ``PROBE_TIMEOUT``;
+  the leader then deletes both requests, and a failed pair waits ``RETRY_AFTER`` before another
+  try. It also deletes every request no probe of its own waits for (an earlier leader's, a
+  timed-out one). A result stored for a pair the sample no longer asks for (the ring changed as
+  members came and went) stays, and is used like any other.
 * ``LinkProber`` (every daemon): follows its request key and runs one side of the probe,
   ``python -m trainer.linkprobe`` bound to its advertised address on the member's two *probe*
   ports (``DaemonMember.probe_ports``: never a worker's stream or rendezvous port, so a probe
@@ -21,12 +29,16 @@ link. So:
   request is deleted, not run: made for an earlier start of this daemon or for other ports, by a
   leader that no longer leads, or no longer in its key. A running probe is ended when its
   request is withdrawn or replaced, and when this daemon starts workers.
-* Planning (``apply``): the calibration's "inter" link and all-reduce cost become the slowest
-  measured pair among the plan's candidates (the pipeline runs at its slowest hop; the CPU
-  overheads per message stay the calibration's); a pair not measured (its probe failed) is
-  planned with the calibration's link. A job's first plan waits for a probe in flight among its
-  candidates (``waiting``: bounded by the probe's end, a failure included); a job that already
-  ran (a morph, a restart) never waits for one.
+* Planning (``apply_links`` of ``measured``): the calibration's "inter" link and all-reduce
+  cost become the slowest measured pair among the plan's candidates, both members among them
+  (the pipeline runs at its slowest hop; the CPU overheads per message stay the calibration's).
+  Every other pair between candidates, not sampled or its probe failed, is assumed as fast as
+  that slowest measured one; when no pair between the candidates is measured, every link is the
+  calibration's. So a candidate whose measured pairs all lead outside the candidates counts as
+  no slower than the others: its own link is not seen in that plan. A job's first plan waits
+  for the probes in flight among its candidates (``waiting``: bounded by the probes' end, a
+  failure included, and as a whole by ``PROBE_TIMEOUT``, since the survey starts more meanwhile);
+  a job that already ran (a morph, a restart) never waits for one.
 """
 
 from __future__ import annotations
@@ -34,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -51,13 +62,33 @@ from varunad.store import schemas
 from varunad.store.contract import Store, StoreError
 from varunad.store.keys import Keys
 
-__all__ = ["LinkMeasurement", "LinkProber", "LinkSurvey", "PROBE_TIMEOUT", "ProbeRequest", "apply_links",
-           "read_links"]
+__all__ = ["LinkMeasurement", "LinkProber", "LinkSurvey", "MAX_PARALLEL_PROBES", "PROBE_TIMEOUT", "ProbeRequest",
+           "apply_links", "read_links", "sample_pairs"]
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = 90.0   # a probe starts two Python processes with torch: seconds on a busy host
 RETRY_AFTER = 60.0
+# probes of disjoint pairs in flight at once: a few, so a big fleet's survey ends in reasonable time
+# while the leader still reads and writes a handful of keys per probe
+MAX_PARALLEL_PROBES = 4
+
+
+def sample_pairs(names: Iterable[str]) -> list[tuple[str, str]]:
+    """The pairs the survey measures among `names`: on the ring of the names sorted, each with its
+    successor and with one about halfway round; each pair once, names sorted within it.
+
+    O(N) probes where every pair is N(N-1)/2 (45,000 at 300 VMs, which never finish), and every
+    member is measured against at least one other, so a slow NIC on any member shows in some
+    measurement. The chord halfway round measures each member against one far from it in name
+    order (a fleet named by rack or zone is measured across them), and a member's second partner
+    tells a slow link of its own from a slow neighbour's."""
+    ring = sorted(set(names))
+    n = len(ring)
+    pairs = {(ring[i], ring[(i + 1) % n]) for i in range(n)}
+    # i and i + n//2 for the first half (rounded up) only: every member once for odd n too, not twice
+    pairs |= {(ring[i], ring[(i + n // 2) % n]) for i in range((n + 1) // 2)}
+    return sorted({tuple(sorted(p)) for p in pairs if p[0] != p[1]})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -197,9 +228,9 @@ class LinkSurvey:
         return m is not None and (tuple(m.hosts), tuple(m.started)) == ident
 
     async def survey(self, members: Mapping[str, Any], busy: set[str]) -> None:
-        """Read results; end probes; delete stale requests; start one probe for a pair that
-        needs it (both idle). `members`: name -> DaemonMember of the usable members; `busy`:
-        names running workers."""
+        """Read results; end probes; delete stale requests; start probes for sampled pairs that
+        need one (both idle, neither in a probe in flight; ``MAX_PARALLEL_PROBES`` at most).
+        `members`: name -> DaemonMember of the usable members; `busy`: names running workers."""
         # The requests first: rank 0's daemon stores a result before it deletes its request, and
         # rank 1's deletes its own only when it measured nothing, so a request gone here with no
         # result read after it is a probe that failed.
@@ -232,13 +263,19 @@ class LinkSurvey:
             if wanted.get(key) != value:
                 with contextlib.suppress(StoreError):
                     await self.store.delete_if(key, value=value, timeout=self.t)
-        if self.in_flight:
-            return   # one probe at a time: two would share (and mismeasure) a host's link
+        # A member (a host) in two probes at once would share, and mismeasure, its link: only
+        # disjoint pairs run together.
+        taken = set(busy) | {n for pair in self.in_flight for n in pair}
+        hosts = {h for probe in self.in_flight.values() for h in probe.ident[0]}
         for pair in self._needed(members):
-            if set(pair) & busy:
+            if len(self.in_flight) >= MAX_PARALLEL_PROBES:
+                break
+            ident = self._ident(pair, members)
+            if set(pair) & taken or set(ident[0]) & hosts:
                 continue
             await self._request(pair, members)
-            return
+            taken |= set(pair)
+            hosts |= set(ident[0])
 
     def _ident(self, pair: tuple[str, str], members: Mapping[str, Any]) -> tuple:
         """What a measurement is valid for: both addresses and both members' start times."""
@@ -246,13 +283,15 @@ class LinkSurvey:
         return ((a.host, b.host), (float(a.started_at), float(b.started_at)))
 
     def _needed(self, members: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """The sampled pairs (``sample_pairs``) without a current result or a recent failure."""
+        # a daemon of an older release has no probe ports (its ports are all its workers'): it is
+        # left off the ring, so its place does not cost its neighbours their measurement
+        probed = [n for n, m in members.items() if m.probe_ports]
         out = []
-        for pair in itertools.combinations(sorted(members), 2):
+        for pair in sample_pairs(probed):
             ident = self._ident(pair, members)
             if ident[0][0] == ident[0][1] or self._current(pair, ident):
                 continue
-            if not all(members[n].probe_ports for n in pair):
-                continue   # a daemon of an older release: its ports are all its workers'
             failed = self.failed.get(pair)
             if failed is not None and failed[1] == ident and self.clock() - failed[0] < RETRY_AFTER:
                 continue

@@ -20,7 +20,7 @@ from trainer.planning.planner import Plan, PlanError
 from varunad.control.decide import Decision, calibration_failed
 from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet
 from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
-from varunad.control.links import apply_links
+from varunad.control.links import PROBE_TIMEOUT, apply_links
 from varunad.control.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
 from varunad.control.speeds import base_kind
 
@@ -106,10 +106,14 @@ class LeaderPlanning:
         measured = False
         if members:
             names = [m.name for m, _ in members]
-            # A job's first plan waits for a probe in flight (it ends within PROBE_TIMEOUT, at once
-            # when it fails): first the links, then a calibration run, neither disturbing the other.
-            # A job that ran already (a morph, a restart) never waits: it plans with what is measured.
-            waiting = self.links.waiting(names) if not state.epochs else []
+            # A job's first plan waits for the probes in flight among its VMs (each ends within
+            # PROBE_TIMEOUT, at once when it fails): first the links, then a calibration run,
+            # neither disturbing the other. The survey starts more while the job waits, so the wait
+            # as a whole is bounded too, by PROBE_TIMEOUT: a big fleet's sample (450 pairs at 300
+            # VMs) would hold the job for as many probes. A job that ran already (a morph, a
+            # restart) never waits: it plans with what is measured.
+            since = self.memory.links_since.setdefault(job, self.clock())
+            waiting = self.links.waiting(names) if not state.epochs and self.clock() - since < PROBE_TIMEOUT else []
             if waiting:
                 why = "waiting for the link measurement " + ", ".join(f"{a} <-> {b}" for a, b in waiting)
                 if self.memory.waiting.get(job) != why:
