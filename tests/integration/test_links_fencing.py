@@ -28,6 +28,26 @@ async def test_an_old_epoch_never_overwrites_a_newer_record(etcd, etcd_root):
         assert json.loads((await store.get(key)).value)["epoch"] == 8
 
 
+async def test_a_writer_that_knows_its_last_revision_skips_the_read_until_someone_else_writes(etcd, etcd_root):
+    key = etcd_root + "progress/j/2"
+
+    def record(epoch: int, step: int) -> bytes:
+        return json.dumps({"epoch": epoch, "step": step}).encode()
+
+    async with EtcdStore(etcd.endpoint, timeout=3.0) as store:
+        reads = []
+        get = store.get
+        store.get = lambda *a, **k: (reads.append(a), get(*a, **k))[1]
+        first = await put_for_epoch(store, key, record(5, 9), epoch=5)
+        assert first and reads   # no revision of its own yet: it reads
+        reads.clear()
+        second = await put_for_epoch(store, key, record(5, 10), epoch=5, mine=first)
+        assert second > first and not reads   # the key is as it left it: one transaction
+        await store.put(key, record(8, 11))   # the survivors' newer epoch
+        assert await put_for_epoch(store, key, record(5, 12), epoch=5, mine=second) is None
+        assert reads and json.loads((await get(key)).value) == {"epoch": 8, "step": 11}
+
+
 # One side of a probe, as a real process: it binds the ports it was given (the daemon must have
 # released them to it), notes that it ran, and prints a result (rank 0) or fails (`fail`).
 _FAKE_PROBE = """

@@ -34,6 +34,7 @@ from varunad.control.records import (
     epoch_ranges,
     merge_history,
     merge_spans,
+    progress_interval,
     steps_trained_twice,
 )
 from varunad.node.config import DaemonConfigError, load_config, parse_env_file
@@ -464,3 +465,11 @@ def test_failures_that_cannot_go_away_fail_at_once_transient_ones_are_retried():
     assert classify(boom, None) == "retry"          # new: one fresh start shows whether it repeats
     assert classify(boom, boom.replace("vm1", "vm2")) == "fail"   # the same words again, on any VM
     assert classify(boom, "rank 0 on vm1 exited with code 3: something else") == "retry"
+
+
+def test_the_progress_interval_grows_with_the_job_so_the_fleet_writes_a_bounded_rate():
+    assert progress_interval(1.0, 4) == 1.0 and progress_interval(2.5, 4) == 2.5   # the flag, for small jobs
+    for world in (100, 300, 1000):
+        interval = progress_interval(1.0, world)
+        assert interval >= 1.0 and world / interval <= 100.0 + 1e-9, (world, interval)
+    assert progress_interval(1.0, 300) < progress_interval(1.0, 1000)

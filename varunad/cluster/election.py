@@ -263,7 +263,8 @@ class Election:
 
     async def run(self) -> None:
         """Run cycles until cancelled: after each, wait for a change of the leader key, the
-        lease deadline (when leading) or ``loop_wait``, whichever comes first."""
+        lease deadline (when leading) or ``loop_wait`` (the TTL for a follower whose watch
+        runs), whichever comes first."""
         watch: Watch | None = None
         try:
             while True:
@@ -273,6 +274,11 @@ class Election:
                 wait = self.loop_wait
                 if state.is_leader:
                     wait = min(wait, max(self._time_left(), 0.0) + 0.01)
+                elif watch is not None and state.leader is not None:
+                    # A follower hears of the leader key's change from the watch; reading the key
+                    # again every loop_wait would be most of a big fleet's etcd load at rest (300
+                    # VMs: 150 reads/s). A watch gone silent (a frozen etcd) costs a TTL at most.
+                    wait = self.membership.ttl
                 if watch is None:
                     await asyncio.sleep(wait)
                     continue

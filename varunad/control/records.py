@@ -2,10 +2,11 @@
 
 * ``workers/<member>`` (on the member's lease): the daemon's workers of the newest epoch it ran
   and how each ended. The leader decides from these whether an epoch is done, failed, or stopped.
-* ``progress/<job>/<rank>``: the newest step of one worker (throttled).
+* ``progress/<job>/<rank>``: the newest step of one worker (throttled: ``progress_interval``).
 * ``history/<job>/<epoch>/<member>``: the (step, loss) pairs of the daemon's lowest rank in that
-  epoch. The loss is agreed by every worker in the step's all-reduce, so any daemon of the
-  epoch holds the whole history; ``merge_history`` keeps, per step, the newest epoch's value.
+  epoch, kept by the daemons of the plan's first and last ranks. The loss is agreed by every
+  worker in the step's all-reduce, so either holds the whole history; ``merge_history`` keeps,
+  per step, the newest epoch's value.
   With them, the wall-clock span from its first step's report to its newest: the gap between
   one epoch's last step and the next one's first is what a morph really cost, the wait for a
   lost VM's lease and the new workers' start-up included.
@@ -25,9 +26,20 @@ from typing import Any
 from varunad.store import schemas
 
 __all__ = ["OUTCOMES", "WorkerRecord", "WorkerReport", "Progress", "encode_history", "decode_history",
-           "merge_history", "epoch_ranges", "steps_trained_twice", "merge_spans", "stall_before"]
+           "merge_history", "epoch_ranges", "steps_trained_twice", "merge_spans", "stall_before",
+           "progress_interval"]
 
 OUTCOMES = ("starting", "running", "done", "stopped", "killed", "failed")
+
+# Progress writes the fleet makes per second at most, whatever its size: every rank's record once
+# per interval was 300 writes/s at 300 VMs, and the leader reads them all each interval.
+PROGRESS_WRITES_PER_S = 100.0
+
+
+def progress_interval(configured: float, world_size: int) -> float:
+    """Seconds between a rank's progress writes (and the leader's readings of them) in a job of
+    `world_size` ranks: the daemon's ``--progress-interval``, longer for a big job."""
+    return max(configured, world_size / PROGRESS_WRITES_PER_S)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

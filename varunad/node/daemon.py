@@ -98,6 +98,7 @@ class Daemon(PlanFollowing):
         self.allowed_submitters = AllowList(config.submit_keys) if config.submit_keys else None
         self.ctx = zmq.asyncio.Context()
         self.applied_epoch = 0
+        self.plan_read_at = 0   # the plan's revision the follower read last
         self.draining = False
         self.leader_task: asyncio.Task[None] | None = None
         self._notice = asyncio.Event()

@@ -1,8 +1,8 @@
 """The leader's view of how fast each slot of the running job computes, and the re-plan around a
 straggler (`varunad.control.speeds` has the measurements and the rules).
 
-`LeaderPace` is a part of `varunad.node.leader.Leader`. Every ``progress_interval`` while a job
-runs, it reads the ranks' progress, measures each slot against what the plan expected of its
+`LeaderPace` is a part of `varunad.node.leader.Leader`. Every progress interval
+(``varunad.control.records.progress_interval``) while a job runs, it reads the ranks' progress, measures each slot against what the plan expected of its
 stage, and records the paces and stragglers in the job's state (``status`` shows them). When a
 slot is slower than the running plan assumed (a new straggler, or one slower than planned), it
 plans again; the job morphs (after a checkpoint, like a scale-up) only when the new plan is
@@ -21,6 +21,7 @@ from varunad.control.decide import Decision
 from varunad.control.fleet import FleetSnapshot, read_progress
 from varunad.control.jobs import JobState
 from varunad.control.plans import PlanDoc
+from varunad.control.records import progress_interval
 from varunad.control.speeds import Expected, SlotSpeeds
 
 __all__ = ["LeaderPace", "expected_of"]
@@ -71,7 +72,8 @@ class LeaderPace:
         self._pacing = plan is not None and plan.kind == "run" and bool(plan.job)
         if not self._pacing or now < self._next_pace:
             return False
-        self._next_pace = now + self.config.progress_interval
+        self._next_pace = now + progress_interval(self.config.progress_interval, plan.plan.world_size
+                                                  if plan.plan is not None else 1)
         state = snap.states.get(plan.job)
         if state is None or state.epoch != snap.plan_epoch or state.state != "running":
             return False

@@ -3,8 +3,9 @@
 * the worker report (``varunad.control.records.WorkerReport``, on this daemon's lease) as soon as it
   changes: a worker started, exited, or took its first step;
 * each rank's latest progress (fenced by epoch) and the job's loss history, every
-  ``progress_interval``, the history also at once after a checkpoint (the next epoch resumes there);
-* the workers' log output, through ``varunad.node.log_shipper``, every ``progress_interval``.
+  ``progress_interval`` (longer for a big job: ``varunad.control.records.progress_interval``), the
+  history also at once after a checkpoint (the next epoch resumes there);
+* the workers' log output, through ``varunad.node.log_shipper``, at the same interval.
 
 A write etcd refuses or does not answer stays pending for the next round. The supervisor tells
 the reporter what happened (`mark`, `record_progress`, `begin_epoch`); the reporter never
@@ -56,12 +57,15 @@ class Reporter:
         self.logs = LogShipper(name=config.name, store=store, keys=keys)
         self.progress: dict[int, Progress] = {}  # rank -> its latest report, this epoch
         self._progress_written: dict[int, Progress] = {}
+        self._progress_revision: dict[str, int] = {}   # progress key -> revision of this daemon's last write
         self._history: dict[tuple[str, int], dict[int, float]] = {}
         self._history_span: dict[tuple[str, int], tuple[float, float]] = {}
         self._history_dirty: set[tuple[str, int]] = set()
         self._report_dirty = True
         self._report_lease: int | None = None
         self._wake = asyncio.Event()
+        # progress_interval, longer for a big job (records.progress_interval; set by the supervisor)
+        self.interval = config.progress_interval
 
     # -- what the supervisor tells it ------------------------------------------------------------------
 
@@ -79,10 +83,11 @@ class Reporter:
         """Write the pending history now rather than at the next interval."""
         self._wake.set()
 
-    def record_progress(self, p: Progress, *, reports_job: bool) -> None:
-        """A worker's step; ``reports_job``: its loss goes into the job's history (one rank per daemon)."""
+    def record_progress(self, p: Progress, *, keeps_history: bool) -> None:
+        """A worker's step; ``keeps_history``: its loss goes into the job's history (one rank per
+        daemon, and only on the daemons the supervisor says keep it)."""
         self.progress[p.rank] = p
-        if reports_job:
+        if keeps_history:
             key = (p.job, p.epoch)
             hist = self._history.setdefault(key, {})
             if len(hist) < _HISTORY_CAP:
@@ -94,20 +99,21 @@ class Reporter:
         """Drop progress not yet written: it belongs to an epoch that may be over (a fenced daemon)."""
         self.progress.clear()
         self._progress_written.clear()
+        self._progress_revision.clear()
 
     # -- writing to etcd ---------------------------------------------------------------------------------
 
     async def loop(self) -> None:
-        """Write what changed: the report at once, the rest every progress_interval."""
+        """Write what changed: the report at once, the rest every ``interval``."""
         last_periodic = 0.0
         loop = asyncio.get_running_loop()
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.progress_interval):
+                async with asyncio.timeout(self.interval):
                     await self._wake.wait()
             self._wake.clear()
-            await self.flush(periodic=loop.time() - last_periodic >= self.config.progress_interval)
-            if loop.time() - last_periodic >= self.config.progress_interval:
+            await self.flush(periodic=loop.time() - last_periodic >= self.interval)
+            if loop.time() - last_periodic >= self.interval:
                 last_periodic = loop.time()
 
     async def flush(self, *, periodic: bool = True) -> bool:
@@ -138,8 +144,13 @@ class Reporter:
             if periodic:
                 for rank, p in list(self.progress.items()):
                     if self._progress_written.get(rank) != p:
-                        await put_for_epoch(self.store, self.keys.progress_entry(p.job, rank), p.encode(),
-                                            epoch=p.epoch, timeout=t)
+                        key = self.keys.progress_entry(p.job, rank)
+                        written = await put_for_epoch(self.store, key, p.encode(), epoch=p.epoch, timeout=t,
+                                                      mine=self._progress_revision.get(key))
+                        if written is None:
+                            self._progress_revision.pop(key, None)
+                        else:
+                            self._progress_revision[key] = written
                         self._progress_written[rank] = p
                 await self.logs.ship(self._workers(), t)
         except StoreError as exc:

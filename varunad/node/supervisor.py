@@ -53,7 +53,7 @@ from varunad.cluster.facts import DaemonMember, PortReservation, gpu_count
 from varunad.cluster.membership import Membership
 from varunad.control.jobs import JobSpec, job_store, job_trace_dir
 from varunad.control.plans import PlanDoc
-from varunad.control.records import Progress, WorkerRecord, WorkerReport
+from varunad.control.records import Progress, WorkerRecord, WorkerReport, progress_interval
 from varunad.node.config import DaemonConfig
 from varunad.node.control_channel import TOKEN_ENV, WorkerLine, control_identity, new_token
 from varunad.node.housekeeping import LOGS, STAGING, job_dir
@@ -196,6 +196,7 @@ class Supervisor(WorkerStopping):
         self._exited.set()
         self._on_exit: list[Callable[[_SupervisedWorker], Any]] = []
         self._step_interval: dict[int, float] = {}  # rank -> seconds between its last two reports
+        self._history_ranks: set[int] = {0}   # the ranks whose daemons keep the job's loss history
         # a spare worker process per slot, torch imported (varunad.node.spares)
         self.spares = SparePool(name=self.name, state_dir=config.state_dir, enabled=config.spare_workers,
                                 preexec=lambda: _die_with(os.getpid()))
@@ -232,6 +233,8 @@ class Supervisor(WorkerStopping):
         store_dir = job_store(spec, self.config.store)
         mine = doc.slots_on(self.name)
         self._begin(doc.job or "", epoch)
+        self._history_ranks = {0, doc.plan.world_size - 1}
+        self.reporter.interval = progress_interval(self.config.progress_interval, doc.plan.world_size)
         self.metrics.begin_epoch({s.rank: doc.plan.position(s.rank)[0] for s in mine}, doc.job or "")
         threads = self._threads(member)
         extra = dict(self.security_env)
@@ -442,6 +445,10 @@ class Supervisor(WorkerStopping):
     def _on_progress(self, w: _SupervisedWorker, msg: WorkerProgress) -> None:
         now = time.time()
         reports_job = w.rank == min(self.workers)   # the lowest local rank speaks for the job
+        # Every rank reports the step's loss, but the job's history is kept by the daemons of the
+        # plan's first and last ranks only (two VMs, so one lost keeps it): written by every
+        # daemon it was 300 rewrites of the same growing record per interval at 300 VMs.
+        keeps_history = reports_job and bool(self._history_ranks & self.workers.keys())
         if w.step < 0 and not self.first_step_at:
             self.first_step_at = now
             self.reporter.mark()
@@ -454,7 +461,7 @@ class Supervisor(WorkerStopping):
                                                loss=msg.loss, samples_per_s=msg.samples_per_s,
                                                busy_fraction=msg.busy_fraction, member=self.name, at=now,
                                                peak_bytes=msg.peak_bytes, compute_s=msg.compute_s),
-                                      reports_job=reports_job)
+                                      keeps_history=keeps_history)
         self.metrics.worker_progress(job=msg.job, rank=msg.rank, step=msg.step, loss=msg.loss,
                                      samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
                                      reports_job=reports_job)
