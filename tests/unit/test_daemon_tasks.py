@@ -72,3 +72,40 @@ async def test_a_cancellation_nobody_asked_for_restarts_the_task_and_a_real_one_
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert task.cancelled()
+
+
+async def test_a_new_epoch_waits_out_an_etcd_read_that_failed_but_not_a_bad_bundle(daemon, monkeypatch):
+    """At 300 hollow VMs some reads of the job's files timed out as every VM read them at once;
+    each was reported as a failed epoch until three restarts failed the job."""
+    from varunad.control.jobs import BundleError
+    from varunad.store.contract import StoreUnavailable
+
+    monkeypatch.setattr("varunad.node.follower.FILES_PATIENCE", 5.0)
+    calls = []
+
+    async def files(job):
+        calls.append(job)
+        if len(calls) <= 2:
+            raise StoreUnavailable("etcd did not answer get '/varunad/jobs/j' within 2.5s")
+        return "spec", "script"
+
+    daemon._job_files = files
+    assert await daemon._job_files_patiently("j") == ("spec", "script") and len(calls) == 3
+
+    async def bad(job):
+        calls.append(job)
+        raise BundleError("the bundle of j holds no train.py")
+
+    calls.clear()
+    daemon._job_files = bad
+    with pytest.raises(BundleError):
+        await daemon._job_files_patiently("j")
+    assert len(calls) == 1   # a wrong bundle is not read again
+
+    async def down(job):
+        raise StoreUnavailable("etcd is down")
+
+    monkeypatch.setattr("varunad.node.follower.FILES_PATIENCE", 0.5)
+    daemon._job_files = down
+    with pytest.raises(StoreUnavailable):   # bounded: the epoch then fails as before
+        await daemon._job_files_patiently("j")

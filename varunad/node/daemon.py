@@ -99,6 +99,7 @@ class Daemon(PlanFollowing):
         self.ctx = zmq.asyncio.Context()
         self.applied_epoch = 0
         self.plan_read_at = 0   # the plan's revision the follower read last
+        self._plan_reading = asyncio.Lock()
         self.draining = False
         self.leader_task: asyncio.Task[None] | None = None
         self._notice = asyncio.Event()
@@ -301,7 +302,8 @@ class Daemon(PlanFollowing):
             if isinstance(msg, PlanChanged):
                 if msg.epoch > self.applied_epoch:
                     # a task: starting workers must not keep this socket from answering pings
-                    task = asyncio.get_running_loop().create_task(self._read_plan(f"pushed epoch {msg.epoch}"))
+                    task = asyncio.get_running_loop().create_task(self._read_plan(f"pushed epoch {msg.epoch}",
+                                                                                  seen=msg.epoch))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
             elif isinstance(msg, StopWorkers):

@@ -9,8 +9,8 @@ the leader; ``stop`` and ``idle`` plans stop the workers.
 
 ``PlanFollowing`` is a part of ``varunad.node.daemon.Daemon``: it acts on its supervisor, link
 prober and membership, and keeps (in attributes the daemon sets up) the epoch it applied last
-(``applied_epoch``), the plan's revision it read last (``plan_read_at``) and the jobs whose files
-it has unpacked.
+(``applied_epoch``), the plan's revision it read last (``plan_read_at``, under the lock
+``_plan_reading``) and the jobs whose files it has unpacked.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 from pathlib import Path
 
 from trainer.planning.calibration import Calibration
@@ -28,19 +29,28 @@ from varunad.node.housekeeping import BUNDLES, job_dir, prune_jobs
 from varunad.node.signing import SigningError
 from varunad.store.contract import StoreError
 
-__all__ = ["PlanFollowing"]
+__all__ = ["FILES_PATIENCE", "PlanFollowing"]
 
 log = logging.getLogger("varunad")   # the daemon's log: its lines keep their logger name
 
+FILES_PATIENCE = 30.0   # seconds a new epoch's start retries reading the job's files from etcd
+
 
 class PlanFollowing:
-    async def _read_plan(self, why: str) -> None:
-        try:
-            doc, epoch = await read_plan(self.store, self.keys, timeout=self.config.retry_timeout)
-        except StoreError as exc:
-            log.warning("%s: cannot read the plan (%s): %s", self.name, why, exc)
-            return
-        self.plan_read_at = epoch
+    async def _read_plan(self, why: str, *, seen: int = 0) -> None:
+        """Read the plan and apply it. `seen`: the revision that prompted the read (a watch
+        event's, a pushed epoch); none is made if a read since has returned that plan. A new plan
+        reaches every VM twice, pushed and watched, and at 300 VMs the reads of both at once
+        timed out on a loaded host."""
+        async with self._plan_reading:
+            if seen and self.plan_read_at >= seen:
+                return
+            try:
+                doc, epoch = await read_plan(self.store, self.keys, timeout=self.config.retry_timeout)
+            except StoreError as exc:
+                log.warning("%s: cannot read the plan (%s): %s", self.name, why, exc)
+                return
+            self.plan_read_at = epoch
         if doc is not None:
             await self._apply(doc, epoch)
 
@@ -69,7 +79,7 @@ class PlanFollowing:
                     elif event.kind == "put":
                         # read back, not taken from the event: read_plan checks who wrote it (a
                         # plan no leader wrote is skipped and the plan in force stays)
-                        await self._read_plan(f"a put at revision {event.revision}")
+                        await self._read_plan(f"a put at revision {event.revision}", seen=event.revision)
             except StoreError as exc:
                 log.debug("%s: plan watch broke (%s); watching again", self.name, exc)
                 await asyncio.sleep(min(1.0, self.config.loop_wait))
@@ -114,7 +124,7 @@ class PlanFollowing:
         if not self._planned_for_me(doc):
             return
         try:
-            spec, script = await self._job_files(doc.job or "")
+            spec, script = await self._job_files_patiently(doc.job or "")
         except (StoreError, JobSpecError) as exc:
             log.error("%s: cannot start %s epoch %d: %s", self.name, doc.job, epoch, exc)
             sup.fail_epoch(doc.job or "", epoch, [s.rank for s in doc.slots_on(self.name)],
@@ -127,7 +137,7 @@ class PlanFollowing:
         if not self._planned_for_me(doc):
             return
         try:
-            spec, script = await self._job_files(doc.job or "")
+            spec, script = await self._job_files_patiently(doc.job or "")
         except (StoreError, JobSpecError) as exc:
             self.supervisor.fail_epoch(doc.job or "", epoch, [0], f"{self.name} could not get the job's files: {exc}")
             return
@@ -153,6 +163,25 @@ class PlanFollowing:
         except (OSError, ValueError, KeyError, StoreError) as exc:
             worker.outcome = "failed"
             worker.error = f"the calibration run of {worker.job} on {self.name} left no usable calibration: {exc}"
+
+    async def _job_files_patiently(self, job: str) -> tuple[JobSpec, Path]:
+        """``_job_files``, a read etcd failed or did not answer tried again for up to
+        FILES_PATIENCE seconds, after a random share of a growing pause. A new plan sends every
+        VM of it to etcd at once for the job's files; at 300 VMs on a loaded host some reads
+        timed out, and each was reported as a failed epoch: three restarts used up, the job
+        failed. A spec or bundle that is wrong fails at once (JobSpecError)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FILES_PATIENCE
+        pause = 0.25
+        while True:
+            try:
+                return await self._job_files(job)
+            except StoreError as exc:
+                if loop.time() + pause > deadline:
+                    raise
+                log.warning("%s: cannot read the files of %s yet (%s); trying again", self.name, job, exc)
+            await asyncio.sleep(pause * (0.5 + random.random()))
+            pause = min(2 * pause, 4.0)
 
     async def _job_files(self, job: str) -> tuple[JobSpec, Path]:
         t = self.config.retry_timeout
