@@ -118,6 +118,7 @@ class Election:
         self._on_change = on_change
         self._lease_id: int | None = None  # lease the leader key was created with, while leading
         self._suspect: tuple[int, int] | None = None  # a leader key whose lease matched no member once
+        self._vouched: tuple[int, int] | None = None  # a leader key found on its holder's member lease
         self._state = ElectionState(
             name=membership.name, role=Role.FOLLOWER, leader=None, term=None, reason="it has not run yet"
         )
@@ -234,6 +235,11 @@ class Election:
         why = None
         if current.lease == 0:
             why = "it has no lease, so it would never expire"
+        elif self._vouched == (current.create_revision, current.lease):
+            # Checked once for this key: it lives on its holder's lease and goes with it (a holder
+            # registering anew leaves it on the old lease, which ends within a TTL). Reading the
+            # member key every cycle was half of a big fleet's election reads.
+            return None
         else:
             try:
                 member = await self.store.get(self.keys.member(holder), timeout=timeout)
@@ -250,6 +256,7 @@ class Election:
                        "so it would outlive its holder")
         self._suspect = None
         if why is None:
+            self._vouched = (current.create_revision, current.lease)
             return None
         try:
             removed = await self.store.delete_if(self.keys.leader, value=current.value, timeout=timeout)
