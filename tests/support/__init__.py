@@ -14,6 +14,8 @@ Modules:
   * cpu_quota: a cgroup v1 cpu group with a quota: a daemon as a slow VM (root only).
   * linkrun, netns_ring: runs over a fabric (the link experiment; the 3-VM ring).
   * fleet: members and election contenders against a real etcd.
+  * hollow: hollow VMs, the real daemon with stand-in workers, many to a process (the scale
+    benchmark's harness, benchmarks/fleet_scale.py; never imported by varunad).
   * decisions: the leader's inputs as plain data (snapshots, plans, reports).
   * fake_daemon: the daemon's control socket alone, and a launch of the tiny GPT against it.
   * metrics: reading Prometheus expositions and scraping a daemon.

@@ -147,11 +147,18 @@ class Daemon(PlanFollowing):
     def _bind_host(self) -> str:
         return self.config.advertise if self.config.advertise.startswith("127.") else "*"
 
+    # The parts a test harness replaces (tests/support/hollow.py: many hollow VMs in one process,
+    # each with stand-in workers and probes, none of them owning the process's signals).
+    supervisor_class = Supervisor
+    prober_class = LinkProber
+    owns_signals = True
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_notice, sig)
-        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
+        if self.owns_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_notice, sig)
+            loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         Path(self.config.state_dir).mkdir(parents=True, exist_ok=True)
         if self.config.metrics_port:  # first: a taken port is a startup error (MetricsError), before joining
             self._metrics_server = await serve_metrics(self.metrics, self._bind_host(), self.config.metrics_port)
@@ -181,11 +188,11 @@ class Daemon(PlanFollowing):
         self.election = Election(self.store, self.keys, self.membership, loop_wait=self.config.loop_wait,
                                  on_change=self._on_election)
         self.clients = PeerClients(self.ctx, self.security, name=self.name)
-        self.supervisor = Supervisor(config=self.config, store=self.store, keys=self.keys, membership=self.membership,
+        self.supervisor = self.supervisor_class(config=self.config, store=self.store, keys=self.keys, membership=self.membership,
                                      ports=self.ports, ctx=self.ctx, security_env=self._worker_security_env(),
                                      peer_keys=self._peer_keys, metrics=self.metrics)
         self.supervisor.on_exit(self._after_worker)
-        self.prober = prober = LinkProber(
+        self.prober = prober = self.prober_class(
             store=self.store, keys=self.keys, name=self.name, member=lambda: self.membership.member, ports=self.ports,
             is_busy=lambda: bool(self.supervisor.alive()), timeout=self.config.retry_timeout,
             env={k: v for k, v in os.environ.items() if not k.startswith(("VARUNA_", "VARUNAD_"))})

@@ -155,6 +155,7 @@ class Leader(LeaderPlanning, LeaderPace):
         """One snapshot, one decision, its execution. True when it changed something."""
         if not self.election.is_leader():
             raise _Deposed("this daemon no longer leads")
+        self.metrics.leader_cycles.inc()
         try:
             snap = await read_fleet(self.store, self.keys, timeout=self.t)
         except StoreError as exc:

@@ -70,6 +70,7 @@ METRIC_NAMES = (
     "varunad_job_loss", "varunad_samples_per_second", "varunad_stage_busy_fraction", "varunad_morphs_total",
     "varunad_checkpoint_seconds", "varunad_bad_documents_total", "varunad_task_restarts_total",
     "varunad_dropped_messages_total", "varunad_checkpoints_failing_since_step", "varunad_slot_slowdown",
+    "varunad_leader_cycles_total",
 )
 """Every documented name, as it appears in the exposition (for tests and docs)."""
 
@@ -99,6 +100,9 @@ class DaemonMetrics:
             "varunad_stage_busy_fraction", "Share of the last step a local worker computed rather than waited",
             ["job", "stage", "rank"], registry=r)
         self.morphs = Counter("varunad_morphs", "Morphs of a running job this daemon made while it led", registry=r)
+        self.leader_cycles = Counter(
+            "varunad_leader_cycles", "Leader cycles (a fleet snapshot read and one decision) this daemon ran while it "
+            "led", registry=r)
         self.checkpoint_seconds = Histogram(
             "varunad_checkpoint_seconds", "Seconds a local worker's training stood still for its share of a checkpoint",
             ["job"],

@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -77,8 +75,7 @@ class WorkerStopping:
                 continue
             w.killed_by_daemon = True
             if w.proc is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(w.proc.pid, signal.SIGKILL)
+                w.proc.kill_group()
         if targets:
             log.info("%s: %d worker(s) of a broken epoch (%s): %d asked to save their state from memory, "
                      "the others killed", self.name, len(targets), reason, rescued)
@@ -87,8 +84,7 @@ class WorkerStopping:
         """Send the rescue signal to a worker that has trained a step (only it has state to save)."""
         if w.proc is None or (w.step < 0 and w.rescuing is None):
             return False
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(w.proc.pid, RESCUE_SIGNAL)
+        w.proc.signal(RESCUE_SIGNAL)
         return True
 
     def _on_rescuing(self, w: _SupervisedWorker, msg: WorkerRescuing) -> None:
@@ -126,8 +122,7 @@ class WorkerStopping:
             log.warning("%s: rank %d of %s epoch %d did not stop within %.0fs; SIGKILL", self.name, w.rank, w.job,
                         w.epoch, grace)
             w.killed_by_daemon = True
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(w.proc.pid, signal.SIGKILL)
+            w.proc.kill_group()
 
     def progressing(self, limit: float) -> bool:
         """Whether a live worker reported a step recently: within twice its last step interval
@@ -156,8 +151,7 @@ class WorkerStopping:
         for w in alive:
             w.killed_by_daemon = True
             if w.proc is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(w.proc.pid, signal.SIGKILL)
+                w.proc.kill_group()
         return alive
 
     async def kill_all(self, reason: str) -> None:

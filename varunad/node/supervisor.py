@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import zmq
 import zmq.asyncio
@@ -65,7 +65,7 @@ from varunad.node.stopping import WorkerStopping
 from varunad.store.contract import Store
 from varunad.store.keys import Keys
 
-__all__ = ["Supervisor", "STOPPED_EXIT_CODE", "worker_environment"]
+__all__ = ["Supervisor", "STOPPED_EXIT_CODE", "WorkerProcess", "worker_environment"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,32 @@ def _tail(path: Path, size: int = _TAIL_BYTES) -> str:
     return "\n".join(lines[1:] if len(text) >= size and len(lines) > 1 else lines)
 
 
+class WorkerProcess:
+    """A worker's process as the supervisor acts on it: wait for it, signal it, kill its group.
+
+    The one seam between supervision and the operating system: the scale benchmark's hollow
+    VMs (tests/support/hollow.py) put a stand-in behind it."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    async def wait(self) -> int:
+        return await self._proc.wait()
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self._proc.pid, sig)
+
+    def kill_group(self) -> None:
+        """SIGKILL its process group (it runs in a session of its own: whatever it started, too)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+
+
 @dataclass(eq=False)
 class _SupervisedWorker:
     """One worker process this daemon started for a job's epoch, and what it reported."""
@@ -119,7 +145,7 @@ class _SupervisedWorker:
     rank: int
     slot: int
     log_path: Path
-    proc: asyncio.subprocess.Process | None = None
+    proc: WorkerProcess | None = None
     outcome: str = "starting"
     exit_code: int | None = None
     error: str = ""
@@ -332,24 +358,30 @@ class Supervisor(WorkerStopping):
         self._exited.clear()
         w.started_at = time.time()
         w.oom_kills = kernel_oom_kills()
-        what = f"rank {w.rank} of {w.job} epoch {w.epoch}"
         with open(w.log_path, "ab") as out:
             w.log_offset = out.tell()
-            w.proc = await self.spares.run(w.slot, script, args, env, w.log_path, what) if w.profile_path is None else None
-            if w.proc is None:
-                try:
-                    w.proc = await asyncio.create_subprocess_exec(
-                        sys.executable, str(script), *args, cwd=str(script.parent), env=env,
-                        stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                        start_new_session=True, preexec_fn=_die_with(os.getpid()),
-                    )
-                except OSError as exc:
-                    w.outcome, w.error = "failed", f"could not start {script}: {exc}"
-                    self._after_exit(w)
-                    return
+            try:
+                w.proc = await self._launch(w, script, args, env, out)
+            except OSError as exc:
+                w.outcome, w.error = "failed", f"could not start {script}: {exc}"
+                self._after_exit(w)
+                return
         w.outcome = "running"
         self.reporter.mark()
         w.wait_task = asyncio.get_running_loop().create_task(self._wait(w), name=f"worker-{w.job}-e{w.epoch}-r{w.rank}")
+
+    async def _launch(self, w: _SupervisedWorker, script: Path, args: list[str], env: dict[str, str],
+                      out: BinaryIO) -> WorkerProcess:
+        """The worker's process: in this slot's spare if it fits, else a new one (OSError: none)."""
+        what = f"rank {w.rank} of {w.job} epoch {w.epoch}"
+        proc = await self.spares.run(w.slot, script, args, env, w.log_path, what) if w.profile_path is None else None
+        if proc is None:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(script), *args, cwd=str(script.parent), env=env,
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_die_with(os.getpid()),
+            )
+        return WorkerProcess(proc)
 
     def warm_spares(self) -> None:
         """Start the missing spares in the background: once an epoch trains here, or while this
@@ -374,8 +406,7 @@ class Supervisor(WorkerStopping):
         w.exit_code = code
         if w.kill_task is not None:
             w.kill_task.cancel()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(w.proc.pid, signal.SIGKILL)  # anything the worker left behind in its group
+        w.proc.kill_group()  # anything the worker left behind in its group
         if code == 0:
             w.outcome = "done"
         elif code == STOPPED_EXIT_CODE:
