@@ -86,3 +86,24 @@ def test_json_nested_past_the_parsers_depth_is_a_value_error_for_every_reader():
         with pytest.raises(ValueError):
             decode(deep)
     assert stored_epoch(deep) is None
+
+
+def test_a_document_is_decoded_once_per_value_and_a_bad_one_every_time():
+    calls = []
+
+    def decode(data: bytes) -> tuple:
+        calls.append(data)
+        doc = json.loads(data)
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+        return tuple(sorted(doc.items()))
+
+    key = "/t/decoded/members/vm1"
+    first = schemas.decoded(key, b'{"a": 1}', decode)
+    assert schemas.decoded(key, b'{"a": 1}', decode) is first and len(calls) == 1
+    assert schemas.decoded(key, b'{"a": 2}', decode) == (("a", 2),) and len(calls) == 2   # a new value
+    assert schemas.decoded("/t/decoded/members/vm2", b'{"a": 2}', decode) and len(calls) == 3   # another key
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            schemas.decoded(key, b"[1]", decode)
+    assert len(calls) == 5

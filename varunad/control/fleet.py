@@ -66,7 +66,7 @@ async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapsh
     for kv in listing:
         try:
             name = keys.member_name(kv.key)
-            member = parse_member(kv.value)
+            member = schemas.decoded(kv.key, kv.value, parse_member)
             if member.name != name:
                 raise ValueError(f"it describes {member.name!r}")
         except ValueError as exc:
@@ -110,7 +110,7 @@ async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapsh
     last = await store.get_prefix(keys.workers, timeout=timeout)
     for kv in last:
         try:
-            reports[keys.workers_member(kv.key)] = WorkerReport.decode(kv.value)
+            reports[keys.workers_member(kv.key)] = schemas.decoded(kv.key, kv.value, WorkerReport.decode)
         except ValueError as exc:
             schemas.reject("report", kv.key, exc)
     return FleetSnapshot(last.revision, members, plan, epoch, tuple(jobs), states, frozenset(cancels), reports,
@@ -212,7 +212,7 @@ async def read_progress(store: Store, keys: Keys, job: str, *, timeout: float | 
     out = []
     for kv in await store.get_prefix(keys.progress_of(job), timeout=timeout):
         try:
-            out.append(Progress.decode(kv.value))
+            out.append(schemas.decoded(kv.key, kv.value, Progress.decode))
         except ValueError:
             continue
     return out

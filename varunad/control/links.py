@@ -168,7 +168,7 @@ async def read_links(store: Store, keys: Keys, *, timeout: float) -> dict[tuple[
     out = {}
     for kv in await store.get_prefix(keys.link_pairs, timeout=timeout):
         try:
-            m = LinkMeasurement.decode(kv.value)
+            m = schemas.decoded(kv.key, kv.value, LinkMeasurement.decode)
         except ValueError as exc:
             log.warning("ignoring link measurement %s: %s", kv.key, exc)
             continue

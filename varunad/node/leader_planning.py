@@ -81,6 +81,23 @@ class LeaderPlanning:
                 log.warning("leader: %s did not answer a ping; planning without it", m.name)
         return [(m, lease) for m, lease in usable if m.name in answered]
 
+    def _waits_for_links(self, job: str, state: JobState, names: list[str]) -> bool:
+        """Whether the job's first plan waits for the probes in flight among `names` (each ends
+        within PROBE_TIMEOUT, at once when it fails): first the links, then a calibration run,
+        neither disturbing the other. The survey starts more while the job waits, so the wait as
+        a whole is bounded too, by PROBE_TIMEOUT: a big fleet's sample (450 pairs at 300 VMs)
+        would hold the job for as many probes. A job that ran already (a morph, a restart) never
+        waits: it plans with what is measured."""
+        since = self.memory.links_since.setdefault(job, self.clock())
+        waiting = self.links.waiting(names) if not state.epochs and self.clock() - since < PROBE_TIMEOUT else []
+        if not waiting:
+            return False
+        why = "waiting for the link measurement " + ", ".join(f"{a} <-> {b}" for a, b in waiting)
+        if self.memory.waiting.get(job) != why:
+            self.memory.waiting[job] = why
+            log.info("leader: %s is %s", job, why)
+        return True
+
     async def _start(self, job: str, reason: str) -> bool:
         snap = await read_fleet(self.store, self.keys, timeout=self.t)
         entry = snap.entry(job)
@@ -100,26 +117,16 @@ class LeaderPlanning:
                 log.warning("leader: the calibration run of %s was killed; planning without a measured calibration",
                             job)
                 self.memory.profile_failed.add(script_fingerprint(spec))
+        # the link wait first, over the usable members: pinging every one of them each cycle of
+        # the wait was a fifth of a 300-VM leader's CPU
+        if self._waits_for_links(job, state, [m.name for m, _ in snap.usable()]):
+            return False
         members = await self._candidates(snap)
         kinds = sorted({m.device_kind for m, _ in members})
         cals: dict[str, Calibration] = {}
         measured = False
         if members:
             names = [m.name for m, _ in members]
-            # A job's first plan waits for the probes in flight among its VMs (each ends within
-            # PROBE_TIMEOUT, at once when it fails): first the links, then a calibration run,
-            # neither disturbing the other. The survey starts more while the job waits, so the wait
-            # as a whole is bounded too, by PROBE_TIMEOUT: a big fleet's sample (450 pairs at 300
-            # VMs) would hold the job for as many probes. A job that ran already (a morph, a
-            # restart) never waits: it plans with what is measured.
-            since = self.memory.links_since.setdefault(job, self.clock())
-            waiting = self.links.waiting(names) if not state.epochs and self.clock() - since < PROBE_TIMEOUT else []
-            if waiting:
-                why = "waiting for the link measurement " + ", ".join(f"{a} <-> {b}" for a, b in waiting)
-                if self.memory.waiting.get(job) != why:
-                    self.memory.waiting[job] = why
-                    log.info("leader: %s is %s", job, why)
-                return False
             cals, measured, missing = await self._calibrations(spec, kinds)
             if missing:
                 return await self._profile(snap, spec, members, state, missing)

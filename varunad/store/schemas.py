@@ -27,7 +27,8 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, Union
 
-__all__ = ["DOCUMENTS", "load_json", "check", "build", "decode", "reject", "rejected", "on_reject", "Throttle"]
+__all__ = ["DOCUMENTS", "load_json", "check", "build", "decode", "decoded", "reject", "rejected", "on_reject",
+           "Throttle"]
 
 log = logging.getLogger("varunad.store.schemas")
 
@@ -169,6 +170,29 @@ def decode(cls: type[T], data: bytes, what: str, *, upgrade: Callable[[Any], Any
         return build(cls, upgrade(doc) if upgrade is not None else doc, what)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{what} is malformed: {exc}") from None
+
+
+_DECODED: dict[tuple[Callable[[bytes], Any], str], tuple[bytes, Any]] = {}
+_DECODED_MAX = 50_000
+_decoded_lock = threading.Lock()
+
+
+def decoded(key: str, data: bytes, decode: Callable[[bytes], T]) -> T:
+    """``decode(data)``, reusing the document decoded last for ``key`` while its value is byte for
+    byte the same (the documents are frozen). The leader reads whole prefixes every cycle: at 300
+    VMs, checking the same members, worker reports and links again was most of its CPU
+    (benchmarks/fleet_scale.py). A value that does not decode is not kept: it raises each time."""
+    memo = (decode, key)
+    with _decoded_lock:
+        hit = _DECODED.get(memo)
+    if hit is not None and hit[0] == data:
+        return hit[1]
+    value = decode(data)
+    with _decoded_lock:
+        if len(_DECODED) >= _DECODED_MAX:   # keys of VMs long gone: start again
+            _DECODED.clear()
+        _DECODED[memo] = (bytes(data), value)
+    return value
 
 
 class Throttle:
