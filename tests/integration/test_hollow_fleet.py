@@ -3,9 +3,11 @@ real daemons plan, morph and record a job as they do with real workers, so that 
 benchmarks/fleet_scale.py measures at 300 VMs is the control plane real fleets run.
 
 Each hollow VM here is a process of its own (so it can be killed alone) on an address of its own
-in 127.0.0.0/8. The morph records are held to what tests/integration/test_daemon_ring.py holds
-real workers' to: the lost VM named as the cause, the survivors' memory as the source when every
-stage kept a replica, the new epoch starting at the step the rescue saved."""
+in 127.0.0.0/8. Each plan is the one the planner makes from what etcd holds for those VMs (their facts, the
+stored calibration, the measured links), as with real workers. The morph records are held to
+what tests/integration/test_daemon_ring.py holds real workers' to: the lost VM named as the
+cause, the survivors' memory as the source when every stage kept a replica, the new epoch
+starting at the step the rescue saved."""
 
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ from support.hollow import hollow_loss
 from support.waiting import until
 
 from varunad.control import status as ctl
+from varunad.control.fleet import read_fleet
+from varunad.control.jobs import script_fingerprint
+from varunad.control.links import apply_links, read_links
+from varunad.control.plans import calibrations_for, make_plan
 from varunad.control.resume import complete_manifest
 from varunad.store.etcd import EtcdStore
 from varunad.store.keys import Keys
@@ -93,21 +99,45 @@ def _submit(vms: HollowVMs, job: str, steps: int, every: int) -> None:
     script.parent.mkdir(exist_ok=True)
     script.write_text('raise SystemExit("a hollow VM\'s job is not run by python")\n')
     r = subprocess.run([sys.executable, "-m", "varunad.ctl.cli", "--etcd", vms.etcd, "--root", vms.root, "submit",
-                        "--name", job, "--batch-size", "64", "--steps", str(steps), "--checkpoint-every", str(every),
+                        "--name", job, "--batch-size", "256", "--steps", str(steps), "--checkpoint-every", str(every),
                         "--no-import-check", str(script)], capture_output=True, text=True, cwd=str(REPO), timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def _planner_says(vms: HollowVMs, job: str, names: list[str]) -> dict:
+    """The plan the planner makes for `job` on the members `names` from what etcd holds (their
+    facts, the stored calibration, the measured links): what the leader must have written."""
+    snap = vms.call(read_fleet(vms.store, vms.keys, timeout=5.0))
+    spec = snap.entry(job).spec
+    listing = vms.call(vms.store.get_prefix(vms.keys.calibration_of(script_fingerprint(spec))))
+    cals, missing = calibrations_for(spec, ["hollow"], {kv.key.rsplit("/", 1)[-1]: kv.value for kv in listing})
+    assert not missing
+    links = vms.call(read_links(vms.store, vms.keys, timeout=5.0)).values()
+    cals = apply_links(cals, [m for m in links if set(m.members) <= set(names)])
+    doc, _ = make_plan(spec, [(m, lease) for m, lease in snap.usable() if m.name in names], cals, calibrated=True,
+                       reason="the test's")
+    return {"P": doc.plan.P, "D": doc.plan.D, "micro_batch_size": doc.plan.micro_batch_size,
+            "estimated_s": doc.estimated_s, "members": sorted(doc.members)}
+
+
+def _as_planned(plan: dict) -> dict:
+    return {k: sorted(plan[k]) if k == "members" else plan[k]
+            for k in ("P", "D", "micro_batch_size", "estimated_s", "members")}
 
 
 def test_hollow_vms_plan_morph_and_finish_as_real_daemons_do(vms):
     for i in range(1, 5):
         vms.start(f"h{i}", f"127.3.0.{i}")
+    # idle VMs measure their links (hollow probes, the leader's real survey): all 6 pairs of 4
+    vms.poll(lambda: len(vms.call(vms.store.get_prefix(vms.keys.link_pairs))) == 6, "the links measured")
     _submit(vms, "hj", steps=150, every=10)
     st = vms.poll(lambda: (s := vms.status("hj"))["state"] == "running" and s["step"] >= 12 and s, "hj training")
     plan = st["plan"]
     # the hollow calibration went the real way: a calibration run on one VM, stored, then planned
-    assert plan["calibrated"] is True and plan["P"] * plan["D"] == 4, plan
+    # (a batch of 256 makes the planner's best 2x2: every stage has a replica to lose)
+    assert plan["calibrated"] is True and (plan["P"], plan["D"]) == (2, 2), plan
     assert sorted(plan["members"]) == ["h1", "h2", "h3", "h4"], plan
-    assert vms.call(vms.store.get_prefix(vms.keys.link_pairs)), "no link was measured between the hollow VMs"
+    assert _as_planned(plan) == _planner_says(vms, "hj", plan["members"])
     epoch, leader = st["epoch"], vms.leader()
 
     victim = next(m for m in plan["members"] if m != leader)
@@ -116,6 +146,7 @@ def test_hollow_vms_plan_morph_and_finish_as_real_daemons_do(vms):
                   any(m["from_epoch"] == epoch for m in s["morphs"]) and s, f"a morph without {victim}")
     lost = next(m for m in st["morphs"] if m["from_epoch"] == epoch)
     assert lost["cause"] == f"{victim} was lost" and victim not in st["plan"]["members"], lost
+    assert _as_planned(st["plan"]) == _planner_says(vms, "hj", st["plan"]["members"])
     # every stage of a D=2 plan kept a replica: the survivors' memory; else the store's checkpoint
     assert lost["source"] == ("replicas" if plan["D"] >= 2 else "checkpoint"), lost
     manifest = complete_manifest(str(vms.base / "store" / "hj"), lost["resumed_from"])

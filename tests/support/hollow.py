@@ -11,9 +11,10 @@ reporter, against a real etcd) with two parts replaced:
   ``step_s`` (the plan's estimate, clamped to [STEP_MIN, ``--step-max``]: the benchmark's epochs
   must show progress soon and finish in time), on ticks of the wall clock so that an epoch's
   ranks step together, with a loss that is a function of the step alone.
-  Rank 0 writes a checkpoint manifest every ``checkpoint_every`` steps, at a checkpointed stop
-  and at a rescue (``meta.source = "replicas"``), so the next epoch of every hollow VM resumes
-  at the same step and the leader's resume records read what real workers would leave. A stop
+  Rank 0 writes a checkpoint manifest every ``checkpoint_every`` steps and at a checkpointed
+  stop; at a rescue each survivor marks its save and the last of them commits the manifest
+  (``meta.source = "replicas"``) once every stage has one, so the next epoch of every hollow VM
+  resumes at the same step and the leader's resume records read what real workers would leave. A stop
   with a checkpoint ends it with the trainer's STOPPED_EXIT_CODE; the rescue signal too, after
   saying WorkerRescuing; a kill cancels it (exit -9). A calibration run writes
   ``hollow_calibration`` and exits 0. It starts at once: no import, no rendezvous, no loading,
@@ -84,7 +85,7 @@ def hollow_calibration(device_kind: str) -> Calibration:
     gradients), so that a VM of a few GiB holds a few stages and the plan is a pipeline."""
     return Calibration.uniform(
         model="hollow", device_kind=device_kind, segments=32, micro_batch_sizes=(1, 2, 4, 8),
-        forward_s=2e-3, backward_s=4e-3, activation_bytes=4 << 20, peak_activation_bytes=8 << 20,
+        forward_s=20e-3, backward_s=40e-3, activation_bytes=4 << 20, peak_activation_bytes=8 << 20,
         param_bytes=64 << 20, optimizer_bytes=128 << 20, step_s=1e-3, input_bytes=64 << 10,
         links={"intra": LinkCost(20e-6, 10e9), "inter": LinkCost(HOLLOW_LINK["latency_s"],
                                                                 HOLLOW_LINK["bandwidth_Bps"])},
@@ -104,6 +105,18 @@ def _write_manifest(store: str, step: int, source: str) -> None:
     tmp = directory / "manifest.json.tmp"
     tmp.write_text(json.dumps({"complete": True, "iteration": step, "meta": {"source": source}}))
     os.replace(tmp, directory / "manifest.json")
+
+
+def _rescue_save(store: str, step: int, rank: int, plan) -> None:
+    """A survivor's save of `step` from memory: its mark, then the manifest once a rank of every
+    stage has saved (the last of them sees every mark: each writes its own before it looks), so
+    a stage that lost all its replicas leaves no rescue, as with real workers."""
+    directory = Path(store) / f"varuna_ckpt_{step}"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"rescued-rank-{rank}").touch()
+    saved = {plan.position(int(p.name.rsplit("-", 1)[1]))[0] for p in directory.glob("rescued-rank-*")}
+    if len(saved) == plan.P:
+        _write_manifest(store, step, "replicas")
 
 
 class HollowWorker:
@@ -205,7 +218,8 @@ class HollowWorker:
             if getattr(msg, "epoch", None) != self.a.epoch or getattr(msg, "job", None) != self.a.job:
                 continue
             if isinstance(msg, StopWorkers):
-                return "stop" if msg.checkpoint else "abort"
+                # a broken epoch's stop comes with the rescue signal (sent as the stop is queued)
+                return "stop" if msg.checkpoint else "rescue" if self._rescue.is_set() else "abort"
             if isinstance(msg, CheckpointNow):
                 await self._checkpoint(sock, "checkpoint")
         return "rescue" if self._rescue.is_set() else None
@@ -225,8 +239,8 @@ class HollowWorker:
             await self._checkpoint(sock, "checkpoint")
         elif why == "rescue" and self.step > 0:
             await sock.send(encode(WorkerRescuing(job=a.job, epoch=a.epoch, rank=a.rank, step=self.step)))
-            if a.rank == 0 and a.store:
-                await asyncio.to_thread(_write_manifest, a.store, self.step, "replicas")
+            if a.store:
+                await asyncio.to_thread(_rescue_save, a.store, self.step, a.rank, a.plan)
         # a worker's process exits a while after its last message (its teardown): the daemon
         # reads that message before it sees the exit, where a stand-in that ended at once has
         # it dropped as stale
