@@ -10,13 +10,14 @@ about N/10, so that killing one process is a sudden loss of 10% of the fleet); a
 * kill:   SIGKILL to one process of ~N/10 VMs. `noticed` is when the leader decided to morph (its
           pings find the VMs silent before their leases end), `expired` when etcd deleted the first
           of their member keys and `spread` how long until the last; `replan_s` is the leader's
-          own record of the morph, from its decision to the new plan written (the old workers'
-          stop between), `kill->plan` the whole; `settle_s` from that plan to every rank of it
+          own record of the morph, from its decision to the new plan written: the old workers'
+          stop (the survivors' rescue and their reports) and the plan, `kill->plan` the whole; `settle_s` from that plan to every rank of it
           running (its daemon's worker report says so); etcd load during the morph; watch events
           etcd delivered per lost VM; the leader's CPU seconds per cycle (its process, which holds
           only it, over its varunad_leader_cycles_total) and over the morph;
 * join:   ~N/10 new VMs boot: from the last one's registration to a plan that takes them in
-          (if the planner finds it worth a morph: --scale-up-threshold), and to its ranks running;
+          (the VMs run with --scale-up-threshold 0: any gain the planner sees is a morph), and to its
+          ranks running;
 * probes: link measurements stored in etcd at the end (tests/support/hollow.py's probe is fixed, the
           survey's choice of pairs and its requests are the leader's own).
 
@@ -121,7 +122,7 @@ class Fleet:
                "--state-base", str(self.base / "vms"), "--log-level", self.log_level,
                "--etcd", self.etcd.endpoint, "--root", ROOT, "--ttl", str(self.ttl), "--slots", "1",
                "--memory", str(MEMORY), "--device-kind", "hollow", "--store", str(self.base / "store"),
-               "--plaintext", "--straggler-threshold", "0"]
+               "--plaintext", "--straggler-threshold", "0", "--scale-up-threshold", "0"]
         if leader:
             cmd += ["--metrics-port", str(self.metrics_port)]
             if self.profile:
@@ -283,6 +284,7 @@ async def run_size(n: int, *, ttl: float, rest_s: float, log_level: str, profile
         out.update({
             "lost": len(gone), "noticed_s": morph["noticed_at"] - t_kill, "expired_s": first_gone - t_kill,
             "expiry_spread_s": last_gone - first_gone, "replan_s": morph["planned_at"] - morph["noticed_at"],
+            "stop_s": morph["stopped_at"] - morph["noticed_at"], "plan_s": morph["planned_at"] - morph["stopped_at"],
             "kill_to_plan_s": plan[0] - t_kill, "plans_in_morph": len(seen.plans) - plans_before,
             "settle_s": t_settled - settled[0], "slots_after": len(settled[2]),
             "morph_rps_per_vm": (c1["requests"] - c0["requests"]) / dt / n,
@@ -321,6 +323,7 @@ COLUMNS = [
     ("rest_Bps_per_vm", "rest B/s/VM", "{:.0f}"), ("rest_cycles_per_s", "rest cycles/s", "{:.1f}"),
     ("rest_leader_cpu", "rest leader CPU", "{:.0%}"), ("lost", "lost", "{:.0f}"), ("noticed_s", "noticed s", "{:.1f}"),
     ("expired_s", "expired s", "{:.1f}"), ("expiry_spread_s", "spread s", "{:.1f}"), ("replan_s", "replan s", "{:.2f}"),
+    ("stop_s", "(stop s", "{:.2f}"), ("plan_s", "plan s)", "{:.2f}"),
     ("kill_to_plan_s", "kill->plan s", "{:.1f}"),
     ("plans_in_morph", "plans", "{:.0f}"), ("settle_s", "settle s", "{:.2f}"),
     ("morph_rps_per_vm", "morph req/s/VM", "{:.2f}"), ("morph_Bps_per_vm", "morph B/s/VM", "{:.0f}"),
