@@ -125,6 +125,7 @@ def _as_planned(plan: dict) -> dict:
             for k in ("P", "D", "micro_batch_size", "estimated_s", "members")}
 
 
+@pytest.mark.slow   # five VM processes through a job of 150 steps and two morphs: about 40 s
 def test_hollow_vms_plan_morph_and_finish_as_real_daemons_do(vms):
     for i in range(1, 5):
         vms.start(f"h{i}", f"127.3.0.{i}")
