@@ -41,6 +41,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -102,7 +103,7 @@ def _write_manifest(store: str, step: int, source: str) -> None:
     manifest alone, written last and atomically, as the trainer's commit does."""
     directory = Path(store) / f"varuna_ckpt_{step}"
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / "manifest.json.tmp"
+    tmp = directory / f"manifest.json.{uuid.uuid4().hex}.tmp"   # several survivors may commit at once
     tmp.write_text(json.dumps({"complete": True, "iteration": step, "meta": {"source": source}}))
     os.replace(tmp, directory / "manifest.json")
 
