@@ -105,8 +105,8 @@ class Observed:
 
 
 class Fleet:
-    def __init__(self, n: int, base: Path, ttl: float, log_level: str, profile: str | None = None) -> None:
-        self.n, self.base, self.ttl, self.log_level, self.profile = n, base, ttl, log_level, profile
+    def __init__(self, base: Path, ttl: float, log_level: str, profile: str | None = None) -> None:
+        self.base, self.ttl, self.log_level, self.profile = base, ttl, log_level, profile
         self.etcd = EtcdServer()
         self.procs: list[tuple[subprocess.Popen, list[str]]] = []
         self.keys = Keys(ROOT)
@@ -177,7 +177,7 @@ async def _until(check, what: str, timeout: float, interval: float = 0.1):
 async def run_size(n: int, *, ttl: float, rest_s: float, log_level: str, profile: str | None = None
                    ) -> dict[str, float]:
     base = Path(tempfile.mkdtemp(prefix=f"fleet-{n}-"))
-    fleet = Fleet(n, base, ttl, log_level, profile)
+    fleet = Fleet(base, ttl, log_level, profile)
     fleet.etcd.start()
     store = EtcdStore(fleet.etcd.endpoint, timeout=5.0)
     await store.connect()

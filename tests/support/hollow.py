@@ -274,10 +274,7 @@ class HollowSupervisor(Supervisor):
 class HollowProber(LinkProber):
     """The real prober (requests, staleness, withdrawal, the result's write), the probe itself fixed."""
 
-    probes_run = 0
-
     async def _probe(self, req: ProbeRequest) -> bytes | None:
-        HollowProber.probes_run += 1
         await asyncio.sleep(PROBE_S)
         return json.dumps(HOLLOW_LINK).encode() + b"\n"
 

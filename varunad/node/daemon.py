@@ -83,6 +83,12 @@ _RESTART_MIN, _RESTART_MAX, _RESTART_RESET = 0.5, 30.0, 60.0  # a failed task's 
 
 
 class Daemon(PlanFollowing):
+    # The parts a test harness replaces (tests/support/hollow.py: many hollow VMs in one process,
+    # each with stand-in workers and probes, none of them owning the process's signals).
+    supervisor_class = Supervisor
+    prober_class = LinkProber
+    owns_signals = True
+
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.name = config.name
@@ -147,12 +153,6 @@ class Daemon(PlanFollowing):
     def _bind_host(self) -> str:
         return self.config.advertise if self.config.advertise.startswith("127.") else "*"
 
-    # The parts a test harness replaces (tests/support/hollow.py: many hollow VMs in one process,
-    # each with stand-in workers and probes, none of them owning the process's signals).
-    supervisor_class = Supervisor
-    prober_class = LinkProber
-    owns_signals = True
-
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         if self.owns_signals:
@@ -188,9 +188,9 @@ class Daemon(PlanFollowing):
         self.election = Election(self.store, self.keys, self.membership, loop_wait=self.config.loop_wait,
                                  on_change=self._on_election)
         self.clients = PeerClients(self.ctx, self.security, name=self.name)
-        self.supervisor = self.supervisor_class(config=self.config, store=self.store, keys=self.keys, membership=self.membership,
-                                     ports=self.ports, ctx=self.ctx, security_env=self._worker_security_env(),
-                                     peer_keys=self._peer_keys, metrics=self.metrics)
+        self.supervisor = self.supervisor_class(
+            config=self.config, store=self.store, keys=self.keys, membership=self.membership, ports=self.ports,
+            ctx=self.ctx, security_env=self._worker_security_env(), peer_keys=self._peer_keys, metrics=self.metrics)
         self.supervisor.on_exit(self._after_worker)
         self.prober = prober = self.prober_class(
             store=self.store, keys=self.keys, name=self.name, member=lambda: self.membership.member, ports=self.ports,

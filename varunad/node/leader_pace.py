@@ -2,10 +2,10 @@
 straggler (`varunad.control.speeds` has the measurements and the rules).
 
 `LeaderPace` is a part of `varunad.node.leader.Leader`. Every progress interval
-(``varunad.control.records.progress_interval``) while a job runs, it reads the ranks' progress, measures each slot against what the plan expected of its
-stage, and records the paces and stragglers in the job's state (``status`` shows them). When a
-slot is slower than the running plan assumed (a new straggler, or one slower than planned), it
-plans again; the job morphs (after a checkpoint, like a scale-up) only when the new plan is
+(``varunad.control.records.progress_interval``) while a job runs, it reads the ranks' progress,
+measures each slot against what the plan expected of its stage, and records the paces and
+stragglers in the job's state (``status`` shows them). When a slot is slower than the running
+plan assumed (a new straggler, or one slower than planned), it plans again; the job morphs (after a checkpoint, like a scale-up) only when the new plan is
 estimated faster, by more than ``scale_up_threshold``, than the running plan at the measured
 speeds. Against flapping, besides the hysteresis of `SlotSpeeds`: a straggler that recovers (or
 is forgotten) never morphs the job by itself, the next plan made for any reason uses it again;
@@ -72,8 +72,7 @@ class LeaderPace:
         self._pacing = plan is not None and plan.kind == "run" and bool(plan.job)
         if not self._pacing or now < self._next_pace:
             return False
-        self._next_pace = now + progress_interval(self.config.progress_interval, plan.plan.world_size
-                                                  if plan.plan is not None else 1)
+        self._next_pace = now + progress_interval(self.config.progress_interval, plan.plan.world_size)
         state = snap.states.get(plan.job)
         if state is None or state.epoch != snap.plan_epoch or state.state != "running":
             return False
