@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import trainer
 from trainer.errors import ConfigError
+from trainer.net.ports import bind_quiet_ports
 from trainer.planning.parallel import ParallelPlan, ParallelPlanError
 from trainer.planning.schedule import SCHEDULES, ScheduleError, schedule_named
 from trainer.worker_env import WorkerAssignment
@@ -90,48 +90,24 @@ class _LaunchedWorker:
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on loopback, below the kernel's ephemeral range when it can.
+    """n distinct free TCP ports on loopback, below the kernel's ephemeral range when it can
+    (trainer.net.ports: a port bind(0) hands out may be taken by any outgoing connection before
+    the worker binds it)."""
+    def bind(port: int) -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            raise
+        return s
 
-    A port the kernel hands out for bind(0) is an ephemeral one: until the worker binds it,
-    any outgoing connection on the machine (gloo's, another job's) may take it and the worker
-    fails with "Address already in use". Ports below that range are never handed out to
-    outgoing connections, so only another listener could take one (torchrun has the same race).
-    """
-    # Every socket stays open until all are bound, so the n ports are distinct.
-    socks: list[socket.socket] = []
+    socks = bind_quiet_ports(n, bind)
     try:
-        low = _ephemeral_low()
-        rng = random.Random()
-        for _ in range(200 if low > _LOWEST_PORT + 8 * n else 0):
-            if len(socks) == n:
-                break
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                s.bind(("127.0.0.1", rng.randrange(_LOWEST_PORT, low)))
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
-        while len(socks) < n:   # crowded below the range (or no range known): the kernel's choice
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
-
-
-_LOWEST_PORT = 10000   # below this sit well-known services
-
-
-def _ephemeral_low() -> int:
-    """The lowest port of the kernel's ephemeral range (Linux; else the IANA default)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 49152
 
 
 def _available_cores() -> int:

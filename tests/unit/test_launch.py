@@ -86,13 +86,36 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
     # Outgoing connections take ports from the ephemeral range; a worker's endpoint there can be
     # taken before the worker binds it ("Address already in use").
     import socket
+
+    from trainer.net.ports import LOWEST_PORT, ephemeral_low
     ports = launch_mod.free_ports(6)
     assert len(set(ports)) == 6
-    low = launch_mod._ephemeral_low()
-    assert all(launch_mod._LOWEST_PORT <= p < low for p in ports), (ports, low)
+    low = ephemeral_low()
+    assert all(LOWEST_PORT <= p < low for p in ports), (ports, low)
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_a_daemons_reserved_ports_are_held_and_below_the_ephemeral_range():
+    # a new epoch's worker on its daemon's reserved port failed with "Address already in use":
+    # the port, drawn by bind(0), had become an outgoing connection's source port meanwhile
+    import socket
+
+    from trainer.net.ports import LOWEST_PORT, ephemeral_low
+    from varunad.cluster.facts import PortReservation
+    held = PortReservation("127.0.0.1", count=5)
+    try:
+        assert len(set(held.ports)) == 5
+        assert all(LOWEST_PORT <= p < ephemeral_low() for p in held.ports), held.ports
+        for p in held.ports:   # held: nobody else binds them until released
+            with socket.socket() as s, pytest.raises(OSError):
+                s.bind(("127.0.0.1", p))
+        held.release(held.ports[0])
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", held.ports[0]))
+    finally:
+        held.close()
 
 
 def test_job_settings_read_the_plan_for_what_the_plan_decides(monkeypatch):

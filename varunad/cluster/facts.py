@@ -22,6 +22,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from trainer.net.ports import bind_quiet_ports
 from varunad.cluster.membership import Member
 
 __all__ = ["DaemonMember", "PortReservation", "detect_slots", "detect_device_kind", "detect_memory",
@@ -200,8 +201,9 @@ class PortReservation:
         if ports:
             for p in ports:
                 self._held[p] = self._bind(p)
-        for _ in range(count):
-            s = self._bind(0)
+        # below the kernel's ephemeral range (trainer.net.ports): released to a worker, a port
+        # bind(0) had handed out could meanwhile become some outgoing connection's source port
+        for s in bind_quiet_ports(count, self._bind) if count else ():
             self._held[s.getsockname()[1]] = s
 
     def _bind(self, port: int) -> socket.socket:
