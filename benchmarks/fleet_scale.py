@@ -102,6 +102,8 @@ class Observed:
     joined: dict[str, float] = field(default_factory=dict)      # member -> when its key was put
     plans: list[tuple[float, int, frozenset[str]]] = field(default_factory=list)  # (at, epoch, members)
     running: dict[str, tuple[int, float]] = field(default_factory=dict)  # member -> (epoch all running, since)
+    stops: list[tuple[float, int]] = field(default_factory=list)          # (at, epoch stopped) of stop plans
+    stopped: dict[tuple[str, int], float] = field(default_factory=dict)   # (member, epoch) -> first report without it alive
 
 
 class Fleet:
@@ -113,6 +115,7 @@ class Fleet:
         self.seen = Observed()
         self.metrics_port = free_ports(1)[0]
         self.next_vm = 0
+        self.profile_group: str | None = None
 
     def start_group(self, count: int, *, leader: bool = False) -> list[str]:
         names = [f"h{i:04d}" for i in range(self.next_vm, self.next_vm + count)]
@@ -123,6 +126,8 @@ class Fleet:
                "--etcd", self.etcd.endpoint, "--root", ROOT, "--ttl", str(self.ttl), "--slots", "1",
                "--memory", str(MEMORY), "--device-kind", "hollow", "--store", str(self.base / "store"),
                "--plaintext", "--straggler-threshold", "0", "--scale-up-threshold", "0"]
+        if self.profile_group and len(self.procs) == 2:   # a group that survives the kill
+            cmd += ["--profile-window", str(self.profile_group)]
         if leader:
             cmd += ["--metrics-port", str(self.metrics_port)]
             if self.profile:
@@ -174,10 +179,11 @@ async def _until(check, what: str, timeout: float, interval: float = 0.1):
     raise TimeoutError(f"no {what} within {timeout:.0f}s")
 
 
-async def run_size(n: int, *, ttl: float, rest_s: float, log_level: str, profile: str | None = None
-                   ) -> dict[str, float]:
+async def run_size(n: int, *, ttl: float, rest_s: float, log_level: str, profile: str | None = None,
+                   profile_morph: str | None = None) -> dict[str, float]:
     base = Path(tempfile.mkdtemp(prefix=f"fleet-{n}-"))
     fleet = Fleet(base, ttl, log_level, profile)
+    fleet.profile_group = profile_morph
     fleet.etcd.start()
     store = EtcdStore(fleet.etcd.endpoint, timeout=5.0)
     await store.connect()
@@ -200,6 +206,8 @@ async def run_size(n: int, *, ttl: float, rest_s: float, log_level: str, profile
         doc, epoch = await read_plan(store, keys, timeout=5.0)
         if doc is not None and doc.kind == "run" and (not seen.plans or seen.plans[-1][1] != epoch):
             seen.plans.append((at, epoch, frozenset(doc.members)))
+        elif doc is not None and doc.kind == "stop" and (not seen.stops or seen.stops[-1][1] != doc.stop_epoch):
+            seen.stops.append((at, doc.stop_epoch))
 
     async def on_report(ev) -> None:
         if ev.kind != "put":
@@ -209,6 +217,9 @@ async def run_size(n: int, *, ttl: float, rest_s: float, log_level: str, profile
             if r.workers and all(w.outcome == "running" for w in r.workers):
                 if seen.running.get(r.member, (None,))[0] != r.epoch:
                     seen.running[r.member] = (r.epoch, time.time())
+            ran = seen.running.get(r.member, (None,))[0]
+            if ran is not None and not r.alive(ran):
+                seen.stopped.setdefault((r.member, ran), time.time())
 
     watches = [asyncio.create_task(_watch(store, p, f)) for p, f in
                ((keys.members, on_member), (keys.plan, on_plan), (keys.workers, on_report))]
@@ -266,11 +277,16 @@ async def run_size(n: int, *, ttl: float, rest_s: float, log_level: str, profile
         plans_before = len(seen.plans)
         os.killpg(victim.pid, signal.SIGKILL)
         gone = set(victims)
+        if fleet.profile_group:   # from the stop plan on: the survivors' stop
+            await _until(lambda: any(at >= t_kill for at, _ in seen.stops), "the stop plan", 4 * ttl + 120, 0.01)
+            os.kill(fleet.procs[2][0].pid, signal.SIGUSR2)
 
         def replanned():
             return next((p for p in seen.plans[plans_before:] if not (p[2] & gone)), None)
 
         plan = await _until(replanned, "a plan without the lost VMs", 4 * ttl + 120)
+        if fleet.profile_group:
+            os.kill(fleet.procs[2][0].pid, signal.SIGUSR2)
         morph = next(m for m in (await job_status(store, keys, "hollow"))["morphs"] if m["to_epoch"] == plan[1])
         await _until(lambda: gone <= set(seen.deleted), "the lost VMs' leases to end", 4 * ttl + 60)
         await _until(lambda: all_running(seen.plans[-1]) and seen.plans[-1], "the new epoch running", 120)
@@ -279,12 +295,21 @@ async def run_size(n: int, *, ttl: float, rest_s: float, log_level: str, profile
         c1 = etcd_counters(fleet.etcd.endpoint)
         cpu1, cyc1 = sum(leader_proc.cpu_times()[:2]), leader_cycles(fleet.metrics_port)
         first_gone = min(seen.deleted[m] for m in gone)
+        t_stop, old = next(s for s in seen.stops if s[0] >= t_kill)
+        survivors = [seen.stopped.get((m, old)) for m in seen.plans[plans_before - 1][2] - gone]
+        after = sorted(t - t_stop for t in survivors if t is not None)
+        if after:
+            print(f"  survivors' reports of their stop, after the stop plan: {len(after)} of {len(survivors)}; "
+                  + ", ".join(f"p{q} {after[min(len(after) - 1, len(after) * q // 100)]:.2f} s" for q in (10, 50, 90, 100)),
+                  file=sys.stderr, flush=True)
         last_gone = max(seen.deleted[m] for m in gone)
         dt = t_settled - t_kill
         out.update({
             "lost": len(gone), "noticed_s": morph["noticed_at"] - t_kill, "expired_s": first_gone - t_kill,
             "expiry_spread_s": last_gone - first_gone, "replan_s": morph["planned_at"] - morph["noticed_at"],
             "stop_s": morph["stopped_at"] - morph["noticed_at"], "plan_s": morph["planned_at"] - morph["stopped_at"],
+            "stop_written_s": t_stop - morph["noticed_at"],
+            "last_stopped_s": max((t for t in survivors if t is not None), default=float("nan")) - t_stop,
             "kill_to_plan_s": plan[0] - t_kill, "plans_in_morph": len(seen.plans) - plans_before,
             "settle_s": t_settled - settled[0], "slots_after": len(settled[2]),
             "morph_rps_per_vm": (c1["requests"] - c0["requests"]) / dt / n,
@@ -323,7 +348,8 @@ COLUMNS = [
     ("rest_Bps_per_vm", "rest B/s/VM", "{:.0f}"), ("rest_cycles_per_s", "rest cycles/s", "{:.1f}"),
     ("rest_leader_cpu", "rest leader CPU", "{:.0%}"), ("lost", "lost", "{:.0f}"), ("noticed_s", "noticed s", "{:.1f}"),
     ("expired_s", "expired s", "{:.1f}"), ("expiry_spread_s", "spread s", "{:.1f}"), ("replan_s", "replan s", "{:.2f}"),
-    ("stop_s", "(stop s", "{:.2f}"), ("plan_s", "plan s)", "{:.2f}"),
+    ("stop_s", "(stop s", "{:.2f}"), ("stop_written_s", "[written s", "{:.2f}"),
+    ("last_stopped_s", "last report s]", "{:.2f}"), ("plan_s", "plan s)", "{:.2f}"),
     ("kill_to_plan_s", "kill->plan s", "{:.1f}"),
     ("plans_in_morph", "plans", "{:.0f}"), ("settle_s", "settle s", "{:.2f}"),
     ("morph_rps_per_vm", "morph req/s/VM", "{:.2f}"), ("morph_Bps_per_vm", "morph B/s/VM", "{:.0f}"),
@@ -350,13 +376,16 @@ def main() -> int:
     p.add_argument("--rest", type=float, default=15.0, help="seconds of steady training measured")
     p.add_argument("--log-level", default="WARNING", help="the hollow VMs' log level (their logs: the temp dir)")
     p.add_argument("--profile-leader", metavar="FILE", help="cProfile the leader's process into FILE (last size)")
+    p.add_argument("--profile-morph", metavar="FILE",
+                   help="cProfile one surviving process of hollow VMs from the stop plan to the new plan (last size)")
     args = p.parse_args()
     sizes = [50] if args.quick else [int(x) for x in args.vms.split(",")]
     rows = []
     for n in sizes:
         print(f"{n} hollow VMs ...", file=sys.stderr, flush=True)
         rows.append(asyncio.run(run_size(n, ttl=args.ttl, rest_s=args.rest, log_level=args.log_level,
-                                         profile=args.profile_leader if n == sizes[-1] else None)))
+                                         profile=args.profile_leader if n == sizes[-1] else None,
+                                         profile_morph=args.profile_morph if n == sizes[-1] else None)))
         print(table(rows), file=sys.stderr, flush=True)
     print(table(rows))
     last = rows[-1]

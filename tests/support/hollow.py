@@ -93,6 +93,9 @@ def hollow_calibration(device_kind: str) -> Calibration:
     )
 
 
+_MARK = "rescued-rank-"   # a survivor's rescue mark: rescued-rank-<rank>
+
+
 def hollow_loss(step: int) -> float:
     """The loss a hollow job reports at `step`: the same on every rank, in every epoch."""
     return 2.0 + 8.0 / math.sqrt(1.0 + step)
@@ -109,13 +112,18 @@ def _write_manifest(store: str, step: int, source: str) -> None:
 
 
 def _rescue_save(store: str, step: int, rank: int, plan) -> None:
-    """A survivor's save of `step` from memory: its mark, then the manifest once a rank of every
-    stage has saved (the last of them sees every mark: each writes its own before it looks), so
-    a stage that lost all its replicas leaves no rescue, as with real workers."""
+    """A survivor's save of `step` from memory: nothing once the step is committed (as the
+    trainer's rescue checks first), else its mark, then the manifest once a rank of every stage
+    has saved (the last of them sees every mark: each writes its own before it looks), so a
+    stage that lost all its replicas leaves no rescue, as with real workers. One listing of the
+    directory, as the trainer reads its writers' records: 300 survivors sharing a host's two
+    cores queued for seconds behind a glob of Path objects."""
     directory = Path(store) / f"varuna_ckpt_{step}"
+    if (directory / "manifest.json").exists():
+        return
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"rescued-rank-{rank}").touch()
-    saved = {plan.position(int(p.name.rsplit("-", 1)[1]))[0] for p in directory.glob("rescued-rank-*")}
+    (directory / f"{_MARK}{rank}").touch()
+    saved = {plan.position(int(name[len(_MARK):]))[0] for name in os.listdir(directory) if name.startswith(_MARK)}
     if len(saved) == plan.P:
         _write_manifest(store, step, "replicas")
 
@@ -204,12 +212,15 @@ class HollowWorker:
         while (left := deadline - asyncio.get_running_loop().time()) > 0:
             if self._rescue.is_set():
                 return "rescue"
+            # the signal acts at once, as it interrupts a real worker's step
             rescue = asyncio.ensure_future(self._rescue.wait())
+            message = asyncio.ensure_future(sock.poll(timeout=1000 * left))
             try:
-                ready = await sock.poll(timeout=1000 * min(left, 0.1))
+                await asyncio.wait({rescue, message}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 rescue.cancel()
-            if not ready:
+                message.cancel()
+            if not message.done() or message.cancelled() or not message.result():
                 continue
             try:
                 msg = decode(await sock.recv())
@@ -302,6 +313,23 @@ async def _run_all(configs: list, stop: asyncio.Event) -> int:
     return 1 if failed else 0
 
 
+class _ProfileWindow:
+    """A cProfile of the stretch between two signals (a morph, not the whole run)."""
+
+    def __init__(self, path: str) -> None:
+        import cProfile
+
+        self.path, self.profiler, self.on = path, cProfile.Profile(), False
+
+    def toggle(self) -> None:
+        if self.on:
+            self.profiler.disable()
+            self.profiler.dump_stats(self.path)
+        else:
+            self.profiler.enable()
+        self.on = not self.on
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Run hollow VMs (a test harness: real daemons, stand-in workers).")
     p.add_argument("--names", required=True, help="comma-separated member names")
@@ -311,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--step-max", type=float, default=STEP_MAX,
                    help=f"longest hollow step, seconds (default {STEP_MAX}; at least {STEP_MIN})")
     p.add_argument("--profile", metavar="FILE", help="write a cProfile of this process to FILE when it ends")
+    p.add_argument("--profile-window", metavar="FILE",
+                   help="cProfile this process between two SIGUSR2s, written to FILE at the second")
     ns, daemon_args = p.parse_known_args(argv)
     HollowSupervisor.step_max = max(STEP_MIN, ns.step_max)
     names, hosts = ns.names.split(","), ns.hosts.split(",")
@@ -328,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if ns.profile_window:
+            loop.add_signal_handler(signal.SIGUSR2, _ProfileWindow(ns.profile_window).toggle)
         return await _run_all(configs, stop)
 
     if not ns.profile:
