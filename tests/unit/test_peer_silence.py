@@ -72,3 +72,49 @@ def test_a_refused_member_is_silent_without_the_timeout_and_a_busy_one_waits_it(
             ctx.term()
 
     asyncio.run(main())
+
+
+class _CountingClients:
+    """PeerClients' ping, answered by the members named in `alive`, recording who was asked."""
+
+    def __init__(self, alive: set[str]) -> None:
+        self.alive, self.asked = alive, []
+
+    async def ping(self, members, timeout, *, refused_is_silent=False):
+        names = [m for m, _ in members]
+        self.asked.append(sorted(names))
+        return {m for m in names if m in self.alive}
+
+
+def _snap(leases: dict[str, int]):
+    from types import SimpleNamespace
+    return SimpleNamespace(members={m: (SimpleNamespace(endpoint=f"tcp://127.0.0.1:{i + 1}"), lease)
+                                    for i, (m, lease) in enumerate(leases.items())})
+
+
+def test_a_morphs_phases_do_not_ping_again_a_member_that_just_answered():
+    from varunad.node.peers import SilentMembers
+
+    async def main():
+        clients = _CountingClients({"a", "b"})
+        silent = SilentMembers(clients, ttl=10.0)
+        snap = _snap({"a": 1, "b": 2, "c": 3})
+        # the stop's wait asks everyone, even those that answered lately
+        assert await silent.answering(snap, ["a", "b", "c"], mark=True, again=True) == {"a", "b"}
+        assert await silent.answering(snap, ["a", "b", "c"], mark=True, again=True) == {"a", "b"}
+        assert clients.asked == [["a", "b", "c"], ["a", "b"]]   # c is known silent in this morph
+        # the next phases take a's and b's answers as they are
+        assert await silent.answering(snap, ["a", "b", "c"], mark=False) == {"a", "b"}
+        assert clients.asked[2:] == [[]]
+        # a member that registered again (a new lease) is asked again, and so is everyone once it is stale
+        assert await silent.answering(_snap({"a": 1, "b": 7, "c": 3}), ["a", "b"], mark=False) == {"a", "b"}
+        assert clients.asked[3] == ["b"]
+        silent._answered["a"] = (1, time.monotonic() - 2 * SilentMembers.FRESH_S)
+        await silent.answering(snap, ["a"], mark=False)
+        assert clients.asked[4] == ["a"]
+        # a written plan ends the morph: its answers are forgotten
+        silent.clear()
+        await silent.answering(snap, ["a", "b", "c"], mark=False)
+        assert clients.asked[5] == ["a", "b", "c"]
+
+    asyncio.run(main())

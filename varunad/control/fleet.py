@@ -187,7 +187,8 @@ async def read_newest(store: Store, key: str, decode: Callable[[bytes], T], kind
         if kv is None or kv is False:
             return None, 0
         try:
-            value = decode(kv.value)
+            # the same plan read at every leader cycle and by each daemon on one host: decoded once
+            value = schemas.decoded(key, kv.value, decode)
             why = None if check is None else await check(kv)
             if why is None:
                 return value, kv.mod_revision

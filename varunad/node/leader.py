@@ -91,6 +91,7 @@ class Leader(LeaderPlanning, LeaderPace):
         self._changed = asyncio.Event()
         self._last_sentence = ""
         self._reports: set[asyncio.Task[None]] = set()  # end-of-job reports being written
+        self._ahead: asyncio.Task[None] | None = None   # the next epoch planned while the old one stops
         self.speeds = SlotSpeeds(threshold=config.straggler_threshold, window=config.straggler_window,
                                  forget_s=config.straggler_forget)
         self.links = LinkSurvey(store, keys, timeout=config.retry_timeout, put=election.write_as_leader,
@@ -123,6 +124,8 @@ class Leader(LeaderPlanning, LeaderPace):
                     await asyncio.sleep(self.config.debounce)  # let related changes arrive together
                 self._changed.clear()
         finally:
+            if self._ahead is not None:
+                self._ahead.cancel()
             for w in watchers:
                 w.cancel()
             for w in watchers:
@@ -297,8 +300,7 @@ class Leader(LeaderPlanning, LeaderPace):
         await self.election.write_plan(
             PlanDoc.stop(job, epoch, checkpoint=checkpoint, reason=reason, kill=not checkpoint).encode())
         msg = StopWorkers(job=job, epoch=epoch, reason=reason[:1000], checkpoint=checkpoint)
-        for name, (member, _) in snap.members.items():
-            await self.clients.send(name, member.endpoint, msg)
+        await self.clients.send_all([(name, member.endpoint) for name, (member, _) in snap.members.items()], msg)
 
     async def _wait_stopped(self, epoch: int) -> bool:
         """Until no live member reports a worker of ``epoch`` or older alive (bounded). Without a
@@ -308,32 +310,51 @@ class Leader(LeaderPlanning, LeaderPace):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
         # A vanished VM's last report says its workers are alive until its lease runs out: one that
-        # does not answer a ping is not waited for (its workers died with it).
+        # does not answer a ping is not waited for (its workers died with it). The pings run beside
+        # the reading of reports: at 300 VMs a round of them outlasted most survivors' stop.
         silent: set[str] = set()
+        pinging: asyncio.Task[set[str]] | None = None
+        asked: list[str] = []
         next_ping = loop.time()   # at once: the survivors' save takes about as long as a ping timeout
-        while loop.time() < deadline:
-            try:
-                snap = await read_fleet(self.store, self.keys, timeout=self.t)
-            except StoreError as exc:
-                log.debug("leader: reading reports while waiting for a stop: %s", exc)
-            else:
-                alive = [m for m, r in snap.reports.items()
-                         if m in snap.members and m not in silent and r.alive(epoch)]
-                if not alive:
-                    return True
-                # a member leaving on a notice closes its socket once its workers are gone: it is
-                # not pinged (its report and then its key say when it is done)
-                staying = [m for m in alive if not snap.members[m][0].draining]
-                if staying and loop.time() >= next_ping:
-                    gone = set(staying) - await self.silent.answering(snap, staying, mark=True)
+        try:
+            while loop.time() < deadline:
+                if pinging is not None and pinging.done():
+                    gone = set(asked) - pinging.result() if pinging.exception() is None else set()
                     if gone - silent:
                         log.info("leader: not waiting for %s: it does not answer a ping", ", ".join(sorted(gone - silent)))
                     silent |= gone
-                    next_ping = loop.time() + 1.0
-            if not self.election.is_leader():
-                raise NotLeader("lost leadership while waiting for workers to stop")
-            await asyncio.sleep(0.1)
-        return False
+                    pinging = None
+                self._changed.clear()
+                try:
+                    snap = await read_fleet(self.store, self.keys, timeout=self.t)
+                except StoreError as exc:
+                    log.debug("leader: reading reports while waiting for a stop: %s", exc)
+                else:
+                    alive = [m for m, r in snap.reports.items()
+                             if m in snap.members and m not in silent and r.alive(epoch)]
+                    if not alive:
+                        return True
+                    # a member leaving on a notice closes its socket once its workers are gone: it is
+                    # not pinged (its report and then its key say when it is done)
+                    staying = [m for m in alive if not snap.members[m][0].draining]
+                    if staying and pinging is None and loop.time() >= next_ping:
+                        asked = staying
+                        pinging = loop.create_task(self.silent.answering(snap, staying, mark=True, again=True))
+                        next_ping = loop.time() + 1.0
+                if not self.election.is_leader():
+                    raise NotLeader("lost leadership while waiting for workers to stop")
+                # the next report (the leader's watch of them sets _changed), or a tenth of a second
+                wake = [loop.create_task(self._changed.wait())] + ([pinging] if pinging is not None else [])
+                try:
+                    await asyncio.wait(wake, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    wake[0].cancel()
+            return False
+        finally:
+            if pinging is not None:
+                pinging.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pinging
 
     async def _done(self, snap: FleetSnapshot, d: Decision) -> bool:
         """Every worker exited 0: the job is done only if they trained its last step and its
@@ -368,9 +389,11 @@ class Leader(LeaderPlanning, LeaderPace):
         noticed = time.time()
         state = snap.states[job]
         who, what = who_and_cause(d.reason) if d.failure else ("", "")
+        # the stop first: every survivor's save waits for it, and the state only tells people
+        await self._write_stop(snap, job, epoch, checkpoint=d.checkpoint, reason=d.reason)
+        self._plan_ahead(job)
         await self._put_state(state.but(state="morphing", change="stopping" if d.failure else "morph", reason=(
             f"a worker failed ({who}): stopping the epoch, then checking which VMs answer" if d.failure else d.reason)))
-        await self._write_stop(snap, job, epoch, checkpoint=d.checkpoint, reason=d.reason)
         if not await self._wait_stopped(epoch):
             log.warning("leader: not every worker of epoch %d reported stopping; planning without them", epoch)
         stopped = time.time()

@@ -135,15 +135,21 @@ class PeerClients:
         return sock
 
     async def send(self, member: str, endpoint: str, msg: Message) -> bool:
-        sock = self._sock(member, endpoint)
-        if sock is None:
-            return False
-        try:
-            await sock.send(encode(msg), flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            log.info("could not queue %s for %s (its queue is full)", type(msg).__name__, member)
-            return False
+        return await self.send_all([(member, endpoint)], msg) == 1
+
+    async def send_all(self, members: Iterable[tuple[str, str]], msg: Message) -> int:
+        """Queue ``msg`` for each (member, endpoint), encoded once; how many took it."""
+        data, queued = encode(msg), 0
+        for member, endpoint in members:
+            sock = self._sock(member, endpoint)
+            if sock is None:
+                continue
+            try:
+                await sock.send(data, flags=zmq.NOBLOCK)
+                queued += 1
+            except zmq.Again:
+                log.info("could not queue %s for %s (its queue is full)", type(msg).__name__, member)
+        return queued
 
     async def ping(self, members: Iterable[tuple[str, str]], timeout: float, *,
                    refused_is_silent: bool = False) -> set[str]:
@@ -225,15 +231,25 @@ class SilentMembers:
     member -> (lease, when) of a member of a stopping epoch that did not answer a ping while
     its lease still stood: a vanished VM. Not pinged again in the same morph, so each of its
     phases does not wait the ping timeout for it once more; forgotten once the morph's plan
-    is written (`clear`), or when the member registers again (a new lease)."""
+    is written (`clear`), or when the member registers again (a new lease).
+
+    A member that answered under its lease within ``FRESH_S`` is not pinged again either: a
+    morph's phases (the stop, who was lost, the candidates of the plan) follow each other within
+    a second, and at 300 VMs each round of pings was a tenth of a second of the leader's
+    (benchmarks/fleet_scale.py). A member that vanishes inside that second breaks the new epoch
+    as one that vanishes just after the plan would."""
+
+    FRESH_S = 1.0
 
     def __init__(self, clients: PeerClients, *, ttl: float) -> None:
         self.clients = clients
         self.ttl = ttl
         self._silent: dict[str, tuple[int, float]] = {}
+        self._answered: dict[str, tuple[int, float]] = {}   # member -> (lease, monotonic time of its answer)
 
     def clear(self) -> None:
         self._silent.clear()
+        self._answered.clear()
 
     def _ping_timeout(self) -> float:
         return max(0.5, min(2.0, self.ttl / 4))
@@ -244,7 +260,7 @@ class SilentMembers:
             if m in snap.members:
                 self._silent[m] = (snap.members[m][1], now)
 
-    def _known_silent(self, snap: FleetSnapshot, name: str) -> bool:
+    def known_silent(self, snap: FleetSnapshot, name: str) -> bool:
         """Whether `name` went silent under the lease it still holds (within two TTLs)."""
         seen = self._silent.get(name)
         if seen is None or name not in snap.members:
@@ -255,12 +271,24 @@ class SilentMembers:
             return False
         return True
 
-    async def answering(self, snap: FleetSnapshot, names, *, mark: bool) -> set[str]:
+    def _answered_lately(self, snap: FleetSnapshot, name: str) -> bool:
+        """Whether `name` answered a ping within FRESH_S, under the lease it still holds."""
+        seen = self._answered.get(name)
+        return (seen is not None and name in snap.members and snap.members[name][1] == seen[0]
+                and time.monotonic() - seen[1] <= self.FRESH_S)
+
+    async def answering(self, snap: FleetSnapshot, names, *, mark: bool, again: bool = False) -> set[str]:
         """The members of `names` that answer a ping, not waiting again for one known silent in
         this morph; `mark`: remember those that do not (a member of the stopped epoch: not one
-        that may have just joined, whose socket may not answer yet)."""
-        ask = [(m, snap.members[m][0].endpoint) for m in names if m in snap.members and not self._known_silent(snap, m)]
+        that may have just joined, whose socket may not answer yet); `again`: ping those that
+        answered lately too (a stop's wait asks every second whether its members still live)."""
+        known = set() if again else {m for m in names if self._answered_lately(snap, m)}
+        ask = [(m, snap.members[m][0].endpoint) for m in names
+               if m in snap.members and m not in known and not self.known_silent(snap, m)]
         answered = await self.clients.ping(ask, self._ping_timeout(), refused_is_silent=mark)
         if mark:
             self._mark_silent(snap, {m for m, _ in ask} - answered)
-        return answered
+        now = time.monotonic()
+        for m in answered:
+            self._answered[m] = (snap.members[m][1], now)
+        return answered | known
