@@ -199,3 +199,29 @@ async def test_a_result_outside_the_sample_is_still_used_for_planning():
     cal = calibration(2, links={"intra": link, "inter": link})
     planned = apply_links({"cpu": cal}, survey.measured(members))["cpu"]
     assert planned.links["inter"].bandwidth_Bps == 1.25e6
+
+
+async def test_every_member_is_measured_once_before_any_is_measured_twice():
+    """A first plan waits for probes only so long (PROBE_TIMEOUT): the survey measures each member
+    against someone before it measures anyone again, so that what the wait gets covers the
+    fleet, not its first names only."""
+    members = _fleet(40)
+    store = _Store()
+    survey = _survey(store)
+    probes = 0
+    while len({n for pair in survey.results for n in pair}) < len(members):
+        await survey.survey(members, set())
+        assert survey.in_flight, "the survey stopped before every member was measured"
+        for pair in list(survey.in_flight):   # every probe in flight ends with its result
+            store.data[KEYS.link_pair(*pair)] = _result(members, *pair).encode()
+            probes += 1
+    assert probes <= len(members) // 2 + MAX_PARALLEL_PROBES, f"{probes} probes to measure each of 40 members once"
+    # and the rest of the sample follows
+    while True:
+        await survey.survey(members, set())
+        if not survey.in_flight:
+            break
+        for pair in list(survey.in_flight):
+            store.data[KEYS.link_pair(*pair)] = _result(members, *pair).encode()
+    await survey.survey(members, set())
+    assert set(survey.results) == set(sample_pairs(members))
