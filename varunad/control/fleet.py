@@ -61,19 +61,7 @@ class FleetSnapshot:
 
 async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:
     notes: list[str] = []
-    listing = await store.get_prefix(keys.members, timeout=timeout)
-    members = {}
-    for kv in listing:
-        try:
-            name = keys.member_name(kv.key)
-            member = schemas.decoded(kv.key, kv.value, parse_member)
-            if member.name != name:
-                raise ValueError(f"it describes {member.name!r}")
-        except ValueError as exc:
-            schemas.reject("member", kv.key, exc)
-            continue
-        members[name] = (member, kv.lease)
-
+    members = await _read_members(store, keys, timeout=timeout)
     plan, epoch = await read_plan(store, keys, timeout=timeout)
 
     jobs = []
@@ -106,6 +94,35 @@ async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapsh
         except ValueError:
             continue
 
+    revision, reports = await _read_reports(store, keys, timeout=timeout)
+    return FleetSnapshot(revision, members, plan, epoch, tuple(jobs), states, frozenset(cancels), reports,
+                         tuple(notes))
+
+
+async def read_members_and_reports(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:
+    """A snapshot of the members and their worker reports only (no plan, jobs or states): what
+    the leader's wait for a stop reads, many times a second, where the whole fleet is 7 reads."""
+    members = await _read_members(store, keys, timeout=timeout)
+    revision, reports = await _read_reports(store, keys, timeout=timeout)
+    return FleetSnapshot(revision, members, None, 0, (), {}, frozenset(), reports, ())
+
+
+async def _read_members(store: Store, keys: Keys, *, timeout: float) -> dict[str, tuple[DaemonMember, int]]:
+    members = {}
+    for kv in await store.get_prefix(keys.members, timeout=timeout):
+        try:
+            name = keys.member_name(kv.key)
+            member = schemas.decoded(kv.key, kv.value, parse_member)
+            if member.name != name:
+                raise ValueError(f"it describes {member.name!r}")
+        except ValueError as exc:
+            schemas.reject("member", kv.key, exc)
+            continue
+        members[name] = (member, kv.lease)
+    return members
+
+
+async def _read_reports(store: Store, keys: Keys, *, timeout: float) -> tuple[int, dict[str, WorkerReport]]:
     reports = {}
     last = await store.get_prefix(keys.workers, timeout=timeout)
     for kv in last:
@@ -113,8 +130,7 @@ async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapsh
             reports[keys.workers_member(kv.key)] = schemas.decoded(kv.key, kv.value, WorkerReport.decode)
         except ValueError as exc:
             schemas.reject("report", kv.key, exc)
-    return FleetSnapshot(last.revision, members, plan, epoch, tuple(jobs), states, frozenset(cancels), reports,
-                         tuple(notes))
+    return last.revision, reports
 
 
 async def read_plan(store: Store, keys: Keys, *, timeout: float | None) -> tuple[PlanDoc | None, int]:

@@ -41,7 +41,7 @@ from varunad.control.decide import (
     who_and_cause,
 )
 from varunad.control.failures import classify, memory_backoff
-from varunad.control.fleet import FleetSnapshot, read_fleet, read_newest, read_progress
+from varunad.control.fleet import FleetSnapshot, read_fleet, read_members_and_reports, read_newest, read_progress
 from varunad.control.jobs import JobState, job_store
 from varunad.control.links import LinkSurvey
 from varunad.control.plans import PlanDoc, describe
@@ -92,6 +92,7 @@ class Leader(LeaderPlanning, LeaderPace):
         self._last_sentence = ""
         self._reports: set[asyncio.Task[None]] = set()  # end-of-job reports being written
         self._ahead: asyncio.Task[None] | None = None   # the next epoch planned while the old one stops
+        self._ahead_for: tuple[str, frozenset[str] | None] | None = None   # (job, the members it planned on)
         self.speeds = SlotSpeeds(threshold=config.straggler_threshold, window=config.straggler_window,
                                  forget_s=config.straggler_forget)
         self.links = LinkSurvey(store, keys, timeout=config.retry_timeout, put=election.write_as_leader,
@@ -260,6 +261,8 @@ class Leader(LeaderPlanning, LeaderPace):
         await self.election.write_as_leader(self.keys.state(state.job), state.encode())
 
     async def _finish(self, snap: FleetSnapshot, job: str, outcome: str, reason: str, *, error: str | None = None) -> None:
+        if self._ahead_for is not None and self._ahead_for[0] == job:   # no next epoch to plan ahead
+            self._ahead_for = None
         state = await self._state(job)
         await self._put_state(state.but(state=outcome, reason=reason, error=error, finished_at=time.time()))
         if snap.plan is not None and snap.plan.job == job and snap.plan.kind != "idle":
@@ -326,7 +329,7 @@ class Leader(LeaderPlanning, LeaderPace):
                     pinging = None
                 self._changed.clear()
                 try:
-                    snap = await read_fleet(self.store, self.keys, timeout=self.t)
+                    snap = await read_members_and_reports(self.store, self.keys, timeout=self.t)
                 except StoreError as exc:
                     log.debug("leader: reading reports while waiting for a stop: %s", exc)
                 else:
@@ -334,6 +337,7 @@ class Leader(LeaderPlanning, LeaderPace):
                              if m in snap.members and m not in silent and r.alive(epoch)]
                     if not alive:
                         return True
+                    self._replan_ahead(snap, silent)
                     # a member leaving on a notice closes its socket once its workers are gone: it is
                     # not pinged (its report and then its key say when it is done)
                     staying = [m for m in alive if not snap.members[m][0].draining]
