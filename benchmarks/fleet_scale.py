@@ -11,7 +11,9 @@ about N/10, so that killing one process is a sudden loss of 10% of the fleet); a
           pings find the VMs silent before their leases end), `expired` when etcd deleted the first
           of their member keys and `spread` how long until the last; `replan_s` is the leader's
           own record of the morph, from its decision to the new plan written: the old workers'
-          stop (the survivors' rescue and their reports) and the plan, `kill->plan` the whole; `settle_s` from that plan to every rank of it
+          stop (the survivors' rescue and their reports; split into the stop plan written and
+          the last survivor's report of its stop, with the survivors' quantiles on stderr) and
+          the plan, `kill->plan` the whole; `settle_s` from that plan to every rank of it
           running (its daemon's worker report says so); etcd load during the morph; watch events
           etcd delivered per lost VM; the leader's CPU seconds per cycle (its process, which holds
           only it, over its varunad_leader_cycles_total) and over the morph;
@@ -21,7 +23,7 @@ about N/10, so that killing one process is a sudden loss of 10% of the fleet); a
 * probes: link measurements stored in etcd at the end (tests/support/hollow.py's probe is fixed, the
           survey's choice of pairs and its requests are the leader's own).
 
-Run:  python benchmarks/fleet_scale.py [--quick] [--vms 50,100,300]
+Run:  python benchmarks/fleet_scale.py [--quick] [--vms 50,100,300] [--profile-leader F] [--profile-morph F]
 The last line is `bench fleet: vms=N replan_s=X settle_s=Y etcd_rps_per_vm=Z probes=W` for the largest N.
 """
 
