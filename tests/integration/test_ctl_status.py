@@ -23,11 +23,11 @@ async def test_a_resumed_epoch_shows_the_step_it_is_at_not_the_highest_reached(e
     async with EtcdStore(etcd.endpoint) as store:
         await store.put(keys.job("j"), spec.encode())
         # epoch 5 reached step 76; its VM died, and epoch 9 resumed from the checkpoint at 60
-        await store.put(keys.history_entry("j", 5, "vm1"), encode_history([(s, 3.0) for s in range(77)]))
+        await store.put(keys.history_entry("j", 5, "vm1", 0), encode_history([(s, 3.0) for s in range(77)]))
         await store.put(keys.state("j"), JobState(job="j", state="morphing", epoch=9, epochs=(5, 9)).encode())
         before = await ctl.job_status(store, keys, "j")
         assert before["step"] == 77   # the new epoch has not reported yet: the newest known step
-        await store.put(keys.history_entry("j", 9, "vm2"), encode_history([(60, 2.9), (61, 2.8)]))
+        await store.put(keys.history_entry("j", 9, "vm2", 0), encode_history([(60, 2.9), (61, 2.8)]))
         await store.put(keys.state("j"), JobState(job="j", state="running", epoch=9, epochs=(5, 9)).encode())
         now = await ctl.job_status(store, keys, "j")
         assert now["step"] == 62 and now["loss"] == 2.8

@@ -68,7 +68,7 @@ async def test_varunactl_report_of_a_job_writes_the_data_then_draws_or_names_the
                    bundle_bytes=1, store=str(tmp_path / "store"))
     async with EtcdStore(etcd.endpoint) as store:
         await store.put(keys.job("j"), spec.encode())
-        await store.put(keys.history_entry("j", 4, "vm1"), encode_history([(s, 2.0 - s / 10) for s in range(6)],
+        await store.put(keys.history_entry("j", 4, "vm1", 0), encode_history([(s, 2.0 - s / 10) for s in range(6)],
                                                                            span=(103.0, 118.0)))
         await store.put(keys.state("j"), JobState(job="j", state="done", reason="trained", epoch=4, epochs=(4,),
                                                   started_at=100.0, finished_at=120.0,

@@ -425,7 +425,7 @@ def garbage_in_etcd(run: Run) -> None:
     run.put(k.plan, PlanDoc.stop(job, epoch, checkpoint=False, reason="forged", kill=True).encode())
     junk = [k.members + "junk", k.member(victim), k.workers + "junk", k.workers_of(victim), k.state(job),
             k.states + "junk", k.jobs + "junk", k.cancels + "junk/x", k.progress_entry(job, 0),
-            k.history_entry(job, 1, "junk"), k.calibration_entry("fp", "cpu"), k.config, k.root + "bundles/junk"]
+            k.history_entry(job, 1, "junk", 0), k.calibration_entry("fp", "cpu"), k.config, k.root + "bundles/junk"]
     for key in junk:
         run.put(key, random.choice(GARBAGE))
     # the leader key on no lease (issue 17, item 5): deleted by the members, one of them leads again

@@ -99,7 +99,7 @@ async def test_only_the_current_workers_identity_is_heard(tmp_path, monkeypatch)
             await until_async(lambda: w.step == 4, "the worker's next progress", timeout=5.0, interval=0.01)
             await until_async(lambda: sup.line.dropped >= 2, "the forgeries dropped", timeout=5.0, interval=0.01)
             assert sup.reporter.progress[0].step == 4 and sup.reporter.progress[0].loss == 1.25
-            assert dict(sup.reporter._history[("j", 5)]) == {3: 1.5, 4: 1.25}
+            assert sup.reporter.history("j", 5) == {3: 1.5, 4: 1.25}
             assert sup.metrics.dropped_messages._value.get() >= 2
         finally:
             client.close()

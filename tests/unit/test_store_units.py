@@ -38,8 +38,13 @@ def test_key_layout():
     assert keys.probe("vm1") == "/varunad/links/probe/vm1" and keys.probe("vm1").startswith(keys.probes)
     assert keys.link_pair("vm2", "vm1") == keys.link_pair("vm1", "vm2") == "/varunad/links/pair/vm1/vm2"
     assert keys.link_pair("vm1", "vm2").startswith(keys.link_pairs) and keys.link_pairs.startswith(keys.links)
-    assert keys.history_entry("j", 7, "vm1") == "/varunad/history/j/000000000007/vm1"
-    assert keys.parse_history("j", keys.history_entry("j", 7, "vm1")) == (7, "vm1")
+    assert keys.history_entry("j", 7, "vm1", 3) == "/varunad/history/j/000000000007/vm1/00000003"
+    assert keys.parse_history("j", keys.history_entry("j", 7, "vm1", 3)) == (7, "vm1")
+    assert keys.parse_history("j", "/varunad/history/j/000000000007/vm1") == (7, "vm1")   # an earlier release's
+    for bad in ("/varunad/history/j/7", "/varunad/history/j/x/vm1", "/varunad/history/j/7/vm1/x",
+                "/varunad/history/j/7/vm1/3/4", "/varunad/history/j/7/vm1/", "/varunad/history/k/7/vm1/3"):
+        with pytest.raises(ValueError):
+            keys.parse_history("j", bad)
     for bad in ("", "a/b", "..", "tab\there"):
         with pytest.raises(ValueError):
             keys.member(bad)

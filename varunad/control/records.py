@@ -3,8 +3,9 @@
 * ``workers/<member>`` (on the member's lease): the daemon's workers of the newest epoch it ran
   and how each ended. The leader decides from these whether an epoch is done, failed, or stopped.
 * ``progress/<job>/<rank>``: the newest step of one worker (throttled: ``progress_interval``).
-* ``history/<job>/<epoch>/<member>``: the (step, loss) pairs of the daemon's lowest rank in that
-  epoch, kept by the daemons of the plan's first and last ranks. The loss is agreed by every
+* ``history/<job>/<epoch>/<member>/<chunk>``: the (step, loss) pairs of the daemon's lowest rank
+  in that epoch, ``HISTORY_CHUNK`` steps to a key (varunad.node.reporter), kept by the daemons of
+  the plan's first and last ranks. The loss is agreed by every
   worker in the step's all-reduce, so either holds the whole history; ``merge_history`` keeps,
   per step, the newest epoch's value.
   With them, the wall-clock span from its first step's report to its newest: the gap between

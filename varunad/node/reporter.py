@@ -32,6 +32,11 @@ __all__ = ["Reporter"]
 log = logging.getLogger(__name__)
 
 _HISTORY_CAP = 20000
+# Steps per history key: each progress write rewrites only the chunk its new steps are in. One
+# key per epoch was rewritten whole every interval, up to 20,000 steps (0.5 MB) a second from
+# each of two daemons, revisions that etcd keeps until it compacts (an hour by default): a long
+# epoch filled etcd's 2 GB quota.
+HISTORY_CHUNK = 500
 
 
 class Reporter:
@@ -58,9 +63,11 @@ class Reporter:
         self.progress: dict[int, Progress] = {}  # rank -> its latest report, this epoch
         self._progress_written: dict[int, Progress] = {}
         self._progress_revision: dict[str, int] = {}   # progress key -> revision of this daemon's last write
-        self._history: dict[tuple[str, int], dict[int, float]] = {}
+        # (job, epoch) -> chunk -> {step: loss}; dirty: (job, epoch, chunk) not yet written
+        self._history: dict[tuple[str, int], dict[int, dict[int, float]]] = {}
+        self._history_steps: dict[tuple[str, int], int] = {}
         self._history_span: dict[tuple[str, int], tuple[float, float]] = {}
-        self._history_dirty: set[tuple[str, int]] = set()
+        self._history_dirty: set[tuple[str, int, int]] = set()
         self._report_dirty = True
         self._report_lease: int | None = None
         self._wake = asyncio.Event()
@@ -89,11 +96,18 @@ class Reporter:
         self.progress[p.rank] = p
         if keeps_history:
             key = (p.job, p.epoch)
-            hist = self._history.setdefault(key, {})
-            if len(hist) < _HISTORY_CAP:
-                hist[p.step] = p.loss
+            chunk = self._history.setdefault(key, {}).setdefault(p.step // HISTORY_CHUNK, {})
+            if p.step not in chunk and self._history_steps.get(key, 0) < _HISTORY_CAP:
+                self._history_steps[key] = self._history_steps.get(key, 0) + 1
+                chunk[p.step] = p.loss
+            elif p.step in chunk:
+                chunk[p.step] = p.loss
             self._history_span[key] = (self._history_span.get(key, (p.at, p.at))[0], p.at)
-            self._history_dirty.add(key)
+            self._history_dirty.add((p.job, p.epoch, p.step // HISTORY_CHUNK))
+
+    def history(self, job: str, epoch: int) -> dict[int, float]:
+        """step -> loss of ``job``'s ``epoch`` as this daemon keeps it."""
+        return {s: v for chunk in self._history.get((job, epoch), {}).values() for s, v in chunk.items()}
 
     def forget_progress(self) -> None:
         """Drop progress not yet written: it belongs to an epoch that may be over (a fenced daemon)."""
@@ -131,15 +145,16 @@ class Reporter:
                 except BaseException:
                     self._report_dirty = True
                     raise
-            for key in list(self._history_dirty):
-                job, epoch = key
-                self._history_dirty.discard(key)
+            for dirty in sorted(self._history_dirty):
+                job, epoch, chunk = dirty
+                self._history_dirty.discard(dirty)
                 try:
-                    await self.store.put(self.keys.history_entry(job, epoch, self.name),
-                                         encode_history(self._history[key].items(), self._history_span.get(key)),
+                    await self.store.put(self.keys.history_entry(job, epoch, self.name, chunk),
+                                         encode_history(self._history[(job, epoch)][chunk].items(),
+                                                        self._history_span.get((job, epoch))),
                                          timeout=t)
                 except BaseException:
-                    self._history_dirty.add(key)
+                    self._history_dirty.add(dirty)
                     raise
             if periodic:
                 for rank, p in list(self.progress.items()):

@@ -190,16 +190,20 @@ class Keys:
     def history_of(self, job: str) -> str:
         return self.root + HISTORY + check_component("job id", job) + "/"
 
-    def history_entry(self, job: str, epoch: int, member: str) -> str:
-        return f"{self.history_of(job)}{epoch:012d}/{check_component('member name', member)}"
+    def history_entry(self, job: str, epoch: int, member: str, chunk: int) -> str:
+        """One chunk of an epoch's loss history as one daemon saw it (varunad.node.reporter)."""
+        return f"{self.history_of(job)}{epoch:012d}/{check_component('member name', member)}/{chunk:08d}"
 
     def parse_history(self, job: str, key: str) -> tuple[int, str]:
-        """(epoch, member) of a ``history/<job>/<epoch>/<member>`` key; ValueError otherwise."""
+        """(epoch, member) of a ``history/<job>/<epoch>/<member>/<chunk>`` key, or of one without
+        the chunk (an earlier release wrote one key per epoch); ValueError otherwise."""
         prefix = self.history_of(job)
         if not key.startswith(prefix):
             raise ValueError(f"{key!r} is not under {prefix!r}")
-        epoch, sep, member = key[len(prefix):].partition("/")
-        if not sep or not epoch.isdigit() or not member or "/" in member:
+        epoch, sep, rest = key[len(prefix):].partition("/")
+        member, _, chunk = rest.partition("/")
+        if not sep or not epoch.isdigit() or not member or "/" in chunk or (chunk and not chunk.isdigit()) \
+                or rest.endswith("/"):
             raise ValueError(f"{key!r} is not a history entry")
         return int(epoch), member
 

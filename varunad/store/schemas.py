@@ -45,7 +45,7 @@ DOCUMENTS: dict[str, tuple[str, str]] = {
     "state": ("state/<job>", "varunad.control.jobs:JobState"),
     "report": ("workers/<member>", "varunad.control.records:WorkerReport"),
     "progress": ("progress/<job>/<rank>", "varunad.control.records:Progress"),
-    "history": ("history/<job>/<epoch>/<member>", "varunad.control.records:decode_history"),
+    "history": ("history/<job>/<epoch>/<member>/<chunk>", "varunad.control.records:decode_history"),
     "calibration": ("calibration/<fingerprint>/<kind>", "trainer.planning.calibration:Calibration"),
     "bundle": ("bundles/<job>", "zip checked against the spec's digest (and signature)"),
 }
