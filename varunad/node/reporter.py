@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 _HISTORY_CAP = 20000
 # Steps per history key: each progress write rewrites only the chunk its new steps are in. One
 # key per epoch was rewritten whole every interval, up to 20,000 steps (0.5 MB) a second from
-# each of two daemons, revisions that etcd keeps until it compacts (an hour by default): a long
-# epoch filled etcd's 2 GB quota.
+# each of two daemons, revisions that etcd keeps until it compacts (hourly, as README advises):
+# a long epoch would near etcd's default 2 GB quota within the hour.
 HISTORY_CHUNK = 500
 
 
