@@ -118,6 +118,37 @@ def test_a_daemons_reserved_ports_are_held_and_below_the_ephemeral_range():
         held.close()
 
 
+def test_two_daemons_on_one_host_never_reserve_the_same_port(monkeypatch):
+    """Sockets that both set SO_REUSEADDR bind one port while neither listens: drawn that way, a
+    daemon's reservation came back a port short (the same port drawn twice), and another
+    daemon on the host could hold the same ports. Here every draw tries the same few ports."""
+    import random
+
+    from trainer.net import ports as ports_mod
+    from varunad.cluster.facts import PortReservation
+
+    base = ports_mod.LOWEST_PORT + random.randrange(0, 5000)
+
+    class _FewPorts:   # draws from 6 ports only, each many times
+        def __init__(self):
+            self.n = 0
+
+        def randrange(self, low, high):
+            self.n += 1
+            return base + self.n % 6
+
+    monkeypatch.setattr(ports_mod.random, "Random", _FewPorts)
+    first = PortReservation("127.0.0.1", count=4)
+    second = PortReservation("127.0.0.1", count=4)   # 2 of the 6 left, then the kernel's choice
+    try:
+        assert len(first.ports) == len(set(first.ports)) == 4
+        assert len(second.ports) == len(set(second.ports)) == 4
+        assert not set(first.ports) & set(second.ports), (first.ports, second.ports)
+    finally:
+        first.close()
+        second.close()
+
+
 def test_job_settings_read_the_plan_for_what_the_plan_decides(monkeypatch):
     from trainer.worker_env import job_setting
     a = plan_assignments(2, 2)[0]

@@ -33,17 +33,24 @@ def ephemeral_low() -> int:
 def bind_quiet_ports(n: int, bind: Callable[[int], socket.socket]) -> list[socket.socket]:
     """n sockets from `bind(port)` (which raises OSError for a taken port) on distinct ports below
     the ephemeral range when it can, else the kernel's choice (`bind(0)`): a range crowded below,
-    or none known. Each socket stays open, so the ports are distinct; the caller closes them."""
+    or none known. The caller closes them. `bind` must not set SO_REUSEADDR: two sockets that
+    both set it may bind one port while neither listens, so another process's reservation would
+    not exclude this one (seen: a daemon's reserved ports coming back with one missing)."""
     socks: list[socket.socket] = []
+    chosen: set[int] = set()
     low = ephemeral_low()
     rng = random.Random()
     for _ in range(_TRIES if low > LOWEST_PORT + 8 * n else 0):
         if len(socks) == n:
             break
+        port = rng.randrange(LOWEST_PORT, low)
+        if port in chosen:
+            continue
         try:
-            socks.append(bind(rng.randrange(LOWEST_PORT, low)))
+            socks.append(bind(port))
         except OSError:
             continue
+        chosen.add(port)
     while len(socks) < n:
         socks.append(bind(0))
     return socks

@@ -203,13 +203,18 @@ class PortReservation:
                 self._held[p] = self._bind(p)
         # below the kernel's ephemeral range (trainer.net.ports): released to a worker, a port
         # bind(0) had handed out could meanwhile become some outgoing connection's source port
-        for s in bind_quiet_ports(count, self._bind) if count else ():
+        for s in bind_quiet_ports(count, lambda port: self._bind(port, reuse=False)) if count else ():
             self._held[s.getsockname()[1]] = s
+        if count and len(self._held) != count:
+            self.close()
+            raise OSError(f"reserved {len(self._held)} distinct TCP ports on {host}, not {count}")
 
-    def _bind(self, port: int) -> socket.socket:
+    def _bind(self, port: int, *, reuse: bool = True) -> socket.socket:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        # SO_REUSEADDR: a port a worker just left in TIME_WAIT can be held again at once.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # SO_REUSEADDR: a port a worker just left in TIME_WAIT can be held again at once. Not
+        # when drawing new ports: with it, a port another daemon holds the same way binds too.
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((self._bind_host(), port))
         except OSError as exc:
