@@ -5,8 +5,8 @@ straggler (`varunad.control.speeds` has the measurements and the rules).
 (``varunad.control.records.progress_interval``) while a job runs, it reads the ranks' progress,
 measures each slot against what the plan expected of its stage, and records the paces and
 stragglers in the job's state (``status`` shows them). When a slot is slower than the running
-plan assumed (a new straggler, or one slower than planned), it plans again; the job morphs (after a checkpoint, like a scale-up) only when the new plan is
-estimated faster, by more than ``scale_up_threshold``, than the running plan at the measured
+plan assumed (a new straggler, or one slower than planned), it plans again; the job morphs
+(after a checkpoint, like a scale-up) only when the new plan is estimated faster, by more than ``scale_up_threshold``, than the running plan at the measured
 speeds. Against flapping, besides the hysteresis of `SlotSpeeds`: a straggler that recovers (or
 is forgotten) never morphs the job by itself, the next plan made for any reason uses it again;
 and a morph around a straggler is at least ``QUIET_S`` after the previous one.

@@ -78,6 +78,16 @@ class LeaderPlanning:
         cals = {k: uniform_calibration(spec, k) for k in kinds}
         return cals, False, []
 
+    async def _plan_inputs(self, spec: JobSpec, members: list[tuple], *, quiet: bool = False
+                           ) -> tuple[dict[str, Calibration], bool] | None:
+        """The calibrations to plan ``spec`` on ``members`` with, their measured links applied, and
+        whether all were measured; None while a device kind has no calibration."""
+        cals, measured, missing = await self._calibrations(spec, sorted({m.device_kind for m, _ in members}),
+                                                           quiet=quiet)
+        if missing:
+            return None
+        return apply_links(cals, self.links.measured([m.name for m, _ in members])), measured
+
     def _plan_ahead(self, job: str, silent: frozenset[str] = frozenset()) -> None:
         """Plan the job's next epoch while the old workers stop (varunad.control.plans keeps the
         plan): `_start` plans again once they have, with what etcd and the pings say then, and
@@ -109,11 +119,10 @@ class LeaderPlanning:
             entry, state = snap.entry(job), snap.states.get(job) or JobState(job=job)
             if entry is None or entry.spec is None or not members:
                 return
-            cals, measured, missing = await self._calibrations(
-                entry.spec, sorted({m.device_kind for m, _ in members}), quiet=True)
-            if missing:
+            inputs = await self._plan_inputs(entry.spec, members, quiet=True)
+            if inputs is None:
                 return
-            cals = apply_links(cals, self.links.measured([m.name for m, _ in members]))
+            cals, measured = inputs
             await asyncio.to_thread(make_plan, entry.spec, members, cals, calibrated=measured, reason="",
                                     memory_scale=state.memory_scale, slowdowns=self._slowdowns())
         except (StoreError, PlanError, ValueError) as exc:
@@ -250,10 +259,10 @@ class LeaderPlanning:
         """The plan the members that answer a ping would run ``spec`` as now, stragglers weighed
         (PlanError when none fits; None while a device kind has no calibration)."""
         members = await self._candidates(snap)
-        cals, measured, missing = await self._calibrations(spec, sorted({m.device_kind for m, _ in members}))
-        if missing:
+        inputs = await self._plan_inputs(spec, members)
+        if inputs is None:
             return None
-        cals = apply_links(cals, self.links.measured([m.name for m, _ in members]))
+        cals, measured = inputs
         doc, _ = make_plan(spec, members, cals, calibrated=measured, reason=reason, memory_scale=memory_scale,
                            slowdowns=self._slowdowns())
         return doc

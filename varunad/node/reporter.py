@@ -97,10 +97,8 @@ class Reporter:
         if keeps_history:
             key = (p.job, p.epoch)
             chunk = self._history.setdefault(key, {}).setdefault(p.step // HISTORY_CHUNK, {})
-            if p.step not in chunk and self._history_steps.get(key, 0) < _HISTORY_CAP:
-                self._history_steps[key] = self._history_steps.get(key, 0) + 1
-                chunk[p.step] = p.loss
-            elif p.step in chunk:
+            if p.step in chunk or self._history_steps.get(key, 0) < _HISTORY_CAP:
+                self._history_steps[key] = self._history_steps.get(key, 0) + (p.step not in chunk)
                 chunk[p.step] = p.loss
             self._history_span[key] = (self._history_span.get(key, (p.at, p.at))[0], p.at)
             self._history_dirty.add((p.job, p.epoch, p.step // HISTORY_CHUNK))

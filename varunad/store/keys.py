@@ -201,11 +201,10 @@ class Keys:
         if not key.startswith(prefix):
             raise ValueError(f"{key!r} is not under {prefix!r}")
         epoch, sep, rest = key[len(prefix):].partition("/")
-        member, _, chunk = rest.partition("/")
-        if not sep or not epoch.isdigit() or not member or "/" in chunk or (chunk and not chunk.isdigit()) \
-                or rest.endswith("/"):
+        parts = rest.split("/")   # [member] or [member, chunk]
+        if not sep or not epoch.isdigit() or not parts[0] or len(parts) > 2 or not all(c.isdigit() for c in parts[1:]):
             raise ValueError(f"{key!r} is not a history entry")
-        return int(epoch), member
+        return int(epoch), parts[0]
 
     def notes_of(self, job: str) -> str:
         return self.root + NOTES + check_component("job id", job) + "/"
