@@ -191,7 +191,7 @@ def fleet(base: Path, groups: dict[str, CpuQuota]) -> Iterator[Ring]:
     """A fresh etcd and the two healthy daemons, each in its cpu group."""
     server = EtcdServer()
     server.start()
-    ring = Ring(base, server.endpoint, root="/bench/", ttl=5.0, extra=EXTRA)
+    ring = Ring(base, server.endpoint, root="/bench/", ttl=5.0, extra=EXTRA, own_machines=True)
     try:
         for name in HEALTHY:
             groups[name].add(ring.start(name).proc.pid)

@@ -143,7 +143,7 @@ def test_a_daemon_job_ends_with_a_report_and_varunactl_report_redraws_it(tmp_pat
         assert cost["device_hours"] > 0 and cost["spot_usd"] > 0 and cost["by_kind"][0]["kind"] == "cpu"
         assert cost["samples"] == 5 * 12 and cost["intervals"][0]["devices"] == 2
         assert report["predicted"]["step_s"] > 0 and "error" in report["predicted"]
-        assert any(f"all 2 daemons that ran epoch {report['measured']['epoch']} shared one host" in n
+        assert any(f"all 2 daemons that ran epoch {report['measured']['epoch']} shared one machine" in n
                    for n in report["notes"]), report["notes"]
         r = ring.varunactl("report", "nope", "--out", str(tmp_path / "nope"))
         assert r.returncode == 1 and r.stderr.strip() == "varunactl report: no job named nope (see `varunactl jobs`)"

@@ -48,7 +48,8 @@ def vms(tmp_path):
 def test_a_vm_that_turns_slow_mid_job_is_planned_around_and_the_losses_hold(tmp_path, etcd, etcd_root, vms):
     ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=5.0,
                 extra=["--calibrate", "profile", "--progress-interval", "0.5", "--debounce", "0.3",
-                       "--straggler-threshold", "1.5", "--straggler-window", "3"])
+                       "--straggler-threshold", "1.5", "--straggler-window", "3"],
+                own_machines=True)
     reference = reference_run(STEPS, BATCH)[0]
     try:
         for name, group in zip(NAMES, vms):
@@ -97,7 +98,8 @@ def test_two_device_kinds_each_calibrated_on_its_own_are_planned_together(tmp_pa
     gives the slow kind's stage less of the model."""
     steps = 12
     ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=5.0,
-                extra=["--calibrate", "profile", "--progress-interval", "0.5", "--debounce", "0.3"])
+                extra=["--calibrate", "profile", "--progress-interval", "0.5", "--debounce", "0.3"],
+                own_machines=True)
     reference = reference_run(steps, BATCH)[0]
     try:
         vms[0].add(ring.start("f1", "--device-kind", "fast").proc.pid)

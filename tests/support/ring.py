@@ -57,8 +57,12 @@ class DaemonProc:
 
 class Ring:
     def __init__(self, base: Path, etcd_endpoint: str, *, root: str = "/varunad/", ttl: float = 4.0,
-                 curve_keys: Path | None = None, extra: list[str] | None = None) -> None:
+                 curve_keys: Path | None = None, extra: list[str] | None = None, own_machines: bool = False) -> None:
         self.base = base
+        # Daemons of one host report its machine (the kernel's boot id) and are planned as sharing
+        # its cores; `own_machines` has each play a VM of its own (`--machine-id`), for jobs that
+        # sleep rather than compute, or daemons each held to a CPU share of their own by a cgroup.
+        self.own_machines = own_machines
         base.mkdir(parents=True, exist_ok=True)
         self.etcd = etcd_endpoint
         self.root = root
@@ -111,6 +115,7 @@ class Ring:
                # (which give each daemon a cgroup of its own) turn it on
                "--straggler-threshold", "0"]
         cmd += ["--curve-keys", str(self.curve_keys)] if self.curve_keys else ["--plaintext"]
+        cmd += ["--machine-id", f"vm-{name}"] if self.own_machines else []
         cmd += self.extra + list(extra)
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -100,7 +100,7 @@ def test_a_job_with_no_morph_shows_none_and_compares_a_steady_step(tmp_path):
     assert (meas["epoch"], meas["step"], meas["median_of"]) == (5, 2, [2, 3, 4])
     assert meas["step_s"] == pytest.approx(0.031)
     assert "measured 0.0310 s (step 2 of epoch 5, the median of its steady-state steps 2, 3, 4, 2 workers)" in text
-    assert any(n.startswith("all 2 daemons that ran epoch 5 shared one host") for n in doc["notes"]), doc["notes"]
+    assert any(n.startswith("all 2 daemons that ran epoch 5 shared one machine") for n in doc["notes"]), doc["notes"]
     assert doc["calibration"] == [990.0, 999.0]
     assert "saving   the same work" in text and "x cheaper" in text   # 1000 steps' worth at half the price
 
@@ -120,7 +120,7 @@ def test_a_job_with_two_morphs_names_both_and_the_note_counts_the_plans_daemons(
     doc, text, out = _report(tmp_path, state, status)
     assert doc["shapes"] == ["2x2", "2x1", "1x3"] and "as 2x2 -> 2x1 -> 1x3\n" in text, text
     assert "morphs   2: " in text, text
-    assert any(n.startswith("2 of the 3 daemons that ran epoch 9 shared one host") for n in doc["notes"]), doc["notes"]
+    assert any(n.startswith("2 of the 3 daemons that ran epoch 9 shared one machine") for n in doc["notes"]), doc["notes"]
     assert doc["calibration"] is None
     loss = json.loads((out / "loss.json").read_text())
     assert [m["label"] for m in loss["morphs"]] == ["vm4 lost", "vm3 joined"]

@@ -33,6 +33,11 @@ class Slot:
     host: str
     device_kind: str
     memory_bytes: int
+    # The machine whose CPU cores the slot's worker computes on ("" = a device of its own, such as
+    # a GPU, or unknown) and how many threads it runs there: workers on one machine share its
+    # cores, whatever address each daemon advertises (`plan(machine_cores=...)`).
+    machine: str = ""
+    threads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("slot_id", "host", "device_kind"):
@@ -40,6 +45,10 @@ class Slot:
                 raise PlanError(f"Slot.{name} must be a non-empty string")
         if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
             raise PlanError(f"Slot {self.slot_id}: memory_bytes must be a positive int, got {self.memory_bytes!r}")
+        if not isinstance(self.machine, str):
+            raise PlanError(f"Slot {self.slot_id}: machine must be a string")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise PlanError(f"Slot {self.slot_id}: threads must be a non-negative int, got {self.threads!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +90,9 @@ class Plan:
     notes: tuple[str, ...] = ()
     candidates: tuple[Candidate, ...] = ()
     ruled_out: tuple[str, ...] = ()  # why the obvious plans (1 x every slot, 1 x 1) were not chosen
+    # per stage: how many times slower than calibrated it computes because the plan puts more
+    # threads on its machine's cores than its calibration ran with (() = none shared)
+    contention: tuple[float, ...] = ()
 
     def alternatives(self, n: int = 3) -> list[Candidate]:
         """The next ``n`` runners-up (other shapes or micro-batch sizes than the chosen plan's)."""

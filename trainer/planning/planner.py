@@ -16,7 +16,12 @@ Conventions:
     otherwise), plus one full set while recomputing, or the optimizer step's temporaries
     (`Calibration.step_bytes`) where they are more: the step runs once the activations are freed;
   * slots of one stage are one device kind, so its replicas run in step; the pipeline puts
-    kinds with more memory first (early stages stash more) and gives slower kinds fewer layers.
+    kinds with more memory first (early stages stash more) and gives slower kinds fewer layers;
+  * workers on one machine share its CPU cores (`Slot.machine`, `machine_cores`): where a placement
+    puts more threads on a machine than it has cores, beyond the load its kind's calibration was
+    measured under (`calibrated_load`), that machine's stages compute proportionally slower, in
+    the screen and in the replay. A local ring of four one-thread daemons on two cores runs each
+    worker at half speed, and a plan that leaves two of them idle may be the faster one.
 """
 
 from __future__ import annotations
@@ -149,10 +154,12 @@ def _predicted_links(kinds: Sequence[_Kind], D: int) -> tuple[list[str], list[st
     return links, ar
 
 
-def _estimate(kinds, bounds, flags, j, D, m, links, ar, schedule) -> float:
+def _estimate(kinds, bounds, flags, j, D, m, links, ar, schedule, slowed=None) -> float:
     """Closed-form screen: fill and drain, m-1 periods of the bottleneck, the slowest all-reduce.
-    Within a few percent of the replay on the configurations tried; the replay decides."""
+    Within a few percent of the replay on the configurations tried; the replay decides.
+    ``slowed``: per stage, how many times slower its compute runs (shared cores)."""
     P = len(kinds)
+    slowed = slowed or (1.0,) * P
     work, transfer, hop, fill = [], [0.0], [0.0], 0.0
     tail = 0.0
     for s, k in enumerate(kinds):
@@ -167,7 +174,8 @@ def _estimate(kinds, bounds, flags, j, D, m, links, ar, schedule) -> float:
         for side in ([links[s]] if s < P - 1 else []) + ([links[s - 1]] if s > 0 else []):
             link = k.cal.links[side]   # a message each way per micro-batch keeps the stage busy
             work[-1] += link.send_overhead_s + link.recv_overhead_s
-        step = sum(seg.step_s for seg in k.cal.segments[a:b])
+        work[-1] *= slowed[s]
+        step = sum(seg.step_s for seg in k.cal.segments[a:b]) * slowed[s]
         tail = max(tail, k.cal.allreduce[ar[s]].allreduce_s(k.params[b] - k.params[a], D) + step)
     # a stage that cannot run ahead has no slack to hide a message in: the hop is on its period
     slackless = [max(work[s], work[s + 1]) + hop[s + 1] for s in range(P - 1)
@@ -218,6 +226,38 @@ def _place(stage_kinds: Sequence[str], D: int, slots: Sequence[Slot], host_size:
     )
     ar = tuple("intra" if len({host_of[(s, r)] for r in range(D)}) == 1 else "inter" for s in range(P))
     return assignment, links, ar
+
+
+def _oversubscribed(slots: Sequence[Slot], machine_cores: Mapping[str, int], calibrated_load: Mapping[str, float]
+                    ) -> bool:
+    """Whether using every slot would put more threads on some machine than its cores take, beyond
+    the load its kinds were calibrated under: only then can a placement be slowed by sharing."""
+    demand: Counter = Counter()
+    for sl in slots:
+        if sl.threads and sl.machine in machine_cores:
+            demand[sl.machine] += sl.threads
+    return any(demand[sl.machine] / machine_cores[sl.machine] > max(1.0, calibrated_load.get(sl.device_kind, 1.0))
+               for sl in slots if sl.threads and sl.machine in machine_cores)
+
+
+def _sharing(assignment: Mapping[str, tuple[int, int]], P: int, by_id: Mapping[str, Slot],
+             machine_cores: Mapping[str, int], calibrated_load: Mapping[str, float]) -> tuple[float, ...]:
+    """Per stage, how many times slower than calibrated it computes on the machines `assignment`
+    puts it on: a machine whose workers' threads outnumber its cores runs each of them at
+    cores / threads of the speed, its kind's calibration having measured ``calibrated_load``
+    already; replicas run in step, so the slowest replica's factor is the stage's."""
+    demand: Counter = Counter()
+    for slot_id in assignment:
+        sl = by_id[slot_id]
+        if sl.threads and sl.machine in machine_cores:
+            demand[sl.machine] += sl.threads
+    factors = [1.0] * P
+    for slot_id, (stage, _) in assignment.items():
+        sl = by_id[slot_id]
+        if sl.threads and sl.machine in machine_cores:
+            load = demand[sl.machine] / machine_cores[sl.machine]
+            factors[stage] = max(factors[stage], load / max(1.0, calibrated_load.get(sl.device_kind, 1.0)))
+    return tuple(factors)
 
 
 def _configurations(kinds, sizes, global_batch, n_seg, uneven=False):
@@ -280,10 +320,15 @@ def plan(
     allow_recompute: bool = True,
     verify: int = 3,
     runners_up: int = 8,
+    machine_cores: Mapping[str, int] | None = None,
+    calibrated_load: Mapping[str, float] | None = None,
 ) -> Plan:
     """Pick the fastest feasible configuration. `memory_fraction` of each slot is usable (the
     rest is left for the framework, workspaces and fragmentation); `verify` of the best
-    closed-form candidates are replayed by the simulator and the fastest replay wins."""
+    closed-form candidates are replayed by the simulator and the fastest replay wins.
+    `machine_cores`: cores of each machine that `Slot.machine` names (a machine left out shares
+    nothing); `calibrated_load`: per device kind, the threads per core its calibration ran with
+    (1 when left out): the module docstring says how the two slow a plan down."""
     try:
         sched = schedule_named(schedule)
     except ScheduleError as exc:
@@ -321,6 +366,20 @@ def plan(
     # Branch and bound: a lower bound for every configuration costs no partitioning; configurations
     # are then partitioned and estimated in order of that bound until it exceeds the k-th best.
     keep = max(verify, runners_up)
+    cores = {m: c for m, c in (machine_cores or {}).items() if c > 0}
+    loads = dict(calibrated_load or {})
+    shared = _oversubscribed(slots, cores, loads)
+    by_id = {sl.slot_id: sl for sl in slots}
+    kind_by_name = {k.name: k for k in kinds}
+    host_size = {k.name: k.host_size for k in kinds}
+
+    def placed(names, D):
+        """(assignment, link kinds, all-reduce kinds, slowdown per stage) of one configuration."""
+        assignment, links, ar = _place(names, D, [s for s in slots if s.device_kind in set(names)], host_size)
+        return assignment, links, ar, _sharing(assignment, len(names), by_id, cores, loads)
+
+    if shared:   # the screen places every configuration: sharing decides between them
+        verify = max(verify, runners_up)
     # a micro-batch size the job fixed may leave a smaller last micro-batch (the engine's rule,
     # `micro_batches`); the planner's own choice divides each share evenly
     uneven = micro_batch_sizes is not None and len(set(micro_batch_sizes)) == 1
@@ -345,8 +404,12 @@ def plan(
         if part is None:
             continue
         bounds, flags = part
-        links, ar = _predicted_links(seq, D)
-        est = _estimate(seq, bounds, flags, j, D, m, links, ar, sched)
+        if shared:
+            _, links, ar, slowed = placed(names, D)
+            est = _estimate(seq, bounds, flags, j, D, m, links, ar, sched, slowed)
+        else:
+            links, ar = _predicted_links(seq, D)
+            est = _estimate(seq, bounds, flags, j, D, m, links, ar, sched)
         scored.append((est, (mbs, D, m, P, names, bounds, flags)))
         heapq.heappush(best_k, -est)
         if len(best_k) > keep:
@@ -358,17 +421,16 @@ def plan(
                  "batch with more divisors",
         )
     scored.sort(key=lambda x: (x[0], x[1][3], x[1][1]))
-    kind_by_name = {k.name: k for k in kinds}
-    host_size = {k.name: k.host_size for k in kinds}
     verified = []
 
     def replay(est, config):
         mbs, D, m, P, names, bounds, flags = config
         seq = [kind_by_name[n] for n in names]
-        assignment, links, ar = _place(names, D, [s for s in slots if s.device_kind in set(names)], host_size)
-        costs = stage_costs([k.cal for k in seq], bounds, mbs, D, links, ar)
+        assignment, links, ar, slowed = placed(names, D)
+        costs = tuple(c.slowed(f) for c, f in zip(stage_costs([k.cal for k in seq], bounds, mbs, D, links, ar),
+                                                  slowed))
         sim = _simulate(sched, P, m, flags, costs)
-        verified.append((sim, est, config, assignment, links, ar))
+        verified.append((sim, est, config, assignment, links, ar, slowed))
 
     for est, config in scored[:verify]:
         replay(est, config)
@@ -382,7 +444,7 @@ def plan(
         for est, config in [x for x in scored[verify:] if x[1][0] < top[0]][:verify]:
             replay(est, config)
         verified.sort(key=order)
-    sim, est, (mbs, D, m, P, names, bounds, flags), assignment, links, ar = verified[0]
+    sim, est, (mbs, D, m, P, names, bounds, flags), assignment, links, ar, slowed = verified[0]
     sims = {(c[0], c[1], c[3], c[4]): t for t, _, c, *_ in verified}
 
     def candidate(est, c):
@@ -416,6 +478,7 @@ def plan(
     unused = tuple(sorted(s.slot_id for s in slots if s.slot_id not in assignment))
     if unused:
         notes.append(f"{len(unused)} slots idle: P x D = {P} x {D} uses {P * D} of {len(slots)}")
+    notes += _sharing_notes(assignment, by_id, cores, slowed)
 
     stages = []
     for s, name in enumerate(names):
@@ -432,7 +495,27 @@ def plan(
         parallel=parallel, micro_batches=m, global_batch=global_batch, stages=tuple(stages), assignment=assignment,
         link_kinds=tuple(links), allreduce_kinds=tuple(ar), estimated_s=sim, unused=unused,
         notes=tuple(notes), candidates=tuple(shown), ruled_out=ruled_out,
+        contention=tuple(slowed) if any(f > 1.0 for f in slowed) else (),
     )
+
+
+def _sharing_notes(assignment, by_id, cores, slowed) -> list[str]:
+    """One line per machine the plan puts several CPU workers on: what they share."""
+    on: dict[str, list[Slot]] = defaultdict(list)
+    for slot_id in assignment:
+        sl = by_id[slot_id]
+        if sl.threads and sl.machine in cores:
+            on[sl.machine].append(sl)
+    notes = []
+    for machine, group in sorted(on.items()):
+        if len(group) < 2:
+            continue
+        threads = sum(sl.threads for sl in group)
+        stages = sorted({assignment[sl.slot_id][0] for sl in group})
+        worst = max(slowed[s] for s in stages)
+        notes.append(f"{len(group)} workers share machine {machine[:8]} ({threads} threads on {cores[machine]} cores)"
+                     + (f": their compute planned {worst:.2g}x slower than calibrated" if worst > 1.0 else ""))
+    return notes
 
 
 def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lower_by_kind, chosen,

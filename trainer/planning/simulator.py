@@ -24,7 +24,7 @@ one full set of activations while recomputing; otherwise the full activations ar
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -101,6 +101,17 @@ class StageCost:
             input_bytes=self.input_bytes,
             activation_bytes=self.activation_bytes,
         )
+
+
+    def slowed(self, factor: float) -> StageCost:
+        """The stage on a device ``factor`` times slower: its compute, its optimizer step and the
+        CPU it spends on messages (not the links' time, nor the all-reduce's)."""
+        if factor == 1.0:
+            return self
+        cpu = lambda t: replace(t, send_s=t.send_s * factor, recv_s=t.recv_s * factor)  # noqa: E731
+        return replace(self, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor,
+                       recompute_s=self.recompute_s * factor, forward_graph_s=self.forward_graph_s * factor,
+                       step_s=self.step_s * factor, send_act=cpu(self.send_act), send_grad=cpu(self.send_grad))
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,11 @@
 the TCP port each slot's worker binds for tensor streams and the port of the torch.distributed
 rendezvous (used when this member hosts rank 0), the two ports of its link probes (varunad.control.links:
 a probe never touches a worker's port, so a probe that outlives its welcome cannot take the port
-a job's worker is about to bind), and whether the daemon is leaving (a preemption notice arrived;
-plan without it). Older readers ignore the extra fields.
+a job's worker is about to bind), whether the daemon is leaving (a preemption notice arrived;
+plan without it), and the machine it runs on: daemons that report one ``machine`` (the kernel's
+boot id: a local ring, network namespaces, containers) share its ``cores`` and memory bandwidth,
+and each of their CPU workers runs ``threads`` torch threads (0: its slots are GPUs, which share
+nothing). Older readers ignore the extra fields; a record without them is a machine of its own.
 
 Ports are chosen free at start and held (bound, not listening) until a worker needs one, so
 other processes on the VM cannot take them in the meantime.
@@ -26,7 +29,8 @@ from trainer.net.ports import bind_quiet_ports
 from varunad.cluster.membership import Member
 
 __all__ = ["DaemonMember", "PortReservation", "detect_slots", "detect_device_kind", "detect_memory",
-           "gpu_count", "gpu_models", "is_local_address", "parse_member", "version"]
+           "gpu_count", "gpu_models", "is_local_address", "machine_id", "parse_member", "usable_cores", "version",
+           "worker_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,9 @@ class DaemonMember(Member):
     probe_ports: tuple[int, ...] = ()  # (stream, rendezvous) of link probes (varunad.control.links); () = not probed
     draining: bool = False  # leaving after a preemption notice: plan without it
     lease_ttl: float = 0.0  # the TTL it asked for, so `varunactl nodes` can show the lease's age
+    machine: str = ""  # the kernel's boot id ("" = unknown: a machine of its own)
+    cores: int = 0  # CPUs this daemon's workers may run on (0 = unknown)
+    threads: int = 0  # torch threads per worker on CPU slots (0 = GPU slots, or unknown)
 
     def __post_init__(self) -> None:
         Member.__post_init__(self)  # zero-argument super() does not work in slotted dataclasses
@@ -68,6 +75,17 @@ class DaemonMember(Member):
             raise ValueError(f"member {self.name}: probe_ports {probe!r} overlap the worker ports")
         if not isinstance(self.draining, bool):
             raise ValueError(f"member {self.name}: draining must be true or false")
+        if not isinstance(self.machine, str) or len(self.machine) > 128:
+            raise ValueError(f"member {self.name}: machine must be a string of at most 128 characters")
+        for name in ("cores", "threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 1 << 16:
+                raise ValueError(f"member {self.name}: {name} must be a count, got {value!r}")
+
+    @property
+    def machine_key(self) -> str:
+        """What daemons on one machine have in common: its boot id, else (unknown) this member."""
+        return self.machine or f"member:{self.name}"
 
     @property
     def usable_slots(self) -> int:
@@ -89,6 +107,33 @@ def parse_member(data: bytes) -> DaemonMember:
 
 
 # --- detection ---------------------------------------------------------------------------------------
+
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def machine_id(path: str = _BOOT_ID) -> str:
+    """The kernel's boot id: one per machine and boot, the same in every network namespace and
+    container on it, so daemons that report the same one share its cores. "" where unreadable."""
+    try:
+        with open(path, encoding="ascii") as f:
+            value = f.read(128).strip()
+    except (OSError, UnicodeError):
+        return ""
+    return value if re.fullmatch(r"[0-9A-Za-z._:-]{1,128}", value) else ""
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask, which a container's cpuset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def worker_threads(configured: int, slots: int, cores: int | None = None) -> int:
+    """torch threads per worker: ``configured``, else the cores shared out among the slots."""
+    return configured or max(1, (usable_cores() if cores is None else cores) // max(1, slots))
+
 
 _NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
 

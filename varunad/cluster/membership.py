@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 from varunad.store import schemas
 from varunad.store.contract import Lease, LeaseExpired, Store, StoreError
@@ -79,7 +79,8 @@ class Member:
         if not isinstance(raw, dict):
             raise ValueError("member value is not a JSON object")
         known = {f.name for f in fields(cls)}
-        missing = known - raw.keys()
+        # fields with a default are ones a release added: an older daemon's record lacks them
+        missing = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING} - raw.keys()
         if missing:
             raise ValueError(f"member value lacks {sorted(missing)}")
         try:

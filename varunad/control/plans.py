@@ -41,7 +41,7 @@ from trainer.planning.planner import Plan, PlanError, Slot
 from trainer.planning.schedule import DEFAULT_SCHEDULE
 from varunad.cluster.facts import DaemonMember
 from varunad.control.jobs import JobSpec
-from varunad.control.speeds import slowed_calibrations, slowed_kind
+from varunad.control.speeds import base_kind, slowed_calibrations, slowed_kind
 from varunad.store import schemas
 from varunad.store.keys import check_component
 
@@ -105,6 +105,7 @@ class PlanDoc:
     # profile
     profile_member: str | None = None
     profile_path: str | None = None
+    profile_slots: int = 0  # CPU slots the calibration run keeps busy at once (0 = the member's own)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -231,6 +232,36 @@ def uniform_calibration(spec: JobSpec, device_kind: str) -> Calibration:
     )
 
 
+# --- machines that daemons share -----------------------------------------------------------------------
+
+def machine_slots(members: Sequence[DaemonMember]) -> dict[str, int]:
+    """CPU slots per machine (`DaemonMember.machine_key`): what a plan that uses them all runs there."""
+    out: dict[str, int] = {}
+    for m in members:
+        if m.threads:
+            out[m.machine_key] = out.get(m.machine_key, 0) + m.slots
+    return out
+
+
+def profile_slots(member: DaemonMember, on_machine: int) -> int:
+    """How many CPU slots a calibration run on ``member`` keeps busy at once: what its slots will
+    meet when a plan fills the machine, so the calibration holds the shared memory bandwidth. Its
+    own slots, or on a machine it shares with other daemons (``on_machine`` slots in all), as
+    many as the machine has cores for; the planner then counts any load beyond the cores
+    (`calibrated_load`). 1 on a GPU, or with several threads a worker (the profiler forks one
+    one-thread process per busy slot)."""
+    if member.threads != 1:
+        return 1
+    return max(member.slots, min(on_machine, member.cores or on_machine))
+
+
+def calibrated_load(member: DaemonMember, on_machine: int) -> float:
+    """Threads per core a calibration run on ``member`` measured under (`profile_slots`)."""
+    if not member.threads or not member.cores:
+        return 1.0
+    return profile_slots(member, on_machine) * member.threads / member.cores
+
+
 # --- planning ------------------------------------------------------------------------------------------
 
 _PLANNED: OrderedDict[bytes, tuple[PlanDoc, Plan]] = OrderedDict()
@@ -295,15 +326,18 @@ def _make_plan(spec: JobSpec, members: Sequence[tuple[DaemonMember, int]], calib
             else:
                 factor = 1.0
             slots.append(Slot(slot_id, member.host, slowed_kind(member.device_kind, factor),
-                              max(1, int(member.memory_bytes * share))))
+                              max(1, int(member.memory_bytes * share)), machine=member.machine_key,
+                              threads=member.threads))
             by_id[slot_id] = (member, i)
         if member.usable_slots:
             incarnations[member.name] = lease
     if not slots:
         raise PlanError("no member offers a usable slot", hint="start varunad on more VMs")
     sizes = spec.micro_batch_sizes()
+    cores, loads = _machines([m for m, _ in members], calibrations, calibrated=calibrated,
+                             kinds={sl.device_kind for sl in slots})
     result = planner.plan(slots, spec.batch_size, slowed_calibrations(calibrations, slowed), schedule=spec.schedule,
-                          micro_batch_sizes=sizes)
+                          micro_batch_sizes=sizes, machine_cores=cores, calibrated_load=loads)
     plan_slots = []
     for slot_id, (stage, replica) in sorted(result.assignment.items()):
         member, i = by_id[slot_id]
@@ -319,6 +353,25 @@ def _make_plan(spec: JobSpec, members: Sequence[tuple[DaemonMember, int]], calib
         calibrated=calibrated, incarnations={m: lease for m, lease in incarnations.items() if m in used},
     )
     return doc, result
+
+
+def _machines(members: Sequence[DaemonMember], calibrations: Mapping[str, Calibration], *,
+              calibrated: bool, kinds: set[str]) -> tuple[dict[str, int], dict[str, float]]:
+    """(cores per machine, the load each planned kind was calibrated under) for the planner.
+    Nothing without measured calibrations: a synthetic one times no real compute, and the jobs
+    planned from it (the suite's sleeping scripts among them) would be crowded for nothing."""
+    if not calibrated:
+        return {}, {}
+    on = machine_slots(members)
+    cores = {m.machine_key: m.cores for m in members if m.threads and m.cores}
+    loads: dict[str, float] = {}
+    for kind in sorted(kinds):
+        base, _ = base_kind(kind)
+        # the member the leader would have calibrated the kind on (`LeaderPlanning._profile`: the first)
+        first = next((m for m in members if m.device_kind == base), None)
+        if first is not None and base in calibrations:
+            loads[kind] = calibrated_load(first, on.get(first.machine_key, first.slots))
+    return cores, loads
 
 
 def calibrations_for(

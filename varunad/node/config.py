@@ -109,6 +109,10 @@ class DaemonConfig:
     (0 = free ones chosen at start)."""
     device_kind: str = ""
     """Device kind for calibration ("" = detect: the GPU model, else "cpu" or "cpu-<n>slots")."""
+    machine_id: str = ""
+    """The machine this daemon runs on ("" = the kernel's boot id): daemons reporting one machine
+    share its cores, and plans count their workers against them. Only a test that plays separate
+    VMs on one host (each held to its own CPU share by a cgroup) has a reason to set it."""
     memory: int = 0
     """Memory per slot in bytes (0 = detect: a GPU's memory (nvidia-smi), host memory / slots on a CPU host)."""
     threads: int = 0
@@ -327,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
       "between VMs (default: free ones)")
     a("--device-kind", metavar="KIND", help="device kind for calibration and prices (default: the GPU model, e.g. "
       "'NVIDIA A100-SXM4-80GB'; 'cpu' on a CPU host, 'cpu-<n>slots' with --slots n)")
+    a("--machine-id", metavar="ID",
+      help="the machine this daemon runs on (default: the kernel's boot id, so daemons on one host, a local "
+           "ring or network namespaces, know they share its cores); set it only to play separate VMs on one host")
     a("--memory", type=int, metavar="BYTES",
       help="memory per slot (default: the GPU's, from nvidia-smi; on a CPU host its memory / slots)")
     a("--threads", type=int, metavar="N", help="torch threads per worker (default: cores / slots)")

@@ -56,7 +56,10 @@ from varunad.cluster.facts import (
     detect_slots,
     gpu_count,
     is_local_address,
+    machine_id,
+    usable_cores,
     version,
+    worker_threads,
 )
 from varunad.cluster.membership import Membership, NameInUse, read_members
 from varunad.control.jobs import JobSpec
@@ -148,6 +151,8 @@ class Daemon(PlanFollowing):
             memory_bytes=c.memory or detect_memory(slots, gpus),
             version=version(), started_at=time.time(), worker_ports=tuple(ports[:slots]),
             rendezvous_port=ports[slots], probe_ports=tuple(ports[slots + 1:slots + 3]), lease_ttl=c.ttl,
+            machine=c.machine_id or machine_id(), cores=usable_cores(),
+            threads=0 if gpus else worker_threads(c.threads, slots),
         )
 
     def _bind_host(self) -> str:

@@ -22,7 +22,15 @@ from varunad.control.decide import Decision, calibration_failed
 from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet
 from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
 from varunad.control.links import PROBE_TIMEOUT, apply_links
-from varunad.control.plans import PlanDoc, calibrations_for, describe, make_plan, uniform_calibration
+from varunad.control.plans import (
+    PlanDoc,
+    calibrations_for,
+    describe,
+    machine_slots,
+    make_plan,
+    profile_slots,
+    uniform_calibration,
+)
 from varunad.control.speeds import base_kind
 from varunad.store.contract import StoreError
 
@@ -42,6 +50,10 @@ def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot, slowdowns: d
             # leader measures each slot against it)
             "stage_compute_s": [st.compute_s / factor for st, (_, factor) in zip(planned.stages, stage_kinds)],
             "slowdowns": dict(slowdowns),   # the stragglers planned for (slot -> slowdown)
+            # per stage, how many times slower than its kind's calibration the plan has it compute
+            # (a straggler, cores shared with other workers): the report replays the same
+            "stage_slowed": [factor * (planned.contention[s] if planned.contention else 1.0)
+                             for s, (_, factor) in enumerate(stage_kinds)],
             "link_kinds": list(planned.link_kinds),
             "allreduce_kinds": list(planned.allreduce_kinds), "micro_batches": planned.micro_batches,
             # why this plan (varunactl status JOB and the report say it): the runners-up and their
@@ -55,8 +67,9 @@ def _report_facts(doc: PlanDoc, planned: Plan, snap: FleetSnapshot, slowdowns: d
             # workers' measured peaks are shown beside them
             "stage_memory": [st.memory_bytes for st in planned.stages],
             "stage_capacity": [st.capacity_bytes for st in planned.stages],
-            # daemons sharing a host (a local ring) share its cores: the report says so beside its prediction
-            "daemons_per_host": max(Counter(snap.members[m][0].host for m in doc.members).values(), default=0)}
+            # daemons sharing a machine (a local ring) share its cores: the report says so beside its prediction
+            "daemons_per_host": max(Counter(snap.members[m][0].machine_key for m in doc.members).values(),
+                                    default=0)}
 
 
 class LeaderPlanning:
@@ -247,8 +260,11 @@ class LeaderPlanning:
     async def _profile(self, snap: FleetSnapshot, spec: JobSpec, members: list[tuple], state: JobState,
                        missing: list[str]) -> bool:
         member = next(m for m, _ in members if m.device_kind == missing[0])
-        doc = PlanDoc(kind="profile", job=spec.job, reason=f"calibrating {missing[0]} on {member.name}",
-                      profile_member=member.name, incarnations={member.name: snap.members[member.name][1]})
+        busy = profile_slots(member, machine_slots([m for m, _ in members]).get(member.machine_key, member.slots))
+        doc = PlanDoc(kind="profile", job=spec.job, reason=f"calibrating {missing[0]} on {member.name}"
+                      + (f" ({busy} slots of its machine busy at once)" if busy > 1 else ""),
+                      profile_member=member.name, incarnations={member.name: snap.members[member.name][1]},
+                      profile_slots=busy if busy > member.slots else 0)
         await self.election.write_plan(doc.encode())
         await self._put_state(state.but(reason=doc.reason,
                                         calibration_started=state.calibration_started or time.time()))

@@ -49,7 +49,7 @@ from trainer.launch import worker_environment as launch_environment
 from trainer.net.netaddr import numeric_address
 from trainer.planning.parallel import ParallelPlan
 from trainer.worker_env import WorkerAssignment
-from varunad.cluster.facts import DaemonMember, PortReservation, gpu_count
+from varunad.cluster.facts import DaemonMember, PortReservation, gpu_count, worker_threads
 from varunad.cluster.membership import Membership
 from varunad.control.jobs import JobSpec, job_store, job_trace_dir
 from varunad.control.plans import PlanDoc
@@ -291,15 +291,17 @@ class Supervisor(WorkerStopping):
 
         It measures what a training worker of this host will see: as many torch threads, and on a
         CPU host whose slots share the cores, all of them busy at once (the profiler forks one
-        process per slot; that needs one thread each, else the lone slot is measured)."""
+        process per slot; that needs one thread each, else the lone slot is measured), or as many
+        as the plan's ``profile_slots`` when other daemons share this machine."""
         await self._rescues_done()
         await self.kill_all("a newer plan replaces them")
         member = self.membership.member
         self._begin(doc.job or "", epoch)
         self.metrics.begin_epoch({0: 0}, doc.job or "")
         threads = self._threads(member)
-        shared_cores = not self._gpus and member.slots > 1
-        busy_slots = member.slots if shared_cores and threads == 1 else None
+        shared_cores = not self._gpus and max(member.slots, doc.profile_slots) > 1
+        # the leader asks for more than this daemon's slots where other daemons share the machine
+        busy_slots = max(member.slots, doc.profile_slots) if shared_cores and threads == 1 else None
         if shared_cores and busy_slots is None:
             log.warning("%s: calibrating one of %d CPU slots alone (%d threads each; profiling them at once needs "
                         "one): the plan's step-time estimate will be optimistic", self.name, member.slots, threads)
@@ -335,7 +337,7 @@ class Supervisor(WorkerStopping):
 
     def _threads(self, member: DaemonMember) -> int:
         """torch threads per worker: the host's cores shared out among its slots."""
-        return self.config.threads or max(1, (os.cpu_count() or 1) // max(1, member.slots))
+        return worker_threads(self.config.threads, member.slots)
 
     def _staging_dir(self, job: str) -> Path:
         return job_dir(self.config.state_dir, STAGING, job)

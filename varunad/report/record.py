@@ -217,9 +217,12 @@ def build_report(inputs: ReportInputs, out_dir: str | os.PathLike[str], prices: 
         if sharing > 1:
             ran = len(state.plan.get("members") or ()) or sharing
             who = f"all {ran} daemons" if ran == sharing else f"{sharing} of the {ran} daemons"
-            notes.append(f"{who} that ran epoch {measured.epoch} shared one host, its cores and memory bandwidth "
-                         "(a local ring), while the simulator assumes each has its own: expect the measured step "
-                         "to be slower")
+            slowed = [f for f in state.plan.get("stage_slowed") or () if isinstance(f, (int, float))]
+            notes.append(f"{who} that ran epoch {measured.epoch} shared one machine, its cores and memory bandwidth "
+                         "(a local ring): the prediction counts its cores"
+                         + (f" (compute up to {max(slowed):.2g}x slower than calibrated)" if slowed and max(slowed) > 1
+                            else "") + " and a calibration measured with them busy, not the daemons and etcd "
+                         "running beside the workers")
     _write_json(out / "report.json", doc)
     (out / "report.txt").write_text(format_report(doc))
     return doc

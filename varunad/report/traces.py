@@ -132,7 +132,7 @@ def predict(plan: Mapping[str, Any], calibrations: Mapping[str, bytes], batch_si
             ) -> tuple[float, list[dict[str, Any]]]:
     """(simulated mini-batch seconds, its actions as Chrome trace events, every replica) of the
     plan the leader chose, replayed as the planner replayed it: same calibration, cuts, recompute
-    flags and link kinds."""
+    flags, link kinds and slowed stages (stragglers, shared cores)."""
     if not plan.get("P"):
         raise Missing("the job has no run plan")
     if not plan.get("calibrated"):
@@ -151,6 +151,9 @@ def predict(plan: Mapping[str, Any], calibrations: Mapping[str, bytes], batch_si
     links = plan.get("link_kinds") or ["intra" if one_host else "inter"] * (P - 1)
     ar = plan.get("allreduce_kinds") or ["intra" if one_host or D == 1 else "inter"] * P
     costs = stage_costs(cals, bounds, mbs, D, links, ar)
+    slowed = plan.get("stage_slowed")
+    if isinstance(slowed, list) and len(slowed) == P and all(isinstance(f, (int, float)) and f >= 1 for f in slowed):
+        costs = tuple(c.slowed(float(f)) for c, f in zip(costs, slowed))
     events: list[dict[str, Any]] = []
     result = simulate(build_table(plan.get("schedule") or DEFAULT_SCHEDULE, P, m, plan.get("recompute") or True), costs,
                       events=events)

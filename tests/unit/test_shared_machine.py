@@ -1,0 +1,147 @@
+"""Daemons on one machine share its cores (varunad.cluster.facts, trainer.planning.planner): each
+reports the kernel's boot id, its cores and its workers' threads; the planner slows the stages of a
+machine whose workers' threads outnumber its cores, the calibration is measured with that
+machine's slots busy, and the report replays what the planner assumed.
+
+Unit of the planner cases: 4 identical segments, forward 1 s and backward 2 s per sample, so one
+sample through the whole model costs 12 s; a global batch of 8 in micro-batches of 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from support.calibrations import calibration
+from support.decisions import member, spec
+
+from trainer.planning.calibration import LinkCost
+from trainer.planning.plan import PlanError, Slot
+from trainer.planning.planner import plan
+from varunad.cluster.facts import DaemonMember, machine_id
+from varunad.control.plans import calibrated_load, make_plan, profile_slots
+from varunad.report.traces import predict
+
+GiB = 2**30
+FREE = {"intra": LinkCost(0.0, 1e18), "inter": LinkCost(0.0, 1e18)}
+RING = {"intra": LinkCost(0.0, 1e12), "inter": LinkCost(0.0, 1e12)}   # an all-reduce that costs a little
+
+
+def _cal(kind="cpu"):
+    return calibration(4, model="toy", kind=kind, forward_s=1.0, activation_bytes=100, input_bytes=0,
+                       param_bytes=GiB // 8, optimizer_bytes=GiB // 8, links=FREE, allreduce=RING)
+
+
+def _ring(n=4, machine="boot-1", threads=1, memory=16 * GiB):
+    """n one-slot daemons of a local ring: one address, one machine."""
+    return [Slot(f"vm{i}/0", "127.0.0.1", "cpu", memory, machine=machine, threads=threads) for i in range(n)]
+
+
+def test_four_one_thread_workers_on_two_cores_run_at_half_speed_so_two_of_them_win():
+    alone = plan(_ring(machine=""), 8, [_cal()])     # no machine known: each slot has its own cores
+    assert (alone.P, alone.D) == (1, 4) and alone.contention == ()
+    assert alone.estimated_s == pytest.approx(24.0, rel=1e-3)
+
+    shared = plan(_ring(), 8, [_cal()], machine_cores={"boot-1": 2})
+    # 1x4 would compute at half speed (48 s plus a dearer all-reduce); 1x2 computes 4 x 12 s at full speed
+    assert (shared.P, shared.D) == (1, 2), shared.explain()
+    assert shared.estimated_s == pytest.approx(48.0, rel=1e-3)
+    assert shared.contention == ()
+    assert "2 workers share machine boot-1 (2 threads on 2 cores)" in shared.notes
+    crowded = [c for c in shared.candidates if (c.P, c.D) == (1, 4)]
+    assert crowded and min(c.simulated_s or c.estimate_s for c in crowded) > 48.0
+
+
+def test_a_plan_that_crowds_a_machine_says_by_how_much_it_slowed_its_stages():
+    # 4 workers are needed (memory: one segment per slot), 4 threads on 2 cores: each stage at half speed
+    cal = calibration(4, model="toy", kind="cpu", forward_s=1.0, activation_bytes=100, input_bytes=0,
+                      param_bytes=GiB, optimizer_bytes=2 * GiB, links=FREE, allreduce=RING)
+    free = plan(_ring(machine="", memory=6 * GiB), 8, [cal])
+    shared = plan(_ring(memory=6 * GiB), 8, [cal], machine_cores={"boot-1": 2})
+    assert (shared.P, shared.D) == (free.P, free.D) == (4, 1)
+    assert shared.contention == (2.0, 2.0, 2.0, 2.0)
+    assert shared.estimated_s == pytest.approx(2 * free.estimated_s, rel=1e-3)
+    assert any("compute planned 2x slower than calibrated" in n for n in shared.notes), shared.notes
+
+
+def test_a_calibration_measured_under_the_same_load_is_not_slowed_again():
+    p = plan(_ring(), 8, [_cal()], machine_cores={"boot-1": 2}, calibrated_load={"cpu": 2.0})
+    assert (p.P, p.D) == (1, 4) and p.contention == ()
+    assert p.estimated_s == pytest.approx(24.0, rel=1e-3)
+
+
+def test_gpu_slots_and_machines_with_cores_to_spare_share_nothing():
+    gpus = _ring(threads=0)
+    assert plan(gpus, 8, [_cal()], machine_cores={"boot-1": 1}).D == 4
+    roomy = plan(_ring(), 8, [_cal()], machine_cores={"boot-1": 4})
+    assert (roomy.P, roomy.D) == (1, 4) and roomy.contention == ()
+
+
+def test_slot_checks_its_machine_fields():
+    with pytest.raises(PlanError, match="threads"):
+        Slot("a/0", "h", "cpu", GiB, machine="m", threads=-1)
+    with pytest.raises(PlanError, match="machine"):
+        Slot("a/0", "h", "cpu", GiB, machine=None)   # type: ignore[arg-type]
+
+
+# --- the daemon's facts and the leader's use of them ---------------------------------------------------
+
+def _on(m: DaemonMember, machine="boot-1", cores=2, threads=1) -> DaemonMember:
+    return dataclasses.replace(m, machine=machine, cores=cores, threads=threads, memory_bytes=16 * GiB)
+
+
+def test_a_record_from_a_release_before_machines_is_a_machine_of_its_own():
+    old = json.loads(member("d1").encode())
+    for name in ("machine", "cores", "threads"):
+        del old[name]
+    m = DaemonMember.decode(json.dumps(old).encode())
+    assert (m.machine, m.cores, m.threads) == ("", 0, 0)
+    assert m.machine_key == "member:d1" != member("d2").machine_key
+    bad = {**old, "cores": -1}
+    with pytest.raises(ValueError, match="cores"):
+        DaemonMember.decode(json.dumps(bad).encode())
+
+
+def test_machine_id_is_the_boot_id_and_nothing_that_is_not_one(tmp_path):
+    f = tmp_path / "boot_id"
+    f.write_text("0b6e3c1c-6c1d-4f5e-9a57-1a2b3c4d5e6f\n")
+    assert machine_id(str(f)) == "0b6e3c1c-6c1d-4f5e-9a57-1a2b3c4d5e6f"
+    f.write_text("a b/c\n")
+    assert machine_id(str(f)) == ""
+    assert machine_id(str(tmp_path / "missing")) == ""
+    assert machine_id() == machine_id()   # this host's, stable
+
+
+def test_a_calibration_on_a_shared_machine_keeps_as_many_slots_busy_as_it_has_cores():
+    lone = _on(member("d1"))
+    assert profile_slots(lone, 4) == 2 and calibrated_load(lone, 4) == 1.0   # a ring of 4 on 2 cores
+    assert profile_slots(lone, 1) == 1                                       # alone on its machine
+    assert profile_slots(_on(member("d1", slots=4)), 4) == 4                 # its own 4 slots, as before
+    assert calibrated_load(_on(member("d1", slots=4)), 4) == 2.0
+    assert profile_slots(_on(member("d1"), threads=2), 4) == 1               # the profiler forks one-thread slots
+    assert profile_slots(_on(member("d1"), threads=0), 4) == 1               # GPU slots
+    assert calibrated_load(member("d1"), 4) == 1.0                           # an older daemon: unknown
+
+
+def test_make_plan_counts_a_machines_cores_only_for_a_measured_calibration():
+    s = spec(batch_size=8)
+    members = [(_on(member(f"d{i}")), 100 + i) for i in (1, 2, 3, 4)]
+    cals = {"cpu": _cal()}
+    measured, planned = make_plan(s, members, cals, calibrated=True, reason="r")
+    assert measured.shape == "1x2" and planned.contention == ()
+    synthetic, _ = make_plan(s, members, cals, calibrated=False, reason="r")
+    assert synthetic.shape == "1x4"   # a synthetic calibration times nothing: no cores to count
+    apart = [(_on(m, machine=f"vm-{m.name}"), lease) for m, lease in members]
+    assert make_plan(s, apart, cals, calibrated=True, reason="r")[0].shape == "1x4"
+
+
+def test_the_report_replays_the_stages_as_slowed_as_the_planner_had_them():
+    cal = _cal()
+    doc = {"P": 1, "D": 1, "micro_batch_size": 1, "cuts": [], "calibrated": True, "stage_kinds": ["cpu"],
+           "micro_batches": 8, "link_kinds": [], "allreduce_kinds": ["intra"]}
+    plain, _ = predict(doc, {"cpu": cal.to_bytes()}, 8)
+    slowed, _ = predict({**doc, "stage_slowed": [2.0]}, {"cpu": cal.to_bytes()}, 8)
+    assert plain == pytest.approx(96.0, rel=1e-3) and slowed == pytest.approx(2 * plain, rel=1e-3)
+    junk, _ = predict({**doc, "stage_slowed": ["x"]}, {"cpu": cal.to_bytes()}, 8)
+    assert junk == pytest.approx(plain)
