@@ -145,3 +145,34 @@ def test_the_report_replays_the_stages_as_slowed_as_the_planner_had_them():
     assert plain == pytest.approx(96.0, rel=1e-3) and slowed == pytest.approx(2 * plain, rel=1e-3)
     junk, _ = predict({**doc, "stage_slowed": ["x"]}, {"cpu": cal.to_bytes()}, 8)
     assert junk == pytest.approx(plain)
+
+
+def test_a_slot_sharing_its_machine_with_other_workers_is_measured_but_never_a_straggler():
+    from varunad.control.records import Progress
+    from varunad.control.speeds import Expected, SlotSpeeds
+
+    def run(shared: bool) -> SlotSpeeds:
+        speeds = SlotSpeeds(threshold=1.5, window=2, forget_s=600)
+        expected = {r: Expected(f"d{r + 1}/0", "cpu", 0.01, shared=shared) for r in range(3)}
+        for step in range(8):
+            progress = [Progress(job="j", epoch=7, rank=r, step=step, loss=1.0, samples_per_s=1.0, busy_fraction=1.0,
+                                 compute_s=c) for r, c in {0: 0.01, 1: 0.01, 2: 0.04}.items()]
+            speeds.observe(7, expected, progress, now=float(step))
+        return speeds
+
+    apart, together = run(False), run(True)
+    assert apart.stragglers == {"d3/0": pytest.approx(4.0, rel=0.01)}
+    assert together.stragglers == {} and together.paces["d3/0"] == pytest.approx(4.0, rel=0.01)
+
+
+def test_the_leader_expects_the_slots_of_a_shared_machine_as_shared():
+    from support.decisions import run_plan, snapshot
+
+    from varunad.node.leader_pace import expected_of
+
+    members = {"d1": (_on(member("d1")), 101), "d2": (_on(member("d2")), 102),
+               "d3": (_on(member("d3"), machine="boot-2"), 103)}
+    doc = run_plan()
+    expected = expected_of(doc, {"stage_compute_s": [0.01] * doc.plan.P}, snapshot(members=members))
+    shared = {e.slot: e.shared for e in expected.values()}
+    assert shared == {"d1/0": True, "d2/0": True, "d3/0": False}

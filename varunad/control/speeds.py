@@ -23,6 +23,10 @@ divides it by what the plan expected of that stage on its kind, which gives a ra
   no longer measured; ``forget_s`` after its last measurement it is taken at full speed again, by
   the next plan made for any reason (a straggler's recovery never morphs a job by itself:
   `varunad.node.leader_pace`).
+* A slot whose machine runs other workers of the plan (daemons of one host: a local ring, network
+  namespaces) is measured but never called a straggler: which of them lags is the host's
+  scheduler's choice from moment to moment, not a slot's speed (a chaos ring measured healthy
+  daemons 2.4-4.1x slower than their replicas for seconds).
 
 The planner sees a straggler as a device kind of its own, ``KIND~Fx``, whose calibration is its
 kind's with every compute time F times longer (F rounded to a step of a factor of sqrt(2), so the
@@ -102,6 +106,7 @@ class Expected:
     kind: str
     compute_s: float
     stage: int = 0
+    shared: bool = False   # its machine runs other workers of the plan (`DaemonMember.machine`)
 
 
 @dataclass
@@ -115,6 +120,7 @@ class _Slot:
     measured_at: float = 0.0
     slow_run: int = 0   # reports in a row above the threshold
     fast_run: int = 0   # reports in a row below threshold * RECOVER
+    shared: bool = False
 
 
 class SlotSpeeds:
@@ -138,6 +144,7 @@ class SlotSpeeds:
             s = self._slots.setdefault(want.slot, _Slot(want.kind))
             if s.epoch != epoch:   # a new epoch: a new stage, maybe; the history of ratios stays
                 s.epoch, s.last_step, s.steps_seen, s.kind, s.stage = epoch, -1, 0, want.kind, want.stage
+                s.shared = want.shared
             if p.step <= s.last_step:
                 continue
             s.last_step = p.step
@@ -162,8 +169,8 @@ class SlotSpeeds:
                 continue
             slowdown = statistics.median(s.ratios) / reference
             self.paces[name] = round(slowdown, 2)
-            if not self.threshold or s.measured_at != now:
-                continue   # off, or nothing new from this slot in this round
+            if not self.threshold or s.measured_at != now or (s.shared and name not in self.stragglers):
+                continue   # off, nothing new from this slot in this round, or sharing a machine's cores
             latest = s.ratios[-1] / reference
             s.slow_run = s.slow_run + 1 if latest > self.threshold * bar else 0
             s.fast_run = s.fast_run + 1 if latest < self.threshold * bar * RECOVER else 0

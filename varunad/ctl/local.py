@@ -273,10 +273,9 @@ def _start_etcd(binary: str, state_dir: Path, timeout: float) -> tuple[str, Ring
 def _daemon_cmd(ring: Ring, name: str, metrics_port: int | None) -> list[str]:
     cmd = [sys.executable, "-m", "varunad.node.daemon", "--etcd", ring.etcd, "--name", name, "--root", ring.root,
            "--advertise", "127.0.0.1", "--slots", "1", "--threads", "1", "--plaintext", "--ttl", f"{ring.ttl:g}",
-           "--store", ring.store, "--state-dir", str(Path(ring.dir) / name),
-           # the ring's daemons share this host's cores: which of them computes slower is the
-           # scheduler's choice from moment to moment, not a VM's speed to plan around
-           "--straggler-threshold", "0"]
+           "--store", ring.store, "--state-dir", str(Path(ring.dir) / name)]
+    # The ring's daemons report one machine (the kernel's boot id): the leader plans for its cores
+    # and calls none of them a straggler (which lags is the scheduler's choice, not a VM's speed).
     if metrics_port:
         cmd += ["--metrics-port", str(metrics_port)]
     return cmd + list(ring.daemon_args)

@@ -15,6 +15,7 @@ and a morph around a straggler is at least ``QUIET_S`` after the previous one.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from trainer.planning.planner import PlanError
 from varunad.control.decide import Decision
@@ -39,13 +40,15 @@ def expected_of(plan: PlanDoc, facts: dict, snap: FleetSnapshot) -> dict[int, Ex
     if plan.plan is None or not isinstance(compute, list):
         return {}
     where = plan.plan.positions()
+    machines = Counter(snap.members[s.member][0].machine_key for s in plan.slots if s.member in snap.members)
     out = {}
     for s in plan.slots:
         stage = where[s.rank][0]
         member = snap.members.get(s.member)
         if member is None or stage >= len(compute) or not isinstance(compute[stage], (int, float)):
             continue
-        out[s.rank] = Expected(f"{s.member}/{s.slot}", member[0].device_kind, float(compute[stage]), stage)
+        out[s.rank] = Expected(f"{s.member}/{s.slot}", member[0].device_kind, float(compute[stage]), stage,
+                               shared=machines[member[0].machine_key] > 1)
     return out
 
 
