@@ -160,7 +160,8 @@ def trial(ring: Ring, job: str, how: str, shape: str) -> dict:
 def run_config(base: Path, ttl: float, shape: str, hows: list[str], trials: int) -> dict[str, list[dict]]:
     server = EtcdServer()
     server.start()
-    ring = Ring(base, server.endpoint, root="/bench/", ttl=ttl,
+    # each daemon plays a VM of its own: the job's workers sleep, and its shapes are the point
+    ring = Ring(base, server.endpoint, root="/bench/", ttl=ttl, own_machines=True,
                 extra=["--calibrate", "profile", "--memory", str(2**30), "--stop-grace", "30", "--abort-grace", "2",
                        "--scale-up-threshold", "0", "--progress-interval", "0.5", "--debounce", "0.2"])
     results: dict[str, list[dict]] = {h: [] for h in hows}

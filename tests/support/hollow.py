@@ -349,8 +349,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
+    # each plays a VM of its own (a machine id apiece): hollow workers compute nothing, and on
+    # one host's boot id the planner would crowd hundreds of them onto its two cores
     configs = [load_config([*daemon_args, "--name", n, "--advertise", h, "--state-dir",
-                            str(Path(ns.state_base) / n), "--log-level", ns.log_level, "--no-spare-workers"],
+                            str(Path(ns.state_base) / n), "--log-level", ns.log_level, "--no-spare-workers",
+                            "--machine-id", f"hollow-{n}"],
                            parser=parser) for n, h in zip(names, hosts)]
 
     async def run() -> int:

@@ -29,7 +29,10 @@ class NetRing(FabricRing):
         d = self.fabric.daemons.get(f"vm{i}")
         if d is not None and d.alive:
             return d
-        return self.fabric.start_daemon(i, "--root", self.root, "--store", str(self.store_dir), *self.daemon_args)
+        # each namespace plays a VM of its own machine: these tests are about networks, and their
+        # jobs' shapes (a pipeline across VMs) must not shrink to what this host's two cores take
+        return self.fabric.start_daemon(i, "--root", self.root, "--store", str(self.store_dir),
+                                        "--machine-id", f"netns-vm{i}", *self.daemon_args)
 
 
 def run_job(ring: NetRing, job: str, reference: list[float]) -> dict:

@@ -30,7 +30,7 @@ import bisect
 import heapq
 import itertools
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from trainer.planning.calibration import Calibration
@@ -228,16 +228,22 @@ def _place(stage_kinds: Sequence[str], D: int, slots: Sequence[Slot], host_size:
     return assignment, links, ar
 
 
-def _oversubscribed(slots: Sequence[Slot], machine_cores: Mapping[str, int], calibrated_load: Mapping[str, float]
-                    ) -> bool:
-    """Whether using every slot would put more threads on some machine than its cores take, beyond
-    the load its kinds were calibrated under: only then can a placement be slowed by sharing."""
+def _threads_on(slots: Iterable[Slot], machine_cores: Mapping[str, int]) -> Counter:
+    """CPU threads the workers of ``slots`` run on each machine whose cores are known."""
     demand: Counter = Counter()
     for sl in slots:
         if sl.threads and sl.machine in machine_cores:
             demand[sl.machine] += sl.threads
+    return demand
+
+
+def _oversubscribed(slots: Sequence[Slot], machine_cores: Mapping[str, int], calibrated_load: Mapping[str, float]
+                    ) -> bool:
+    """Whether using every slot would put more threads on some machine than its cores take, beyond
+    the load its kinds were calibrated under: only then can a placement be slowed by sharing."""
+    demand = _threads_on(slots, machine_cores)
     return any(demand[sl.machine] / machine_cores[sl.machine] > max(1.0, calibrated_load.get(sl.device_kind, 1.0))
-               for sl in slots if sl.threads and sl.machine in machine_cores)
+               for sl in slots if sl.machine in demand)
 
 
 def _sharing(assignment: Mapping[str, tuple[int, int]], P: int, by_id: Mapping[str, Slot],
@@ -246,15 +252,11 @@ def _sharing(assignment: Mapping[str, tuple[int, int]], P: int, by_id: Mapping[s
     puts it on: a machine whose workers' threads outnumber its cores runs each of them at
     cores / threads of the speed, its kind's calibration having measured ``calibrated_load``
     already; replicas run in step, so the slowest replica's factor is the stage's."""
-    demand: Counter = Counter()
-    for slot_id in assignment:
-        sl = by_id[slot_id]
-        if sl.threads and sl.machine in machine_cores:
-            demand[sl.machine] += sl.threads
+    demand = _threads_on((by_id[slot_id] for slot_id in assignment), machine_cores)
     factors = [1.0] * P
     for slot_id, (stage, _) in assignment.items():
         sl = by_id[slot_id]
-        if sl.threads and sl.machine in machine_cores:
+        if sl.machine in demand and sl.threads:
             load = demand[sl.machine] / machine_cores[sl.machine]
             factors[stage] = max(factors[stage], load / max(1.0, calibrated_load.get(sl.device_kind, 1.0)))
     return tuple(factors)
