@@ -22,6 +22,7 @@ from support import REPO, TESTS
 from support.png import png_size
 from support.waiting import until
 
+from varunad.cluster.facts import machine_id
 from varunad.ctl import local
 from varunad.node.metrics import METRIC_NAMES
 
@@ -89,7 +90,14 @@ def test_up_finds_down_stops_everything(tmp_path):
         env |= {"VARUNAD_LOCAL_DIR": str(state)}
         nodes = _varunactl("nodes", "--json", env=env)
         assert nodes.returncode == 0, nodes.stderr
-        assert sorted(m["name"] for m in json.loads(nodes.stdout)) == ["vm1", "vm2"]
+        members = json.loads(nodes.stdout)
+        assert sorted(m["name"] for m in members) == ["vm1", "vm2"]
+        # both daemons report this host's boot id, its cores and their one-thread workers: they
+        # know they share its cores (the planner counts them, `nodes` says so)
+        assert {m["machine"] for m in members} == {machine_id()} != {""}
+        assert all(m["sharing_machine_with"] == 1 and m["threads"] == 1 and m["cores"] >= 1 for m in members)
+        table = _varunactl("nodes", env=env)
+        assert table.returncode == 0 and table.stdout.count("shares machine") == 2, table.stdout + table.stderr
         # submit and watch a short job, also without --etcd; not a terminal: plain lines
         script = str(TESTS / "daemon_job" / "train_job.py")
         sub = _varunactl("submit", "--name", "t", "--batch-size", "8", "--steps", "4", "--checkpoint-every", "2",

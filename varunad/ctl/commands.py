@@ -15,6 +15,7 @@ import json
 import sys
 import time
 import zipfile
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
@@ -211,10 +212,15 @@ async def _members(store: Store, keys: Keys) -> list[dict[str, Any]]:
             "memory_bytes": m.memory_bytes, "version": m.version, "draining": m.draining,
             "worker_ports": list(m.worker_ports), "rendezvous_port": m.rendezvous_port,
             "probe_ports": list(m.probe_ports),
+            "machine": m.machine, "cores": m.cores, "threads": m.threads,
             "up_s": round(time.time() - m.started_at, 1),
             "lease_ttl_left_s": remaining,
             "lease_age_s": None if remaining is None or not m.lease_ttl else round(m.lease_ttl - remaining, 1),
         })
+    # members that report one machine share its cores: each says with how many others
+    sharing = Counter(m["machine"] for m in out if m["machine"])
+    for m in out:
+        m["sharing_machine_with"] = sharing[m["machine"]] - 1 if m["machine"] else 0
     return out
 
 

@@ -118,7 +118,9 @@ def _cmd_nodes(args: argparse.Namespace) -> int:
             left = "-" if m["lease_ttl_left_s"] is None else f"{m['lease_ttl_left_s']}s"
             print(f"{m['name']:<16} {m['host']:<16} {m['slots']:>5} {m['device_kind']:<8} "
                   f"{m['memory_bytes'] / 2**30:>8.1f} {age:>9} {left:>8} {m['up_s']:>8.0f}  {m['version']}"
-                  + ("  (leaving)" if m["draining"] else ""))
+                  + ("  (leaving)" if m["draining"] else "")
+                  + (f"  (shares machine {m['machine'][:8]}'s {m['cores']} cores with {m['sharing_machine_with']} "
+                     "other daemon(s))" if m["sharing_machine_with"] else ""))
         return 0
 
     return _run(args, go)
