@@ -76,7 +76,14 @@ def test_round_trip_keeps_overheads_and_tied_weights():
     assert again.links["intra"].recv_overhead_s == 3e-4
 
 
+def _v3(doc: dict) -> dict:
+    doc["version"] = 3
+    del doc["busy_slowdown"]
+    return doc
+
+
 def _v2(doc: dict) -> dict:
+    doc = _v3(doc)
     doc["version"] = 2
     del doc["step_bytes_add"]
     for seg in doc["segments"]:
@@ -92,7 +99,7 @@ def test_version_1_documents_migrate_with_no_overheads_and_no_tied_weights():
         for v in doc[table].values():
             del v["send_overhead_s"], v["recv_overhead_s"]
     cal = Calibration.from_dict(doc)
-    assert cal.version == SCHEMA_VERSION == 3 and cal.tied == ()
+    assert cal.version == SCHEMA_VERSION == 4 and cal.tied == ()
     assert cal.links == LINKS and cal.links["intra"].send_overhead_s == cal.links["intra"].recv_overhead_s == 0
     assert cal.segments == _cal().segments
     doc["links"]["intra"]["send_overhead_s"] = 0.1   # a version 1 document has none
@@ -245,3 +252,16 @@ def test_the_profiler_measures_the_optimizer_steps_temporaries(foreach):
     sgd = _optimizer_factory(torch.optim.SGD(params, lr=1e-4))
     (_, state, temporaries), = measure_steps([params], sgd, repeats=1, warmup=0)
     assert state == 0 and temporaries < 1024
+
+
+def test_version_3_documents_migrate_with_no_busy_slowdown():
+    cal = Calibration.from_dict(_v3(_doc()))
+    assert cal.busy_slowdown == 0.0 and cal.segments == _cal().segments
+    doc = _v3(_doc())
+    doc["busy_slowdown"] = 1.5   # a version 3 document has none
+    with pytest.raises(CalibrationError, match="unexpected"):
+        Calibration.from_dict(doc)
+    busy = dataclasses.replace(_cal(), busy_slowdown=1.5)
+    assert Calibration.from_bytes(busy.to_bytes()).busy_slowdown == 1.5
+    with pytest.raises(CalibrationError, match="busy_slowdown"):
+        dataclasses.replace(_cal(), busy_slowdown=-1.0)

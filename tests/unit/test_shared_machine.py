@@ -18,7 +18,7 @@ from support.decisions import member, spec
 
 from trainer.planning.calibration import LinkCost
 from trainer.planning.plan import PlanError, Slot
-from trainer.planning.planner import plan
+from trainer.planning.planner import _crowding, plan
 from varunad.cluster.facts import DaemonMember, machine_id
 from varunad.control.plans import calibrated_load, make_plan, profile_slots
 from varunad.report.traces import predict
@@ -176,3 +176,29 @@ def test_the_leader_expects_the_slots_of_a_shared_machine_as_shared():
     expected = expected_of(doc, {"stage_compute_s": [0.01] * doc.plan.P}, snapshot(members=members))
     shared = {e.slot: e.shared for e in expected.values()}
     assert shared == {"d1/0": True, "d2/0": True, "d3/0": False}
+
+
+def test_crowding_from_a_calibration_measured_with_the_machine_busy():
+    # two one-thread slots busy on two cores computed 1.5x slower than one alone
+    assert _crowding(1, 1, 2, 1.0, 1.5) == pytest.approx(1 / 1.5)   # alone: faster than calibrated
+    assert _crowding(1, 2, 2, 1.0, 1.5) == pytest.approx(1.0)       # as calibrated
+    assert _crowding(1, 4, 2, 1.0, 1.5) == pytest.approx(2.0)       # taking turns on top
+    # four slots of one daemon profiled at once on two cores (2.6x: turns and bandwidth)
+    assert _crowding(1, 4, 2, 2.0, 2.6) == pytest.approx(1.0)
+    assert _crowding(1, 2, 2, 2.0, 2.6) == pytest.approx(0.5)
+    assert _crowding(1, 1, 2, 2.0, 2.6) == pytest.approx(1 / 2.6)
+    # not measured (an older calibration, or one slot alone): only turns beyond its load count
+    assert _crowding(1, 1, 2, 1.0, 0.0) == 1.0 and _crowding(1, 4, 2, 1.0, 0.0) == 2.0
+
+
+def test_a_worker_with_the_machine_to_itself_is_planned_faster_than_its_busy_calibration():
+    # a slow network: data parallelism and the pipeline's 100 MB activations cost more than they bring
+    slow_ring = {"intra": LinkCost(0.0, 1e6), "inter": LinkCost(0.0, 1e6)}
+    cal = dataclasses.replace(calibration(4, model="toy", kind="cpu", forward_s=1.0, activation_bytes=10**8,
+                                          input_bytes=0, param_bytes=GiB // 8, optimizer_bytes=GiB // 8,
+                                          links=slow_ring, allreduce=slow_ring), busy_slowdown=1.5)
+    p = plan(_ring(n=2), 8, [cal], machine_cores={"boot-1": 2}, calibrated_load={"cpu": 1.0})
+    assert (p.P, p.D) == (1, 1) and p.contention == (pytest.approx(1 / 1.5),)
+    assert p.estimated_s == pytest.approx(96.0 / 1.5, rel=1e-3)
+    assert any("1.5x faster than its calibration" in n for n in p.notes), p.notes
+    assert plan(_ring(n=2, machine=""), 8, [cal]).estimated_s == pytest.approx(96.0, rel=1e-3)

@@ -33,7 +33,8 @@ set's segments and bytes so that the simulator can charge it.
 
 Schema history: version 1 had no message overheads and no tied sets; such documents still load
 (the overheads read as 0 and the tied sets as unknown, i.e. none). Version 2 had no step
-temporaries: they read as 0 (what the planner counted before them), adding up.
+temporaries: they read as 0 (what the planner counted before them), adding up. Version 3 had no
+busy slowdown: it reads as 0 (unknown: a lone worker is taken to compute as calibrated).
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ __all__ = [
 ]
 
 SCHEMA = "varunad.calibration"
-SCHEMA_VERSION = 3
-_READABLE_VERSIONS = (1, 2, 3)   # older ones migrate: zero message overheads, no tied sets, no step temporaries
+SCHEMA_VERSION = 4
+# older ones migrate: zero message overheads, no tied sets, no step temporaries, no busy slowdown
+_READABLE_VERSIONS = (1, 2, 3, 4)
 LINK_KINDS = ("intra", "inter")  # same host, across hosts
 
 
@@ -188,6 +190,10 @@ class Calibration:
     version: int = field(default=SCHEMA_VERSION)
     tied: tuple[TiedWeights, ...] = ()  # weights shared by several segments
     step_bytes_add: bool = True  # the segments' step temporaries are held at once (foreach), not in turn
+    # How many times slower a slot computed with the calibration's slots busy at once than alone
+    # (a CPU machine's slots share its cores and memory bandwidth; 0 = measured alone, or unknown):
+    # what a worker that has the machine to itself gains (trainer.planning.planner).
+    busy_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if self.version != SCHEMA_VERSION:
@@ -228,6 +234,7 @@ class Calibration:
                 raise CalibrationError(f"tied weights name segment {t.segments[-1]} of {len(self.segments)}")
         if not isinstance(self.step_bytes_add, bool):
             raise CalibrationError(f"Calibration.step_bytes_add must be a bool, got {self.step_bytes_add!r}")
+        _num("Calibration", "busy_slowdown", self.busy_slowdown)
 
     def __hash__(self) -> int:  # the mapping fields are read-only proxies
         return hash((self.model, self.device_kind, self.micro_batch_sizes, self.segments))
@@ -284,6 +291,7 @@ class Calibration:
             "allreduce": {k: link(v) for k, v in self.allreduce.items()},
             "tied": [{"segments": list(t.segments), "param_bytes": t.param_bytes} for t in self.tied],
             "step_bytes_add": self.step_bytes_add,
+            "busy_slowdown": self.busy_slowdown,
         }
 
     @classmethod
@@ -297,7 +305,8 @@ class Calibration:
         names = {"schema", "version", "model", "device_kind", "micro_batch_sizes", "input_bytes", "segments",
                  "links", "allreduce"}
         names |= set() if v1 else {"tied"}
-        names |= {"step_bytes_add"} if version == SCHEMA_VERSION else set()
+        names |= {"step_bytes_add"} if version in (3, 4) else set()
+        names |= {"busy_slowdown"} if version == 4 else set()
         top = _fields(doc, "calibration", names)
         if top["schema"] != SCHEMA:
             raise CalibrationError(f"not a calibration document (schema {top['schema']!r})")
@@ -305,7 +314,7 @@ class Calibration:
         segs = []
         for k, s in enumerate(_list(top["segments"], "segments")):
             sd = _fields(s, f"segments[{k}]", {"param_bytes", "optimizer_bytes", "step_s", "costs"}
-                         | ({"step_bytes"} if version == SCHEMA_VERSION else set()))
+                         | ({"step_bytes"} if version in (3, 4) else set()))
             costs = tuple(
                 SegmentCost(**_fields(c, f"segments[{k}].costs[{j}]", set(SegmentCost.__slots__)))
                 for j, c in enumerate(_list(sd["costs"], f"segments[{k}].costs"))
@@ -332,6 +341,7 @@ class Calibration:
             allreduce=links("allreduce"),
             tied=tied,   # a version 1 document is migrated: no overheads, no tied sets
             step_bytes_add=top.get("step_bytes_add", True),
+            busy_slowdown=top.get("busy_slowdown", 0.0),
         )
 
     def to_bytes(self) -> bytes:

@@ -21,7 +21,9 @@ Conventions:
     puts more threads on a machine than it has cores, beyond the load its kind's calibration was
     measured under (`calibrated_load`), that machine's stages compute proportionally slower, in
     the screen and in the replay. A local ring of four one-thread daemons on two cores runs each
-    worker at half speed, and a plan that leaves two of them idle may be the faster one.
+    worker at half speed, and a plan that leaves two of them idle may be the faster one. A
+    calibration measured with a machine's slots busy (`Calibration.busy_slowdown`) also says
+    how much faster a worker runs with the machine to itself (`_crowding`).
 """
 
 from __future__ import annotations
@@ -246,20 +248,40 @@ def _oversubscribed(slots: Sequence[Slot], machine_cores: Mapping[str, int], cal
                for sl in slots if sl.machine in demand)
 
 
+def _crowding(threads: int, on_machine: int, cores: int, calibrated_load: float, busy_slowdown: float) -> float:
+    """How many times slower than its calibration a worker of ``threads`` computes on a machine of
+    ``cores`` whose placed workers run ``on_machine`` threads in all. Past the cores, the workers
+    take turns: load = on_machine / cores times slower. Below them they share memory bandwidth:
+    a worker alone computes ``busy_slowdown`` times faster than the calibration's busy slots did
+    (where measured), and the loss is taken to grow linearly with the cores in use up to the
+    calibration's own load."""
+    load = on_machine / cores
+    if busy_slowdown <= 0:   # calibrated alone, or unknown: only the turns beyond its load count
+        return max(1.0, load) / max(1.0, calibrated_load)
+    busy = max(1.0, busy_slowdown)
+    alone, measured = min(1.0, threads / cores), min(1.0, calibrated_load)
+    shared_bw = busy / max(1.0, calibrated_load)   # the bandwidth part of the calibration's slowdown
+    slope = (shared_bw - 1.0) / (measured - alone) if measured > alone else 0.0
+    bandwidth = max(1.0, 1.0 + slope * (min(1.0, load) - alone))
+    return max(1.0, load) * bandwidth / busy
+
+
 def _sharing(assignment: Mapping[str, tuple[int, int]], P: int, by_id: Mapping[str, Slot],
-             machine_cores: Mapping[str, int], calibrated_load: Mapping[str, float]) -> tuple[float, ...]:
+             machine_cores: Mapping[str, int], calibrated_load: Mapping[str, float],
+             busy_slowdown: Mapping[str, float]) -> tuple[float, ...]:
     """Per stage, how many times slower than calibrated it computes on the machines `assignment`
-    puts it on: a machine whose workers' threads outnumber its cores runs each of them at
-    cores / threads of the speed, its kind's calibration having measured ``calibrated_load``
-    already; replicas run in step, so the slowest replica's factor is the stage's."""
+    puts it on (`_crowding`; below 1 where it has more of a machine than its calibration had);
+    replicas run in step, so the slowest replica's factor is the stage's."""
     demand = _threads_on((by_id[slot_id] for slot_id in assignment), machine_cores)
-    factors = [1.0] * P
+    factors: list[float | None] = [None] * P
     for slot_id, (stage, _) in assignment.items():
         sl = by_id[slot_id]
+        f = 1.0
         if sl.machine in demand and sl.threads:
-            load = demand[sl.machine] / machine_cores[sl.machine]
-            factors[stage] = max(factors[stage], load / max(1.0, calibrated_load.get(sl.device_kind, 1.0)))
-    return tuple(factors)
+            f = _crowding(sl.threads, demand[sl.machine], machine_cores[sl.machine],
+                          calibrated_load.get(sl.device_kind, 1.0), busy_slowdown.get(sl.device_kind, 0.0))
+        factors[stage] = f if factors[stage] is None else max(factors[stage], f)
+    return tuple(1.0 if f is None else f for f in factors)
 
 
 def _configurations(kinds, sizes, global_batch, n_seg, uneven=False):
@@ -370,7 +392,11 @@ def plan(
     keep = max(verify, runners_up)
     cores = {m: c for m, c in (machine_cores or {}).items() if c > 0}
     loads = dict(calibrated_load or {})
-    shared = _oversubscribed(slots, cores, loads)
+    busy = {k.name: k.cal.busy_slowdown for k in kinds}
+    # placements differ in speed only where a machine can be crowded, or a worker can have more
+    # of one than its calibration's busy slots had
+    shared = _oversubscribed(slots, cores, loads) or (
+        any(f > 1.0 for f in busy.values()) and any(sl.threads and sl.machine in cores for sl in slots))
     by_id = {sl.slot_id: sl for sl in slots}
     kind_by_name = {k.name: k for k in kinds}
     host_size = {k.name: k.host_size for k in kinds}
@@ -378,7 +404,7 @@ def plan(
     def placed(names, D):
         """(assignment, link kinds, all-reduce kinds, slowdown per stage) of one configuration."""
         assignment, links, ar = _place(names, D, [s for s in slots if s.device_kind in set(names)], host_size)
-        return assignment, links, ar, _sharing(assignment, len(names), by_id, cores, loads)
+        return assignment, links, ar, _sharing(assignment, len(names), by_id, cores, loads, busy)
 
     if shared:   # the screen places every configuration: sharing decides between them
         verify = max(verify, runners_up)
@@ -497,7 +523,7 @@ def plan(
         parallel=parallel, micro_batches=m, global_batch=global_batch, stages=tuple(stages), assignment=assignment,
         link_kinds=tuple(links), allreduce_kinds=tuple(ar), estimated_s=sim, unused=unused,
         notes=tuple(notes), candidates=tuple(shown), ruled_out=ruled_out,
-        contention=tuple(slowed) if any(f > 1.0 for f in slowed) else (),
+        contention=tuple(slowed) if any(f != 1.0 for f in slowed) else (),
     )
 
 
@@ -517,6 +543,11 @@ def _sharing_notes(assignment, by_id, cores, slowed) -> list[str]:
         worst = max(slowed[s] for s in stages)
         notes.append(f"{len(group)} workers share machine {machine[:8]} ({threads} threads on {cores[machine]} cores)"
                      + (f": their compute planned {worst:.2g}x slower than calibrated" if worst > 1.0 else ""))
+    for machine, group in sorted(on.items()):
+        best = min(slowed[assignment[sl.slot_id][0]] for sl in group)
+        if best < 1.0:
+            notes.append(f"machine {machine[:8]}: {len(group)} worker(s) on {cores[machine]} cores compute "
+                         f"{1 / best:.2g}x faster than its calibration, which ran with its slots busy")
     return notes
 
 

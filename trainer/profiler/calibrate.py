@@ -174,8 +174,9 @@ class Profiler:
         job = _Job(slices, batches, segments, self.device, self.precision, self.repeats, self.warmup,
                    self._factory, self.optimizer_factor, self.in_flight)
         try:
+            busy_slowdown = 0.0
             if self.slots > 1:
-                per_size, steps = _run_concurrently(job, self.slots)
+                per_size, steps, busy_slowdown = _run_concurrently(job, self.slots)
             else:
                 per_size, steps = job.run()
             self.measured += len(segments) * len(sizes)
@@ -198,7 +199,7 @@ class Profiler:
         return Calibration(model=self.fingerprint, device_kind=self.device_kind, micro_batch_sizes=tuple(sizes),
                            input_bytes=tuple(input_bytes), segments=tuple(profiles), links=links,
                            allreduce=allreduce, tied=tied_weights(slices),
-                           step_bytes_add=step_bytes_add(self._factory, self.device))
+                           step_bytes_add=step_bytes_add(self._factory, self.device), busy_slowdown=busy_slowdown)
 
     def _network(self, existing: Calibration | None) -> tuple[dict[str, LinkCost], dict[str, LinkCost]]:
         links, allreduce = dict(self._links), dict(self._allreduce)

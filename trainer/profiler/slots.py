@@ -116,4 +116,17 @@ def _run_concurrently(job: _Job, slots: int, timeout_s: float = 1800.0):
                 max(m.forward_s for m in ms), max(m.recompute_s for m in ms),
                 max(m.backward_s for m in ms), ms[0].activation_bytes, ms[0].peak_activation_bytes)
     steps = [(max(res[1][i][0] for res in results), *results[0][1][i][1:]) for i in range(len(results[0][1]))]
-    return per_size, steps
+    return per_size, steps, _busy_slowdown(job, per_size)
+
+
+def _busy_slowdown(job: _Job, busy: dict[int, dict[int, SegmentMeasurement]]) -> float:
+    """How many times slower the busy slots computed than one slot alone: the middle micro-batch
+    size measured again here, with every slot's process gone (0.0 when it cannot tell). What a
+    worker that has the machine to itself gains over the calibration (trainer.planning.planner)."""
+    b = sorted(job.batches)[len(job.batches) // 2]
+    alone = measure_segments_interleaved(job.slices, job.batches[b], device=job.device, precision=job.precision,
+                                         segments=job.segments, repeats=job.repeats, warmup=job.warmup,
+                                         in_flight=job.in_flight)
+    alone_s = sum(m.forward_s + m.backward_s for m in alone.values())
+    busy_s = sum(busy[b][k].forward_s + busy[b][k].backward_s for k in alone)
+    return busy_s / alone_s if alone_s > 0 else 0.0

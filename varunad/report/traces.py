@@ -152,7 +152,7 @@ def predict(plan: Mapping[str, Any], calibrations: Mapping[str, bytes], batch_si
     ar = plan.get("allreduce_kinds") or ["intra" if one_host or D == 1 else "inter"] * P
     costs = stage_costs(cals, bounds, mbs, D, links, ar)
     slowed = plan.get("stage_slowed")
-    if isinstance(slowed, list) and len(slowed) == P and all(isinstance(f, (int, float)) and f >= 1 for f in slowed):
+    if isinstance(slowed, list) and len(slowed) == P and all(isinstance(f, (int, float)) and f > 0 for f in slowed):
         costs = tuple(c.slowed(float(f)) for c, f in zip(costs, slowed))
     events: list[dict[str, Any]] = []
     result = simulate(build_table(plan.get("schedule") or DEFAULT_SCHEDULE, P, m, plan.get("recompute") or True), costs,
