@@ -213,6 +213,7 @@ class WorkerAssignment:
     steps: int | None = None                 # the job's total steps, for scripts
     profile: str | None = None               # calibrate into this file at set_optimizer, and exit
     profile_slots: int | None = None         # CPU only: profile as this many slots busy at once
+    profile_machine_slots: int | None = None  # CPU only: then time this many busy at once (a shared machine)
     # The address this worker's collectives bind (trainer.net.netaddr): the one its daemon
     # advertises. None: torch's default (the host name's address).
     bind_address: str | None = None

@@ -168,9 +168,13 @@ def test_cpu_slots_measure_with_the_host_busy(tmp_path, one_thread):
     alone = Profiler(model, data.sample_batch, out_folder=tmp_path, links={"intra": intra},
                      allreduce={"intra": intra}, **FAST).profile_all([2])
     assert alone.model == cal.model and alone.device_kind == "cpu"   # the same model, another slot kind
-    # the busy calibration also timed one slot alone: what a worker with the machine to itself gains
+    assert cal.busy_slowdown == alone.busy_slowdown == 0.0
+    # other daemons share the machine: measured alone, then the middle size timed with 2 slots busy
     # (a ratio; noisy on a shared host, so only its sign of life and range are checked)
-    assert 0.3 < cal.busy_slowdown < 10 and alone.busy_slowdown == 0.0
+    probed = Profiler(model, data.sample_batch, out_folder=tmp_path / "probed", links={"intra": intra},
+                      allreduce={"intra": intra}, busy_slots=2, **FAST).profile_all([1, 2, 4])
+    assert probed.device_kind == "cpu" and 0.3 < probed.busy_slowdown < 10
+    assert probed.busy_load == pytest.approx(2 / len(os.sched_getaffinity(0)))
     for busy, lone in zip(cal.segments, alone.segments):
         assert busy.step_s > 0 and busy.param_bytes == lone.param_bytes
         assert busy.costs[0].backward_s > 0

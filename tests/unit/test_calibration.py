@@ -78,7 +78,7 @@ def test_round_trip_keeps_overheads_and_tied_weights():
 
 def _v3(doc: dict) -> dict:
     doc["version"] = 3
-    del doc["busy_slowdown"]
+    del doc["busy_slowdown"], doc["busy_load"]
     return doc
 
 
@@ -256,12 +256,13 @@ def test_the_profiler_measures_the_optimizer_steps_temporaries(foreach):
 
 def test_version_3_documents_migrate_with_no_busy_slowdown():
     cal = Calibration.from_dict(_v3(_doc()))
-    assert cal.busy_slowdown == 0.0 and cal.segments == _cal().segments
+    assert cal.busy_slowdown == cal.busy_load == 0.0 and cal.segments == _cal().segments
     doc = _v3(_doc())
     doc["busy_slowdown"] = 1.5   # a version 3 document has none
     with pytest.raises(CalibrationError, match="unexpected"):
         Calibration.from_dict(doc)
-    busy = dataclasses.replace(_cal(), busy_slowdown=1.5)
-    assert Calibration.from_bytes(busy.to_bytes()).busy_slowdown == 1.5
+    busy = dataclasses.replace(_cal(), busy_slowdown=1.5, busy_load=1.0)
+    again = Calibration.from_bytes(busy.to_bytes())
+    assert (again.busy_slowdown, again.busy_load) == (1.5, 1.0)
     with pytest.raises(CalibrationError, match="busy_slowdown"):
         dataclasses.replace(_cal(), busy_slowdown=-1.0)

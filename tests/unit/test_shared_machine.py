@@ -113,15 +113,15 @@ def test_machine_id_is_the_boot_id_and_nothing_that_is_not_one(tmp_path):
     assert machine_id() == machine_id()   # this host's, stable
 
 
-def test_a_calibration_on_a_shared_machine_keeps_as_many_slots_busy_as_it_has_cores():
+def test_a_calibration_on_a_shared_machine_then_times_as_many_slots_busy_as_it_has_cores():
     lone = _on(member("d1"))
-    assert profile_slots(lone, 4) == 2 and calibrated_load(lone, 4) == 1.0   # a ring of 4 on 2 cores
-    assert profile_slots(lone, 1) == 1                                       # alone on its machine
-    assert profile_slots(_on(member("d1", slots=4)), 4) == 4                 # its own 4 slots, as before
-    assert calibrated_load(_on(member("d1", slots=4)), 4) == 2.0
-    assert profile_slots(_on(member("d1"), threads=2), 4) == 1               # the profiler forks one-thread slots
-    assert profile_slots(_on(member("d1"), threads=0), 4) == 1               # GPU slots
-    assert calibrated_load(member("d1"), 4) == 1.0                           # an older daemon: unknown
+    assert profile_slots(lone, 4) == 2 and calibrated_load(lone) == 0.5   # a ring of 4 on 2 cores
+    assert profile_slots(lone, 1) == 0                                     # alone on its machine
+    four = _on(member("d1", slots=4))
+    assert profile_slots(four, 4) == 0 and calibrated_load(four) == 2.0    # its own 4 slots busy, as before
+    assert profile_slots(_on(member("d1"), threads=2), 4) == 0             # the probe forks one-thread slots
+    assert profile_slots(_on(member("d1"), threads=0), 4) == 0             # GPU slots
+    assert calibrated_load(member("d1")) == 1.0                            # an older daemon: unknown
 
 
 def test_make_plan_counts_a_machines_cores_only_for_a_measured_calibration():
@@ -178,27 +178,23 @@ def test_the_leader_expects_the_slots_of_a_shared_machine_as_shared():
     assert shared == {"d1/0": True, "d2/0": True, "d3/0": False}
 
 
-def test_crowding_from_a_calibration_measured_with_the_machine_busy():
-    # two one-thread slots busy on two cores computed 1.5x slower than one alone
-    assert _crowding(1, 1, 2, 1.0, 1.5) == pytest.approx(1 / 1.5)   # alone: faster than calibrated
-    assert _crowding(1, 2, 2, 1.0, 1.5) == pytest.approx(1.0)       # as calibrated
-    assert _crowding(1, 4, 2, 1.0, 1.5) == pytest.approx(2.0)       # taking turns on top
-    # four slots of one daemon profiled at once on two cores (2.6x: turns and bandwidth)
-    assert _crowding(1, 4, 2, 2.0, 2.6) == pytest.approx(1.0)
-    assert _crowding(1, 2, 2, 2.0, 2.6) == pytest.approx(0.5)
-    assert _crowding(1, 1, 2, 2.0, 2.6) == pytest.approx(1 / 2.6)
-    # not measured (an older calibration, or one slot alone): only turns beyond its load count
-    assert _crowding(1, 1, 2, 1.0, 0.0) == 1.0 and _crowding(1, 4, 2, 1.0, 0.0) == 2.0
+def test_crowding_from_a_calibration_measured_alone_that_also_timed_the_machine_busy():
+    # one one-thread slot of two cores measured alone (load 0.5); two busy at once computed 1.5x slower
+    assert _crowding(1, 2, 0.5, 1.5, 1.0) == pytest.approx(1.0)   # alone, as calibrated
+    assert _crowding(2, 2, 0.5, 1.5, 1.0) == pytest.approx(1.5)   # sharing the memory bandwidth
+    assert _crowding(4, 2, 0.5, 1.5, 1.0) == pytest.approx(3.0)   # and taking turns on the cores
+    assert _crowding(3, 4, 0.25, 1.5, 0.5) == pytest.approx(1.5)  # past the probe's load, no more than it
+    # four slots of one daemon profiled at once on two cores: its numbers already take turns
+    assert _crowding(4, 2, 2.0) == pytest.approx(1.0) and _crowding(8, 2, 2.0) == pytest.approx(2.0)
+    # not probed (an older calibration, or a machine of its own): only turns beyond its load count
+    assert _crowding(2, 2, 0.5) == 1.0 and _crowding(4, 2, 0.5) == 2.0
 
 
-def test_a_worker_with_the_machine_to_itself_is_planned_faster_than_its_busy_calibration():
-    # a slow network: data parallelism and the pipeline's 100 MB activations cost more than they bring
-    slow_ring = {"intra": LinkCost(0.0, 1e6), "inter": LinkCost(0.0, 1e6)}
-    cal = dataclasses.replace(calibration(4, model="toy", kind="cpu", forward_s=1.0, activation_bytes=10**8,
-                                          input_bytes=0, param_bytes=GiB // 8, optimizer_bytes=GiB // 8,
-                                          links=slow_ring, allreduce=slow_ring), busy_slowdown=1.5)
-    p = plan(_ring(n=2), 8, [cal], machine_cores={"boot-1": 2}, calibrated_load={"cpu": 1.0})
-    assert (p.P, p.D) == (1, 1) and p.contention == (pytest.approx(1 / 1.5),)
-    assert p.estimated_s == pytest.approx(96.0 / 1.5, rel=1e-3)
-    assert any("1.5x faster than its calibration" in n for n in p.notes), p.notes
-    assert plan(_ring(n=2, machine=""), 8, [cal]).estimated_s == pytest.approx(96.0, rel=1e-3)
+def test_a_calibration_that_timed_the_machine_busy_slows_the_plans_that_fill_it():
+    cal = dataclasses.replace(_cal(), busy_slowdown=1.5, busy_load=1.0)
+    p = plan(_ring(), 8, [cal], machine_cores={"boot-1": 2}, calibrated_load={"cpu": 0.5})
+    # 1x2 fills the two cores: 4 x 12 s, 1.5x slower; 1x4 would be 3x slower (24 x 3), 1x1 96 s
+    assert (p.P, p.D) == (1, 2) and p.contention == (pytest.approx(1.5),)
+    assert p.estimated_s == pytest.approx(72.0, rel=1e-3)
+    assert any("compute planned 1.5x slower than calibrated" in n for n in p.notes), p.notes
+    assert plan(_ring(machine=""), 8, [cal]).estimated_s == pytest.approx(24.0, rel=1e-3)   # no machine: no sharing

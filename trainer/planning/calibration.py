@@ -190,10 +190,11 @@ class Calibration:
     version: int = field(default=SCHEMA_VERSION)
     tied: tuple[TiedWeights, ...] = ()  # weights shared by several segments
     step_bytes_add: bool = True  # the segments' step temporaries are held at once (foreach), not in turn
-    # How many times slower a slot computed with the calibration's slots busy at once than alone
-    # (a CPU machine's slots share its cores and memory bandwidth; 0 = measured alone, or unknown):
-    # what a worker that has the machine to itself gains (trainer.planning.planner).
+    # Where other daemons share a CPU machine: with `busy_load` threads per core busy (its slots
+    # computing at once), a slot computed `busy_slowdown` times slower than this calibration
+    # says (shared cores and memory bandwidth; 0 = not measured). trainer.planning.planner.
     busy_slowdown: float = 0.0
+    busy_load: float = 0.0
 
     def __post_init__(self) -> None:
         if self.version != SCHEMA_VERSION:
@@ -235,6 +236,7 @@ class Calibration:
         if not isinstance(self.step_bytes_add, bool):
             raise CalibrationError(f"Calibration.step_bytes_add must be a bool, got {self.step_bytes_add!r}")
         _num("Calibration", "busy_slowdown", self.busy_slowdown)
+        _num("Calibration", "busy_load", self.busy_load)
 
     def __hash__(self) -> int:  # the mapping fields are read-only proxies
         return hash((self.model, self.device_kind, self.micro_batch_sizes, self.segments))
@@ -292,6 +294,7 @@ class Calibration:
             "tied": [{"segments": list(t.segments), "param_bytes": t.param_bytes} for t in self.tied],
             "step_bytes_add": self.step_bytes_add,
             "busy_slowdown": self.busy_slowdown,
+            "busy_load": self.busy_load,
         }
 
     @classmethod
@@ -306,7 +309,7 @@ class Calibration:
                  "links", "allreduce"}
         names |= set() if v1 else {"tied"}
         names |= {"step_bytes_add"} if version in (3, 4) else set()
-        names |= {"busy_slowdown"} if version == 4 else set()
+        names |= {"busy_slowdown", "busy_load"} if version == 4 else set()
         top = _fields(doc, "calibration", names)
         if top["schema"] != SCHEMA:
             raise CalibrationError(f"not a calibration document (schema {top['schema']!r})")
@@ -342,6 +345,7 @@ class Calibration:
             tied=tied,   # a version 1 document is migrated: no overheads, no tied sets
             step_bytes_add=top.get("step_bytes_add", True),
             busy_slowdown=top.get("busy_slowdown", 0.0),
+            busy_load=top.get("busy_load", 0.0),
         )
 
     def to_bytes(self) -> bytes:

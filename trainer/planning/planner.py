@@ -22,8 +22,8 @@ Conventions:
     measured under (`calibrated_load`), that machine's stages compute proportionally slower, in
     the screen and in the replay. A local ring of four one-thread daemons on two cores runs each
     worker at half speed, and a plan that leaves two of them idle may be the faster one. A
-    calibration measured with a machine's slots busy (`Calibration.busy_slowdown`) also says
-    how much faster a worker runs with the machine to itself (`_crowding`).
+    calibration that also timed the machine's slots busy at once (`Calibration.busy_slowdown`)
+    says what they lose to shared memory bandwidth before they run out of cores (`_crowding`).
 """
 
 from __future__ import annotations
@@ -248,38 +248,39 @@ def _oversubscribed(slots: Sequence[Slot], machine_cores: Mapping[str, int], cal
                for sl in slots if sl.machine in demand)
 
 
-def _crowding(threads: int, on_machine: int, cores: int, calibrated_load: float, busy_slowdown: float) -> float:
-    """How many times slower than its calibration a worker of ``threads`` computes on a machine of
-    ``cores`` whose placed workers run ``on_machine`` threads in all. Past the cores, the workers
-    take turns: load = on_machine / cores times slower. Below them they share memory bandwidth:
-    a worker alone computes ``busy_slowdown`` times faster than the calibration's busy slots did
-    (where measured), and the loss is taken to grow linearly with the cores in use up to the
-    calibration's own load."""
+def _crowding(on_machine: int, cores: int, calibrated_load: float, busy_slowdown: float = 0.0,
+              busy_load: float = 0.0) -> float:
+    """How many times slower than its calibration a worker computes on a machine of ``cores``
+    whose placed workers run ``on_machine`` threads in all; the calibration measured its numbers
+    with ``calibrated_load`` threads per core busy. Past the cores the workers take turns: load =
+    on_machine / cores times slower. Below them they share memory bandwidth: where the
+    calibration also timed ``busy_load`` threads per core busy (``busy_slowdown`` times slower),
+    the loss is taken to grow linearly with the cores in use between the two loads."""
     load = on_machine / cores
-    if busy_slowdown <= 0:   # calibrated alone, or unknown: only the turns beyond its load count
-        return max(1.0, load) / max(1.0, calibrated_load)
-    busy = max(1.0, busy_slowdown)
-    alone, measured = min(1.0, threads / cores), min(1.0, calibrated_load)
-    shared_bw = busy / max(1.0, calibrated_load)   # the bandwidth part of the calibration's slowdown
-    slope = (shared_bw - 1.0) / (measured - alone) if measured > alone else 0.0
-    bandwidth = max(1.0, 1.0 + slope * (min(1.0, load) - alone))
-    return max(1.0, load) * bandwidth / busy
+    turns = max(1.0, load) / max(1.0, calibrated_load)
+    near, far = min(1.0, calibrated_load), min(1.0, busy_load)
+    if busy_slowdown <= 0 or far <= near:
+        return turns
+    # the bandwidth part of the probe's slowdown: its own turns (beyond the cores) taken out
+    bandwidth = busy_slowdown / (max(1.0, busy_load) / max(1.0, calibrated_load))
+    share = min(1.0, max(0.0, (min(1.0, load) - near) / (far - near)))
+    return turns * max(1.0, 1.0 + (bandwidth - 1.0) * share)
 
 
 def _sharing(assignment: Mapping[str, tuple[int, int]], P: int, by_id: Mapping[str, Slot],
              machine_cores: Mapping[str, int], calibrated_load: Mapping[str, float],
-             busy_slowdown: Mapping[str, float]) -> tuple[float, ...]:
+             busy: Mapping[str, tuple[float, float]]) -> tuple[float, ...]:
     """Per stage, how many times slower than calibrated it computes on the machines `assignment`
-    puts it on (`_crowding`; below 1 where it has more of a machine than its calibration had);
-    replicas run in step, so the slowest replica's factor is the stage's."""
+    puts it on (`_crowding`; ``busy``: each kind's (busy_slowdown, busy_load)); replicas run in
+    step, so the slowest replica's factor is the stage's."""
     demand = _threads_on((by_id[slot_id] for slot_id in assignment), machine_cores)
     factors: list[float | None] = [None] * P
     for slot_id, (stage, _) in assignment.items():
         sl = by_id[slot_id]
         f = 1.0
         if sl.machine in demand and sl.threads:
-            f = _crowding(sl.threads, demand[sl.machine], machine_cores[sl.machine],
-                          calibrated_load.get(sl.device_kind, 1.0), busy_slowdown.get(sl.device_kind, 0.0))
+            f = _crowding(demand[sl.machine], machine_cores[sl.machine], calibrated_load.get(sl.device_kind, 1.0),
+                          *busy.get(sl.device_kind, (0.0, 0.0)))
         factors[stage] = f if factors[stage] is None else max(factors[stage], f)
     return tuple(1.0 if f is None else f for f in factors)
 
@@ -392,11 +393,11 @@ def plan(
     keep = max(verify, runners_up)
     cores = {m: c for m, c in (machine_cores or {}).items() if c > 0}
     loads = dict(calibrated_load or {})
-    busy = {k.name: k.cal.busy_slowdown for k in kinds}
-    # placements differ in speed only where a machine can be crowded, or a worker can have more
-    # of one than its calibration's busy slots had
+    busy = {k.name: (k.cal.busy_slowdown, k.cal.busy_load) for k in kinds}
+    # placements differ in speed only where a machine can be crowded, or its workers' shared
+    # memory bandwidth was measured
     shared = _oversubscribed(slots, cores, loads) or (
-        any(f > 1.0 for f in busy.values()) and any(sl.threads and sl.machine in cores for sl in slots))
+        any(f > 1.0 for f, _ in busy.values()) and any(sl.threads and sl.machine in cores for sl in slots))
     by_id = {sl.slot_id: sl for sl in slots}
     kind_by_name = {k.name: k for k in kinds}
     host_size = {k.name: k.host_size for k in kinds}
@@ -523,7 +524,7 @@ def plan(
         parallel=parallel, micro_batches=m, global_batch=global_batch, stages=tuple(stages), assignment=assignment,
         link_kinds=tuple(links), allreduce_kinds=tuple(ar), estimated_s=sim, unused=unused,
         notes=tuple(notes), candidates=tuple(shown), ruled_out=ruled_out,
-        contention=tuple(slowed) if any(f != 1.0 for f in slowed) else (),
+        contention=tuple(slowed) if any(f > 1.0 for f in slowed) else (),
     )
 
 
@@ -543,11 +544,7 @@ def _sharing_notes(assignment, by_id, cores, slowed) -> list[str]:
         worst = max(slowed[s] for s in stages)
         notes.append(f"{len(group)} workers share machine {machine[:8]} ({threads} threads on {cores[machine]} cores)"
                      + (f": their compute planned {worst:.2g}x slower than calibrated" if worst > 1.0 else ""))
-    for machine, group in sorted(on.items()):
-        best = min(slowed[assignment[sl.slot_id][0]] for sl in group)
-        if best < 1.0:
-            notes.append(f"machine {machine[:8]}: {len(group)} worker(s) on {cores[machine]} cores compute "
-                         f"{1 / best:.2g}x faster than its calibration, which ran with its slots busy")
+
     return notes
 
 

@@ -22,7 +22,7 @@ from trainer.profiler.common import _nbytes
 from trainer.profiler.identity import calibration_path, device_kind_of, model_fingerprint
 from trainer.profiler.network import measure_network
 from trainer.profiler.segments import IN_FLIGHT, _batch_size_of, segment_slices, tied_weights
-from trainer.profiler.slots import _Job, _run_concurrently
+from trainer.profiler.slots import _Job, _run_concurrently, busy_probe
 from trainer.profiler.steps import OptimizerFactory, _optimizer_factory, step_bytes_add
 
 __all__ = ["Profiler"]
@@ -48,7 +48,9 @@ class Profiler:
     parameter byte when no optimizer is set), `links`/`allreduce` (a LinkCost per link kind:
     skip measuring the network), `inter_link`/`inter_allreduce` (cross-host costs; by
     default "inter" gets the loopback numbers), and `in_flight` (micro-batches per repeat of
-    `measure_segments_interleaved`: by default IN_FLIGHT on CPU, 1 on a GPU).
+    `measure_segments_interleaved`: by default IN_FLIGHT on CPU, 1 on a GPU), and `busy_slots`
+    (a CPU machine other daemons share: after measuring one slot alone, time one micro-batch size
+    with that many busy at once: `Calibration.busy_slowdown`).
 
     The model stays where it was built (the host): one segment at a time visits the device with
     its gradients and its optimizer's state, all freed before the next, so a calibration fits in
@@ -61,7 +63,8 @@ class Profiler:
                  device_kind: str | None = None, repeats: int = 5, warmup: int = 2,
                  optimizer_factor: float = 2.0, links: Mapping[str, LinkCost] | None = None,
                  allreduce: Mapping[str, LinkCost] | None = None, inter_link: LinkCost | None = None,
-                 inter_allreduce: LinkCost | None = None, in_flight: int | None = None) -> None:
+                 inter_allreduce: LinkCost | None = None, in_flight: int | None = None,
+                 busy_slots: int | None = None) -> None:
         if repeats < 1 or warmup < 0:
             raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
         self.model = model
@@ -72,6 +75,8 @@ class Profiler:
         self.gpus_per_node = gpus_per_node
         # On CPU the slots of a host share its cores and memory: measure with all of them busy.
         self.slots = (gpus_per_node or 1) if self.device.type == "cpu" else 1
+        # Other daemons share this CPU machine: measured alone, then timed with that many busy.
+        self.busy_slots = busy_slots or 0
         self.precision: Precision = precision or ("fp16" if fp16 else "fp32")
         self.out_folder = Path(out_folder)
         self.pstages_to_profile = None if pstages_to_profile is None else sorted(set(pstages_to_profile))
@@ -174,11 +179,14 @@ class Profiler:
         job = _Job(slices, batches, segments, self.device, self.precision, self.repeats, self.warmup,
                    self._factory, self.optimizer_factor, self.in_flight)
         try:
-            busy_slowdown = 0.0
+            busy_slowdown = busy_load = 0.0
             if self.slots > 1:
-                per_size, steps, busy_slowdown = _run_concurrently(job, self.slots)
+                per_size, steps = _run_concurrently(job, self.slots)
             else:
                 per_size, steps = job.run()
+                if self.busy_slots > 1 and self.device.type == "cpu":
+                    busy_slowdown = busy_probe(job, per_size, self.busy_slots)
+                    busy_load = self.busy_slots / _cores() if busy_slowdown else 0.0   # one thread each
             self.measured += len(segments) * len(sizes)
         finally:
             for p in self.model.parameters():
@@ -199,7 +207,8 @@ class Profiler:
         return Calibration(model=self.fingerprint, device_kind=self.device_kind, micro_batch_sizes=tuple(sizes),
                            input_bytes=tuple(input_bytes), segments=tuple(profiles), links=links,
                            allreduce=allreduce, tied=tied_weights(slices),
-                           step_bytes_add=step_bytes_add(self._factory, self.device), busy_slowdown=busy_slowdown)
+                           step_bytes_add=step_bytes_add(self._factory, self.device), busy_slowdown=busy_slowdown,
+                           busy_load=busy_load)
 
     def _network(self, existing: Calibration | None) -> tuple[dict[str, LinkCost], dict[str, LinkCost]]:
         links, allreduce = dict(self._links), dict(self._allreduce)
@@ -239,6 +248,14 @@ def _restrict(cal: Calibration, sizes: Sequence[int]) -> Calibration:
     segs = tuple(replace(s, costs=tuple(s.costs[i] for i in idx)) for s in cal.segments)
     return replace(cal, micro_batch_sizes=tuple(sizes), input_bytes=tuple(cal.input_bytes[i] for i in idx),
                    segments=segs)
+
+
+def _cores() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _merge(old: Calibration, new: Calibration, measured: Sequence[int]) -> Calibration:

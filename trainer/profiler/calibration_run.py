@@ -56,7 +56,8 @@ class CalibrationRun:
             torch.set_num_threads(a.threads)
         profiler = Profiler(self.model, self.get_batch_fn, device=self.device,
                             out_folder=os.path.dirname(os.path.abspath(a.profile)),
-                            gpus_per_node=a.profile_slots, precision=self.precision)
+                            gpus_per_node=a.profile_slots, busy_slots=a.profile_machine_slots,
+                            precision=self.precision)
         if optimizer is not None:
             profiler.set_optimizer(optimizer)
         meter = PeakMemory(self.device, 0)   # from the captured model: what a worker holds before it trains

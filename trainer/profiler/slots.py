@@ -116,17 +116,40 @@ def _run_concurrently(job: _Job, slots: int, timeout_s: float = 1800.0):
                 max(m.forward_s for m in ms), max(m.recompute_s for m in ms),
                 max(m.backward_s for m in ms), ms[0].activation_bytes, ms[0].peak_activation_bytes)
     steps = [(max(res[1][i][0] for res in results), *results[0][1][i][1:]) for i in range(len(results[0][1]))]
-    return per_size, steps, _busy_slowdown(job, per_size)
+    return per_size, steps
 
 
-def _busy_slowdown(job: _Job, busy: dict[int, dict[int, SegmentMeasurement]]) -> float:
-    """How many times slower the busy slots computed than one slot alone: the middle micro-batch
-    size measured again here, with every slot's process gone (0.0 when it cannot tell). What a
-    worker that has the machine to itself gains over the calibration (trainer.planning.planner)."""
-    b = sorted(job.batches)[len(job.batches) // 2]
-    alone = measure_segments_interleaved(job.slices, job.batches[b], device=job.device, precision=job.precision,
-                                         segments=job.segments, repeats=job.repeats, warmup=job.warmup,
-                                         in_flight=job.in_flight)
-    alone_s = sum(m.forward_s + m.backward_s for m in alone.values())
-    busy_s = sum(busy[b][k].forward_s + busy[b][k].backward_s for k in alone)
+def _probe_main(job: _Job, size: int, barrier, done, conn) -> None:
+    try:
+        torch.set_num_threads(1)
+        barrier.wait(timeout=60)
+        conn.send(measure_segments_interleaved(job.slices, job.batches[size], device=job.device,
+                                               precision=job.precision, segments=job.segments, repeats=job.repeats,
+                                               warmup=job.warmup, in_flight=job.in_flight))
+        while not done.is_set():
+            job.filler()
+    except BaseException as exc:  # reported to the parent, which raises
+        try:
+            conn.send(f"{type(exc).__name__}: {exc}")
+        except Exception:
+            pass
+    finally:
+        conn.close()
+
+
+def busy_probe(job: _Job, alone: dict[int, dict[int, SegmentMeasurement]], slots: int,
+               timeout_s: float = 600.0) -> float:
+    """How many times slower a slot computes with ``slots`` of them busy at once (forked, one
+    thread each) than ``alone`` measured it: the middle micro-batch size timed again, the slowest
+    slot's time per segment, as `_run_concurrently` takes it. Where other daemons share a CPU
+    machine: its cores and memory bandwidth are theirs too (trainer.planning.planner)."""
+    if "fork" not in mp.get_all_start_methods() or torch.get_num_threads() != 1:
+        return 0.0   # as in _run_concurrently: forked slots need one thread each
+    size = sorted(job.batches)[len(job.batches) // 2]
+    ctx = mp.get_context("fork")
+    barrier, done = ctx.Barrier(slots), ctx.Event()
+    results = _fork_and_collect(ctx, _probe_main, [(job, size, barrier, done)] * slots, timeout_s=timeout_s,
+                                what="the busy probe", who="a probing slot", on_exit=done.set, join_s=30.0)
+    busy_s = sum(max(res[k].forward_s + res[k].backward_s for res in results) for k in results[0])
+    alone_s = sum(alone[size][k].forward_s + alone[size][k].backward_s for k in results[0])
     return busy_s / alone_s if alone_s > 0 else 0.0

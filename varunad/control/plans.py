@@ -105,7 +105,7 @@ class PlanDoc:
     # profile
     profile_member: str | None = None
     profile_path: str | None = None
-    profile_slots: int = 0  # CPU slots the calibration run keeps busy at once (0 = the member's own)
+    profile_slots: int = 0  # CPU slots of its machine the calibration run times busy at once (0 = none)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -244,22 +244,22 @@ def machine_slots(members: Sequence[DaemonMember]) -> dict[str, int]:
 
 
 def profile_slots(member: DaemonMember, on_machine: int) -> int:
-    """How many CPU slots a calibration run on ``member`` keeps busy at once: what its slots will
-    meet when a plan fills the machine, so the calibration holds the shared memory bandwidth. Its
-    own slots, or on a machine it shares with other daemons (``on_machine`` slots in all), as
-    many as the machine has cores for; the planner then counts any load beyond the cores
-    (`calibrated_load`). 1 on a GPU, or with several threads a worker (the profiler forks one
-    one-thread process per busy slot)."""
-    if member.threads != 1:
-        return 1
-    return max(member.slots, min(on_machine, member.cores or on_machine))
+    """How many CPU slots of its machine a calibration run on ``member`` times busy at once, after
+    measuring alone (`Calibration.busy_slowdown`): where other daemons share the machine
+    (``on_machine`` slots in all), as many as it has cores for; 0 where none do, on a GPU, or
+    with several threads a worker (the probe forks one-thread processes)."""
+    if member.threads != 1 or on_machine <= member.slots:
+        return 0
+    return min(on_machine, member.cores or on_machine)
 
 
-def calibrated_load(member: DaemonMember, on_machine: int) -> float:
-    """Threads per core a calibration run on ``member`` measured under (`profile_slots`)."""
+def calibrated_load(member: DaemonMember) -> float:
+    """Threads per core a calibration run on ``member`` measured its numbers under: its own slots
+    all busy on a CPU host whose one-thread slots share the cores (`Supervisor.start_profile`)."""
     if not member.threads or not member.cores:
         return 1.0
-    return profile_slots(member, on_machine) * member.threads / member.cores
+    busy = member.slots if member.threads == 1 else 1
+    return busy * member.threads / member.cores
 
 
 # --- planning ------------------------------------------------------------------------------------------
@@ -362,7 +362,6 @@ def _machines(members: Sequence[DaemonMember], calibrations: Mapping[str, Calibr
     planned from it (the suite's sleeping scripts among them) would be crowded for nothing."""
     if not calibrated:
         return {}, {}
-    on = machine_slots(members)
     cores = {m.machine_key: m.cores for m in members if m.threads and m.cores}
     loads: dict[str, float] = {}
     for kind in sorted(kinds):
@@ -370,7 +369,7 @@ def _machines(members: Sequence[DaemonMember], calibrations: Mapping[str, Calibr
         # the member the leader would have calibrated the kind on (`LeaderPlanning._profile`: the first)
         first = next((m for m in members if m.device_kind == base), None)
         if first is not None and base in calibrations:
-            loads[kind] = calibrated_load(first, on.get(first.machine_key, first.slots))
+            loads[kind] = calibrated_load(first)
     return cores, loads
 
 

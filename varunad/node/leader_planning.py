@@ -262,9 +262,9 @@ class LeaderPlanning:
         member = next(m for m, _ in members if m.device_kind == missing[0])
         busy = profile_slots(member, machine_slots([m for m, _ in members]).get(member.machine_key, member.slots))
         doc = PlanDoc(kind="profile", job=spec.job, reason=f"calibrating {missing[0]} on {member.name}"
-                      + (f" ({busy} slots of its machine busy at once)" if busy > 1 else ""),
+                      + (f" (then {busy} slots of its machine busy at once)" if busy else ""),
                       profile_member=member.name, incarnations={member.name: snap.members[member.name][1]},
-                      profile_slots=busy if busy > member.slots else 0)
+                      profile_slots=busy)
         await self.election.write_plan(doc.encode())
         await self._put_state(state.but(reason=doc.reason,
                                         calibration_started=state.calibration_started or time.time()))

@@ -291,17 +291,19 @@ class Supervisor(WorkerStopping):
 
         It measures what a training worker of this host will see: as many torch threads, and on a
         CPU host whose slots share the cores, all of them busy at once (the profiler forks one
-        process per slot; that needs one thread each, else the lone slot is measured), or as many
-        as the plan's ``profile_slots`` when other daemons share this machine."""
+        process per slot; that needs one thread each, else the lone slot is measured); where other
+        daemons share this machine, the plan's ``profile_slots`` busy at once are then timed too
+        (`Calibration.busy_slowdown`)."""
         await self._rescues_done()
         await self.kill_all("a newer plan replaces them")
         member = self.membership.member
         self._begin(doc.job or "", epoch)
         self.metrics.begin_epoch({0: 0}, doc.job or "")
         threads = self._threads(member)
-        shared_cores = not self._gpus and max(member.slots, doc.profile_slots) > 1
-        # the leader asks for more than this daemon's slots where other daemons share the machine
-        busy_slots = max(member.slots, doc.profile_slots) if shared_cores and threads == 1 else None
+        shared_cores = not self._gpus and member.slots > 1
+        busy_slots = member.slots if shared_cores and threads == 1 else None
+        # other daemons share this machine: the leader asks for a probe with that many slots busy
+        machine_slots = doc.profile_slots if not self._gpus and threads == 1 and doc.profile_slots > 1 else None
         if shared_cores and busy_slots is None:
             log.warning("%s: calibrating one of %d CPU slots alone (%d threads each; profiling them at once needs "
                         "one): the plan's step-time estimate will be optimistic", self.name, member.slots, threads)
@@ -309,7 +311,8 @@ class Supervisor(WorkerStopping):
             rank=0, plan=ParallelPlan(P=1, D=1), endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
             job=doc.job or "", epoch=epoch, threads=threads,
             device=self._device(member, 0), control=self.control_endpoint, batch_size=spec.batch_size, steps=spec.steps,
-            profile=out_path, profile_slots=busy_slots, bind_address=self.bind_address,
+            profile=out_path, profile_slots=busy_slots, profile_machine_slots=machine_slots,
+            bind_address=self.bind_address,
         )
         with contextlib.suppress(FileNotFoundError):
             os.unlink(out_path)
