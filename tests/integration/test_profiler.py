@@ -169,7 +169,7 @@ def test_cpu_slots_measure_with_the_host_busy(tmp_path, one_thread):
                      allreduce={"intra": intra}, **FAST).profile_all([2])
     assert alone.model == cal.model and alone.device_kind == "cpu"   # the same model, another slot kind
     assert cal.busy_slowdown == alone.busy_slowdown == 0.0
-    # other daemons share the machine: measured alone, then the middle size timed with 2 slots busy
+    # other daemons share the machine: measured alone, then the largest size timed with 2 slots busy
     # (a ratio; noisy on a shared host, so only its sign of life and range are checked)
     probed = Profiler(model, data.sample_batch, out_folder=tmp_path / "probed", links={"intra": intra},
                       allreduce={"intra": intra}, busy_slots=2, **FAST).profile_all([1, 2, 4])

@@ -49,8 +49,8 @@ class Profiler:
     skip measuring the network), `inter_link`/`inter_allreduce` (cross-host costs; by
     default "inter" gets the loopback numbers), and `in_flight` (micro-batches per repeat of
     `measure_segments_interleaved`: by default IN_FLIGHT on CPU, 1 on a GPU), and `busy_slots`
-    (a CPU machine other daemons share: after measuring one slot alone, time one micro-batch size
-    with that many busy at once: `Calibration.busy_slowdown`).
+    (a CPU machine other daemons share: after measuring one slot alone, time the largest
+    micro-batch size with that many busy at once: `Calibration.busy_slowdown`).
 
     The model stays where it was built (the host): one segment at a time visits the device with
     its gradients and its optimizer's state, all freed before the next, so a calibration fits in

@@ -140,12 +140,15 @@ def _probe_main(job: _Job, size: int, barrier, done, conn) -> None:
 def busy_probe(job: _Job, alone: dict[int, dict[int, SegmentMeasurement]], slots: int,
                timeout_s: float = 600.0) -> float:
     """How many times slower a slot computes with ``slots`` of them busy at once (forked, one
-    thread each) than ``alone`` measured it: the middle micro-batch size timed again, the slowest
+    thread each) than ``alone`` measured it: the largest micro-batch size timed again, the slowest
     slot's time per segment, as `_run_concurrently` takes it. Where other daemons share a CPU
-    machine: its cores and memory bandwidth are theirs too (trainer.planning.planner)."""
+    machine: its cores and memory bandwidth are theirs too (trainer.planning.planner). The
+    largest size because it is the one memory bandwidth binds: a local ring's GPT computed 0.9x
+    at micro-batches of 1 and 2, 1.0x at 4 and 1.26x at 16 with two slots busy, so the ratio at
+    another size would promise plans that fill the machine too much."""
     if "fork" not in mp.get_all_start_methods() or torch.get_num_threads() != 1:
         return 0.0   # as in _run_concurrently: forked slots need one thread each
-    size = sorted(job.batches)[len(job.batches) // 2]
+    size = max(job.batches)
     ctx = mp.get_context("fork")
     barrier, done = ctx.Barrier(slots), ctx.Event()
     results = _fork_and_collect(ctx, _probe_main, [(job, size, barrier, done)] * slots, timeout_s=timeout_s,
