@@ -67,15 +67,13 @@ class _Job:
                          segments=self.segments[:1], repeats=1, warmup=0)
 
 
-def _slot_main(job: _Job, threads: int, barrier, done, conn) -> None:
+def _busy_slot(job: _Job, threads: int, work: Callable[[], object], barrier, done, conn) -> None:
+    """One forked slot: ``work()`` once every slot is ready, its result to the parent, then more
+    of the same work until all have finished, so that every measurement sees the host busy."""
     try:
         torch.set_num_threads(threads)
         barrier.wait(timeout=60)
-        # The workers of a host step their optimizers at the same moment (the step's all-reduce
-        # lines them up), and the step is bound by memory bandwidth: time it with every slot
-        # stepping too, not beside another slot's compute.
-        result = job.run(between=lambda: barrier.wait(timeout=1800))
-        conn.send(result)
+        conn.send(work())
         while not done.is_set():
             job.filler()
     except BaseException as exc:  # reported to the parent, which raises
@@ -85,6 +83,13 @@ def _slot_main(job: _Job, threads: int, barrier, done, conn) -> None:
             pass
     finally:
         conn.close()
+
+
+def _slot_main(job: _Job, threads: int, barrier, done, conn) -> None:
+    # The workers of a host step their optimizers at the same moment (the step's all-reduce
+    # lines them up), and the step is bound by memory bandwidth: time it with every slot
+    # stepping too, not beside another slot's compute.
+    _busy_slot(job, threads, lambda: job.run(between=lambda: barrier.wait(timeout=1800)), barrier, done, conn)
 
 
 def _run_concurrently(job: _Job, slots: int, timeout_s: float = 1800.0):
@@ -120,21 +125,9 @@ def _run_concurrently(job: _Job, slots: int, timeout_s: float = 1800.0):
 
 
 def _probe_main(job: _Job, size: int, barrier, done, conn) -> None:
-    try:
-        torch.set_num_threads(1)
-        barrier.wait(timeout=60)
-        conn.send(measure_segments_interleaved(job.slices, job.batches[size], device=job.device,
-                                               precision=job.precision, segments=job.segments, repeats=job.repeats,
-                                               warmup=job.warmup, in_flight=job.in_flight))
-        while not done.is_set():
-            job.filler()
-    except BaseException as exc:  # reported to the parent, which raises
-        try:
-            conn.send(f"{type(exc).__name__}: {exc}")
-        except Exception:
-            pass
-    finally:
-        conn.close()
+    _busy_slot(job, 1, lambda: measure_segments_interleaved(
+        job.slices, job.batches[size], device=job.device, precision=job.precision, segments=job.segments,
+        repeats=job.repeats, warmup=job.warmup, in_flight=job.in_flight), barrier, done, conn)
 
 
 def busy_probe(job: _Job, alone: dict[int, dict[int, SegmentMeasurement]], slots: int,
