@@ -26,13 +26,13 @@ class _Store:
         return len(self.puts)
 
 
-def _reporter(store: _Store) -> Reporter:
+def _reporter(store: _Store, lease=None) -> Reporter:
     config = load_config(["--etcd", "127.0.0.1:2379", "--store", "/tmp/store", "--plaintext", "--name", "vm1"],
                          environ={})
-    # no lease: the report itself is not written; only the history is under test
-    membership = SimpleNamespace(lease=None)
+    # without a lease the report itself is not written: only the history is under test
+    membership = SimpleNamespace(lease=lease)
     return Reporter(config=config, store=store, keys=KEYS, membership=membership,
-                    report=lambda: None, workers=lambda: ())
+                    report=lambda: SimpleNamespace(encode=lambda: b"{}"), workers=lambda: ())
 
 
 def _step(r: Reporter, step: int) -> None:
@@ -65,5 +65,17 @@ def test_a_progress_write_rewrites_only_the_chunk_of_its_steps():
             steps.update(pairs)
             assert span[0] == 1000.0
         assert steps == {s: 10.0 / (1 + s) for s in range(last + 1)} == r.history("j", 3)
+
+    asyncio.run(main())
+
+
+def test_the_history_is_written_before_the_report_that_may_end_the_job():
+    async def main():
+        store = _Store()
+        r = _reporter(store, lease=SimpleNamespace(id=7))
+        _step(r, 0)
+        r.mark()
+        await r.flush(periodic=False)
+        assert [k for k, _ in store.puts] == [KEYS.history_entry("j", 3, "vm1", 0), KEYS.workers_of("vm1")]
 
     asyncio.run(main())

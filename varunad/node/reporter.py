@@ -134,15 +134,8 @@ class Reporter:
         t = self.config.retry_timeout
         lease = self.membership.lease
         try:
-            if lease is not None and (self._report_dirty or lease.id != self._report_lease):
-                self._report_dirty = False
-                try:
-                    await self.store.put(self.keys.workers_of(self.name), self._report().encode(), lease=lease,
-                                         timeout=t)
-                    self._report_lease = lease.id
-                except BaseException:
-                    self._report_dirty = True
-                    raise
+            # the history first: a report that says "done" ends the job, and status read then must
+            # find its last steps (a hollow fleet's job once ended one step short for a moment)
             for dirty in sorted(self._history_dirty):
                 job, epoch, chunk = dirty
                 self._history_dirty.discard(dirty)
@@ -153,6 +146,15 @@ class Reporter:
                                          timeout=t)
                 except BaseException:
                     self._history_dirty.add(dirty)
+                    raise
+            if lease is not None and (self._report_dirty or lease.id != self._report_lease):
+                self._report_dirty = False
+                try:
+                    await self.store.put(self.keys.workers_of(self.name), self._report().encode(), lease=lease,
+                                         timeout=t)
+                    self._report_lease = lease.id
+                except BaseException:
+                    self._report_dirty = True
                     raise
             if periodic:
                 for rank, p in list(self.progress.items()):

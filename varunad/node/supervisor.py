@@ -498,6 +498,8 @@ class Supervisor(WorkerStopping):
                                                busy_fraction=msg.busy_fraction, member=self.name, at=now,
                                                peak_bytes=msg.peak_bytes, compute_s=msg.compute_s),
                                       keeps_history=keeps_history)
+        if w.exit_code is not None:
+            self.reporter.flush_soon()   # read after its exit was reported: the job may be ending on it
         self.metrics.worker_progress(job=msg.job, rank=msg.rank, step=msg.step, loss=msg.loss,
                                      samples_per_s=msg.samples_per_s, busy_fraction=msg.busy_fraction,
                                      reports_job=reports_job)
