@@ -36,7 +36,7 @@ from trainer.errors import ConfigError
 from trainer.net.ports import bind_quiet_ports
 from trainer.planning.parallel import ParallelPlan, ParallelPlanError
 from trainer.planning.schedule import SCHEDULES, ScheduleError, schedule_named
-from trainer.worker_env import WorkerAssignment
+from trainer.worker_env import WorkerAssignment, available_cores
 
 __all__ = ["LaunchResult", "launch", "plan_assignments", "main"]
 
@@ -110,13 +110,6 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def plan_assignments(
     stages: int,
     replicas: int,
@@ -164,7 +157,7 @@ def plan_assignments(
                               f"this host shows {gpus}", hint="use fewer stages x replicas, or --device cpu")
         devices = [str(rank) for rank in range(world)]
     if threads is None:
-        threads = max(1, _available_cores() // world)
+        threads = max(1, available_cores() // world)
     ports = free_ports(world + 1)
     endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[:world]]
     try:

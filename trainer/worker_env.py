@@ -48,7 +48,17 @@ from typing import Any
 from trainer.errors import ConfigError
 from trainer.planning.parallel import ParallelPlan
 
-__all__ = ["WorkerAssignment", "OWNED_ELSEWHERE", "job_setting", "env_name", "env_fields", "encode", "decode"]
+__all__ = ["WorkerAssignment", "OWNED_ELSEWHERE", "available_cores", "job_setting", "env_name", "env_fields", "encode",
+           "decode"]
+
+
+def available_cores() -> int:
+    """CPUs this process may run on: its affinity mask, which a container's cpuset narrows (the
+    default share of torch threads among workers, and the cores a daemon reports)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):   # not Linux
+        return os.cpu_count() or 1
 
 log = logging.getLogger("varuna")
 

@@ -19,6 +19,7 @@ import psutil
 
 import trainer.launch as launch_mod
 from trainer.launch import launch
+from trainer.worker_env import available_cores
 
 _ROOT = Path(launch_mod.__file__).resolve().parent.parent
 
@@ -86,7 +87,7 @@ def test_every_worker_sees_its_own_assignment(tmp_path):
                     env={"EXTRA_FOR_TEST": "yes"}, timeout=120)
     assert result.returncode == 0, result.errors
     seen = [json.loads(out) for out in result.outputs]
-    threads = str(max(1, launch_mod._available_cores() // 4))
+    threads = str(max(1, available_cores() // 4))
     for rank, info in enumerate(seen):
         assert info["rank"] == rank
         stage, replica = rank % 2, rank // 2

@@ -544,7 +544,6 @@ def _sharing_notes(assignment, by_id, cores, slowed) -> list[str]:
         worst = max(slowed[s] for s in stages)
         notes.append(f"{len(group)} workers share machine {machine[:8]} ({threads} threads on {cores[machine]} cores)"
                      + (f": their compute planned {worst:.2g}x slower than calibrated" if worst > 1.0 else ""))
-
     return notes
 
 

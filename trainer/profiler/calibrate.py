@@ -24,6 +24,7 @@ from trainer.profiler.network import measure_network
 from trainer.profiler.segments import IN_FLIGHT, _batch_size_of, segment_slices, tied_weights
 from trainer.profiler.slots import _Job, _run_concurrently, busy_probe
 from trainer.profiler.steps import OptimizerFactory, _optimizer_factory, step_bytes_add
+from trainer.worker_env import available_cores
 
 __all__ = ["Profiler"]
 
@@ -186,7 +187,7 @@ class Profiler:
                 per_size, steps = job.run()
                 if self.busy_slots > 1 and self.device.type == "cpu":
                     busy_slowdown = busy_probe(job, per_size, self.busy_slots)
-                    busy_load = self.busy_slots / _cores() if busy_slowdown else 0.0   # one thread each
+                    busy_load = self.busy_slots / available_cores() if busy_slowdown else 0.0   # one thread each
             self.measured += len(segments) * len(sizes)
         finally:
             for p in self.model.parameters():
@@ -248,14 +249,6 @@ def _restrict(cal: Calibration, sizes: Sequence[int]) -> Calibration:
     segs = tuple(replace(s, costs=tuple(s.costs[i] for i in idx)) for s in cal.segments)
     return replace(cal, micro_batch_sizes=tuple(sizes), input_bytes=tuple(cal.input_bytes[i] for i in idx),
                    segments=segs)
-
-
-def _cores() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _merge(old: Calibration, new: Calibration, measured: Sequence[int]) -> Calibration:

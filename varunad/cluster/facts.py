@@ -26,11 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from trainer.net.ports import bind_quiet_ports
+from trainer.worker_env import available_cores
 from varunad.cluster.membership import Member
 
 __all__ = ["DaemonMember", "PortReservation", "detect_slots", "detect_device_kind", "detect_memory",
-           "gpu_count", "gpu_models", "is_local_address", "machine_id", "parse_member", "usable_cores", "version",
-           "worker_threads"]
+           "gpu_count", "gpu_models", "is_local_address", "machine_id", "parse_member", "version", "worker_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -122,17 +122,9 @@ def machine_id(path: str = _BOOT_ID) -> str:
     return value if re.fullmatch(r"[0-9A-Za-z._:-]{1,128}", value) else ""
 
 
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask, which a container's cpuset narrows)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def worker_threads(configured: int, slots: int, cores: int | None = None) -> int:
+def worker_threads(configured: int, slots: int) -> int:
     """torch threads per worker: ``configured``, else the cores shared out among the slots."""
-    return configured or max(1, (usable_cores() if cores is None else cores) // max(1, slots))
+    return configured or max(1, available_cores() // max(1, slots))
 
 
 _NVIDIA_GPUS = "/proc/driver/nvidia/gpus"

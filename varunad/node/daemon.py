@@ -47,6 +47,7 @@ import zmq.asyncio
 from protocol.errors import SecurityError
 from protocol.messages import CheckpointNow, PlanChanged, StopWorkers
 from protocol.security import Security, SecurityConfig
+from trainer.worker_env import available_cores
 from varunad.cluster.election import Election, ElectionState
 from varunad.cluster.facts import (
     DaemonMember,
@@ -57,7 +58,6 @@ from varunad.cluster.facts import (
     gpu_count,
     is_local_address,
     machine_id,
-    usable_cores,
     version,
     worker_threads,
 )
@@ -151,7 +151,7 @@ class Daemon(PlanFollowing):
             memory_bytes=c.memory or detect_memory(slots, gpus),
             version=version(), started_at=time.time(), worker_ports=tuple(ports[:slots]),
             rendezvous_port=ports[slots], probe_ports=tuple(ports[slots + 1:slots + 3]), lease_ttl=c.ttl,
-            machine=c.machine_id or machine_id(), cores=usable_cores(),
+            machine=c.machine_id or machine_id(), cores=available_cores(),
             threads=0 if gpus else worker_threads(c.threads, slots),
         )
 
