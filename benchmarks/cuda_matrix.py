@@ -5,12 +5,12 @@ the local launcher (real worker processes, ZeroMQ streams between stages, NCCL a
 replicas on CUDA tensors) for the tiny GPT, and compares its per-step losses with the plain
 single-process loop of tests/support/reference.py run on the same GPU and on the CPU.
 
-With one GPU every worker shares it (``--device cuda:0``), and NCCL refuses two ranks of one
-communicator on one GPU ('Duplicate GPU detected'): D > 1, and a pipeline whose tied weights span
-stages (this GPT's embedding and head share one tensor, summed over a group of the first and last
-stage), need a GPU per rank (``--device cuda`` gives each rank its own); such rows say why they
-did not run. Measured on one H200 (torch 2.11, NCCL 2.28.9): 1x1 ran, 1.0e-7 from the plain loop
-on the same GPU; every other shape stopped at NCCL's duplicate-GPU check.
+With one GPU every worker shares it (``--device cuda:0``). NCCL refuses two ranks of one
+communicator on one GPU ('Duplicate GPU detected'), so the launcher then reduces CUDA tensors over
+gloo (`WorkerAssignment.gpu_collectives`): every shape runs, NCCL itself only at 1x1. With a GPU
+per rank (``--device cuda``) every shape runs on NCCL. Measured on one H200 (torch 2.11, NCCL
+2.28.9) before the gloo fallback: 1x1 ran, 1.0e-7 from the plain loop on the same GPU; every other
+shape stopped at NCCL's duplicate-GPU check.
 
 Run:  python benchmarks/cuda_matrix.py [--device cuda:0] [--shapes 1x1,2x1,4x1,1x2,2x2]
 The last line is `bench cuda: shapes=<n> ran=<n> equal=<n> max_rel=<x>`.
@@ -69,20 +69,23 @@ def main() -> int:
     print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"nccl {'.'.join(map(str, torch.cuda.nccl.version()))}")
     print(f"plain loop on the GPU vs on the CPU: max rel {rel(on_gpu, on_cpu):.2e}")
-    print(f"{'shape':<6} {'ran':>4} {'max rel vs plain GPU':>21} {'max rel vs CPU':>15} {'wall s':>7}  note")
+    one_gpu = args.device != "cuda"
+    print(f"{'shape':<6} {'ran':>4} {'collectives':>11} {'max rel vs plain GPU':>21} {'max rel vs CPU':>15} "
+          f"{'wall s':>7}  note")
     ran = equal = 0
     worst = 0.0
     with tempfile.TemporaryDirectory(prefix="varuna-cuda-") as tmp:
         for stages, replicas in shapes:
+            over = "gloo" if one_gpu and stages * replicas > 1 else "nccl"
             losses, why, wall = run_shape(stages, replicas, args.device, Path(tmp) / f"{stages}x{replicas}")
             if losses is None:
-                print(f"{stages}x{replicas:<4} {'no':>4} {'-':>21} {'-':>15} {wall:>7.1f}  {why}")
+                print(f"{stages}x{replicas:<4} {'no':>4} {over:>11} {'-':>21} {'-':>15} {wall:>7.1f}  {why}")
                 continue
             ran += 1
             r_gpu, r_cpu = rel(losses, on_gpu), rel(losses, on_cpu)
             worst = max(worst, r_gpu)
             equal += r_gpu <= args.tolerance
-            print(f"{stages}x{replicas:<4} {'yes':>4} {r_gpu:>21.2e} {r_cpu:>15.2e} {wall:>7.1f}  "
+            print(f"{stages}x{replicas:<4} {'yes':>4} {over:>11} {r_gpu:>21.2e} {r_cpu:>15.2e} {wall:>7.1f}  "
                   f"losses {', '.join(f'{x:.4f}' for x in losses)}")
     print(f"bench cuda: shapes={len(shapes)} ran={ran} equal={equal} max_rel={worst:.2e}")
     return 0 if ran and equal == ran else 1

@@ -214,6 +214,9 @@ class WorkerAssignment:
     trace_dir: str | None = None             # write a Chrome trace of each step here
     store: str | None = None                 # the job's checkpoint store (global_store)
     device: str | None = None                # "cpu" or a CUDA ordinal
+    # "gloo": collectives of CUDA tensors go over gloo too, where ranks of this job share one GPU
+    # (NCCL refuses two ranks of a communicator on one device). None: NCCL.
+    gpu_collectives: str | None = None
     control: str | None = None               # the daemon's local endpoint (trainer.engine.control)
     checkpoint_every: int | None = None      # checkpoint to the store every K steps
     keep_checkpoints: int = 3                # complete checkpoints to keep
@@ -243,6 +246,8 @@ class WorkerAssignment:
             raise ConfigError(f"checkpoint interval must be >= 1 step, got {self.checkpoint_every}")
         if (self.checkpoint_every or self.resume == "latest") and not self.store:
             raise ConfigError("periodic checkpoints and resume need a store (VARUNA_STORE)")
+        if self.gpu_collectives not in (None, "gloo", "nccl"):
+            raise ConfigError(f"VARUNA_GPU_COLLECTIVES must be 'gloo' or 'nccl', got {self.gpu_collectives!r}")
         if self.resume not in (None, "latest", "none"):
             raise ConfigError(f"VARUNA_RESUME must be 'latest' or 'none', got {self.resume!r}")
 

@@ -26,7 +26,7 @@ def full_assignment(plan: ParallelPlan = FULL_PLAN, cls: type = WorkerAssignment
     return cls(
         rank=4, plan=plan, endpoints=[f"tcp://10.0.0.{i}:70{i}" for i in range(plan.world_size)],
         dist_url="tcp://10.0.0.1:29500", job="gpt", epoch=17, threads=3, trace_dir="/tmp/traces",
-        store="/mnt/ckpt", device="1", control="ipc:///tmp/ctl", checkpoint_every=5, keep_checkpoints=7,
+        store="/mnt/ckpt", device="1", gpu_collectives="gloo", control="ipc:///tmp/ctl", checkpoint_every=5, keep_checkpoints=7,
         checkpoint_tmpdir="/tmp/stage", resume="latest", batch_size=96, steps=40, profile="/tmp/cal.json",
         profile_slots=2, profile_machine_slots=3, bind_address="10.0.0.4", peer_keys={"*": "abc", "tcp://10.0.0.1:701": "d=f"},
         trace_steps=12, **more)
@@ -67,6 +67,7 @@ def test_the_names_people_use_are_the_derived_ones():
     documented = {
         "VARUNA_RANK", "VARUNA_WORLD_SIZE", "VARUNA_PLAN", "VARUNA_ENDPOINTS", "VARUNA_DIST_URL", "VARUNA_BIND_ADDRESS",
         "VARUNA_JOB", "VARUNA_EPOCH", "VARUNA_THREADS", "VARUNA_TRACE_DIR", "VARUNA_STORE", "VARUNA_DEVICE",
+        "VARUNA_GPU_COLLECTIVES",
         "VARUNA_CONTROL", "VARUNA_CHECKPOINT_EVERY", "VARUNA_KEEP_CHECKPOINTS", "VARUNA_CHECKPOINT_TMPDIR",
         "VARUNA_RESUME", "VARUNA_BATCH_SIZE", "VARUNA_STEPS", "VARUNA_PROFILE", "VARUNA_PROFILE_SLOTS",
         "VARUNA_PROFILE_MACHINE_SLOTS",

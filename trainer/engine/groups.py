@@ -41,9 +41,10 @@ class ProcessGroups:
         gloo = "gloo"
         if a.bind_address:   # the daemon's advertised address: not the host name's (trainer.net.netaddr)
             gloo = bound_gloo_backend(a.bind_address)
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and a.gpu_collectives != "gloo":
                 os.environ.update(nccl_environment(a.bind_address))
-        backend = f"cpu:{gloo},cuda:nccl" if self.device.type == "cuda" else gloo
+        nccl = self.device.type == "cuda" and a.gpu_collectives != "gloo"
+        backend = f"cpu:{gloo},cuda:nccl" if nccl else gloo
         if self.device.type == "cuda":
             # NCCL and every torch.cuda call without an index use the current device: this one,
             # not GPU 0 in every worker of the host

@@ -85,7 +85,8 @@ def bound_gloo_backend(address: str) -> str:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_bound[BOUND_GLOO])]
             return dist.ProcessGroupGloo(store, rank, size, opts)
 
-        dist.Backend.register_backend(BOUND_GLOO, create, devices=["cpu"])
+        # CUDA too: ranks that share one GPU reduce its tensors over gloo (WorkerAssignment.gpu_collectives)
+        dist.Backend.register_backend(BOUND_GLOO, create, devices=["cpu", "cuda"])
     return BOUND_GLOO
 
 
