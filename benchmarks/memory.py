@@ -99,7 +99,7 @@ def run_launch(args) -> dict:
 
     from trainer import Profiler
     from trainer.engine.memory import PeakMemory
-    from trainer.planning.plan import Slot
+    from trainer.planning.plan import PlanError, Slot
     from trainer.planning.planner import plan
     from trainer.profiler.calibration_run import profile_sizes
 
@@ -116,7 +116,10 @@ def run_launch(args) -> dict:
         cal = prof.profile_all(profile_sizes(args.batch, 4))
         calibration_peak = meter.peak_bytes()
     slots = [Slot(f"s{i}", "local", cal.device_kind, args.memory) for i in range(4)]
-    chosen = plan(slots, args.batch, [cal])
+    try:
+        chosen = plan(slots, args.batch, [cal])
+    except PlanError as exc:   # an answer too: the model does not fit these slots
+        raise SystemExit(f"bench memory: no plan: {exc}") from None
     par = chosen.parallel
     env = dict(os.environ, VARUNA_STEPS=str(args.steps), VARUNA_BATCH_SIZE=str(args.batch))
     # every worker on the one device (trainer.launch's --device cuda wants a GPU per worker)
@@ -137,7 +140,7 @@ def run_launch(args) -> dict:
     note = ("" if all(st.recompute for st in chosen.stages[:-1]) else
             "  (trainer.launch recomputes on every stage; the plan's estimate assumed it only where marked)")
     return {"P": par.P, "D": par.D, "micro_batch": par.micro_batch_size, "stages": stages,
-            "calibration_peak": calibration_peak, "note": note}
+            "calibration_peak": calibration_peak, "note": note, "worker_bytes": cal.worker_bytes}
 
 
 def main() -> None:
@@ -173,6 +176,9 @@ def main() -> None:
         errors += [err] if err is not None else []
         print(f"{row['stage']:>5} {_mb(est):>12} {_mb(peak):>9} {_mb(args.memory):>10} "
               f"{'-' if ratio is None else f'{ratio:.2f}':>12} {'-' if err is None else f'{err:+.2f}':>7}")
+    if res.get("worker_bytes"):
+        print(f"every worker also holds {_mb(res['worker_bytes'])} MB beyond its tensors (cuBLAS's workspaces, "
+              f"measured by the calibration; in each estimate)")
     cal = res["calibration_peak"]
     print(f"calibration: peak {_mb(cal)} MB above the built model, budget {_mb(args.memory)} MB"
           + res.get("note", ""))

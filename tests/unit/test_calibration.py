@@ -76,7 +76,14 @@ def test_round_trip_keeps_overheads_and_tied_weights():
     assert again.links["intra"].recv_overhead_s == 3e-4
 
 
+def _v4(doc: dict) -> dict:
+    doc["version"] = 4
+    del doc["worker_bytes"]
+    return doc
+
+
 def _v3(doc: dict) -> dict:
+    doc = _v4(doc)
     doc["version"] = 3
     del doc["busy_slowdown"], doc["busy_load"]
     return doc
@@ -99,7 +106,7 @@ def test_version_1_documents_migrate_with_no_overheads_and_no_tied_weights():
         for v in doc[table].values():
             del v["send_overhead_s"], v["recv_overhead_s"]
     cal = Calibration.from_dict(doc)
-    assert cal.version == SCHEMA_VERSION == 4 and cal.tied == ()
+    assert cal.version == SCHEMA_VERSION == 5 and cal.tied == ()
     assert cal.links == LINKS and cal.links["intra"].send_overhead_s == cal.links["intra"].recv_overhead_s == 0
     assert cal.segments == _cal().segments
     doc["links"]["intra"]["send_overhead_s"] = 0.1   # a version 1 document has none
@@ -266,3 +273,18 @@ def test_version_3_documents_migrate_with_no_busy_slowdown():
     assert (again.busy_slowdown, again.busy_load) == (1.5, 1.0)
     with pytest.raises(CalibrationError, match="busy_slowdown"):
         dataclasses.replace(_cal(), busy_slowdown=-1.0)
+
+
+def test_version_4_documents_migrate_with_no_worker_bytes():
+    cal = Calibration.from_dict(_v4(_doc()))
+    assert cal.worker_bytes == 0 and cal.segments == _cal().segments
+    doc = _v4(_doc())
+    doc["worker_bytes"] = 1   # a version 4 document has none
+    with pytest.raises(CalibrationError, match="unexpected"):
+        Calibration.from_dict(doc)
+    held = dataclasses.replace(_cal(), worker_bytes=67_108_864)
+    assert Calibration.from_bytes(held.to_bytes()).worker_bytes == 67_108_864
+    with pytest.raises(CalibrationError, match="worker_bytes"):
+        dataclasses.replace(_cal(), worker_bytes=-1)
+    with pytest.raises(CalibrationError, match="worker_bytes"):
+        dataclasses.replace(_cal(), worker_bytes=1.5)

@@ -7,6 +7,7 @@ with m = global batch / D for micro-batch size 1.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -55,6 +56,17 @@ def test_memory_forces_a_pipeline_and_balances_the_cut():
     p = plan(_slots(4, mem=8), 8, [_cal()])
     assert (p.P, p.D, p.cuts) == (2, 2, (1,))
     assert [(s.first_segment, s.end_segment) for s in p.stages] == [(0, 2), (2, 4)]
+    assert all(s.memory_bytes <= s.capacity_bytes for s in p.stages)
+
+
+def test_what_every_worker_holds_beyond_its_tensors_counts_on_every_stage():
+    # 10 GiB x 0.9 usable holds the whole model's 8 GiB of state: P=1; with 1.5 GiB of cuBLAS
+    # workspaces on every worker (a GPU calibration's worker_bytes) it no longer does
+    assert plan(_slots(4, mem=10), 8, [_cal()]).P == 1
+    held = dataclasses.replace(_cal(), worker_bytes=3 * GiB // 2)
+    p = plan(_slots(4, mem=10), 8, [held])
+    assert (p.P, p.D) == (2, 2)
+    assert all(s.memory_bytes >= 4 * GiB + 3 * GiB // 2 for s in p.stages)
     assert all(s.memory_bytes <= s.capacity_bytes for s in p.stages)
 
 

@@ -18,7 +18,10 @@ Memory model (shared by the simulator and the planner):
     time, so a stage's are its largest segment's; a foreach one (torch's default on CUDA) holds
     all of them at once, so they add up. `step_bytes_add` says which the calibration measured.
     The step runs once the stage's activations are freed: a stage holds its static bytes plus
-    the larger of its activations and its step's temporaries.
+    the larger of its activations and its step's temporaries;
+  * `worker_bytes` is what every worker holds on the device beyond its tensors, whatever its
+    stage: the math library's workspaces (cuBLAS keeps one per thread that runs a matrix product,
+    the worker's own and autograd's backward thread: 2 x 33.6 MB on an H100), measured; 0 on a CPU.
 
 Links: a send of n bytes takes ``latency_s + n / bandwidth_Bps``. All-reduce of n bytes over a
 ring of D replicas takes ``2 (D-1)/D * n / bandwidth_Bps + 2 (D-1) * latency_s`` (reduce-scatter
@@ -35,6 +38,7 @@ Schema history: version 1 had no message overheads and no tied sets; such docume
 (the overheads read as 0 and the tied sets as unknown, i.e. none). Version 2 had no step
 temporaries: they read as 0 (what the planner counted before them), adding up. Version 3 had no
 busy slowdown: it reads as 0 (unknown: a lone worker is taken to compute as calibrated).
+Version 4 had no worker bytes: they read as 0.
 """
 
 from __future__ import annotations
@@ -62,9 +66,10 @@ __all__ = [
 ]
 
 SCHEMA = "varunad.calibration"
-SCHEMA_VERSION = 4
-# older ones migrate: zero message overheads, no tied sets, no step temporaries, no busy slowdown
-_READABLE_VERSIONS = (1, 2, 3, 4)
+SCHEMA_VERSION = 5
+# older ones migrate: zero message overheads, no tied sets, no step temporaries, no busy slowdown,
+# no worker bytes
+_READABLE_VERSIONS = (1, 2, 3, 4, 5)
 LINK_KINDS = ("intra", "inter")  # same host, across hosts
 
 
@@ -195,6 +200,7 @@ class Calibration:
     # says (shared cores and memory bandwidth; 0 = not measured). trainer.planning.planner.
     busy_slowdown: float = 0.0
     busy_load: float = 0.0
+    worker_bytes: int = 0  # held by every worker on the device beyond its tensors (module doc)
 
     def __post_init__(self) -> None:
         if self.version != SCHEMA_VERSION:
@@ -237,6 +243,7 @@ class Calibration:
             raise CalibrationError(f"Calibration.step_bytes_add must be a bool, got {self.step_bytes_add!r}")
         _num("Calibration", "busy_slowdown", self.busy_slowdown)
         _num("Calibration", "busy_load", self.busy_load)
+        _int("Calibration", "worker_bytes", self.worker_bytes)
 
     def __hash__(self) -> int:  # the mapping fields are read-only proxies
         return hash((self.model, self.device_kind, self.micro_batch_sizes, self.segments))
@@ -295,6 +302,7 @@ class Calibration:
             "step_bytes_add": self.step_bytes_add,
             "busy_slowdown": self.busy_slowdown,
             "busy_load": self.busy_load,
+            "worker_bytes": self.worker_bytes,
         }
 
     @classmethod
@@ -308,8 +316,9 @@ class Calibration:
         names = {"schema", "version", "model", "device_kind", "micro_batch_sizes", "input_bytes", "segments",
                  "links", "allreduce"}
         names |= set() if v1 else {"tied"}
-        names |= {"step_bytes_add"} if version in (3, 4) else set()
-        names |= {"busy_slowdown", "busy_load"} if version == 4 else set()
+        names |= {"step_bytes_add"} if version in (3, 4, 5) else set()
+        names |= {"busy_slowdown", "busy_load"} if version in (4, 5) else set()
+        names |= {"worker_bytes"} if version == 5 else set()
         top = _fields(doc, "calibration", names)
         if top["schema"] != SCHEMA:
             raise CalibrationError(f"not a calibration document (schema {top['schema']!r})")
@@ -317,7 +326,7 @@ class Calibration:
         segs = []
         for k, s in enumerate(_list(top["segments"], "segments")):
             sd = _fields(s, f"segments[{k}]", {"param_bytes", "optimizer_bytes", "step_s", "costs"}
-                         | ({"step_bytes"} if version in (3, 4) else set()))
+                         | ({"step_bytes"} if version in (3, 4, 5) else set()))
             costs = tuple(
                 SegmentCost(**_fields(c, f"segments[{k}].costs[{j}]", set(SegmentCost.__slots__)))
                 for j, c in enumerate(_list(sd["costs"], f"segments[{k}].costs"))
@@ -346,6 +355,7 @@ class Calibration:
             step_bytes_add=top.get("step_bytes_add", True),
             busy_slowdown=top.get("busy_slowdown", 0.0),
             busy_load=top.get("busy_load", 0.0),
+            worker_bytes=top.get("worker_bytes", 0),
         )
 
     def to_bytes(self) -> bytes:

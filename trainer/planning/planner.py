@@ -102,7 +102,8 @@ def _fill(kinds: Sequence[_Kind], j: int, X: float, schedule: Schedule, m: int, 
             c = stash[s][rec]
             while e > i:
                 act = k.act[j][e] - k.act[j][i]
-                mem = k.static[e] - k.static[i] + max(k.cal.step_bytes(i, e), c * in_b + act if rec else c * (in_b + act))
+                mem = k.cal.worker_bytes + k.static[e] - k.static[i] + max(
+                    k.cal.step_bytes(i, e), c * in_b + act if rec else c * (in_b + act))
                 if mem <= k.capacity:
                     break
                 if s == P - 1:
@@ -515,7 +516,8 @@ def plan(
         j = k.cal.size_index(mbs)
         c = sched.stash_bound(P, s, m, flags[s])
         act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
-        mem = k.static[b] - k.static[a] + max(k.cal.step_bytes(a, b), c * in_b + act if flags[s] else c * (in_b + act))
+        mem = k.cal.worker_bytes + k.static[b] - k.static[a] + max(
+            k.cal.step_bytes(a, b), c * in_b + act if flags[s] else c * (in_b + act))
         pre = k.fbr[j] if flags[s] else k.fb[j]
         stages.append(StagePlan(a, b, name, flags[s], int(mem), k.capacity, pre[b] - pre[a]))
     parallel = ParallelPlan(P=P, D=D, micro_batch_size=int(mbs), schedule=schedule,

@@ -18,7 +18,7 @@ from trainer.engine.setup import device_of
 from trainer.errors import ConfigError
 from trainer.graph.partition import capture_model
 from trainer.planning.calibration import LINK_KINDS, Calibration, CalibrationError, LinkCost, SegmentProfile
-from trainer.profiler.common import _nbytes
+from trainer.profiler.common import _nbytes, _workspace_bytes
 from trainer.profiler.identity import calibration_path, device_kind_of, model_fingerprint
 from trainer.profiler.network import measure_network
 from trainer.profiler.segments import IN_FLIGHT, _batch_size_of, segment_slices, tied_weights
@@ -189,6 +189,7 @@ class Profiler:
                     busy_slowdown = busy_probe(job, per_size, self.busy_slots)
                     busy_load = self.busy_slots / available_cores() if busy_slowdown else 0.0   # one thread each
             self.measured += len(segments) * len(sizes)
+            workspaces = _workspace_bytes(self.device)
         finally:
             for p in self.model.parameters():
                 p.grad = saved_grads.get(id(p))
@@ -209,7 +210,7 @@ class Profiler:
                            input_bytes=tuple(input_bytes), segments=tuple(profiles), links=links,
                            allreduce=allreduce, tied=tied_weights(slices),
                            step_bytes_add=step_bytes_add(self._factory, self.device), busy_slowdown=busy_slowdown,
-                           busy_load=busy_load)
+                           busy_load=busy_load, worker_bytes=workspaces)
 
     def _network(self, existing: Calibration | None) -> tuple[dict[str, LinkCost], dict[str, LinkCost]]:
         links, allreduce = dict(self._links), dict(self._allreduce)

@@ -1,9 +1,10 @@
-"""What the profiler's measurements share: its error, medians, device syncs, tensor bytes, and the
-fork-and-collect harness that runs helpers (the network's two ends, a busy host's slots) in
+"""What the profiler's measurements share: its error, medians, device syncs, tensor bytes, the math
+library's workspaces, and the fork-and-collect harness that runs helpers (the network's two ends, a busy host's slots) in
 forked processes and raises their failures here."""
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 import warnings
@@ -14,6 +15,8 @@ import torch
 from trainer.errors import VarunaError
 
 __all__ = ["ProfilerError"]
+
+log = logging.getLogger("varuna")
 
 
 class ProfilerError(VarunaError, RuntimeError):
@@ -27,6 +30,23 @@ def _nbytes(t: torch.Tensor) -> int:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _workspace_bytes(device: torch.device) -> int:
+    """Device memory the math library holds in this process beyond its tensors: cuBLAS's
+    workspaces, one per thread and stream that ran a matrix product (a worker's: its own thread's
+    and autograd's backward thread's). Read by freeing them, so call it once the measurements are
+    taken; they are made again at the next product. 0 on a CPU, or where this torch cannot free them."""
+    if device.type != "cuda":
+        return 0
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        log.warning("this torch cannot free cuBLAS's workspaces: the plan leaves them out of each worker's memory")
+        return 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    clear()
+    return max(0, before - torch.cuda.memory_allocated(device))
 
 
 def _median(xs: Sequence[float]) -> float:
