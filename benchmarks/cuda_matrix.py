@@ -6,8 +6,9 @@ replicas on CUDA tensors) for the tiny GPT, and compares its per-step losses wit
 single-process loop of tests/support/reference.py run on the same GPU and on the CPU.
 
 With one GPU every worker shares it (``--device cuda:0``). NCCL refuses two ranks of one
-communicator on one GPU ('Duplicate GPU detected'), so the launcher then reduces CUDA tensors over
-gloo (`WorkerAssignment.gpu_collectives`): every shape runs, NCCL itself only at 1x1. With a GPU
+communicator on one GPU ('Duplicate GPU detected'), so ranks that find they share one (their GPUs'
+UUIDs in the rendezvous store, trainer.engine.groups) reduce CUDA tensors over gloo: every shape
+runs, NCCL itself only at 1x1. With a GPU
 per rank (``--device cuda``) every shape runs on NCCL. Measured on one H200 (torch 2.11, NCCL
 2.28.9) before the gloo fallback: 1x1 ran, 1.0e-7 from the plain loop on the same GPU; every other
 shape stopped at NCCL's duplicate-GPU check.

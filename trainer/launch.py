@@ -129,8 +129,8 @@ def plan_assignments(
     `recompute` is one flag per stage, as the daemon's planner sets them (None: the script's).
     With a store, the workers resume from its newest complete checkpoint by themselves.
     `device` "cuda" gives rank r the r-th visible GPU (NCCL wants one GPU per rank); any other
-    value (a torch device, "cpu") goes to every rank as it is (one GPU for several ranks: their
-    collectives go over gloo); None leaves it to the script."""
+    value (a torch device, "cpu") goes to every rank as it is (ranks that find they share a GPU
+    reduce over gloo: trainer.engine.groups); None leaves it to the script."""
     if stages < 1 or replicas < 1:
         raise ConfigError(f"need at least one stage and one replica, got --stages {stages} --replicas {replicas}")
     if schedule is not None:
@@ -157,9 +157,6 @@ def plan_assignments(
             raise ConfigError(f"--device cuda puts each of the {world} workers on a GPU of its own; "
                               f"this host shows {gpus}", hint="use fewer stages x replicas, or --device cpu")
         devices = [str(rank) for rank in range(world)]
-    # One GPU named for every rank: NCCL refuses two ranks of a communicator on one device, so
-    # their CUDA tensors are reduced over gloo (through host memory) instead.
-    one_gpu = world > 1 and device not in (None, "cpu", "cuda") and str(device).removeprefix("cuda:").isdigit()
     if threads is None:
         threads = max(1, available_cores() // world)
     ports = free_ports(world + 1)
@@ -181,7 +178,6 @@ def plan_assignments(
             trace_dir=trace_dir,
             store=store,
             device=devices[rank],
-            gpu_collectives="gloo" if one_gpu else None,
             checkpoint_every=checkpoint_every,
             checkpoint_tmpdir=checkpoint_tmpdir,
             resume="latest" if store else None,

@@ -214,8 +214,8 @@ class WorkerAssignment:
     trace_dir: str | None = None             # write a Chrome trace of each step here
     store: str | None = None                 # the job's checkpoint store (global_store)
     device: str | None = None                # "cpu" or a CUDA ordinal
-    # "gloo": collectives of CUDA tensors go over gloo too, where ranks of this job share one GPU
-    # (NCCL refuses two ranks of a communicator on one device). None: NCCL.
+    # How CUDA tensors are reduced: "nccl", or "gloo" (through host memory). None: NCCL unless
+    # ranks of the job find they share a GPU, which NCCL refuses (trainer.engine.groups).
     gpu_collectives: str | None = None
     control: str | None = None               # the daemon's local endpoint (trainer.engine.control)
     checkpoint_every: int | None = None      # checkpoint to the store every K steps

@@ -49,11 +49,6 @@ def test_plan_numbers_ranks_replica_major_with_distinct_endpoints():
                                               f"{torch.cuda.device_count()}"):
             plan_assignments(2, 1, device="cuda")
     assert [a.device for a in plan_assignments(2, 1, device="cpu")] == ["cpu", "cpu"]
-    # one GPU named for several ranks: NCCL would refuse them, so their collectives go over gloo
-    assert [a.gpu_collectives for a in plan_assignments(2, 1, device="cuda:0")] == ["gloo", "gloo"]
-    assert plan_assignments(2, 1, device="cuda:0")[1].to_env()["VARUNA_GPU_COLLECTIVES"] == "gloo"
-    assert plan_assignments(1, 1, device="cuda:0")[0].gpu_collectives is None
-    assert [a.gpu_collectives for a in plan_assignments(2, 1, device="cpu")] == [None, None]
 
 
 def test_the_launcher_refuses_a_directory_in_one_line(tmp_path, capsys):

@@ -10,6 +10,7 @@ built; they read its assignment, plan, position, device, layout and tensors, and
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 
@@ -26,6 +27,8 @@ from trainer.net.rendezvous import RendezvousStore, parse_url
 
 __all__ = ["ProcessGroups"]
 
+log = logging.getLogger("varuna")
+
 
 class ProcessGroups:
     _owns_process_group = False
@@ -39,28 +42,50 @@ class ProcessGroups:
                                   f"{dist.get_world_size()}, the assignment says {a.rank}/{a.world_size}")
             return
         gloo = "gloo"
+        cuda = self.device.type == "cuda"
         if a.bind_address:   # the daemon's advertised address: not the host name's (trainer.net.netaddr)
             gloo = bound_gloo_backend(a.bind_address)
-            if self.device.type == "cuda" and a.gpu_collectives != "gloo":
+            if cuda and a.gpu_collectives != "gloo":
                 os.environ.update(nccl_environment(a.bind_address))
-        nccl = self.device.type == "cuda" and a.gpu_collectives != "gloo"
-        backend = f"cpu:{gloo},cuda:nccl" if nccl else gloo
-        if self.device.type == "cuda":
+        if cuda:
             # NCCL and every torch.cuda call without an index use the current device: this one,
             # not GPU 0 in every worker of the host
             torch.cuda.set_device(self.device)
         timeout = timedelta(seconds=float(os.environ.get("VARUNA_DIST_TIMEOUT", "600")))
+        over_gloo = a.gpu_collectives == "gloo"
         if a.world_size == 1:
             store = dist.HashStore()
-            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         elif a.bind_address:   # our rendezvous: bound to that address, no reverse DNS (trainer.net.rendezvous)
             host, port = parse_url(a.dist_url)
-            self._rendezvous = RendezvousStore(host, port, is_server=a.rank == 0, timeout=timeout)
-            dist.init_process_group(backend, store=self._rendezvous, rank=a.rank, world_size=a.world_size,
-                                    timeout=timeout)
+            store = self._rendezvous = RendezvousStore(host, port, is_server=a.rank == 0, timeout=timeout)
+            if cuda and a.gpu_collectives is None and self._gpu_shared(store, timeout):
+                over_gloo = True
         else:
+            store = None
+        backend = f"cpu:{gloo},cuda:nccl" if cuda and not over_gloo else gloo
+        if store is None:
             dist.init_process_group(backend, init_method=a.dist_url, rank=a.rank,
                                     world_size=a.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=a.rank,
+                                    world_size=a.world_size, timeout=timeout)
+
+    def _gpu_shared(self, store, timeout: timedelta) -> bool:
+        """Whether another rank of the job computes on this rank's GPU (daemons that share a
+        machine's one GPU, a launcher naming one GPU for every rank). NCCL refuses two ranks of a
+        communicator on one device, so such a job reduces its CUDA tensors over gloo, through
+        host memory. Every rank posts its GPU's UUID to the rendezvous store and reads them all,
+        so every rank decides alike."""
+        a = self.assignment
+        store.set(f"varuna/gpu/{a.rank}", str(torch.cuda.get_device_properties(self.device).uuid))
+        keys = [f"varuna/gpu/{r}" for r in range(a.world_size)]
+        store.wait(keys, timeout)
+        gpus = [store.get(k) for k in keys]
+        shared = len(set(gpus)) < len(gpus)
+        if shared and a.rank == 0:
+            log.warning("%d ranks on %d GPU(s): their CUDA tensors are reduced over gloo (NCCL wants a GPU "
+                        "per rank)", len(gpus), len(set(gpus)))
+        return shared
 
     def _agree_on_cuts(self, traced, get_batch_fn) -> list[int]:
         """Every worker must cut the same way: rank 0 times the segments and decides."""
