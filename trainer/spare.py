@@ -2,7 +2,9 @@
 
 A morph's restart is mostly a new process importing torch, then capturing the model. A daemon
 keeps one spare per slot (`python -m trainer.spare`, started in the environment its slot's workers
-get): it imports torch and the engine's dependencies, then waits for one line on stdin, a JSON
+get): it imports torch and the engine's dependencies, says so by creating the file its `--ready`
+argument names (if any: a daemon waits for it before a newly joined VM is taken into a running
+job), then waits for one line on stdin, a JSON
 object {"script", "args", "cwd", "env", "log"}. It then appends its output to `log`, takes `env` as
 its whole environment, and runs `script` as `__main__`, as `python script args` would (sys.argv,
 sys.path[0] the script's directory, the script's exit status; an uncaught exception is printed
@@ -94,6 +96,9 @@ def main() -> None:
         _set_nice(min(19, start + IMPORT_NICE))
     for name in AHEAD:   # the point of a spare: imported before it is needed
         importlib.import_module(name)
+    if len(sys.argv) == 3 and sys.argv[1] == "--ready":
+        with open(sys.argv[2], "w", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
     line = sys.stdin.readline()
     if not line.strip():
         return

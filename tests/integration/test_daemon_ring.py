@@ -327,6 +327,10 @@ def test_scale_up_then_a_preemption_notice(healthy, reference):
                        timeout=90, what="a scale-up morph onto d4")
         morph = st["morphs"][-1]
         assert morph["checkpoint"] and "d4" in morph["reason"], morph
+        # the leader took d4 in once its spare had imported torch: its first worker did not wait for an import
+        first = f"epoch {morph['to_epoch']} runs in the spare of slot 0"
+        assert f"{first} (pid" in ring.daemons["d4"].log_text(), "d4's first worker did not start in a spare"
+        assert "its imports done" in ring.daemons["d4"].log_text().split(first, 1)[1].splitlines()[0]
         ring.wait_step("scale", max(st["step"], 0) + 2)
         # SIGTERM (a preemption notice) to a member of the plan that does not lead
         victim = "d4" if ring.leader() != "d4" else next(m for m in st["plan"]["members"] if m != "d4")

@@ -29,9 +29,10 @@ sys.exit(int(sys.argv[1]))
 """
 
 
-def _spare(tmp_path: Path) -> subprocess.Popen:
+def _spare(tmp_path: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "SPARE_ONLY": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "trainer.spare"], stdin=subprocess.PIPE, cwd=tmp_path, env=env,
+    return subprocess.Popen([sys.executable, "-m", "trainer.spare", *args], stdin=subprocess.PIPE, cwd=tmp_path,
+                            env=env,
                             stdout=open(tmp_path / "spare.log", "wb"), stderr=subprocess.STDOUT)
 
 
@@ -88,3 +89,21 @@ def test_a_spare_never_needed_exits_0(tmp_path):
     assert proc.returncode == 0
 
 
+
+
+def test_a_spare_says_when_its_imports_are_done(tmp_path):
+    """The file `--ready` names appears once the imports are done, before any order: a daemon
+    that just joined waits for it before the leader takes it into a running job."""
+    ready = tmp_path / "slot0.ready"
+    proc = _spare(tmp_path, "--ready", str(ready))
+    try:
+        until(ready.exists, "the spare's ready file", timeout=120)
+        assert ready.read_text().strip() == str(proc.pid)
+        assert proc.poll() is None   # still waiting for its order
+        order, log = _order(tmp_path, "0")
+        proc.communicate((json.dumps(order) + "\n").encode(), timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert json.loads(log.read_text().splitlines()[-1])["ahead"]

@@ -55,6 +55,9 @@ class DaemonMember(Member):
     machine: str = ""  # the kernel's boot id ("" = unknown: a machine of its own)
     cores: int = 0  # CPUs this daemon's workers may run on (0 = unknown)
     threads: int = 0  # torch threads per worker on CPU slots (0 = GPU slots, or unknown)
+    # its spare workers (varunad.node.spares) are still importing torch: a leader taking it into a
+    # running job waits for them (a bounded while), so the morph does not wait for the import
+    warming: bool = False
 
     def __post_init__(self) -> None:
         Member.__post_init__(self)  # zero-argument super() does not work in slotted dataclasses
@@ -73,8 +76,8 @@ class DaemonMember(Member):
             raise ValueError(f"member {self.name}: probe_ports must be two TCP ports, got {probe!r}")
         if set(probe) & ({*ports, self.rendezvous_port}):
             raise ValueError(f"member {self.name}: probe_ports {probe!r} overlap the worker ports")
-        if not isinstance(self.draining, bool):
-            raise ValueError(f"member {self.name}: draining must be true or false")
+        if not isinstance(self.draining, bool) or not isinstance(self.warming, bool):
+            raise ValueError(f"member {self.name}: draining and warming must be true or false")
         if not isinstance(self.machine, str) or len(self.machine) > 128:
             raise ValueError(f"member {self.name}: machine must be a string of at most 128 characters")
         for name in ("cores", "threads"):

@@ -50,6 +50,23 @@ class LeaderMemory:
     # job -> the MorphEvent fields known when it stopped (the new plan adds to_shape, to_epoch, planned_at)
     morph: dict[str, dict] = field(default_factory=dict)
     links_since: dict[str, float] = field(default_factory=dict)  # job -> when its first plan began to wait for links
+    warming_since: dict[tuple[str, int], float] = field(default_factory=dict)  # (member, lease) -> first seen warming
+
+
+# How long a scale-up waits for a joined VM's spare workers to import torch (DaemonMember.warming):
+# a VM whose spares never get ready (a broken one, an old daemon's) is taken in after this anyway.
+JOIN_WARM_WAIT = 30.0
+
+
+def still_warming(joined, members, memory: LeaderMemory, now: float, wait: float = JOIN_WARM_WAIT) -> list[str]:
+    """The VMs of `joined` a scale-up waits for: their spares still import torch, and the leader
+    first saw them so less than `wait` seconds ago. `members` maps a name to (member, lease)."""
+    out = []
+    for name in joined:
+        member, lease = members[name]
+        if getattr(member, "warming", False) and now - memory.warming_since.setdefault((name, lease), now) < wait:
+            out.append(name)
+    return out
 
 
 _LAST_OUTPUT = "; last output:"

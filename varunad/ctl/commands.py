@@ -210,6 +210,7 @@ async def _members(store: Store, keys: Keys) -> list[dict[str, Any]]:
         out.append({
             "name": m.name, "host": m.host, "endpoint": m.endpoint, "slots": m.slots, "device_kind": m.device_kind,
             "memory_bytes": m.memory_bytes, "version": m.version, "draining": m.draining,
+            "warming": m.warming,
             "worker_ports": list(m.worker_ports), "rendezvous_port": m.rendezvous_port,
             "probe_ports": list(m.probe_ports),
             "machine": m.machine, "cores": m.cores, "threads": m.threads,

@@ -152,7 +152,7 @@ class Daemon(PlanFollowing):
             version=version(), started_at=time.time(), worker_ports=tuple(ports[:slots]),
             rendezvous_port=ports[slots], probe_ports=tuple(ports[slots + 1:slots + 3]), lease_ttl=c.ttl,
             machine=c.machine_id or machine_id(), cores=available_cores(),
-            threads=0 if gpus else worker_threads(c.threads, slots),
+            threads=0 if gpus else worker_threads(c.threads, slots), warming=c.spare_workers,
         )
 
     def _bind_host(self) -> str:

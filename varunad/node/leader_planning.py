@@ -18,7 +18,7 @@ from collections import Counter
 from protocol.messages import PlanChanged
 from trainer.planning.calibration import Calibration
 from trainer.planning.planner import Plan, PlanError
-from varunad.control.decide import Decision, calibration_failed
+from varunad.control.decide import Decision, calibration_failed, still_warming
 from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet
 from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
 from varunad.control.links import PROBE_TIMEOUT, apply_links
@@ -307,6 +307,14 @@ class LeaderPlanning:
                      d.job, plan.shape, ", ".join(doc.members), 100 * gain, 100 * self.config.scale_up_threshold)
             return False
         joined = sorted(set(doc.members) - set(plan.members))
+        warming = still_warming(joined, snap.members, self.memory, self.clock())
+        if warming:   # taken in once their spares have imported torch: the morph then waits for no import
+            why = f"{', '.join(warming)} joins {d.job} once its spare workers have imported torch"
+            if self.memory.waiting.get(d.job) != why:
+                self.memory.waiting[d.job] = why
+                log.info("leader: %s", why)
+            self.memory.considered = None   # considered again at the next round
+            return False
         reason = (f"{', '.join(joined) or 'new VMs'} joined: {doc.shape} on {len(doc.members)} members is estimated "
                   f"{100 * gain:.0f}% faster than {plan.shape}; checkpointing, then re-planning")
         return await self._abort(snap, Decision("abort", reason, d.job, checkpoint=True))

@@ -3,7 +3,8 @@ that the next epoch's worker on the slot (after a morph) starts without the impo
 
 `fill` starts the missing ones in the environment the slots' workers start with; `run` hands a
 worker to its slot's spare when the spare is alive and its start-up environment fits the
-worker's (`trainer.spare.fits`), else says to start a fresh process. A spare is the daemon's
+worker's (`trainer.spare.fits`), else says to start a fresh process; `wait_ready` waits until
+each spare has imported what it imports ahead. A spare is the daemon's
 child in a session of its own that dies with the daemon (the supervisor's `preexec`), watched
 like any worker once it runs one.
 """
@@ -17,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -41,16 +43,34 @@ class SparePool:
         for slot in slots:
             if slot in self._spares and self._spares[slot][0].returncode is None:
                 continue
+            ready = self._ready_file(slot)
+            ready.unlink(missing_ok=True)
             try:
                 with open(folder / f"slot{slot}.log", "ab") as out:
                     proc = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "trainer.spare", cwd=self.state_dir, env=dict(env),
+                        sys.executable, "-m", "trainer.spare", "--ready", str(ready), cwd=self.state_dir, env=dict(env),
                         stdin=asyncio.subprocess.PIPE, stdout=out, stderr=asyncio.subprocess.STDOUT,
                         start_new_session=True, preexec_fn=self._preexec())
             except OSError as exc:
                 log.warning("%s: could not start a spare worker for slot %d: %s", self.name, slot, exc)
                 return
             self._spares[slot] = (proc, dict(env))
+
+    def _ready_file(self, slot: int) -> Path:
+        return Path(self.state_dir) / "spares" / f"slot{slot}.ready"
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until every spare has imported what it imports ahead (or died, or `timeout`
+        passed): whether all of them are ready."""
+        deadline = time.monotonic() + timeout
+        while True:
+            waiting = [slot for slot, (proc, _) in self._spares.items()
+                       if proc.returncode is None and not self._ready_file(slot).exists()]
+            if not waiting:
+                return all(proc.returncode is None for proc, _ in self._spares.values())
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
 
     async def run(self, slot: int, script: Path, args: list[str], env: dict[str, str], log_path: Path,
                   what: str) -> asyncio.subprocess.Process | None:
@@ -61,6 +81,7 @@ class SparePool:
         if proc.returncode is not None or proc.stdin is None or not spare.fits(spare_env, env):
             self._kill(proc)
             return None
+        imported = self._ready_file(slot).exists()
         order = {"script": str(script), "args": list(args), "cwd": str(script.parent), "env": env, "log": str(log_path)}
         try:
             proc.stdin.write(json.dumps(order).encode() + b"\n")
@@ -70,7 +91,8 @@ class SparePool:
             log.info("%s: the spare of slot %d is gone (%s); starting %s afresh", self.name, slot, exc, what)
             self._kill(proc)
             return None
-        log.info("%s: %s runs in the spare of slot %d (pid %d)", self.name, what, slot, proc.pid)
+        log.info("%s: %s runs in the spare of slot %d (pid %d, %s)", self.name, what, slot, proc.pid,
+                 "its imports done" if imported else "still importing")
         return proc
 
     def close(self) -> None:

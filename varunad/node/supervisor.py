@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -62,7 +63,7 @@ from varunad.node.oom import OOM_WORDS, kernel_oom_kills
 from varunad.node.reporter import Reporter
 from varunad.node.spares import SparePool
 from varunad.node.stopping import WorkerStopping
-from varunad.store.contract import Store
+from varunad.store.contract import Store, StoreError
 from varunad.store.keys import Keys
 
 __all__ = ["Supervisor", "STOPPED_EXIT_CODE", "WorkerProcess", "worker_environment"]
@@ -73,6 +74,7 @@ _TAIL_BYTES = 4096
 # Steps each worker traces (trainer.engine.varuna stops recording after them): enough for a warm-up
 # step plus a few steady ones for the end-of-job timeline, small enough to cost nothing.
 _TRACE_STEPS = 5
+_WARM_TIMEOUT = 60.0   # the most a joined VM's spares are waited for before it says it is ready anyway
 
 # Resolved before any fork: the child of a fork may only call what is already loaded.
 try:
@@ -404,6 +406,14 @@ class Supervisor(WorkerStopping):
         base = worker_environment(WorkerAssignment(rank=0, plan=ParallelPlan(P=1, D=1), endpoints=[""], dist_url="",
                                                    threads=self._threads(member)), extra=self.security_env)
         await self.spares.fill(range(member.usable_slots), base)
+        if member.warming:   # a VM that just joined: the leader waits for this before taking it in
+            if not await self.spares.wait_ready(_WARM_TIMEOUT):
+                log.warning("%s: spare workers not ready after %.0fs; telling the leader not to wait for them",
+                            self.name, _WARM_TIMEOUT)
+            try:
+                await self.membership.update(dataclasses.replace(self.membership.member, warming=False))
+            except StoreError as exc:   # the leader's own bound on the wait covers this
+                log.warning("%s: could not say the spare workers are ready: %s", self.name, exc)
 
     async def _wait(self, w: _SupervisedWorker) -> None:
         assert w.proc is not None
