@@ -30,7 +30,8 @@ It then reads the leader's morph record, the job's status and the new epoch's wo
   source   where the new epoch's state came from, as the morph record says
 The lost member is restarted between trials (a scale-up morph, threshold 0, brings it back in):
   join stall  the last step of the epoch before that morph -> the first step of the one with the
-              newcomer: how long training stood still for a VM that joined (its worker starts afresh)
+              newcomer: how long training stood still for a VM that joined (taken in once its spare
+              workers have imported torch, DaemonMember.warming)
 Each trial starts in the steady state between morphs: the job has trained a few steps in its epoch
 and every member's spare worker has finished its imports.
 
