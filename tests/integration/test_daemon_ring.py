@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -216,6 +217,10 @@ def test_kill9_in_a_2x2_resumes_from_the_survivors_memory(healthy, reference):
         assert manifest["meta"]["source"] == "replicas" and manifest["epoch"] == epoch, manifest
         text = ring.varunactl("status", "replicas", "--json")
         assert json.loads(text.stdout)["morphs"][-1]["source"] == "replicas", text.stdout
+        # the spares of the first epoch imported after its traced steps (5 from step 0), not beside them
+        started = [int(m) for n in NAMES + ["d4"] for m in re.findall(
+            rf"starting spare workers after step (\d+) of replicas epoch {epoch}\b", ring.daemons[n].log_text())]
+        assert started and min(started) >= 4, started
         # the survivors' daemons started the new epoch's workers in spares, torch already imported
         spared = [n for n in st["plan"]["members"]
                   if f"epoch {lost['to_epoch']} runs in the spare of slot 0" in ring.daemons[n].log_text()]
@@ -318,7 +323,9 @@ def test_kill9_of_the_leader_elects_another_within_a_ttl_and_the_job_finishes(he
 
 def test_scale_up_then_a_preemption_notice(healthy, reference):
     ring = healthy
-    ring.submit("scale", steps=STEPS, script_args=SLEEP)
+    # slower steps: the leader takes d4 in once its spare has imported torch (seconds on this host),
+    # and the job must still run then, and through the notice after
+    ring.submit("scale", steps=STEPS, script_args=("--step-sleep", "1.0"))
     st = ring.wait_step("scale", 3)
     first = st["epoch"]
     d4 = ring.start("d4", "--scale-up-threshold", "0")

@@ -55,8 +55,10 @@ class DaemonMember(Member):
     machine: str = ""  # the kernel's boot id ("" = unknown: a machine of its own)
     cores: int = 0  # CPUs this daemon's workers may run on (0 = unknown)
     threads: int = 0  # torch threads per worker on CPU slots (0 = GPU slots, or unknown)
-    # its spare workers (varunad.node.spares) are still importing torch: a leader taking it into a
-    # running job waits for them (a bounded while), so the morph does not wait for the import
+    # its spare workers (varunad.node.spares) are not ready: a daemon that has not yet started them
+    # (until it sees a job run, with or without it) or whose spares are still importing torch. A
+    # leader taking it into a running job waits for them (a bounded while): the morph then does
+    # not wait for the import
     warming: bool = False
 
     def __post_init__(self) -> None:

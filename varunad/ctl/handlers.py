@@ -119,7 +119,7 @@ def _cmd_nodes(args: argparse.Namespace) -> int:
             print(f"{m['name']:<16} {m['host']:<16} {m['slots']:>5} {m['device_kind']:<8} "
                   f"{m['memory_bytes'] / 2**30:>8.1f} {age:>9} {left:>8} {m['up_s']:>8.0f}  {m['version']}"
                   + ("  (leaving)" if m["draining"] else "")
-                  + ("  (spare workers importing torch)" if m["warming"] else "")
+                  + ("  (spare workers not ready)" if m["warming"] else "")
                   + (f"  (shares machine {m['machine'][:8]}'s {m['cores']} cores with {m['sharing_machine_with']} "
                      "other daemon(s))" if m["sharing_machine_with"] else ""))
         return 0

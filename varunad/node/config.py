@@ -149,8 +149,8 @@ class DaemonConfig:
     stage_checkpoints: bool = True
     """Workers write periodic checkpoints to the state dir and copy them to the store in the background."""
     spare_workers: bool = True
-    """Keep a spare worker process per slot with torch imported (trainer.spare), started once an epoch
-    trains here: the next epoch's worker starts in it, without the import."""
+    """Keep a spare worker process per slot with torch imported (trainer.spare), started once an epoch's
+    traced steps are done here: the next epoch's worker starts in it, without the import."""
     calibrate: Literal["uniform", "profile"] = "profile"
     """What to do when no calibration exists for a job's model: plan data-parallel only from a
     synthetic one ("uniform"), or run the script once with VARUNA_PROFILE on one slot ("profile")."""
@@ -369,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="workers write each periodic checkpoint to the state dir and copy it into the store in the "
            "background while training goes on (default on; on-demand checkpoints go straight to the store)")
     a("--spare-workers", action=argparse.BooleanOptionalAction, default=None,
-      help="keep a spare process per slot with torch already imported, started once an epoch trains "
-           "here, so that the next epoch's workers (after a morph) skip the import (default on)")
+      help="keep a spare process per slot with torch already imported, started once an epoch's "
+           "traced steps are done here, so that the next epoch's workers (after a morph) skip the import (default on)")
     a("--calibrate", choices=["uniform", "profile"],
       help="missing calibration: profile the job's script once on one slot (profile, default) or plan "
            "from a synthetic one (uniform: data-parallel only, for quick experiments)")
