@@ -17,8 +17,10 @@ from support.fabric import Fabric
 from support.ring import Ring
 
 WIDE_JOB = TESTS / "integration" / "netns" / "wide_job.py"
+# No spare workers: a run is one epoch of a dozen short steps, which their imports would overlap
+# (the measured steady step would be the import's, which no plan models).
 DAEMON_FLAGS = ("--slots", "1", "--threads", "1", "--ttl", "4", "--calibrate", "profile", "--plaintext",
-                "--progress-interval", "0.5", "--debounce", "0.3", "--max-restarts", "1")
+                "--progress-interval", "0.5", "--debounce", "0.3", "--max-restarts", "1", "--no-spare-workers")
 
 
 @dataclass
