@@ -1,6 +1,6 @@
 """What the profiler's measurements share: its error, medians, device syncs, tensor bytes, the math
-library's workspaces, and the fork-and-collect harness that runs helpers (the network's two ends, a busy host's slots) in
-forked processes and raises their failures here."""
+library's workspaces, and the fork-and-collect harness that runs helpers (the network's two ends,
+a busy host's slots) in forked processes and raises their failures here."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ that the next epoch's worker on the slot (after a morph) starts without the impo
 `fill` starts the missing ones in the environment the slots' workers start with; `run` hands a
 worker to its slot's spare when the spare is alive and its start-up environment fits the
 worker's (`trainer.spare.fits`), else says to start a fresh process; `wait_ready` waits until
-each spare has imported what it imports ahead. A spare is the daemon's
-child in a session of its own that dies with the daemon (the supervisor's `preexec`), watched
-like any worker once it runs one.
+each spare has imported what it imports ahead. A spare is the daemon's child in a session of its
+own that dies with the daemon (the supervisor's `preexec`), watched like any worker once it runs
+one.
 """
 
 from __future__ import annotations
