@@ -5,7 +5,7 @@
 What it does, with the library calls behind `varunactl up`, `submit`, `watch` and `down`:
 starts a private etcd and N daemons on loopback (varunad.ctl.local.up), submits
 examples/train_gpt.py on this package's own Python source (shipped, nothing to download), shows
-the job's live progress (varunad.ctl.progress), kill -9s one daemon that is not the leader halfway
+the job's live progress (varunad.ctl.progress), kill -9s one daemon that runs a worker (not the leader, unless it alone runs one) halfway
 (a spot VM vanishing: the fleet notices, re-plans and carries on with the same global batch, from
 the survivors' memory when every stage kept a replica, else from the newest checkpoint), waits
 until the job is done, saves what each daemon's metrics endpoint serves (DIR/metrics/), writes
@@ -71,10 +71,11 @@ class Preemption:
             return None
         kv = await self.store.get(self.keys.leader)
         leader = kv.value.decode() if kv else None
-        # one that runs a worker of the job, so that the job itself must morph
+        # one that runs a worker of the job, so that the job itself must morph; the leader only when
+        # it alone runs one (a plan that leaves the other slots of a shared machine idle)
         working = set(doc["plan"].get("members") or ())
-        victims = sorted((d for d in reversed(self.ring.daemons) if d.name != leader and local.alive(d)),
-                         key=lambda d: d.name not in working)
+        victims = sorted((d for d in reversed(self.ring.daemons) if local.alive(d)),
+                         key=lambda d: (d.name not in working, d.name == leader))
         if not victims:
             return None
         local.kill_daemon(victims[0].name, self.ring.dir)
