@@ -6,7 +6,8 @@
 that stream. Every example is seen exactly once per pass; a batch may straddle two passes
 (and then can hold one example twice, once from each).
 Replica r of D takes the r-th contiguous slice, so after a morph from D=4 to D=2 the same
-step still covers the same examples.
+step still covers the same examples; a plan that gives replicas uneven shares
+(`ParallelPlan.shares`) only moves the slices' boundaries.
 
 Nothing is downloaded: the text corpus comes from a small grammar written here, tokenised
 one character per token into `VOCAB` (96 symbols: newline and printable ASCII), and the
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from trainer.errors import ConfigError
+from trainer.planning.parallel import replica_slice
 
 __all__ = [
     "GlobalBatches",
@@ -82,11 +84,13 @@ class GlobalBatches:
             pos += take
         return np.concatenate(parts)
 
-    def shard(self, step: int, replica: int, data_depth: int) -> np.ndarray:
-        """Replica `replica`'s contiguous slice of step `step`'s global batch."""
+    def shard(self, step: int, replica: int, data_depth: int, shares: Sequence[int] | None = None) -> np.ndarray:
+        """Replica `replica`'s contiguous slice of step `step`'s global batch: batch_size / data_depth
+        examples, or ``shares[replica]`` where the replicas take uneven shares (a script may pass
+        ``varuna.shares``, the plan's, or leave them out: Varuna takes the even shard too)."""
         if data_depth < 1:
             raise ConfigError(f"data_depth must be >= 1, got {data_depth}")
-        if self.batch_size % data_depth:
+        if shares is None and self.batch_size % data_depth:
             raise ConfigError(
                 f"global batch size {self.batch_size} does not split evenly over {data_depth} replicas",
                 hint=f"use a batch size that is a multiple of {data_depth} "
@@ -95,8 +99,8 @@ class GlobalBatches:
             )
         if not 0 <= replica < data_depth:
             raise ConfigError(f"replica {replica} is outside 0..{data_depth - 1}")
-        per_replica = self.batch_size // data_depth
-        return self.indices(step)[replica * per_replica:(replica + 1) * per_replica]
+        offset, size = replica_slice(self.batch_size, data_depth, None if shares is None else tuple(shares), replica)
+        return self.indices(step)[offset:offset + size]
 
 
 # --- text ------------------------------------------------------------------------------

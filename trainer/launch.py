@@ -118,6 +118,7 @@ def plan_assignments(
     schedule: str | None = None,
     cuts: Sequence[int] | None = None,
     recompute: Sequence[bool] | None = None,
+    shares: Sequence[int] | None = None,
     threads: int | None = None,
     trace_dir: str | None = None,
     store: str | None = None,
@@ -127,6 +128,9 @@ def plan_assignments(
 ) -> list[WorkerAssignment]:
     """One WorkerAssignment per rank (rank = replica * stages + stage), with fresh loopback ports.
     `recompute` is one flag per stage, as the daemon's planner sets them (None: the script's).
+    `shares` is the examples of the global batch each replica takes per step, in replica order,
+    as the planner sets them for slow replicas (None: an even split); the workers check that they
+    add up to the script's global batch.
     With a store, the workers resume from its newest complete checkpoint by themselves.
     `device` "cuda" gives rank r the r-th visible GPU (NCCL wants one GPU per rank); any other
     value (a torch device, "cpu") goes to every rank as it is (ranks that find they share a GPU
@@ -143,6 +147,8 @@ def plan_assignments(
         raise ConfigError(f"--cuts names {len(cuts)} cut point(s); {stages} stages need {stages - 1}")
     if cuts is not None and (len(set(cuts)) != len(cuts) or any(c < 0 for c in cuts)):
         raise ConfigError(f"--cuts must be distinct cut-point indices >= 0, got {list(cuts)}")
+    if shares is not None and len(shares) != replicas:
+        raise ConfigError(f"--shares names {len(shares)} share(s); {replicas} replicas need {replicas}")
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ConfigError(f"--checkpoint-every must be >= 1, got {checkpoint_every}")
     if (checkpoint_every is not None or checkpoint_tmpdir is not None) and store is None:
@@ -163,9 +169,10 @@ def plan_assignments(
     endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[:world]]
     try:
         plan = ParallelPlan(P=stages, D=replicas, schedule=schedule, cuts=None if cuts is None else tuple(sorted(cuts)),
-                            recompute=None if recompute is None else tuple(recompute))
+                            recompute=None if recompute is None else tuple(recompute),
+                            shares=None if shares is None else tuple(shares))
     except ParallelPlanError as exc:
-        raise ConfigError(f"{exc} (--stages, --replicas, --cuts, --schedule)") from None
+        raise ConfigError(f"{exc} (--stages, --replicas, --cuts, --schedule, --shares)") from None
     return [
         WorkerAssignment(
             rank=rank,
@@ -337,6 +344,7 @@ def launch(
     schedule: str | None = None,
     cuts: Sequence[int] | None = None,
     recompute: Sequence[bool] | None = None,
+    shares: Sequence[int] | None = None,
     threads: int | None = None,
     trace_dir: str | os.PathLike[str] | None = None,
     store: str | os.PathLike[str] | None = None,
@@ -360,7 +368,7 @@ def launch(
         raise ConfigError(f"{script} is a directory, not a script" if os.path.isdir(script)
                           else f"no such script: {script}")
     assignments = plan_assignments(
-        stages, replicas, job=job, schedule=schedule, cuts=cuts, recompute=recompute, threads=threads,
+        stages, replicas, job=job, schedule=schedule, cuts=cuts, recompute=recompute, shares=shares, threads=threads,
         trace_dir=None if trace_dir is None else os.fspath(trace_dir),
         store=None if store is None else os.fspath(store), device=device,
         checkpoint_every=checkpoint_every,
@@ -403,6 +411,13 @@ def _parse_cuts(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated cut-point indices, got {text!r}") from None
 
 
+def _parse_shares(text: str) -> list[int]:
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers of examples, got {text!r}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainer.launch",
@@ -422,6 +437,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=list(SCHEDULES), help="pipeline schedule (default: Varuna's)")
     p.add_argument("--cuts", type=_parse_cuts, metavar="I,J,...",
                    help="active cut-point indices, P-1 of them (default: Varuna balances the stages)")
+    p.add_argument("--shares", type=_parse_shares, metavar="N,M,...",
+                   help="examples of the global batch each replica takes per step, D of them in replica order, "
+                        "adding up to the script's batch size (e.g. 10,10,4 for a batch of 24 over 3 replicas, the "
+                        "third one slow); the math of a step is the same (default: an even split)")
     p.add_argument("--trace-dir", metavar="DIR", help="write a Chrome trace per worker here "
                    "(draw them with `varunactl report --traces DIR`)")
     p.add_argument("--store", metavar="DIR", help="checkpoint store of the job; workers resume from its "
@@ -451,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = launch(
             ns.script, ns.script_args, stages=ns.stages, replicas=ns.replicas, timeout=ns.timeout,
-            job=ns.job, schedule=ns.schedule, cuts=ns.cuts, threads=ns.threads,
+            job=ns.job, schedule=ns.schedule, cuts=ns.cuts, shares=ns.shares, threads=ns.threads,
             trace_dir=ns.trace_dir, store=ns.store, device=ns.device, grace=ns.grace, echo=True, capture=False,
             checkpoint_every=ns.checkpoint_every, checkpoint_tmpdir=ns.checkpoint_tmpdir,
         )

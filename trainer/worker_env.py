@@ -204,7 +204,8 @@ class WorkerAssignment:
 
     rank: int                                # this worker's global rank, 0 .. world-1
     # The job's plan (P, D, micro-batch, schedule, cuts, recompute, the rank of each (stage,
-    # replica)); its unset fields leave the choice to the script or to Varuna.
+    # replica), each replica's share of the batch); its unset fields leave the choice to the
+    # script or to Varuna.
     plan: ParallelPlan
     endpoints: list[str]                     # by rank: the ZeroMQ endpoint each worker binds
     dist_url: str                            # torch.distributed rendezvous, tcp://host:port

@@ -67,13 +67,15 @@ def test_a_vm_that_turns_slow_mid_job_is_planned_around_and_the_losses_hold(tmp_
     finally:
         ring.close()
     assert done["state"] == "done", (done["reason"], ring.tails())
-    # a morph around d3, named in its reason; the plan after it leaves d3 idle or gives it less work
+    # a morph around d3, named in its reason; the plan after it leaves d3 idle or gives it less work:
+    # fewer layers (fewer stages run on three slots) or a smaller share of the batch
     around = [m for m in done["morphs"] if "d3/0" in m["reason"]]
     assert around, [m["reason"] for m in done["morphs"]]
     assert "d3/0 computes" in around[0]["reason"] and "slower" in around[0]["reason"], around[0]
     assert around[0]["checkpoint"], around[0]
     plan = done["plan"]
-    assert "d3" not in plan["members"] or plan["D"] < 3, plan
+    shares = plan.get("shares") or []
+    assert "d3" not in plan["members"] or plan["D"] < 3 or min(shares, default=0) < max(shares, default=0), plan
     # status says who is slow and by how much; every step trained the plain loop's loss
     text = io.StringIO()
     print_job(done, text)

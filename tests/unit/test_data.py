@@ -52,6 +52,23 @@ def test_shards_tile_the_global_batch_for_any_data_depth():
         assert np.array_equal(np.concatenate(shards), batches.indices(5))
 
 
+def test_shards_with_shares_tile_the_global_batch_in_replica_order():
+    batches = GlobalBatches(1000, 12, seed=1)
+    shards = [batches.shard(5, r, 3, shares=(6, 4, 2)) for r in range(3)]
+    assert [len(s) for s in shards] == [6, 4, 2]
+    assert np.array_equal(np.concatenate(shards), batches.indices(5))
+    assert np.array_equal(batches.shard(5, 1, 3, shares=[6, 4, 2]), batches.indices(5)[6:10])
+    # shares may split a batch that D does not divide; equal ones are the even split
+    assert [len(GlobalBatches(10, 10).shard(0, r, 3, shares=(4, 3, 3))) for r in range(3)] == [4, 3, 3]
+    assert np.array_equal(batches.shard(2, 2, 3, shares=(4, 4, 4)), batches.shard(2, 2, 3))
+    with pytest.raises(ConfigError, match=r"add up to 11 examples, the global batch is 12"):
+        batches.shard(0, 0, 3, shares=(6, 4, 1))
+    with pytest.raises(ConfigError, match="name 2 replicas"):
+        batches.shard(0, 0, 3, shares=(6, 6))
+    with pytest.raises(ConfigError, match="replica 3"):
+        batches.shard(0, 3, 3, shares=(6, 4, 2))
+
+
 def test_shard_refuses_an_uneven_split_and_says_what_to_change():
     batches = GlobalBatches(1000, 10, seed=0)
     with pytest.raises(ConfigError, match="multiple of 4") as info:

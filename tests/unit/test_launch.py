@@ -10,7 +10,7 @@ import torch
 
 import trainer.launch as launch_mod
 from trainer.errors import ConfigError
-from trainer.launch import launch, plan_assignments
+from trainer.launch import _parser, launch, plan_assignments
 from trainer.worker_env import WorkerAssignment
 
 # Worker scripts read the environment directly (not through trainer.worker_env) so that they start
@@ -49,6 +49,18 @@ def test_plan_numbers_ranks_replica_major_with_distinct_endpoints():
                                               f"{torch.cuda.device_count()}"):
             plan_assignments(2, 1, device="cuda")
     assert [a.device for a in plan_assignments(2, 1, device="cpu")] == ["cpu", "cpu"]
+
+
+def test_the_launcher_passes_shares_into_the_plan_and_refuses_them_in_the_flags_words():
+    assert {a.plan.shares for a in plan_assignments(1, 3, shares=[6, 4, 2])} == {(6, 4, 2)}
+    assert plan_assignments(2, 2)[0].plan.shares is None
+    with pytest.raises(ConfigError, match="--shares names 2 share"):
+        plan_assignments(1, 3, shares=[6, 6])
+    with pytest.raises(ConfigError, match=r"examples >= 1.*--shares"):
+        plan_assignments(1, 2, shares=[12, 0])
+    assert _parser().parse_args(["-P", "1", "-D", "3", "--shares", "10,10,4", "s.py"]).shares == [10, 10, 4]
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["-P", "1", "-D", "2", "--shares", "10,x", "s.py"])
 
 
 def test_the_launcher_refuses_a_directory_in_one_line(tmp_path, capsys):

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.planning.parallel import ParallelPlan, ParallelPlanError
+from trainer.errors import ConfigError
+from trainer.planning.parallel import ParallelPlan, ParallelPlanError, micro_batches, replica_slice, share_micro_batches
 from trainer.worker_env import WorkerAssignment
 
 
@@ -49,6 +50,14 @@ def test_ranks_default_to_replica_major_and_positions_invert_them():
     (dict(P=2, D=2, ranks=((0, 1), (2, 2))), "0..3 once each"),
     (dict(P=2, D=2, ranks=((0, 1), (2, 4))), "0..3 once each"),
     (dict(P=1, D=2, ranks=(("0", 1),)), "0..1 once each"),
+    (dict(P=1, D=3, shares=(6, 4)), r"one number of examples >= 1 per replica \(3\)"),
+    (dict(P=1, D=2, shares=(6, 4, 2)), r"per replica \(2\)"),
+    (dict(P=1, D=2, shares=(6, 0)), "examples >= 1"),
+    (dict(P=1, D=2, shares=(6, -1)), "examples >= 1"),
+    (dict(P=1, D=2, shares=(True, 4)), "examples >= 1"),
+    (dict(P=1, D=2, shares=(6, 4.0)), "examples >= 1"),
+    (dict(P=1, D=2, shares=(6, 2**40)), "examples >= 1"),
+    (dict(P=1, D=2, shares=10), "examples >= 1"),
 ])
 def test_a_plan_that_is_not_one_is_refused_with_the_reason(fields, words):
     with pytest.raises(ParallelPlanError, match=words):
@@ -92,7 +101,8 @@ def test_any_valid_plan_survives_the_worker_environment(P, D, data):
     plan = ParallelPlan(P=P, D=D, ranks=ranks, cuts=data.draw(st.none() | st.just(cuts)),
                         recompute=data.draw(st.none() | st.lists(st.booleans(), min_size=P, max_size=P).map(tuple)),
                         micro_batch_size=data.draw(st.none() | st.integers(1, 64)),
-                        schedule=data.draw(st.none() | st.sampled_from(["varuna", "gpipe", "1f1b"])))
+                        schedule=data.draw(st.none() | st.sampled_from(["varuna", "gpipe", "1f1b"])),
+                        shares=data.draw(st.none() | st.lists(st.integers(1, 64), min_size=D, max_size=D).map(tuple)))
     rank = data.draw(st.integers(0, P * D - 1))
     a = WorkerAssignment(rank=rank, plan=plan, endpoints=[f"tcp://h:{i}" for i in range(P * D)], dist_url="")
     back = WorkerAssignment.from_env(a.to_env())
@@ -117,3 +127,64 @@ def test_a_new_field_crosses_every_hop_untouched():
     a = WorkerAssignment(rank=1, plan=plan, endpoints=doc.endpoints(), dist_url=doc.dist_url)
     assert json.loads(a.to_env()["VARUNA_PLAN"])["interleave"] == 3
     assert Wider.from_json(a.to_env()["VARUNA_PLAN"]).interleave == 3
+
+
+# -- uneven data-parallel shares ----------------------------------------------------------------------
+
+def test_shares_round_trip_as_tuples_and_a_new_d_drops_them():
+    plan = ParallelPlan(P=2, D=3, shares=[6, 4, 2])   # a JSON list comes back as the tuple the field holds
+    assert plan.shares == (6, 4, 2)
+    assert json.loads(plan.to_json())["shares"] == [6, 4, 2]
+    back = ParallelPlan.from_json(plan.to_json())
+    assert back == plan and type(back.shares) is tuple and hash(back) == hash(plan)
+    assert ParallelPlan.from_dict(plan.to_dict()) == plan
+    assert ParallelPlan(P=1, D=2).shares is None and ParallelPlan.from_json(ParallelPlan(P=1, D=2).to_json()).shares is None
+    # three replicas' shares say nothing about two: a new D drops them, unless given with it
+    assert plan.replace(P=3, D=2, ranks=None).shares is None
+    assert plan.replace(P=3, D=2, ranks=None, shares=(7, 5)).shares == (7, 5)
+    assert plan.replace(ranks=((3, 4, 5), (0, 1, 2))).shares == (6, 4, 2)   # renumbered: the same replicas
+    assert ParallelPlan.from_stage_to_rank({0: [1, 0]}, shares=(3, 1)).shares == (3, 1)
+
+
+@pytest.mark.parametrize("batch, replicas, shares, slices", [
+    (12, 3, None, [(0, 4), (4, 4), (8, 4)]),
+    (12, 3, (6, 4, 2), [(0, 6), (6, 4), (10, 2)]),
+    (12, 3, (5, 4, 3), [(0, 5), (5, 4), (9, 3)]),
+    (10, 3, (4, 3, 3), [(0, 4), (4, 3), (7, 3)]),   # shares need not divide the batch evenly
+    (7, 1, (7,), [(0, 7)]),
+    (7, 1, None, [(0, 7)]),
+])
+def test_replica_slices_are_contiguous_in_replica_order_and_tile_the_batch(batch, replicas, shares, slices):
+    got = [replica_slice(batch, replicas, shares, r) for r in range(replicas)]
+    assert got == slices
+    assert [o for o, _ in got] == [sum(n for _, n in got[:r]) for r in range(replicas)]
+    assert sum(n for _, n in got) == batch
+
+
+def test_replica_slice_refuses_shares_that_are_not_the_batch_in_words_that_say_what_to_change():
+    with pytest.raises(ConfigError, match=r"shares \[6, 4, 1\] add up to 11 examples, the global batch is 12") as info:
+        replica_slice(12, 3, (6, 4, 1), 0)
+    assert "add up to the global batch" in info.value.hint
+    with pytest.raises(ConfigError, match=r"name 2 replicas, the plan has 3"):
+        replica_slice(12, 3, (6, 6), 0)
+    with pytest.raises(ConfigError, match="replica 3 is outside 0..2"):
+        replica_slice(12, 3, (6, 4, 2), 3)
+    with pytest.raises(ConfigError, match="replica True is outside"):
+        replica_slice(12, 3, None, True)
+    with pytest.raises(ConfigError, match="share of a replica must be a positive integer, got 0"):
+        replica_slice(12, 2, (12, 0), 0)
+    # without shares, the one rule's own words (micro_batches): the batch must split evenly
+    with pytest.raises(ConfigError) as even:
+        micro_batches(30, 4, 4)
+    with pytest.raises(ConfigError, match="does not split evenly over 4 replicas") as sliced:
+        replica_slice(30, 4, None, 0)
+    assert str(sliced.value) == str(even.value) and sliced.value.hint == even.value.hint
+
+
+def test_a_share_is_cut_into_micro_batches_as_the_even_split_is():
+    assert share_micro_batches(5, 2) == (2, 2, 1)
+    assert share_micro_batches(2, 4) == (2,)
+    assert share_micro_batches(8, 4) == (4, 4)
+    assert micro_batches(30, 2, 4) == share_micro_batches(15, 4)
+    with pytest.raises(ConfigError, match="share must be a positive integer"):
+        share_micro_batches(0, 4)

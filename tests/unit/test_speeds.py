@@ -137,6 +137,58 @@ def test_a_pipeline_gives_a_slower_slot_fewer_layers_where_it_cannot_leave_it_ou
     assert next(x.member for x in doc.slots if where[x.rank][0] == slow_stage) == "d2"
 
 
+def test_replicas_of_one_kind_at_different_speeds_take_uneven_shares_of_the_global_batch():
+    """Three slots, one at half speed: neither 1x2 (it idle) nor an even 1x3 (everyone at its
+    pace) is the best plan; 1x3 with a smaller share for the slow replica is."""
+    s = spec(batch_size=24)
+    members = [(member(f"d{i}"), 100 + i) for i in (1, 2, 3)]
+    cal = calibration(4, sizes=(1, 2, 4), forward_s=1e-3, links=LINKS)
+    without, _ = make_plan(s, members[:2], {"cpu": cal}, calibrated=True, reason="t")
+    doc, planned = make_plan(s, members, {"cpu": cal}, calibrated=True, reason="t", slowdowns={"d3/0": 2.0})
+    shares = doc.plan.shares
+    assert (doc.plan.P, doc.plan.D) == (1, 3) and shares is not None and sum(shares) == 24, planned.explain()
+    slow = doc.plan.positions()[next(x.rank for x in doc.slots if x.member == "d3")][1]
+    assert shares[slow] < min(sh for r, sh in enumerate(shares) if r != slow)
+    assert all(sh % doc.plan.micro_batch_size == 0 for sh in shares)
+    assert planned.estimated_s < without.estimated_s * 0.95
+    assert any("uneven shares" in n for n in planned.notes)
+    # the stage's kind is the slots' own: the leader measures every slot against its full speed
+    assert [st.device_kind for st in planned.stages] == ["cpu"]
+    # the shares reach the workers whole, in the plan document's ParallelPlan
+    assert type(doc.plan).from_dict(doc.plan.to_dict()).shares == shares
+
+
+def test_uneven_shares_in_a_pipeline_keep_one_partition_and_give_the_slow_replica_less():
+    s = spec(batch_size=32)
+    members = [(member(f"d{i}"), 100 + i) for i in (1, 2, 3, 4)]
+    # a model no slot holds alone, with cheap all-reduces: 2x2 is the healthy fleet's plan
+    cal = calibration(8, sizes=(1, 2, 4), param_bytes=80 << 20, optimizer_bytes=0, links=LINKS,
+                      allreduce={"intra": LinkCost(50e-6, 50e9), "inter": LinkCost(50e-6, 50e9)})
+    doc, planned = make_plan(s, members, {"cpu": cal}, calibrated=True, reason="t", slowdowns={"d4/0": 2.0})
+    assert (doc.plan.P, doc.plan.D) == (2, 2) and doc.plan.shares is not None, planned.explain()
+    slow = doc.plan.positions()[next(x.rank for x in doc.slots if x.member == "d4")][1]
+    assert doc.plan.shares[slow] < doc.plan.shares[1 - slow]
+    assert planned.micro_batches == max(doc.plan.shares) // doc.plan.micro_batch_size
+
+
+def test_uneven_shares_are_not_planned_for_speeds_that_are_the_same():
+    s = spec(batch_size=24)
+    members = [(member(f"d{i}"), 100 + i) for i in (1, 2, 3)]
+    cal = calibration(4, sizes=(1, 2, 4), links=LINKS)
+    doc, _ = make_plan(s, members, {"cpu": cal}, calibrated=True, reason="t")
+    assert doc.plan.shares is None and (doc.plan.P, doc.plan.D) == (1, 3)
+
+
+def test_balanced_counts_minimise_the_slowest_replica():
+    from trainer.planning.planner import _balanced_counts
+    assert _balanced_counts([1.0, 1.0, 2.0], [1.0, 1.0, 2.0], 10) == (4, 4, 2)
+    assert _balanced_counts([1.0, 1.0], [1.0, 1.0], 1) is None
+    counts = _balanced_counts([0.5, 3.0], [1.0, 3.0], 12)
+    assert sum(counts) == 12 and min(counts) >= 1
+    worst = max(a + (c - 1) * p for a, p, c in zip([0.5, 3.0], [1.0, 3.0], counts))
+    assert all(worst <= max(0.5 + (c - 1) * 1.0, 3.0 + (12 - c - 1) * 3.0) for c in range(1, 12))
+
+
 def test_a_kind_with_one_measured_slot_is_compared_with_the_fastest_slot_of_any_kind():
     speeds = SlotSpeeds(threshold=1.5, window=1, forget_s=600)
     expected = {0: Expected("a1/0", "A100", 0.01), 1: Expected("a2/0", "A100", 0.01), 2: Expected("v1/0", "V100", 0.03)}

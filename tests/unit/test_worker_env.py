@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 
 from trainer.errors import ConfigError
 from trainer.launch import worker_environment
-from trainer.planning.parallel import PER_STAGE, ParallelPlan, per_stage_fields
+from trainer.planning.parallel import PER_STAGE, ParallelPlan, per_replica_fields, per_stage_fields
 from trainer.worker_env import WorkerAssignment, decode, encode, env_fields, env_name
 
 # Every plan field away from its default; a field added to ParallelPlan must be given a value here
 # (test_the_examples_leave_no_field_at_its_default says so).
 FULL_PLAN = ParallelPlan(P=2, D=3, micro_batch_size=4, schedule="gpipe", cuts=(5,), recompute=(False, True),
-                         ranks=((5, 4, 3), (2, 1, 0)))
+                         ranks=((5, 4, 3), (2, 1, 0)), shares=(40, 36, 20))
 
 
 def full_assignment(plan: ParallelPlan = FULL_PLAN, cls: type = WorkerAssignment, **more) -> WorkerAssignment:
@@ -173,10 +173,11 @@ def test_a_stage_to_rank_map_keeps_every_field_the_shape_does_not_size(monkeypat
     reshaped = _assign(monkeypatch, a, {0: [0, 1], 1: [2, 3], 2: [4, 5]})
     assert type(reshaped) is type(plan) and (reshaped.P, reshaped.D) == (3, 2)
     changed = {f.name for f in dataclasses.fields(plan) if getattr(reshaped, f.name) != getattr(plan, f.name)}
-    per_stage = per_stage_fields(plan)
+    per_stage, per_replica = per_stage_fields(plan), per_replica_fields(plan)
     assert {"cuts", "recompute"} <= set(per_stage) and ("stage_weights" in per_stage) == isinstance(plan, Wider)
-    assert changed == {"P", "D", "ranks", *per_stage}
-    assert all(getattr(reshaped, name) is None for name in per_stage)
+    assert per_replica == ("shares",)   # sized by D: three replicas' shares say nothing of two
+    assert changed == {"P", "D", "ranks", *per_stage, *per_replica}
+    assert all(getattr(reshaped, name) is None for name in (*per_stage, *per_replica))
 
 
 # -- derived names never take a variable another module owns ------------------------------------------

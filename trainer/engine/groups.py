@@ -5,7 +5,7 @@ the step's statistics.
 
 `ProcessGroups` is a part of `trainer.engine.varuna.Varuna`, which calls these once, while it is
 built; they read its assignment, plan, position, device, layout and tensors, and set
-`_owns_process_group`, `_rendezvous`, `stage_group`, `reducer` and `_norm_params`.
+`_owns_process_group`, `_rendezvous`, `stage_group`, `_replica_order`, `reducer` and `_norm_params`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.engine import setup
+from trainer.engine import replica_share, setup
 from trainer.engine.comm import PeerChannel
 from trainer.engine.data_parallel import GradReducer
 from trainer.errors import ConfigError
@@ -112,6 +112,9 @@ class ProcessGroups:
         a, layout = self.assignment, self.layout
         stage_groups = [dist.new_group(sorted(a.plan.ranks[s])) for s in range(self.plan.P)]
         self.stage_group = stage_groups[self.stage]
+        # where each replica's rank is in the stage's group, for the collectives whose results
+        # come by group rank (trainer.engine.replica_share)
+        self._replica_order = replica_share.replica_order(self.stage_group, a.plan.ranks[self.stage])
         tied = []
         for names in layout.tied:
             stages = sorted({s for n in names for s in layout.owners[n]})

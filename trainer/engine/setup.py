@@ -18,7 +18,15 @@ from torch import nn
 from protocol.errors import SecurityError
 from protocol.security import Security, SecurityConfig
 from trainer.errors import ConfigError
-from trainer.planning.parallel import ParallelPlan, ParallelPlanError, micro_batches, per_stage_fields
+from trainer.planning.parallel import (
+    ParallelPlan,
+    ParallelPlanError,
+    check_shares,
+    micro_batches,
+    per_replica_fields,
+    per_stage_fields,
+    share_micro_batches,
+)
 from trainer.planning.schedule import ScheduleError, schedule_named
 from trainer.worker_env import WorkerAssignment
 
@@ -55,9 +63,10 @@ def assignment_for(stage_to_rank_map) -> WorkerAssignment:
             raise ConfigError(f"stage_to_rank_map has {given.world_size} ranks, the job was started with "
                               f"{a.plan.world_size} workers", hint="pass None to use the launcher's or daemon's plan")
         # The map renumbers, and may reshape: every field of the plan the shape does not size is
-        # kept (a field added to the plan included), its subclass too; the per-stage ones are reset.
+        # kept (a field added to the plan included), its subclass too; the per-stage and
+        # per-replica ones are reset (a reshape keeps the world size, so it changes P and D both).
         reshaped = {} if given.shape == a.plan.shape else \
-            {"P": given.P, "D": given.D, **dict.fromkeys(per_stage_fields(a.plan))}
+            {"P": given.P, "D": given.D, **dict.fromkeys((*per_stage_fields(a.plan), *per_replica_fields(a.plan)))}
         try:
             plan = a.plan.replace(ranks=given.ranks, **reshaped)
         except ParallelPlanError as exc:
@@ -81,8 +90,14 @@ def stats_tree(plan: ParallelPlan, stage: int, replica: int) -> tuple[int | None
     return None, pipeline + [stage_to_rank[0][r] for r in range(1, D)]
 
 
-def check_sizes(batch: int, chunk: int, D: int, precision: str, schedule: str) -> None:
-    micro_batches(batch, D, chunk)  # the one rule, as `varunactl submit` and the planner follow it
+def check_sizes(batch: int, chunk: int, D: int, precision: str, schedule: str,
+                shares: Sequence[int] | None = None) -> None:
+    """`shares`: the plan's uneven split of the batch (None: even), which need not divide it."""
+    if shares is None:
+        micro_batches(batch, D, chunk)  # the one rule, as `varunactl submit` and the planner follow it
+    else:
+        check_shares(batch, shares)     # the plan checked their count and that each is >= 1
+        share_micro_batches(min(shares), chunk)
     if precision not in ("fp32", "fp16", "bf16"):
         raise ConfigError(f"precision must be fp32, fp16 or bf16, got {precision!r}")
     try:

@@ -10,7 +10,8 @@ A script written for Varuna ports with an import change:
 Each worker captures the whole model (torch.export), keeps only its stage (the rest of the parameters are
 freed), and runs the schedule's action list for its stage every step. Gradients are summed
 over replicas (the loss is normalised by the global batch), so every P x D computes the same
-update as a single process would ([Note: the global batch defines the math] in ARCHITECTURE.md).
+update as a single process would, whether the replicas take even shares of the batch or the
+plan's uneven ones ([Note: the global batch defines the math] in ARCHITECTURE.md).
 
 When the epoch breaks (a peer lost mid-step), the step is abandoned and the state of the last
 completed step is saved from memory for the next epoch (`_abandon`, trainer.checkpoint.rescue).
@@ -42,7 +43,7 @@ from trainer.checkpoint import contents as checkpointing
 from trainer.checkpoint import rescue
 from trainer.checkpoint import store as ckpt_store
 from trainer.checkpoint.model_record import record_model
-from trainer.engine import hooks, setup
+from trainer.engine import hooks, replica_share, setup
 from trainer.engine import weights as stage_weights
 from trainer.engine.agreement import StepAgreement
 from trainer.engine.checkpoints import WorkerCheckpoints
@@ -59,7 +60,7 @@ from trainer.graph.keyed_rng import Draws
 from trainer.graph.layout import Layout, build_layout
 from trainer.graph.partition import capture_model, slice_stages
 from trainer.graph.placement import retarget_graph
-from trainer.planning.parallel import ParallelPlan
+from trainer.planning.parallel import ParallelPlan, replica_slice
 from trainer.planning.schedule import DEFAULT_SCHEDULE, Action, Kind, build_table
 from trainer.worker_env import WorkerAssignment
 
@@ -111,7 +112,11 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             recompute if recompute is not None else a.plan.recompute if a.plan.recompute is not None else True)
         self.iteration = 0
         self.seed = seed   # keys the model's random ops with the step and example (trainer.graph.keyed_rng)
-        setup.check_sizes(self.batch_size, self.micro_batch_size, self.plan.D, self.precision, self.schedule)
+        setup.check_sizes(self.batch_size, self.micro_batch_size, self.plan.D, self.precision, self.schedule,
+                          self.plan.shares)
+        # where this replica's examples are in each step's global batch: they key its random draws
+        self.shard_offset, self.shard_size = replica_slice(self.batch_size, self.plan.D, self.plan.shares,
+                                                           self.replica)
         if a.threads:
             torch.set_num_threads(a.threads)
         self.device = setup.choose_device(a, local_rank, device)
@@ -238,7 +243,8 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
 
     def step(self, inputs: Mapping[str, torch.Tensor], clip_grad_max_norm: float | None = None
              ) -> tuple[float, bool]:
-        """One optimizer step on the global mini-batch; `inputs` is this replica's shard."""
+        """One optimizer step on the global mini-batch; `inputs` is this replica's shard: its share
+        of the global batch (`shares`), or the even one of B / D examples, which works with any plan."""
         if self.optimizer is None:
             raise ConfigError("step() before set_optimizer()")
         if not isinstance(inputs, Mapping):
@@ -253,7 +259,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         table = self._table(self.schedule, len(micro), self.recompute)
         self.optimizer.zero_grad(set_to_none=True)
         result: dict[str, object] = {}
-        draws = self._draws(len(micro), setup.shard_size(inputs))
+        draws = self._draws(len(micro), self.shard_offset)
         clock = ComputeClock(self.channel, self.device)
         try:
             self.control.abandonable = True
@@ -286,8 +292,11 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
                 self.recorder = self.executor.recorder = NullRecorder()
         elapsed = time.perf_counter() - start
         blocked = (self.channel.wait_s if self.channel is not None else 0.0) - waited
+        # per micro-batch of the plan's size, what the leader expects of the stage, whatever share
+        # this replica took and however small its last micro-batch
+        per_micro_batch = computed_s * self.micro_batch_size / self.shard_size
         self.control.progress(self.iteration - 1, result["loss"], self.batch_size / elapsed,
-                              1.0 - blocked / elapsed, self.memory.peak_bytes(), computed_s / len(micro))
+                              1.0 - blocked / elapsed, self.memory.peak_bytes(), per_micro_batch)
         try:
             self.control.abandonable = True   # a checkpoint's collectives: the state is the step's, whole
             self._after_step()
@@ -327,9 +336,10 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
 
     @torch.no_grad()
     def evaluate(self, inputs: Mapping[str, torch.Tensor], batch_size: int | None = None) -> float:
-        """Global mean loss of an evaluation batch (this replica's shard in `inputs`)."""
+        """Global mean loss of an evaluation batch (this replica's shard in `inputs`; `batch_size`,
+        the whole batch's, defaults to the sum of the replicas' shards)."""
         shard = setup.shard_size(inputs)
-        total = batch_size or shard * self.plan.D
+        total, first = self._evaluation_split(shard, batch_size)
         micro, weights = self._micro_batches(inputs, total)
         actions = []
         for m in range(len(micro)):
@@ -339,10 +349,21 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             if self.stage < self.plan.P - 1:
                 actions.append(Action(self.stage, Kind.SEND_ACT, m))
         local = self.executor.run(actions, micro, weights, training=False,
-                                  draws=self._draws(len(micro), shard, training=False))
+                                  draws=self._draws(len(micro), first, training=False))
         out = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(out)
         return float(out[0])
+
+    def _evaluation_split(self, shard: int, batch_size: int | None) -> tuple[int, int]:
+        """(the evaluation batch's size, the global index of this replica's first example). Under
+        uneven shares a replica's shard says nothing of the others', so the stage's replicas tell
+        each other theirs; a batch of the training size is split as training's is (`_this_share`)."""
+        if batch_size is None and replica_share.is_uneven(self.plan.shares):
+            sizes = replica_share.gathered_sizes(shard, self.stage_group, self._replica_order)
+            total, first = sum(sizes), sum(sizes[:self.replica])
+        else:
+            total, first = batch_size or shard * self.plan.D, self.replica * shard
+        return total, self.shard_offset if total == self.batch_size else first
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer this stage owns, by its name in the user's model."""
@@ -439,6 +460,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         self.rank, self.stage, self.replica = 0, 0, 0
         self.plan = ParallelPlan(P=1, D=1)
         self.batch_size, self.micro_batch_size = int(batch_size), int(chunk_size)
+        self.shard_offset, self.shard_size = 0, self.batch_size
         self.precision, self.device, self.iteration = precision, device, 0
         self.optimizer = None
         self._named = dict(model.named_parameters())
@@ -452,6 +474,13 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
     def data_depth(self) -> int:
         return self.plan.D
 
+    @property
+    def shares(self) -> tuple[int, ...] | None:
+        """The examples of the global batch each replica takes per step, in replica order (the
+        plan's; None: B / D each). A script may pass them to `GlobalBatches.shard` to hand each
+        replica its own share; the even shard works as well (`_micro_batches`)."""
+        return self.plan.shares
+
     def _table(self, name: str, m: int, recompute: bool) -> list[Action]:
         key = (name, m, recompute)
         if key not in self._tables:
@@ -460,12 +489,9 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
 
     def _micro_batches(self, inputs: Mapping[str, torch.Tensor], global_batch: int):
         shard = setup.shard_size(inputs)
-        expected = global_batch // self.plan.D
-        if global_batch == self.batch_size and shard != expected:
-            raise ConfigError(f"step() got {shard} examples; this replica's shard of the global batch "
-                              f"{self.batch_size} over {self.plan.D} replicas is {expected}",
-                              hint="pass GlobalBatches(...).shard(step, varuna.replica, varuna.data_depth)")
         wanted = {k: v for k, v in inputs.items() if k in self.input_names}
+        if global_batch == self.batch_size:
+            wanted, shard = self._this_share(wanted, shard)
         missing = set(self.input_names) - set(wanted)
         if missing:
             raise ConfigError(f"the batch lacks {sorted(missing)}, which stage {self.stage} needs")
@@ -478,10 +504,27 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             weights.append(n / global_batch)
         return micro, weights
 
-    def _draws(self, count: int, shard: int, training: bool = True) -> list[Draws]:
+    def _this_share(self, wanted: dict[str, torch.Tensor], shard: int) -> tuple[dict[str, torch.Tensor], int]:
+        """This replica's examples of the step's global batch, from the `shard` of them the script
+        passed: its share as the plan gives it, or, with uneven shares, the even shard, which the
+        stage's replicas trade for their shares (trainer.engine.replica_share)."""
+        shares = self.plan.shares
+        if not replica_share.is_uneven(shares):
+            if shard != self.shard_size:
+                raise ConfigError(f"step() got {shard} examples; this replica's shard of the global batch "
+                                  f"{self.batch_size} over {self.plan.D} replicas is {self.shard_size}",
+                                  hint="pass GlobalBatches(...).shard(step, varuna.replica, varuna.data_depth)")
+            return wanted, shard
+        if set(self.input_names) - set(wanted):
+            return wanted, shard   # the caller refuses it, before a collective (each replica lacks it alike)
+        mine = replica_share.share_of(wanted, shard, batch=self.batch_size, shares=shares, replica=self.replica,
+                                      offset=self.shard_offset, group=self.stage_group, order=self._replica_order)
+        return mine, self.shard_size
+
+    def _draws(self, count: int, first: int, training: bool = True) -> list[Draws]:
         """The key of each micro-batch's random ops: the step and the global index of its first
-        example (replica r's shard is the r-th contiguous slice of the global batch)."""
-        first = self.replica * shard
+        example (`first`: where this replica's examples start in the global batch, a contiguous
+        slice: `replica_slice`)."""
         return [Draws(self.seed, self.iteration, first + i * self.micro_batch_size, training)
                 for i in range(count)]
 

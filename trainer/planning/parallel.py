@@ -24,18 +24,21 @@ from typing import Any
 from trainer.errors import ConfigError, VarunaError
 from trainer.planning.schedule import ScheduleError, schedule_named
 
-__all__ = ["ParallelPlan", "ParallelPlanError", "MAX_WORKERS", "PER_STAGE", "micro_batches", "per_stage_fields"]
+__all__ = ["ParallelPlan", "ParallelPlanError", "MAX_WORKERS", "PER_STAGE", "PER_REPLICA", "micro_batches",
+           "share_micro_batches", "replica_slice", "check_shares", "per_stage_fields", "per_replica_fields"]
 
 # More workers than any fleet has; a plan read from etcd that claims more is refused before its
 # rank table is built (P = D = 10**9 would otherwise be 10**18 entries).
 MAX_WORKERS = 1 << 16
-_MAX_INDEX = (1 << 31) - 1   # micro-batch sizes and cut points: anything that indexes real memory
+_MAX_INDEX = (1 << 31) - 1   # micro-batch sizes, cut points, shares: anything that indexes real memory
 
 
 # The metadata of a field sized by the plan's stages: when a stage_to_rank_map reshapes a plan,
 # such a field no longer applies and goes back to None (the script or Varuna chooses again), while
 # every other field is carried over. A new per-stage field says so here, where it is declared.
 PER_STAGE: Mapping[str, bool] = {"per_stage": True}
+# The same for a field sized by the plan's replicas: it no longer applies once D changes.
+PER_REPLICA: Mapping[str, bool] = {"per_replica": True}
 
 
 def per_stage_fields(plan: Any) -> tuple[str, ...]:
@@ -43,8 +46,36 @@ def per_stage_fields(plan: Any) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(plan) if f.metadata.get("per_stage"))
 
 
+def per_replica_fields(plan: Any) -> tuple[str, ...]:
+    """The names of `plan`'s fields (a ParallelPlan or a subclass, or its class) sized by its replicas."""
+    return tuple(f.name for f in dataclasses.fields(plan) if f.metadata.get("per_replica"))
+
+
 class ParallelPlanError(VarunaError, ValueError):
     """A parallel plan that is not one: shapes that disagree, ranks twice, unknown schedule."""
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"the {name} must be a positive integer, got {value!r}")
+
+
+def _even_share(batch: int, replicas: int) -> int:
+    if batch % replicas:
+        fits = [d for d in range(1, min(batch, 64) + 1) if batch % d == 0]
+        raise ConfigError(f"the global batch {batch} does not split evenly over {replicas} replicas",
+                          hint=f"use a global batch divisible by {replicas}, or one of {', '.join(map(str, fits))} "
+                               f"replicas")
+    return batch // replicas
+
+
+def share_micro_batches(share: int, chunk: int) -> tuple[int, ...]:
+    """The sizes of the micro-batches of one replica's share: ``chunk`` each, the last one smaller
+    when ``chunk`` does not divide the share."""
+    _check_positive("share", share)
+    _check_positive("micro-batch size", chunk)
+    full, rest = divmod(share, chunk)
+    return (chunk,) * full + ((rest,) if rest else ())
 
 
 def micro_batches(batch: int, replicas: int, chunk: int) -> tuple[int, ...]:
@@ -53,18 +84,42 @@ def micro_batches(batch: int, replicas: int, chunk: int) -> tuple[int, ...]:
     divide the share. The one rule for batch and micro-batch sizes: the engine checks it for its
     plan, ``varunactl submit`` for one replica (the planner then picks only replica counts that
     divide the batch). The loss is normalised by the global batch, so an uneven split changes
-    the work per micro-batch, never the model."""
+    the work per micro-batch, never the model. A plan with `ParallelPlan.shares` splits the batch
+    by them instead (`replica_slice`, then `share_micro_batches`)."""
     for name, value in (("global batch", batch), ("micro-batch size", chunk), ("replica count", replicas)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"the {name} must be a positive integer, got {value!r}")
-    if batch % replicas:
-        fits = [d for d in range(1, min(batch, 64) + 1) if batch % d == 0]
-        raise ConfigError(f"the global batch {batch} does not split evenly over {replicas} replicas",
-                          hint=f"use a global batch divisible by {replicas}, or one of {', '.join(map(str, fits))} "
-                               f"replicas")
-    share = batch // replicas
-    full, rest = divmod(share, chunk)
-    return (chunk,) * full + ((rest,) if rest else ())
+        _check_positive(name, value)
+    return share_micro_batches(_even_share(batch, replicas), chunk)
+
+
+def check_shares(batch: int, shares: Sequence[int]) -> None:
+    """Uneven shares still make up the global batch: every example once, none made up."""
+    _check_positive("global batch", batch)
+    for share in shares:
+        _check_positive("share of a replica", share)
+    total = sum(shares)
+    if total != batch:
+        raise ConfigError(f"the plan's shares {list(shares)} add up to {total} examples, the global batch is {batch}",
+                          hint="give each replica a share so that they add up to the global batch, or no shares "
+                               "(an even split)")
+
+
+def replica_slice(batch: int, replicas: int, shares: Sequence[int] | None, replica: int) -> tuple[int, int]:
+    """(offset, size) of replica ``replica``'s examples in a global batch of ``batch``: the one rule
+    for where they are. Replica r takes the r-th contiguous slice, ``shares[r]`` examples long, or
+    batch / replicas without shares. Contiguous slices in replica order keep the global index of
+    every example, which keys its random draws (trainer.graph.keyed_rng)."""
+    _check_positive("global batch", batch)
+    _check_positive("replica count", replicas)
+    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
+        raise ConfigError(f"replica {replica!r} is outside 0..{replicas - 1}")
+    if shares is None:
+        share = _even_share(batch, replicas)
+        return replica * share, share
+    if len(shares) != replicas:
+        raise ConfigError(f"the plan's shares {list(shares)} name {len(shares)} replicas, the plan has {replicas}",
+                          hint="give one share per replica, in replica order")
+    check_shares(batch, shares)
+    return sum(shares[:replica]), shares[replica]
 
 
 def _tuples(value: Any) -> Any:
@@ -91,6 +146,9 @@ class ParallelPlan:
     # per stage; None: the script's choice
     recompute: tuple[bool, ...] | None = dataclasses.field(default=None, metadata=PER_STAGE)
     ranks: tuple[tuple[int, ...], ...] | None = None  # [stage][replica] -> rank; None: replica-major
+    # examples of the global batch each replica takes per step, in replica order (a slow replica
+    # takes fewer); None: an even split. Their sum is the global batch, which the engine checks.
+    shares: tuple[int, ...] | None = dataclasses.field(default=None, metadata=PER_REPLICA)
 
     def __post_init__(self) -> None:
         for name in ("P", "D"):
@@ -120,6 +178,8 @@ class ParallelPlan:
             if len(flags) != P or not all(isinstance(f, bool) for f in flags):
                 raise ParallelPlanError(f"recompute needs one true/false per stage ({P}), got {list(flags)}")
             object.__setattr__(self, "recompute", flags)
+        if self.shares is not None:
+            object.__setattr__(self, "shares", self._checked_shares(_tuples(self.shares)))
         ranks = _tuples(self.ranks) if self.ranks is not None else tuple(
             tuple(r * P + s for r in range(D)) for s in range(P))
         if len(ranks) != P or any(len(row) != D for row in ranks):
@@ -129,6 +189,13 @@ class ParallelPlan:
         if flat != list(range(P * D)):
             raise ParallelPlanError(f"ranks must hold 0..{P * D - 1} once each, got {_lists(ranks)}")
         object.__setattr__(self, "ranks", ranks)
+
+    def _checked_shares(self, shares: Any) -> tuple[int, ...]:
+        if (not isinstance(shares, tuple) or len(shares) != self.D
+                or not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= _MAX_INDEX for n in shares)):
+            raise ParallelPlanError(f"shares needs one number of examples >= 1 per replica ({self.D}), "
+                                    f"got {_lists(shares)!r:.100}")
+        return shares
 
     @classmethod
     def from_stage_to_rank(cls, stage_to_rank: Mapping[Any, Sequence[Any]], **fields: Any) -> ParallelPlan:
@@ -171,6 +238,10 @@ class ParallelPlan:
         return {rank: (stage, replica) for stage, row in enumerate(self.ranks) for replica, rank in enumerate(row)}
 
     def replace(self, **changes: Any) -> ParallelPlan:
+        """A copy with `changes`; a new D drops the fields sized by the replicas (unless given),
+        which no longer say anything about the new ones."""
+        if changes.get("D", self.D) != self.D:
+            changes = {**dict.fromkeys(per_replica_fields(self)), **changes}
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:

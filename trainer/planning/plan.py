@@ -79,7 +79,7 @@ class Candidate:
 @dataclass(frozen=True, slots=True)
 class Plan:
     parallel: ParallelPlan  # what the workers run; the fields below say why
-    micro_batches: int  # m, per replica
+    micro_batches: int  # m, per replica (the largest share's, where replicas take uneven shares)
     global_batch: int
     stages: tuple[StagePlan, ...]
     assignment: Mapping[str, tuple[int, int]]  # slot id -> (stage, replica)
@@ -107,13 +107,22 @@ class Plan:
             raise PlanError(f"m must be >= 1, got {self.micro_batches}")
         if par.recompute != tuple(s.recompute for s in self.stages):
             raise PlanError(f"the plan's recompute flags {par.recompute} are not its stages'")
-        try:
-            split = micro_batches(self.global_batch, self.D, self.micro_batch_size)
-        except ConfigError as exc:
-            raise PlanError(str(exc)) from None
-        if len(split) != self.micro_batches:
-            raise PlanError(f"m = {self.micro_batches}, but the global batch {self.global_batch} over {self.D} "
-                            f"replicas makes {len(split)} micro-batches of at most {self.micro_batch_size}")
+        if par.shares is not None:
+            if sum(par.shares) != self.global_batch:
+                raise PlanError(f"the replicas' shares {list(par.shares)} do not sum to the global batch "
+                                f"{self.global_batch}")
+            most = max(-(-share // self.micro_batch_size) for share in par.shares)
+            if most != self.micro_batches:
+                raise PlanError(f"m = {self.micro_batches}, but the largest share {max(par.shares)} makes {most} "
+                                f"micro-batches of at most {self.micro_batch_size}")
+        else:
+            try:
+                split = micro_batches(self.global_batch, self.D, self.micro_batch_size)
+            except ConfigError as exc:
+                raise PlanError(str(exc)) from None
+            if len(split) != self.micro_batches:
+                raise PlanError(f"m = {self.micro_batches}, but the global batch {self.global_batch} over {self.D} "
+                                f"replicas makes {len(split)} micro-batches of at most {self.micro_batch_size}")
         if len(self.stages) != self.P:
             raise PlanError(f"a plan of {self.P} stages needs {self.P} stage plans, got {len(self.stages)}")
         if sorted(self.assignment.values()) != [(s, r) for s in range(self.P) for r in range(self.D)]:

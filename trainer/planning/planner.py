@@ -223,11 +223,7 @@ def _place(stage_kinds: Sequence[str], D: int, slots: Sequence[Slot], host_size:
                     host_of[(s, r)] = host
                 counts[n - take].append(host)
                 todo = todo[take:]
-    P = len(stage_kinds)
-    links = tuple(
-        "intra" if all(host_of[(s, r)] == host_of[(s + 1, r)] for r in range(D)) else "inter" for s in range(P - 1)
-    )
-    ar = tuple("intra" if len({host_of[(s, r)] for r in range(D)}) == 1 else "inter" for s in range(P))
+    links, ar = _links_between(host_of, len(stage_kinds), D)
     return assignment, links, ar
 
 
@@ -348,13 +344,17 @@ def plan(
     runners_up: int = 8,
     machine_cores: Mapping[str, int] | None = None,
     calibrated_load: Mapping[str, float] | None = None,
+    slowed_kinds: Mapping[str, tuple[str, float]] | None = None,
 ) -> Plan:
     """Pick the fastest feasible configuration. `memory_fraction` of each slot is usable (the
     rest is left for the framework, workspaces and fragmentation); `verify` of the best
     closed-form candidates are replayed by the simulator and the fastest replay wins.
     `machine_cores`: cores of each machine that `Slot.machine` names (a machine left out shares
     nothing); `calibrated_load`: per device kind, the threads per core its calibration ran with
-    (1 when left out): the module docstring says how the two slow a plan down."""
+    (1 when left out): the module docstring says how the two slow a plan down. `slowed_kinds`:
+    device kind -> (the kind it is a copy of, how many times slower it computes), for slots
+    measured slower than their calibration: replicas of one kind at different speeds may then
+    take uneven shares of the global batch ("uneven data-parallel shares" below)."""
     try:
         sched = schedule_named(schedule)
     except ScheduleError as exc:
@@ -388,6 +388,7 @@ def plan(
         sizes = [b for b in sizes if b in set(micro_batch_sizes)]
     if not sizes:
         raise PlanError("no micro-batch size is calibrated for every device kind")
+    fleet_notes = list(notes)
 
     # Branch and bound: a lower bound for every configuration costs no partitioning; configurations
     # are then partitioned and estimated in order of that bound until it exceeds the k-th best.
@@ -522,12 +523,25 @@ def plan(
         stages.append(StagePlan(a, b, name, flags[s], int(mem), k.capacity, pre[b] - pre[a]))
     parallel = ParallelPlan(P=P, D=D, micro_batch_size=int(mbs), schedule=schedule,
                             cuts=tuple(int(b) - 1 for b in bounds[1:-1]), recompute=tuple(bool(f) for f in flags))
-    return Plan(
+    even = Plan(
         parallel=parallel, micro_batches=m, global_batch=global_batch, stages=tuple(stages), assignment=assignment,
         link_kinds=tuple(links), allreduce_kinds=tuple(ar), estimated_s=sim, unused=unused,
         notes=tuple(notes), candidates=tuple(shown), ruled_out=ruled_out,
         contention=tuple(slowed) if any(f > 1.0 for f in slowed) else (),
     )
+    if not slowed_kinds or shared:   # co-located slots' speeds are the host's to share, not theirs
+        return even
+    uneven = _uneven_plans(slots, cals, slowed_kinds, sizes, global_batch, sched, allow_recompute,
+                           memory_fraction, verify)
+    if not uneven or uneven[0].sim >= even.estimated_s * (1 - _UNEVEN_GAIN):
+        return even
+    u = uneven[0]
+    idle = tuple(sorted(s.slot_id for s in slots if s.slot_id not in u.assignment))
+    why = fleet_notes + [f"even shares: the best plan ({even.P}x{even.D}) is estimated at {even.estimated_s:.3f} s "
+                         f"vs {u.sim:.3f} s"]
+    if idle:
+        why.append(f"{len(idle)} slots idle: P x D = {u.P} x {len(u.counts)} uses {len(u.assignment)} of {len(slots)}")
+    return _uneven_plan(u, global_batch, schedule, sched, why, idle, even.candidates, even.ruled_out)
 
 
 def _sharing_notes(assignment, by_id, cores, slowed) -> list[str]:
@@ -580,3 +594,150 @@ def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lo
         else:
             out.append(f"{shape}: estimated at least {lower_by_kind.get(k.name, 0.0):.3f} s per step, slower")
     return out
+
+
+# --- uneven data-parallel shares ----------------------------------------------------------------
+# A measured straggler is a device kind of its own to the rest of the planner (`slowed_kinds`
+# names the kind it is a slowed copy of), so a replica of a stage is always one kind and every
+# replica takes an equal share. Replicas of one kind at different speeds can do better: the same
+# stages (same cut points, so the stage groups reduce the same tensors), each replica a contiguous
+# slice of the global batch sized for its speed. The math of a step is unchanged: the loss is
+# normalised by the global batch and gradients are summed
+# ([Note: the global batch defines the math] in ARCHITECTURE.md).
+
+_UNEVEN_GAIN = 0.03   # uneven shares must beat the best even plan by this much: their inputs cross replicas
+
+
+@dataclass(frozen=True)
+class _Uneven:
+    sim: float
+    est: float
+    mbs: int
+    P: int
+    counts: tuple[int, ...]        # micro-batches per replica
+    kind: _Kind
+    bounds: tuple[int, ...]
+    flags: tuple[bool, ...]
+    assignment: dict[str, tuple[int, int]]
+    links: tuple[str, ...]
+    ar: tuple[str, ...]
+    slowed: tuple[tuple[float, ...], ...]   # [replica][stage] compute slowdown
+
+
+def _links_between(host_of: Mapping[tuple[int, int], str], P: int, D: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(link kind between stage s and s+1, all-reduce kind of stage s) of a placement."""
+    links = tuple("intra" if all(host_of[(s, r)] == host_of[(s + 1, r)] for r in range(D)) else "inter"
+                  for s in range(P - 1))
+    ar = tuple("intra" if len({host_of[(s, r)] for r in range(D)}) == 1 else "inter" for s in range(P))
+    return links, ar
+
+
+def _balanced_counts(first: Sequence[float], period: Sequence[float], total: int) -> tuple[int, ...] | None:
+    """Micro-batches per replica, at least one each, summing to ``total``, that minimise the
+    slowest replica's time when replica r takes first[r] + (n - 1) * period[r] for n of them
+    (greedy on the next micro-batch's finish: exact for times linear in n)."""
+    D = len(first)
+    if total < D:
+        return None
+    counts = [1] * D
+    heap = [(first[r] + period[r], r) for r in range(D)]
+    heapq.heapify(heap)
+    for _ in range(total - D):
+        _, r = heapq.heappop(heap)
+        counts[r] += 1
+        heapq.heappush(heap, (first[r] + counts[r] * period[r], r))
+    return tuple(counts)
+
+
+def _families(slots: Sequence[Slot], slowed_kinds: Mapping[str, tuple[str, float]]) -> dict[str, list[tuple[float, Slot]]]:
+    """Per device kind that has a slowed copy among the slots: every slot of the kind or its
+    copies, with its slowdown, fastest first."""
+    out: dict[str, list[tuple[float, Slot]]] = defaultdict(list)
+    for sl in slots:
+        base, factor = slowed_kinds.get(sl.device_kind, (sl.device_kind, 1.0))
+        out[base].append((max(1.0, float(factor)), sl))
+    return {base: sorted(members, key=lambda x: (x[0], x[1].host, x[1].slot_id))
+            for base, members in out.items() if any(f > 1.0 for f, _ in members)}
+
+
+def _uneven_plans(slots, cals, slowed_kinds, sizes, global_batch, sched, allow_recompute, memory_fraction,
+                  verify) -> list[_Uneven]:
+    """The best few plans over replicas of one kind at measured speeds, each replica's share of
+    the global batch (whole micro-batches) sized for its speed; replayed, fastest first."""
+    screened = []
+    for base, members in _families(slots, slowed_kinds).items():
+        if base not in cals:
+            continue
+        group = [sl for _, sl in members]
+        per_host = Counter(Counter(s.host for s in group).values()).most_common(1)[0][0]
+        cap = int(min(s.memory_bytes for s in group) * memory_fraction)
+        kind = _Kind(base, cals[base], cap, len(group), per_host)
+        n = len(members)
+        for mbs in (b for b in sizes if b in kind.cal.micro_batch_sizes and global_batch % b == 0):
+            j, total = kind.cal.size_index(mbs), global_batch // mbs
+            for P in range(1, min(kind.cal.n_segments, n) + 1):
+                # the stash bound of the largest share any replica could take: memory from above
+                part = _partition([kind] * P, j, sched, total, allow_recompute)
+                if part is None:
+                    continue
+                bounds, flags = part
+                # D divides the batch: scripts that pass the even shard (B / D examples) to every
+                # replica keep working, the engine re-slices them (trainer.engine.replica_share)
+                for D in (d for d in range(2, min(n // P, total) + 1) if global_batch % d == 0):
+                    chosen = members[:P * D]   # the fastest slots; the slowest share a replica
+                    if all(f == 1.0 for f, _ in chosen):
+                        continue   # an even plan of the kind's own slots: the main search has it
+                    host_of, assignment, slowed = {}, {}, []
+                    for r in range(D):
+                        row = chosen[r * P:(r + 1) * P]
+                        slowed.append(tuple(f for f, _ in row))
+                        for s, (_, sl) in enumerate(row):
+                            host_of[(s, r)], assignment[sl.slot_id] = sl.host, (s, r)
+                    links, ar = _links_between(host_of, P, D)
+                    seq, timed = [kind] * P, {}
+                    for sl in set(slowed):   # most replicas are alike: time each kind of replica once
+                        timed[sl] = tuple(_estimate(seq, bounds, flags, j, D, m, links, ar, sched, sl) for m in (1, 2))
+                    one, two = [timed[sl][0] for sl in slowed], [timed[sl][1] for sl in slowed]
+                    counts = _balanced_counts(one, [b - a for a, b in zip(one, two)], total)
+                    if counts is None:
+                        continue
+                    est = max(a + (c - 1) * (b - a) for a, b, c in zip(one, two, counts))
+                    screened.append((est, mbs, P, counts, kind, bounds, flags, assignment, links, ar,
+                                     tuple(slowed)))
+    screened.sort(key=lambda x: x[0])
+    replayed = []
+    for est, mbs, P, counts, kind, bounds, flags, assignment, links, ar, slowed in screened[:verify]:
+        base_costs = stage_costs([kind.cal] * P, bounds, mbs, len(counts), links, ar)
+        sim = max(_simulate(sched, P, c, flags, tuple(x.slowed(f) for x, f in zip(base_costs, sl)))
+                  for c, sl in zip(counts, slowed))
+        replayed.append(_Uneven(sim, est, mbs, P, counts, kind, bounds, flags, assignment, links, ar, slowed))
+    return sorted(replayed, key=lambda u: (round(u.sim, 6), u.P, len(u.counts)))
+
+
+def _uneven_plan(u: _Uneven, global_batch: int, schedule: str, sched: Schedule, notes: list[str],
+                 unused: tuple[str, ...], candidates: tuple[Candidate, ...], ruled_out: tuple[str, ...]) -> Plan:
+    """The `Plan` of an uneven-share configuration."""
+    k, P, D, mbs = u.kind, u.P, len(u.counts), u.mbs
+    j = k.cal.size_index(mbs)
+    m = max(u.counts)
+    stages = []
+    for s in range(P):
+        a, b = u.bounds[s], u.bounds[s + 1]
+        c = sched.stash_bound(P, s, m, u.flags[s])
+        act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
+        mem = k.cal.worker_bytes + k.static[b] - k.static[a] + max(
+            k.cal.step_bytes(a, b), c * in_b + act if u.flags[s] else c * (in_b + act))
+        pre = k.fbr[j] if u.flags[s] else k.fb[j]
+        stages.append(StagePlan(a, b, k.name, u.flags[s], int(mem), k.capacity, pre[b] - pre[a]))
+    shares = tuple(c * mbs for c in u.counts)
+    speeds = ", ".join(f"{max(f):g}x" for f in u.slowed)
+    notes = notes + [f"uneven shares: replicas computing {speeds} slower than calibrated take "
+                     f"{', '.join(map(str, shares))} of the global batch {global_batch}"]
+    parallel = ParallelPlan(P=P, D=D, micro_batch_size=mbs, schedule=schedule, shares=shares,
+                            cuts=tuple(int(b) - 1 for b in u.bounds[1:-1]), recompute=tuple(u.flags))
+    mine = Candidate(P, D, mbs, m, (k.name,) * P, sum(u.flags), u.est, u.sim)
+    return Plan(
+        parallel=parallel, micro_batches=m, global_batch=global_batch, stages=tuple(stages),
+        assignment=u.assignment, link_kinds=u.links, allreduce_kinds=u.ar, estimated_s=u.sim, unused=unused,
+        notes=tuple(notes), candidates=(mine,) + candidates[:-1] if candidates else (mine,), ruled_out=ruled_out,
+    )

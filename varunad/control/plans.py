@@ -337,7 +337,8 @@ def _make_plan(spec: JobSpec, members: Sequence[tuple[DaemonMember, int]], calib
     cores, loads = _machines([m for m, _ in members], calibrations, calibrated=calibrated,
                              kinds={sl.device_kind for sl in slots})
     result = planner.plan(slots, spec.batch_size, slowed_calibrations(calibrations, slowed), schedule=spec.schedule,
-                          micro_batch_sizes=sizes, machine_cores=cores, calibrated_load=loads)
+                          micro_batch_sizes=sizes, machine_cores=cores, calibrated_load=loads,
+                          slowed_kinds={slowed_kind(kind, f): (kind, f) for kind, f in slowed})
     plan_slots = []
     for slot_id, (stage, replica) in sorted(result.assignment.items()):
         member, i = by_id[slot_id]

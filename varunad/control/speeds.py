@@ -31,9 +31,10 @@ divides it by what the plan expected of that stage on its kind, which gives a ra
 The planner sees a straggler as a device kind of its own, ``KIND~Fx``, whose calibration is its
 kind's with every compute time F times longer (F rounded to a step of a factor of sqrt(2), so the
 planner sees few kinds): it then gives that slot fewer layers, or leaves it idle when using it costs
-more than it brings, with no other change to the planner. Replicas of one stage are one kind, so
-the planner never gives a data-parallel replica a smaller share of the batch: the math of a step
-is the same whatever the plan.
+more than it brings. The planner also knows which kind each such copy slows (``slowed_kinds``), so
+replicas of one stage on slots of one kind at different speeds may take uneven shares of the
+global batch, a contiguous slice each, sized for its speed (`ParallelPlan.shares`): the math of a
+step is the same whatever the plan ([Note: the global batch defines the math] in ARCHITECTURE.md).
 """
 
 from __future__ import annotations

@@ -119,7 +119,8 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
         "plan": {"P": plan.get("P"), "D": plan.get("D"), "micro_batch_size": plan.get("micro_batch_size"),
                  "schedule": plan.get("schedule"), "members": plan.get("members", []),
                  "estimated_s": plan.get("estimated_s"), "calibrated": plan.get("calibrated"),
-                 "micro_batches": plan.get("micro_batches"), "alternatives": plan.get("alternatives", []),
+                 "micro_batches": plan.get("micro_batches"), "shares": plan.get("shares"),
+                 "alternatives": plan.get("alternatives", []),
                  "ruled_out": plan.get("ruled_out", [])},
         "redoing": redoing,
         "loss": dict(history).get(step - 1, history[-1][1]) if history else None,
@@ -238,9 +239,12 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     m = plan.get("micro_batches")
     est = plan.get("estimated_s")
     lines = [f"why       {plan['P']}x{plan['D']}, micro-batch {plan['micro_batch_size']}"
-             + (f" x {m} per replica" if m else "")
+             + (f" x {'up to ' if plan.get('shares') else ''}{m} per replica" if m else "")
              + (f": estimated {_secs(est)} per step" if est is not None else "")
              + ("" if plan.get("calibrated", True) else " (no measured calibration: data-parallel only)")]
+    if plan.get("shares"):
+        lines.append(f"  shares  replicas take {', '.join(map(str, plan['shares']))} examples of each step's "
+                     f"{sum(plan['shares'])}: sized for their measured speeds")
     for alt in plan.get("alternatives") or []:
         lines.append(f"  instead {alt['P']}x{alt['D']}, micro-batch {alt['micro_batch_size']} x "
                      f"{alt['micro_batches']}: estimated {_secs(alt['estimated_s'])}")
