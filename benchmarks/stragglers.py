@@ -133,7 +133,10 @@ def job_rate(st: dict) -> float:
 
 def shape(st: dict) -> str:
     plan = st["plan"]
-    return f"{plan['P']}x{plan['D']}" if plan.get("P") else "-"
+    if not plan.get("P"):
+        return "-"
+    shares = plan.get("shares")
+    return f"{plan['P']}x{plan['D']}" + (f" shares {','.join(map(str, shares))}" if shares else "")
 
 
 def morph_lines(st: dict, since: float) -> list[str]:
