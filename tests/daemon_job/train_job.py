@@ -41,14 +41,16 @@ if os.environ.get("VARUNA_PROFILE"):
     sizes = (1, 2, 3, 4, 6)
     scale = 1.0
     if args.timed_calibration:
-        # the faster of two runs of a fixed loop against its time on a free core; a quarter of a
-        # second, many periods of the kernel's CPU quota (100 ms), so that a quota shows in full
+        # the faster of two runs of a fixed loop, in tenths of a second: only the kinds' ratio
+        # matters, and a fixed "free core" time is no machine's (this loop took 0.25 s on one CI
+        # host, 0.09 s on another, where clamping at that reference hid a quarter-core quota);
+        # 8M squares are a few periods of the kernel's CPU quota (100 ms) even on a fast core
         runs = []
         for _ in range(2):
             t0 = time.perf_counter()
-            sum(i * i for i in range(3_000_000))
+            sum(i * i for i in range(8_000_000))
             runs.append(time.perf_counter() - t0)
-        scale = max(1.0, min(runs) / 0.25)
+        scale = min(runs) / 0.1
         print(f"timed calibration: scale {scale:.2f}", flush=True)
     costs = tuple(SegmentCost(scale * (1e-3 + 1e-3 * b), scale * (2e-3 + 2e-3 * b), scale * (1e-3 + 1e-3 * b),
                               1000 * b, 1000 * b) for b in sizes)

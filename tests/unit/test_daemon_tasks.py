@@ -109,3 +109,43 @@ async def test_a_new_epoch_waits_out_an_etcd_read_that_failed_but_not_a_bad_bund
     daemon._job_files = down
     with pytest.raises(StoreUnavailable):   # bounded: the epoch then fails as before
         await daemon._job_files_patiently("j")
+
+
+async def test_a_task_that_loses_a_cancellation_is_cancelled_again_while_the_daemon_stops(daemon):
+    """Python 3.11's wait_for can drop a cancellation that lands as its inner call completes: a
+    leader loop around it then ran on, and `varunactl down` had to kill the daemon."""
+    swallowed = []
+
+    async def loses_one() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(1)
+
+    task = asyncio.create_task(loses_one(), name="leader")
+    await asyncio.sleep(0)
+    await asyncio.wait_for(daemon._end(task, 5.0), 10)
+    assert task.cancelled() and swallowed == [1]
+
+
+async def test_a_task_that_never_stops_is_left_behind_with_where_it_was(daemon, caplog):
+    released = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not released.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+    task = asyncio.create_task(stubborn(), name="election")
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.ERROR, logger="varunad"):
+        await asyncio.wait_for(daemon._end(task, 1.0), 10)
+    assert not task.done()
+    assert any("task election did not stop within 1.0s" in r.getMessage() and "stubborn" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    released.set()   # so that the test's loop can end
+    task.cancel()
+    await asyncio.wait_for(task, 5)

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from support.calibrations import calibration
 from support.decisions import member, spec
 
 from trainer.planning.calibration import LinkCost
+from trainer.planning.plan import PlanError
 from varunad.control.plans import make_plan, uniform_calibration
 from varunad.control.records import Progress
 from varunad.control.speeds import Expected, SlotSpeeds, base_kind, bucket, slowed_calibrations, slowed_kind
@@ -169,6 +172,10 @@ def test_uneven_shares_in_a_pipeline_keep_one_partition_and_give_the_slow_replic
     slow = doc.plan.positions()[next(x.rank for x in doc.slots if x.member == "d4")][1]
     assert doc.plan.shares[slow] < doc.plan.shares[1 - slow]
     assert planned.micro_batches == max(doc.plan.shares) // doc.plan.micro_batch_size
+    # a plan whose shares are not the global batch, or whose m is not its largest share's, is refused
+    for shares, m in (((20, 11), planned.micro_batches), (doc.plan.shares, planned.micro_batches + 1)):
+        with pytest.raises(PlanError):
+            dataclasses.replace(planned, parallel=planned.parallel.replace(shares=shares), micro_batches=m)
 
 
 def test_uneven_shares_are_not_planned_for_speeds_that_are_the_same():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from trainer.errors import ConfigError, VarunaError
-from trainer.planning.parallel import ParallelPlan, micro_batches
+from trainer.planning.parallel import ParallelPlan, check_shares, micro_batches, share_micro_batches
 from trainer.planning.schedule import Action, build_table
 
 __all__ = ["PlanError", "Slot", "StagePlan", "Candidate", "Plan"]
@@ -108,10 +108,11 @@ class Plan:
         if par.recompute != tuple(s.recompute for s in self.stages):
             raise PlanError(f"the plan's recompute flags {par.recompute} are not its stages'")
         if par.shares is not None:
-            if sum(par.shares) != self.global_batch:
-                raise PlanError(f"the replicas' shares {list(par.shares)} do not sum to the global batch "
-                                f"{self.global_batch}")
-            most = max(-(-share // self.micro_batch_size) for share in par.shares)
+            try:
+                check_shares(self.global_batch, par.shares)
+            except ConfigError as exc:
+                raise PlanError(str(exc)) from None
+            most = max(len(share_micro_batches(share, self.micro_batch_size)) for share in par.shares)
             if most != self.micro_batches:
                 raise PlanError(f"m = {self.micro_batches}, but the largest share {max(par.shares)} makes {most} "
                                 f"micro-batches of at most {self.micro_batch_size}")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import io
 import logging
 import os
 import signal
@@ -369,9 +370,7 @@ class Daemon(PlanFollowing):
             with contextlib.suppress(StoreError, RuntimeError):
                 await self.membership.update(dataclasses.replace(self.membership.member, draining=True))
         if self.leader_task is not None:
-            self.leader_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.leader_task
+            await self._end(self.leader_task, 2 * t)
         for task in self._tasks:
             if task.get_name() in ("election", "plan-follower"):
                 task.cancel()
@@ -387,8 +386,7 @@ class Daemon(PlanFollowing):
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await self._end(task, 2 * t)
         if hasattr(self, "membership"):
             await self.membership.leave()
         if sup is not None:
@@ -405,8 +403,29 @@ class Daemon(PlanFollowing):
         self.security.close()
         with contextlib.suppress(Exception):
             await self.store.close()
-        self.ctx.term()
+        # destroy, not term: term waits for every socket to be closed, and one opened by a task
+        # that outlived its cancellation would keep a stopping daemon alive for ever
+        self.ctx.destroy(linger=0)
         log.info("%s: left the fleet", self.name)
+
+    async def _end(self, task: asyncio.Task, timeout: float) -> None:
+        """Cancel ``task`` and wait for it to end, cancelling it again while it runs on: a
+        cancellation can be lost (Python 3.11's ``wait_for`` drops one that lands as its inner call
+        completes), and a daemon told to stop must stop (`varunactl down` kills it after 20 s).
+        Past ``timeout`` it logs where the task is stuck and goes on leaving the fleet."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=min(0.5, max(0.0, deadline - loop.time())))
+            if not task.done() and loop.time() >= deadline:
+                where = io.StringIO()
+                task.print_stack(limit=8, file=where)
+                log.error("%s: task %s did not stop within %.1fs of being cancelled; leaving without it:\n%s",
+                          self.name, task.get_name(), timeout, where.getvalue())
+                return
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("%s: task %s ended with %r while stopping", self.name, task.get_name(), task.exception())
 
 
 def _setup_child_watcher() -> None:
