@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from support import TESTS
 
 WORKER = TESTS / "workers" / "keyed_check.py"
@@ -36,12 +35,7 @@ def _losses(out: Path, name: str, rank: int) -> list[float]:
 def references():
     pytest.importorskip("transformers")
     from support import keyed_zoo
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return {name: keyed_zoo.reference(name) for name in keyed_zoo.MODELS}
-    finally:
-        torch.set_num_threads(threads)
+    return keyed_zoo.references(keyed_zoo.MODELS)
 
 
 @pytest.mark.slow

@@ -16,7 +16,6 @@ The unit tests of the rule and the plan field: tests/unit/test_parallel_plan.py,
 import json
 
 import pytest
-import torch
 from support import TESTS
 
 WORKER = TESTS / "workers" / "keyed_check.py"
@@ -27,12 +26,7 @@ MODELS = ("gpt2", "depth")   # a Hugging Face model with dropout, and stochastic
 def references():
     pytest.importorskip("transformers")
     from support import keyed_zoo
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return {name: keyed_zoo.reference(name) for name in MODELS}
-    finally:
-        torch.set_num_threads(threads)
+    return keyed_zoo.references(MODELS)
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ plain single-process loop over their keyed-random capture that every P x D run m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,3 +97,13 @@ def reference(name: str, steps: int = STEPS, micro_batch_size: int = BATCH) -> l
         losses.append(train_step(keyed, global_batch(step), step, seed=SEED, micro_batch_size=micro_batch_size))
         opt.step()
     return losses
+
+
+def references(names: Sequence[str]) -> dict[str, list[float]]:
+    """`reference` of each model, computed on one thread as the launched workers compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: reference(name) for name in names}
+    finally:
+        torch.set_num_threads(threads)
