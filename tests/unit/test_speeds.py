@@ -226,3 +226,15 @@ def test_a_replica_of_the_same_stage_is_the_reference_and_other_stages_only_past
                                  busy_fraction=1.0, compute_s=c) for r, c in measured.items()]
             speeds.observe(7, expected, progress, now=step)
         assert set(speeds.stragglers) == slow, name
+
+
+def test_the_leader_plans_again_for_a_slot_slower_than_planned_or_a_planned_straggler_back_at_full_speed():
+    from varunad.node.leader_pace import speeds_moved
+    used = {"d1/0", "d2/0", "d3/0"}
+    assert speeds_moved({"d3/0": 2.0}, {}, used)                       # a new straggler
+    assert speeds_moved({"d3/0": 4.0}, {"d3/0": 2.0}, used)            # slower than planned
+    assert not speeds_moved({"d3/0": 2.0}, {"d3/0": 2.0}, used)        # as planned
+    assert not speeds_moved({"d3/0": 1.4}, {"d3/0": 2.0}, {"d1/0"}) \
+        and not speeds_moved({}, {"d3/0": 2.0}, {"d1/0", "d2/0"})       # idle in the plan: not measured
+    assert speeds_moved({}, {"d3/0": 2.0}, used)                       # given a smaller share, now at full speed
+    assert speeds_moved({"d3/0": 1.4}, {"d3/0": 2.0}, used)            # faster than planned

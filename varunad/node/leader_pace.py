@@ -7,8 +7,11 @@ measures each slot against what the plan expected of its stage, and records the 
 stragglers in the job's state (``status`` shows them). When a slot is slower than the running
 plan assumed (a new straggler, or one slower than planned), it plans again; the job morphs
 (after a checkpoint, like a scale-up) only when the new plan is estimated faster, by more than ``scale_up_threshold``, than the running plan at the measured
-speeds. Against flapping, besides the hysteresis of `SlotSpeeds`: a straggler that recovers (or
-is forgotten) never morphs the job by itself, the next plan made for any reason uses it again;
+speeds. A straggler the running plan uses (fewer layers, a smaller share of the batch) is still
+measured, and when it is one no longer the leader plans again the same way: a slot that lagged for
+a while must not keep a small share for the rest of a long job. Against flapping, besides the
+hysteresis of `SlotSpeeds`: a straggler the plan left idle is not measured, so its recovery (or
+its forgetting) never morphs the job by itself, the next plan made for any reason uses it again;
 and a morph around a straggler is at least ``QUIET_S`` after the previous one.
 """
 
@@ -25,7 +28,7 @@ from varunad.control.plans import PlanDoc
 from varunad.control.records import progress_interval
 from varunad.control.speeds import Expected, SlotSpeeds
 
-__all__ = ["LeaderPace", "expected_of"]
+__all__ = ["LeaderPace", "expected_of", "speeds_moved"]
 
 log = logging.getLogger("varunad.node.leader")   # the leader's log, one logger name for all its lines
 
@@ -102,9 +105,9 @@ class LeaderPace:
             await self._put_state(state)
         wanted = self._slowdowns()
         assumed = state.plan.get("slowdowns") or {}
-        worse = any(factor > assumed.get(slot, 1.0) for slot, factor in wanted.items())
         key = (snap.plan_epoch, tuple(sorted(wanted.items())))
-        if not worse or key == self._pace_considered or now < self._quiet_until:
+        if not speeds_moved(wanted, assumed, {f"{s.member}/{s.slot}" for s in plan.slots}) \
+                or key == self._pace_considered or now < self._quiet_until:
             return False
         self._pace_considered = key
         morphed = await self._replan_for_speed(snap, state, wanted, assumed)
@@ -136,11 +139,25 @@ class LeaderPace:
                      100 * self.config.scale_up_threshold)
             return False
         measured = self.speeds.stragglers
-        why = ", ".join(f"{slot} computes {measured.get(slot, factor):.1f}x slower"
-                        for slot, factor in sorted(wanted.items())) + " than the fastest slot of its kind"
+        slow = [f"{slot} computes {measured.get(slot, factor):.1f}x slower"
+                for slot, factor in sorted(wanted.items())]
+        why = ", ".join(slow) + " than the fastest slot of its kind" if slow else ""
+        back = [slot for slot in sorted(assumed) if slot in used and slot not in wanted]
+        if back:
+            why += ("; " if why else "") + ", ".join(back) + " computes at full speed again"
         reason = (f"{why}: {doc.shape} on {', '.join(doc.members)} is estimated {100 * gain:.0f}% faster than "
                   f"{plan.shape} at the measured speeds; checkpointing, then re-planning")
         return await self._abort(snap, Decision("abort", reason, state.job, checkpoint=True))
+
+
+def speeds_moved(wanted: dict[str, float], assumed: dict[str, float], used: set[str]) -> bool:
+    """Whether the measured slowdowns (``wanted``, slot -> factor) call for planning again against
+    those the running plan assumed: a slot slower than planned, or a slot of the plan that was
+    planned slow (given fewer layers or a smaller share) and is a straggler no longer. An idle
+    straggler is not measured, so its recovery waits for the next plan made for another reason."""
+    worse = any(factor > assumed.get(slot, 1.0) for slot, factor in wanted.items())
+    recovered = any(factor > wanted.get(slot, 1.0) for slot, factor in assumed.items() if slot in used)
+    return worse or recovered
 
 
 def _placement(doc: PlanDoc) -> tuple[tuple[int, str, int], ...]:
