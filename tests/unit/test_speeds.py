@@ -238,3 +238,13 @@ def test_the_leader_plans_again_for_a_slot_slower_than_planned_or_a_planned_stra
         and not speeds_moved({}, {"d3/0": 2.0}, {"d1/0", "d2/0"})       # idle in the plan: not measured
     assert speeds_moved({}, {"d3/0": 2.0}, used)                       # given a smaller share, now at full speed
     assert speeds_moved({"d3/0": 1.4}, {"d3/0": 2.0}, used)            # faster than planned
+
+
+def test_status_says_the_shares_of_a_plan_that_gives_replicas_uneven_ones():
+    from varunad.control.status import plan_lines
+    plan = {"P": 1, "D": 3, "micro_batch_size": 2, "micro_batches": 5, "estimated_s": 0.2, "shares": [10, 10, 4],
+            "alternatives": [], "ruled_out": []}
+    lines = plan_lines(plan)
+    assert lines[0].startswith("why       1x3, micro-batch 2 x up to 5 per replica"), lines
+    assert any("replicas take 10, 10, 4 examples of each step's 24" in ln for ln in lines), lines
+    assert not any("shares" in ln for ln in plan_lines({**plan, "shares": None}))
