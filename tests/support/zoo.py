@@ -1,6 +1,7 @@
 """Models nobody here wrote (Hugging Face transformers, random init from tiny configs, no
-network) and hand-written GPT code as users write it, with the plain single-process PyTorch
-loop every P x D run of them must reproduce."""
+network; GPT-2 given to Varuna as it is, the others in the module a script wraps them in) and
+hand-written GPT code as users write it, with the plain single-process PyTorch loop every P x D
+run of them must reproduce."""
 
 from __future__ import annotations
 
@@ -92,10 +93,10 @@ def build(name: str) -> nn.Module:
         return LossOf(tf.LlamaForCausalLM(tf.LlamaConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False, **ids)))
-    if name == "gpt2":
-        return LossOf(tf.GPT2LMHeadModel(tf.GPT2Config(
+    if name == "gpt2":   # as it is, unwrapped: its output holds the loss, the logits and its cache
+        return tf.GPT2LMHeadModel(tf.GPT2Config(
             n_embd=32, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, **ids)))
+            embd_pdrop=0.0, attn_pdrop=0.0, **ids))
     if name == "bert":
         return LossOf(tf.BertForMaskedLM(tf.BertConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -140,7 +141,8 @@ def reference(name: str, steps: int = STEPS) -> tuple[list[float], dict[str, tor
         opt.zero_grad()
         batch, total = global_batch(name, step), 0.0
         for start in range(0, BATCH, CHUNK):
-            loss = model(**{k: v[start:start + CHUNK] for k, v in batch.items()}) * (CHUNK / BATCH)
+            out = model(**{k: v[start:start + CHUNK] for k, v in batch.items()})
+            loss = getattr(out, "loss", out) * (CHUNK / BATCH)
             loss.backward()
             total += loss.item()
         if name == "gpt_shared":   # what shared_weights means: the two copies are one weight

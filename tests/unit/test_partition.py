@@ -214,3 +214,41 @@ def test_buffer_updates_run_once_in_the_stage_of_their_layer():
     run_slices(slices, batch)
     torch.testing.assert_close(bn.running_mean, expected.detach())
     assert int(bn.num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_a_hugging_face_model_given_as_it_is_trains_on_its_own_loss(name):
+    """No wrapper: forward returns a ModelOutput (loss, logits, and for a causal LM its key-value
+    cache, on by default); the capture keeps the loss and passes use_cache=False."""
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                                                 bos_token_id=0, eos_token_id=0))
+        assert model.config.use_cache
+    else:
+        model = tf.BertForMaskedLM(tf.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                                 intermediate_size=64, vocab_size=64, max_position_embeddings=16))
+    model.eval()
+    ids = torch.randint(1, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    traced = capture_model(model, batch)
+    assert traced.input_names == ("input_ids", "labels")
+    expected = model(**batch).loss
+    for cuts in ([], [0]):
+        torch.testing.assert_close(run_slices(slice_stages(traced, cuts), batch), expected)
+
+
+def test_a_dict_output_without_a_loss_still_says_to_return_the_loss():
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            return {"hidden": h, "logits": self.b(h)}
+
+    with pytest.raises(PartitionError, match="must return the loss as a single scalar"):
+        capture_model(Logits(), {"x": torch.randn(3, 4)})

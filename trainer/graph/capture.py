@@ -6,7 +6,10 @@ config branches), and what comes out is the training IR that autograd differenti
 batch dimension is dynamic, so one capture serves every micro-batch size (ragged last ones
 too). CutPoints (and, for a model without any, the outputs of the blocks of its largest
 nn.Sequential/nn.ModuleList) become `varuna::cut` marker nodes, and random ops become keyed
-ones (trainer.graph.keyed_random), whose draws do not depend on where they run.
+ones (trainer.graph.keyed_random), whose draws do not depend on where they run. Forward returns
+the loss, or a dict / Hugging Face `ModelOutput` holding one under "loss" (a model given its
+labels, unwrapped), whose other outputs are dropped; a forward with a `use_cache` argument is
+captured with it False, since training never reads a key-value cache.
 
 The exported program lifts parameters, buffers and constants into inputs; here they become
 `get_attr` nodes again, placed at their first use and named by their path in the user's model,
@@ -128,6 +131,29 @@ def _why(exc: BaseException) -> tuple[str, str]:
             "inputs, and return the loss")
 
 
+def _fixed_arguments(model: nn.Module, sample: Mapping[str, object]) -> dict[str, object]:
+    """Arguments passed as constants while capturing: a Hugging Face model given to Varuna as it
+    is would return its key-value cache beside the loss (`use_cache`, on by default for causal
+    LMs), which training never reads and export cannot flatten."""
+    params = inspect.signature(model.forward).parameters
+    return {"use_cache": False} if "use_cache" in params and "use_cache" not in sample else {}
+
+
+def _loss_output(ep, results: list) -> list:
+    """The loss alone of a forward that returns a Hugging Face `ModelOutput` (or a dict) holding
+    one under "loss", beside the logits and what else the model returns: the model trains as it
+    is, unwrapped. Any other output is returned as it was."""
+    spec = ep.call_spec.out_spec
+    keys = spec.context if isinstance(spec.context, (list, tuple)) else None
+    if len(results) < 2 or not keys or "loss" not in keys or len(keys) != spec.num_children:
+        return results
+    children = spec.children()
+    at = keys.index("loss")
+    if children[at].num_leaves != 1:
+        return results
+    return [results[sum(child.num_leaves for child in children[:at])]]
+
+
 def capture_model(model: nn.Module, sample: Mapping[str, object]) -> TracedModel:
     """Capture `model`'s forward on `sample` (one batch from get_batch_fn) as one graph."""
     for name, m in model.named_modules():
@@ -137,10 +163,12 @@ def capture_model(model: nn.Module, sample: Mapping[str, object]) -> TracedModel
     blocks = () if has_cutpoints else auto_blocks(model)
     inputs = _forward_inputs(model, sample)
     dynamic = {k: {0: torch.export.Dim.AUTO} for k in inputs}
+    fixed = _fixed_arguments(model, sample)
+    dynamic.update(dict.fromkeys(fixed))
     hooks = [model.get_submodule(b).register_forward_hook(_mark_block_output(b)) for b in blocks]
     try:
         with capturing():
-            ep = torch.export.export(model, (), dict(inputs), dynamic_shapes=dynamic, strict=False)
+            ep = torch.export.export(model, (), {**inputs, **fixed}, dynamic_shapes=dynamic, strict=False)
     except (PartitionError, ConfigError):
         raise
     except Exception as exc:  # export raises many kinds for Python it cannot capture
@@ -180,7 +208,7 @@ def _check_batch_is_dynamic(gm: fx.GraphModule) -> None:
 def _to_graph_module(model: nn.Module, ep):
     """The exported program as a GraphModule whose parameters and buffers are get_attr nodes
     (at their first use) of the user's own tensors, named by their path in the model."""
-    from torch.export.graph_signature import InputKind, OutputKind
+    from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
     sig = ep.graph_signature
     order = list(ep.call_spec.in_spec.child(1).context)   # kwargs, as flattened
@@ -188,9 +216,14 @@ def _to_graph_module(model: nn.Module, ep):
     attrs: dict[fx.Node, tuple[str, torch.Tensor]] = {}
     users: dict[fx.Node, str] = {}
     user_specs = iter(order)
+    constants: dict[fx.Node, object] = {}
     for node, spec in zip(ph, sig.input_specs):
         if spec.kind is InputKind.USER_INPUT:
-            users[node] = next(user_specs)
+            name = next(user_specs)
+            if isinstance(spec.arg, ConstantArgument):   # `_fixed_arguments`: a value, not an input
+                constants[node] = spec.arg.value
+            else:
+                users[node] = name
         elif spec.kind is InputKind.PARAMETER or (spec.kind is InputKind.BUFFER and spec.persistent):
             attrs[node] = (spec.target, ep.state_dict[spec.target])
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
@@ -215,6 +248,8 @@ def _to_graph_module(model: nn.Module, ep):
         env[node].meta = dict(node.meta)
 
     def value(n: fx.Node) -> fx.Node:
+        if n in constants:
+            return constants[n]
         if n not in env:   # a parameter, buffer or constant: read where it is first used
             env[n] = graph.get_attr(attrs[n][0])
             env[n].meta = dict(n.meta)
@@ -236,11 +271,13 @@ def _to_graph_module(model: nn.Module, ep):
             raise PartitionError(f"forward {'modifies its input ' + repr(spec.target) if spec.target else 'has an output'}"
                                  f" of kind {spec.kind.name}",
                                  hint="forward must return the loss and leave its inputs unchanged")
+    results = _loss_output(ep, results)
     if len(results) != 1 or not isinstance(results[0], fx.Node) \
             or not isinstance(results[0].meta.get("val"), torch.Tensor) or results[0].meta["val"].dim() != 0:
         raise PartitionError(f"{type(model).__name__}.forward must return the loss as a single scalar tensor",
-                             hint="wrap the model in a module whose forward returns only the loss "
-                                  "(for Hugging Face models: `return self.model(**batch).loss`)")
+                             hint="wrap the model in a module whose forward returns only the loss, or return a "
+                                  "dict or ModelOutput with a 'loss' (a Hugging Face model does when the batch "
+                                  "holds its labels)")
     graph.output(value(results[0]))
     mutations = [_write_back(graph, target, value(out)) for target, out in written]
     # In-place updates nothing reads afterwards (BatchNorm's num_batches_tracked += 1): a slice
