@@ -33,7 +33,8 @@ contender's processes: unlike wall time it hardly moves with other load on the m
 
 Run:  python benchmarks/pipeline.py [--quick] [--m 8] [--rounds R] [--iters N] [--nice N]
 The last line is  `bench pipeline: ratio_vs_torch=<best ours / best torch>
-efficiency=<best ours with recompute off / (P x single x m/(m+P-1))>`.
+efficiency=<best ours with recompute off / (P x single x m/(m+P-1))>
+of_ceiling=<that efficiency / the machine's ceiling (ceiling / P), measured in the same run>`.
 """
 
 from __future__ import annotations
@@ -336,7 +337,8 @@ def _report(res, m: int, batch: int) -> int:
           f"{best_rc0 / ideal / (ceiling / P):.2f} of it)")
     print(f"best ours {max(ours, key=ours.get)} {best_ours:.0f}/s, best torch {max(torch_, key=torch_.get)} "
           f"{best_torch:.0f}/s, best ours recompute off {best_rc0:.0f}/s")
-    print(f"bench pipeline: ratio_vs_torch={best_ours / best_torch:.3f} efficiency={best_rc0 / ideal:.3f}")
+    print(f"bench pipeline: ratio_vs_torch={best_ours / best_torch:.3f} efficiency={best_rc0 / ideal:.3f} "
+          f"of_ceiling={best_rc0 / ideal / (ceiling / P):.3f}")
     return 0
 
 
