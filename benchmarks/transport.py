@@ -18,7 +18,7 @@ Contenders (each receive delivers a fresh tensor, as a pipeline worker needs one
 
 Run:  python benchmarks/transport.py [--quick] [--repeats N]
 The last line is  `bench transport: ratio_1MiB_plus=<min ours/raw over sizes >= 1 MiB>
-vs_gloo=<min ours/gloo over the same sizes>`.
+vs_gloo=<min ours/gloo over the same sizes> curve_gbps=<min GB/s of the CURVE stream over them>`.
 """
 
 from __future__ import annotations
@@ -207,20 +207,21 @@ def _paired(cells, a: str, b: str, size: int) -> float:
     return statistics.median(x[0] / y[0] for x, y in zip(cells[(a, size)], cells[(b, size)]))
 
 
-def _report(cells) -> tuple[float, float]:
+def _report(cells) -> tuple[float, float, float]:
     rate = {key: statistics.median(v[0] for v in vals) for key, vals in cells.items()}
     cpu = {key: statistics.median(v[1] for v in vals) for key, vals in cells.items()}
     pairs = (("ours", "raw"), ("ours", "raw_reuse"), ("ours", "gloo"), ("ours_curve", "raw"))
     heads = ("size", "ours", "curve", "raw", "raw_reuse", "gloo", "ours/raw", "ours/reuse", "ours/gloo", "curve/raw")
     print("throughput, GB/s (median over repeats); ratios: median of back-to-back pairs")
     print("".join(f"{h:>11}" for h in heads))
-    ratio, vs_gloo = float("inf"), float("inf")
+    ratio, vs_gloo, curve = float("inf"), float("inf"), float("inf")
     for size in SIZES:
         ratios = [_paired(cells, a, b, size) for a, b in pairs]
         row = [rate[(c, size)] for c in CONTENDERS] + ratios
         print(f"{_size_name(size):>11}" + "".join(f"{x:>11.2f}" for x in row))
         if size >= MiB:
             ratio, vs_gloo = min(ratio, ratios[0]), min(vs_gloo, ratios[2])
+            curve = min(curve, rate[("ours_curve", size)])
     print("CPU seconds per GB moved, sender + receiver (all threads), median")
     print("".join(f"{h:>11}" for h in heads[:6]))
     for size in SIZES:
@@ -228,7 +229,7 @@ def _report(cells) -> tuple[float, float]:
     spread = max((max(v[0] for v in vals) - min(v[0] for v in vals)) / rate[key] for key, vals in cells.items())
     print(f"largest spread (max-min)/median of a cell over its repeats: {spread:.0%}"
           f"{'  (noisy: other processes share the CPUs?)' if spread > 0.5 else ''}")
-    return ratio, vs_gloo
+    return ratio, vs_gloo, curve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     repeats = len(next(iter(cells.values())))
     print(f"{len(SIZES)} sizes x {len(CONTENDERS)} contenders x {repeats} repeats, "
           f"~{target // MiB} MiB per cell, {time.perf_counter() - started:.0f}s, {os.cpu_count()} CPUs")
-    ratio, vs_gloo = _report(cells)
-    print(f"bench transport: ratio_1MiB_plus={ratio:.2f} vs_gloo={vs_gloo:.2f}")
+    ratio, vs_gloo, curve = _report(cells)
+    print(f"bench transport: ratio_1MiB_plus={ratio:.2f} vs_gloo={vs_gloo:.2f} curve_gbps={curve:.2f}")
     return 0
 
 
