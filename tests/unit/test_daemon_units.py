@@ -310,6 +310,11 @@ def test_a_plan_document_checks_its_placement_and_reads_the_previous_release_for
     assert [(x["rank"], x["stage"], x["replica"]) for x in raw["slots"]] == [(0, 0, 0), (1, 0, 1)]
     flat = {k: v for k, v in raw.items() if k != "plan"}
     assert PlanDoc.decode(json.dumps(flat).encode()) == doc
+    # uneven shares have no flat form: a daemon of that release must refuse the plan, not run it evenly
+    uneven = dataclasses.replace(doc, plan=doc.plan.replace(shares=(7, 5)))
+    raw = json.loads(uneven.encode())
+    assert "pipeline_depth" not in raw and raw["plan"]["shares"] == [7, 5]
+    assert PlanDoc.decode(uneven.encode()) == uneven
     flat["slots"][1]["replica"] = 0   # two workers in one cell: refused, not guessed at
     with pytest.raises(ValueError, match="plan is malformed"):
         PlanDoc.decode(json.dumps(flat).encode())

@@ -24,8 +24,10 @@ def _sent(monkeypatch, *gathers):
     return pending
 
 
-def _sizes(*sizes):
-    return [torch.tensor([n]) for n in sizes]
+def _sizes(*sizes, shapes=None):
+    """What the first exchange returns: each replica's count of examples and its inputs' signature
+    (alike unless `shapes` says otherwise)."""
+    return [torch.tensor([n, 7 if shapes is None else shapes[i]]) for i, n in enumerate(sizes)]
 
 
 def _share(wanted, passed, replica, offset):
@@ -57,10 +59,10 @@ def test_sizes_that_are_neither_refuse_on_every_replica_naming_both(monkeypatch)
     with pytest.raises(ConfigError, match=r"replicas of a stage got \[5, 4, 4\] examples.*\(\[5, 4, 3\]\).*\(4\)"):
         _share({"ids": torch.zeros(5)}, 5, 0, 0)
     _sent(monkeypatch, _sizes(5, 6, 3))
-    with pytest.raises(ConfigError, match=r"got 6 examples on replica 1; it takes this replica's share \(4\) or the "
-                                          r"even shard \(4\)") as info:
+    # replica 1's share is the even size: one number, said once
+    with pytest.raises(ConfigError, match=r"got 6 examples on replica 1; it takes this replica's share \(4\)") as info:
         _share({"ids": torch.zeros(6)}, 6, 1, 5)
-    assert "shares=varuna.shares" in info.value.hint
+    assert "shares=varuna.shares" in info.value.hint and "even shard (4)" not in str(info.value)
 
 
 def test_a_stage_that_needs_no_inputs_needs_no_collective(monkeypatch):
@@ -79,3 +81,13 @@ def test_replica_order_maps_group_ranks_back_to_replicas(monkeypatch):
     assert replica_share.replica_order(None, [7, 1, 4]) == [2, 0, 1]
     assert replica_share.is_uneven((5, 4, 3)) and not replica_share.is_uneven((4, 4, 4))
     assert not replica_share.is_uneven(None)
+
+
+def test_even_shards_that_differ_past_the_batch_dimension_are_refused_on_every_replica(monkeypatch):
+    """A collator that pads each shard to its own longest sequence: the shards cannot be stacked."""
+    _sent(monkeypatch, _sizes(4, 4, 4, shapes=(7, 7, 9)))
+    with pytest.raises(ConfigError, match=r"differ past the batch dimension \(ids \(6,\) on this one\)"):
+        _share({"ids": torch.zeros(4, 6)}, 4, 0, 0)
+    sig = replica_share._signature
+    assert sig({"ids": torch.zeros(4, 6)}) == sig({"ids": torch.ones(9, 6)}) != sig({"ids": torch.zeros(4, 7)})
+    assert sig({"ids": torch.zeros(4, 6)}) != sig({"ids": torch.zeros(4, 6, dtype=torch.int64)})

@@ -229,15 +229,25 @@ def test_a_replica_of_the_same_stage_is_the_reference_and_other_stages_only_past
 
 
 def test_the_leader_plans_again_for_a_slot_slower_than_planned_or_a_planned_straggler_back_at_full_speed():
-    from varunad.node.leader_pace import speeds_moved
-    used = {"d1/0", "d2/0", "d3/0"}
-    assert speeds_moved({"d3/0": 2.0}, {}, used)                       # a new straggler
-    assert speeds_moved({"d3/0": 4.0}, {"d3/0": 2.0}, used)            # slower than planned
-    assert not speeds_moved({"d3/0": 2.0}, {"d3/0": 2.0}, used)        # as planned
-    assert not speeds_moved({"d3/0": 1.4}, {"d3/0": 2.0}, {"d1/0"}) \
-        and not speeds_moved({}, {"d3/0": 2.0}, {"d1/0", "d2/0"})       # idle in the plan: not measured
-    assert speeds_moved({}, {"d3/0": 2.0}, used)                       # given a smaller share, now at full speed
-    assert speeds_moved({"d3/0": 1.4}, {"d3/0": 2.0}, used)            # faster than planned
+    from varunad.node.leader_pace import _judged, speeds_moved
+    judged = {"d1/0", "d2/0", "d3/0"}
+    assert speeds_moved({"d3/0": 2.0}, {}, judged)                       # a new straggler
+    assert speeds_moved({"d3/0": 4.0}, {"d3/0": 2.0}, judged)            # slower than planned
+    assert not speeds_moved({"d3/0": 2.0}, {"d3/0": 2.0}, judged)        # as planned
+    assert not speeds_moved({}, {"d3/0": 2.0}, {"d1/0", "d2/0"})         # not judged: idle, or no healthy peer
+    assert speeds_moved({}, {"d3/0": 2.0}, judged)                       # a smaller share, now at full speed
+    assert speeds_moved({"d3/0": 1.4}, {"d3/0": 2.0}, judged)            # faster than planned
+    # 1x3 with d3 planned slow: its peers are healthy, so its speed is judged
+    row = [Expected(f"d{i}/0", "cpu", 0.01, stage=0) for i in (1, 2, 3)]
+    assert _judged(row, {"d3/0": 2.0}) == {"d1/0", "d2/0", "d3/0"}
+    # 2x2 whose stage 1 holds both slow slots: each is the other's reference, so neither is judged
+    two = [Expected("a/0", "cpu", 0.01, stage=0), Expected("b/0", "cpu", 0.01, stage=0),
+           Expected("c/0", "cpu", 0.01, stage=1), Expected("d/0", "cpu", 0.01, stage=1)]
+    assert _judged(two, {"c/0": 2.0, "d/0": 2.0}) == {"a/0", "b/0"}
+    assert not speeds_moved({}, {"c/0": 2.0, "d/0": 2.0}, _judged(two, {"c/0": 2.0, "d/0": 2.0}))
+    # a stage alone (a pipeline with a slow stage given fewer layers): no replica to judge it by
+    assert _judged([Expected("a/0", "cpu", 0.01, stage=0), Expected("b/0", "cpu", 0.01, stage=1)], {"b/0": 2.0}) \
+        == set()
 
 
 def test_status_says_the_shares_of_a_plan_that_gives_replicas_uneven_ones():

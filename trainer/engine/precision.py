@@ -59,10 +59,12 @@ class LossScaler:
 
 def squared_norms(grads: list[torch.Tensor]) -> list[float]:
     """Each gradient's squared L2 norm, with one fused kernel for all of them: the overflow check
-    of the loss scaler and gradient clipping both start from these. Norms are taken in float32,
-    as torch's clip_grad_norm_ takes them (a half-precision norm would overflow at 65504), and
-    squared and summed in float64; accumulating in float64 took 20x as long on a CPU, a tenth of
-    a pipeline stage's step. A float64 gradient keeps its own precision."""
+    of the loss scaler and gradient clipping both start from these. Each tensor's norm is taken
+    in float32, as torch's clip_grad_norm_ takes it (a half-precision norm would overflow at
+    65504; one past float32's 3.4e38, a norm over 1.8e19 squared, reads as an overflow, as it
+    would there), then squared in float64, where the caller sums them. Accumulating in float64
+    took 20x as long on a CPU, a tenth of a pipeline stage's step. A float64 gradient keeps its
+    own precision."""
     if not grads:
         return []
     wide = any(g.dtype == torch.float64 for g in grads)

@@ -20,11 +20,13 @@ that what needs none of Varuna's state lives apart from it.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from trainer.engine.data_parallel import _wait
 from trainer.errors import ConfigError
 
 __all__ = ["is_uneven", "replica_order", "gathered_sizes", "share_of"]
@@ -52,12 +54,22 @@ def replica_order(group, stage_ranks: Sequence[int]) -> list[int]:
 
 
 def _gather(tensor: torch.Tensor, group, order: Sequence[int]) -> list[torch.Tensor]:
-    """Every replica's `tensor` (all the same shape), in replica order."""
+    """Every replica's `tensor` (all the same shape), in replica order. Waited on from Python, so
+    that the daemon's rescue signal still reaches a worker whose peer vanished mid-exchange
+    (`data_parallel._wait`)."""
     # gloo has no bool all-gather; the bytes are the same
     sent = tensor.contiguous().view(torch.uint8) if tensor.dtype == torch.bool else tensor.contiguous()
     got = [torch.empty_like(sent) for _ in order]
-    dist.all_gather(got, sent, group=group)
+    _wait(dist.all_gather(got, sent, group=group, async_op=True), sent.is_cuda)
     return [got[i].view(torch.bool) if tensor.dtype == torch.bool else got[i] for i in order]
+
+
+def _signature(wanted: Mapping[str, torch.Tensor]) -> int:
+    """What must be alike on every replica to put their even shards together: each input's name,
+    dtype and shape past the batch dimension (a collator that pads each shard to its own longest
+    sequence makes them differ)."""
+    text = ";".join(f"{name}:{t.dtype}:{tuple(t.shape[1:])}" for name, t in sorted(wanted.items()))
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 def gathered_sizes(size: int, group, order: Sequence[int]) -> list[int]:
@@ -66,7 +78,7 @@ def gathered_sizes(size: int, group, order: Sequence[int]) -> list[int]:
 
 
 def _accepted(share: int, even: int | None) -> str:
-    return f"this replica's share ({share})" + ("" if even is None else f" or the even shard ({even})")
+    return f"this replica's share ({share})" + ("" if even in (None, share) else f" or the even shard ({even})")
 
 
 def _refuse(passed: int, share: int, even: int | None, replica: int) -> ConfigError:
@@ -91,10 +103,16 @@ def share_of(wanted: Mapping[str, torch.Tensor], passed: int, *, batch: int, sha
         if passed not in (share, even):
             raise _refuse(passed, share, even, replica)
         return {}
-    sizes = gathered_sizes(passed, group, order)
+    told = _gather(torch.tensor([passed, _signature(wanted)], dtype=torch.int64), group, order)
+    sizes = [int(t[0]) for t in told]
     if sizes == list(shares):
         return dict(wanted)
     if even is not None and all(s == even for s in sizes):
+        if len({int(t[1]) for t in told}) > 1:
+            raise ConfigError("the replicas of a stage passed inputs that differ past the batch dimension ("
+                              + ", ".join(f"{n} {tuple(t.shape[1:])}" for n, t in sorted(wanted.items()))
+                              + " on this one): their even shards cannot be put together into the shares",
+                              hint=f"pad every shard to one length, or pass {_OWN}")
         return {name: torch.cat(_gather(t, group, order))[offset:offset + share] for name, t in sorted(wanted.items())}
     # every replica of the stage saw the same sizes, so all of them refuse, none waits for the others
     raise _refuse(passed, share, even, replica) if passed not in (share, even) else _refuse_mixed(sizes, shares, even)

@@ -255,14 +255,16 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         self.recorder.set_step(self.iteration)
         start = time.perf_counter()
         waited = self.channel.wait_s if self.channel is not None else 0.0
-        micro, weights = self._micro_batches(inputs, self.batch_size)
-        table = self._table(self.schedule, len(micro), self.recompute)
         self.optimizer.zero_grad(set_to_none=True)
         result: dict[str, object] = {}
-        draws = self._draws(len(micro), self.shard_offset)
         clock = ComputeClock(self.channel, self.device)
         try:
             self.control.abandonable = True
+            # under uneven shares the stage's replicas trade inputs first: a peer lost there breaks
+            # the epoch like one lost mid-schedule
+            micro, weights = self._micro_batches(inputs, self.batch_size)
+            table = self._table(self.schedule, len(micro), self.recompute)
+            draws = self._draws(len(micro), self.shard_offset)
             self.executor.run(
                 table, micro, weights, loss_scale=self.scaler.scale,
                 handlers={Kind.ALLREDUCE: clock.apart(self._allreduce),
@@ -516,7 +518,9 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
                                   hint="pass GlobalBatches(...).shard(step, varuna.replica, varuna.data_depth)")
             return wanted, shard
         if set(self.input_names) - set(wanted):
-            return wanted, shard   # the caller refuses it, before a collective (each replica lacks it alike)
+            # the caller refuses it before any collective; the stage's replicas run one script, so
+            # they lack the same inputs and all refuse
+            return wanted, shard
         mine = replica_share.share_of(wanted, shard, batch=self.batch_size, shares=shares, replica=self.replica,
                                       offset=self.shard_offset, group=self.stage_group, order=self._replica_order)
         return mine, self.shard_size

@@ -134,9 +134,16 @@ def _why(exc: BaseException) -> tuple[str, str]:
 def _fixed_arguments(model: nn.Module, sample: Mapping[str, object]) -> dict[str, object]:
     """Arguments passed as constants while capturing: a Hugging Face model given to Varuna as it
     is would return its key-value cache beside the loss (`use_cache`, on by default for causal
-    LMs), which training never reads and export cannot flatten."""
-    params = inspect.signature(model.forward).parameters
-    return {"use_cache": False} if "use_cache" in params and "use_cache" not in sample else {}
+    LMs), which training never reads and export cannot flatten. Only a model whose config has a
+    `use_cache` (transformers' models) is told so, and a value the batch gives wins."""
+    if "use_cache" not in inspect.signature(model.forward).parameters:
+        return {}
+    given = sample.get("use_cache")
+    if given is not None and not isinstance(given, torch.Tensor):
+        return {"use_cache": given}
+    if given is None and getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        return {"use_cache": False}
+    return {}
 
 
 def _loss_output(ep, results: list) -> list:

@@ -282,10 +282,10 @@ def _sharing(assignment: Mapping[str, tuple[int, int]], P: int, by_id: Mapping[s
     return tuple(1.0 if f is None else f for f in factors)
 
 
-def _configurations(kinds, sizes, global_batch, n_seg, uneven=False):
+def _configurations(kinds, sizes, global_batch, n_seg, ragged=False):
     """Every (micro-batch size, kinds per stage, D, P) with a lower bound on its time: the
     cheapest placement of each segment, perfectly balanced, and the all-reduce of an average
-    stage. `_estimate` of the same configuration is never below it. `uneven`: a replica's
+    stage. `_estimate` of the same configuration is never below it. `ragged`: a replica's
     share may end in a smaller micro-batch (timed as a full one: an estimate from above)."""
     for mbs in sizes:
         cheap = [min(k.fb[k.cal.size_index(mbs)][i + 1] - k.fb[k.cal.size_index(mbs)][i] for k in kinds)
@@ -300,7 +300,7 @@ def _configurations(kinds, sizes, global_batch, n_seg, uneven=False):
                 params = min(k.params[n_seg] for k in subset)
                 n_slots = sum(k.slots for k in subset)
                 for D in (d for d in range(1, n_slots + 1)
-                          if global_batch % d == 0 and (uneven or global_batch % (d * mbs) == 0)):
+                          if global_batch % d == 0 and (ragged or global_batch % (d * mbs) == 0)):
                     m = len(micro_batches(global_batch, D, mbs))
                     avail = {k.name: k.slots // D for k in subset}
                     if min(avail.values()) < 1:
@@ -413,8 +413,8 @@ def plan(
         verify = max(verify, runners_up)
     # a micro-batch size the job fixed may leave a smaller last micro-batch (the engine's rule,
     # `micro_batches`); the planner's own choice divides each share evenly
-    uneven = micro_batch_sizes is not None and len(set(micro_batch_sizes)) == 1
-    pending = sorted(_configurations(kinds, sizes, global_batch, n_seg, uneven), key=lambda c: c[0])
+    ragged = micro_batch_sizes is not None and len(set(micro_batch_sizes)) == 1
+    pending = sorted(_configurations(kinds, sizes, global_batch, n_seg, ragged), key=lambda c: c[0])
     scored: list[tuple[float, tuple]] = []
     best_k: list[float] = []  # max-heap (negated) of the `keep` best estimates so far
     lower_by_kind: dict[str, float] = {}
@@ -505,7 +505,7 @@ def plan(
             why = "no feasible plan uses it (memory or slot count)"
         notes.append(f"left out {k.name} ({k.slots} slots): {why}")
     ruled_out = tuple(_ruled_out(kinds, sizes, global_batch, sched, allow_recompute, scored, lower_by_kind,
-                                 (P, D), uneven))
+                                 (P, D), ragged))
     unused = tuple(sorted(s.slot_id for s in slots if s.slot_id not in assignment))
     if unused:
         notes.append(f"{len(unused)} slots idle: P x D = {P} x {D} uses {P * D} of {len(slots)}")
@@ -531,11 +531,11 @@ def plan(
     )
     if not slowed_kinds or shared:   # co-located slots' speeds are the host's to share, not theirs
         return even
-    uneven = _uneven_plans(slots, cals, slowed_kinds, sizes, global_batch, sched, allow_recompute,
-                           memory_fraction, verify)
-    if not uneven or uneven[0].sim >= even.estimated_s * (1 - _UNEVEN_GAIN):
+    by_speed = _uneven_plans(slots, cals, slowed_kinds, sizes, global_batch, sched, allow_recompute,
+                             memory_fraction, verify)
+    if not by_speed or by_speed[0].sim >= even.estimated_s * (1 - _UNEVEN_GAIN):
         return even
-    u = uneven[0]
+    u = by_speed[0]
     idle = tuple(sorted(s.slot_id for s in slots if s.slot_id not in u.assignment))
     why = fleet_notes + [f"even shares: the best plan ({even.P}x{even.D}) is estimated at {even.estimated_s:.3f} s "
                          f"vs {u.sim:.3f} s"]
@@ -564,7 +564,7 @@ def _sharing_notes(assignment, by_id, cores, slowed) -> list[str]:
 
 
 def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lower_by_kind, chosen,
-               uneven=False) -> list[str]:
+               ragged=False) -> list[str]:
     """Why the plans a user would try first, every slot data-parallel (1 x N) and one slot alone
     (1 x 1), were not chosen: memory, the micro-batch count, or a slower estimate."""
     if len(kinds) != 1:
@@ -576,7 +576,7 @@ def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lo
         if (1, D) == chosen:
             continue
         shape = f"1x{D}" + (" (every slot data-parallel)" if D > 1 else " (one slot)")
-        fits = [b for b in sizes if global_batch % D == 0 and (uneven or global_batch % (D * b) == 0)]
+        fits = [b for b in sizes if global_batch % D == 0 and (ragged or global_batch % (D * b) == 0)]
         if not fits:
             out.append(f"{shape}: the global batch {global_batch} does not split into whole micro-batches of a "
                        f"calibrated size ({', '.join(map(str, sizes))}) over {D} replicas")
@@ -605,7 +605,7 @@ def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lo
 # normalised by the global batch and gradients are summed
 # ([Note: the global batch defines the math] in ARCHITECTURE.md).
 
-_UNEVEN_GAIN = 0.03   # uneven shares must beat the best even plan by this much: their inputs cross replicas
+_UNEVEN_GAIN = 0.03   # uneven shares must beat the best even plan by this much: a plan change has a price
 
 
 @dataclass(frozen=True)
@@ -701,15 +701,18 @@ def _uneven_plans(slots, cals, slowed_kinds, sizes, global_batch, sched, allow_r
                     counts = _balanced_counts(one, [b - a for a, b in zip(one, two)], total)
                     if counts is None:
                         continue
-                    est = max(a + (c - 1) * (b - a) for a, b, c in zip(one, two, counts))
+                    # scripts pass even shards: the replicas of the input stage put the batch's inputs
+                    # together before each step (an all-gather: half an all-reduce's traffic)
+                    gather = kind.cal.allreduce[ar[0]].allreduce_s(kind.cal.input_bytes[j] * total, D) / 2
+                    est = gather + max(a + (c - 1) * (b - a) for a, b, c in zip(one, two, counts))
                     screened.append((est, mbs, P, counts, kind, bounds, flags, assignment, links, ar,
-                                     tuple(slowed)))
+                                     tuple(slowed), gather))
     screened.sort(key=lambda x: x[0])
     replayed = []
-    for est, mbs, P, counts, kind, bounds, flags, assignment, links, ar, slowed in screened[:verify]:
+    for est, mbs, P, counts, kind, bounds, flags, assignment, links, ar, slowed, gather in screened[:verify]:
         base_costs = stage_costs([kind.cal] * P, bounds, mbs, len(counts), links, ar)
-        sim = max(_simulate(sched, P, c, flags, tuple(x.slowed(f) for x, f in zip(base_costs, sl)))
-                  for c, sl in zip(counts, slowed))
+        sim = gather + max(_simulate(sched, P, c, flags, tuple(x.slowed(f) for x, f in zip(base_costs, sl)))
+                           for c, sl in zip(counts, slowed))
         replayed.append(_Uneven(sim, est, mbs, P, counts, kind, bounds, flags, assignment, links, ar, slowed))
     return sorted(replayed, key=lambda u: (round(u.sim, 6), u.P, len(u.counts)))
 

@@ -202,7 +202,8 @@ class Membership:
 
         A key left under this name by a previous incarnation (a crash, a quick restart) expires
         within its TTL; wait for that, at most ``name_wait`` seconds (default: what is left of
-        its lease plus one second). Raises NameInUse if the name is still held after that.
+        its lease, plus one second and half a TTL for etcd to end it). Raises NameInUse if the
+        name is still held after that.
         """
         if self._task is not None:
             raise RuntimeError(f"member {self.name} has already joined")
@@ -248,7 +249,9 @@ class Membership:
                 )
             if limit is None:
                 remaining = await self.store.time_to_live(held.lease)
-                limit = self.clock() + (remaining if remaining is not None else 0) + 1.0
+                # etcd ends a lease some time after its TTL runs out (its lessor checks every
+                # 500 ms, then revokes through raft): on a loaded host more than a second after
+                limit = self.clock() + (remaining if remaining is not None else 0) + 1.0 + self.ttl / 2
                 log.info("%s: waiting up to %.1fs for the key of an earlier incarnation to expire",
                          self.name, limit - self.clock())
             if self.clock() >= limit:

@@ -157,7 +157,9 @@ class PlanDoc:
 
     def encode(self) -> bytes:
         doc = asdict(self)
-        if self.kind == "run" and self.plan is not None:
+        # uneven shares have no flat form: a daemon of that release must refuse the plan, not
+        # run it as an even split (its replicas would cover the wrong examples)
+        if self.kind == "run" and self.plan is not None and self.plan.shares is None:
             doc.update(_flat(self))
         return json.dumps(doc, sort_keys=True).encode()
 

@@ -385,8 +385,7 @@ class Daemon(PlanFollowing):
                 await asyncio.wait_for(sup.reporter.flush(), 2 * t)
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            await self._end(task, 2 * t)
+        await asyncio.gather(*(self._end(task, 2 * t) for task in self._tasks))   # one deadline for all
         if hasattr(self, "membership"):
             await self.membership.leave()
         if sup is not None:
@@ -409,24 +408,25 @@ class Daemon(PlanFollowing):
         log.info("%s: left the fleet", self.name)
 
     async def _end(self, task: asyncio.Task, timeout: float) -> None:
-        """Cancel ``task`` and wait for it to end, cancelling it again while it runs on: a
-        cancellation can be lost (Python 3.11's ``wait_for`` drops one that lands as its inner call
-        completes), and a daemon told to stop must stop (`varunactl down` kills it after 20 s).
-        Past ``timeout`` it logs where the task is stuck and goes on leaving the fleet."""
+        """Cancel ``task`` and wait for it to end; cancel it once more halfway through ``timeout``
+        if it runs on: a cancellation can be lost (Python 3.11's ``wait_for`` drops one that lands
+        as its inner call completes), and a daemon told to stop must stop (`varunactl down` kills
+        it after 20 s). Only once: a task busy in a cleanup of its own must not be cut off again
+        and again. Past ``timeout`` it logs where the task is stuck and goes on leaving the fleet."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=timeout / 2)
+        if not task.done():
             task.cancel()
-            await asyncio.wait({task}, timeout=min(0.5, max(0.0, deadline - loop.time())))
-            if not task.done() and loop.time() >= deadline:
-                where = io.StringIO()
-                task.print_stack(limit=8, file=where)
-                log.error("%s: task %s did not stop within %.1fs of being cancelled; leaving without it:\n%s",
-                          self.name, task.get_name(), timeout, where.getvalue())
-                return
-        if not task.cancelled() and task.exception() is not None:
+            await asyncio.wait({task}, timeout=max(0.0, deadline - loop.time()))
+        if not task.done():
+            where = io.StringIO()
+            task.print_stack(limit=8, file=where)
+            log.error("%s: task %s did not stop within %.1fs of being cancelled; leaving without it:\n%s",
+                      self.name, task.get_name(), timeout, where.getvalue())
+        elif not task.cancelled() and task.exception() is not None:
             log.debug("%s: task %s ended with %r while stopping", self.name, task.get_name(), task.exception())
-
 
 def _setup_child_watcher() -> None:
     """Reap workers with pidfds (no helper thread per child, as Python 3.11's default has)."""

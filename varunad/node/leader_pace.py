@@ -7,9 +7,9 @@ measures each slot against what the plan expected of its stage, and records the 
 stragglers in the job's state (``status`` shows them). When a slot is slower than the running
 plan assumed (a new straggler, or one slower than planned), it plans again; the job morphs
 (after a checkpoint, like a scale-up) only when the new plan is estimated faster, by more than ``scale_up_threshold``, than the running plan at the measured
-speeds. A straggler the running plan uses (fewer layers, a smaller share of the batch) is still
-measured, and when it is one no longer the leader plans again the same way: a slot that lagged for
-a while must not keep a small share for the rest of a long job. Against flapping, besides the
+speeds. A straggler the running plan gives a smaller share of the batch is still measured against
+its stage's healthy replicas, and when it is one no longer the leader plans again the same way: a
+slot that lagged for a while must not keep a small share for the rest of a long job. Against flapping, besides the
 hysteresis of `SlotSpeeds`: a straggler the plan left idle is not measured, so its recovery (or
 its forgetting) never morphs the job by itself, the next plan made for any reason uses it again;
 and a morph around a straggler is at least ``QUIET_S`` after the previous one.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 
 from trainer.planning.planner import PlanError
 from varunad.control.decide import Decision
@@ -106,7 +107,7 @@ class LeaderPace:
         wanted = self._slowdowns()
         assumed = state.plan.get("slowdowns") or {}
         key = (snap.plan_epoch, tuple(sorted(wanted.items())))
-        if not speeds_moved(wanted, assumed, {f"{s.member}/{s.slot}" for s in plan.slots}) \
+        if not speeds_moved(wanted, assumed, _judged(expected.values(), assumed)) \
                 or key == self._pace_considered or now < self._quiet_until:
             return False
         self._pace_considered = key
@@ -150,14 +151,24 @@ class LeaderPace:
         return await self._abort(snap, Decision("abort", reason, state.job, checkpoint=True))
 
 
-def speeds_moved(wanted: dict[str, float], assumed: dict[str, float], used: set[str]) -> bool:
+def speeds_moved(wanted: dict[str, float], assumed: dict[str, float], judged: set[str]) -> bool:
     """Whether the measured slowdowns (``wanted``, slot -> factor) call for planning again against
-    those the running plan assumed: a slot slower than planned, or a slot of the plan that was
-    planned slow (given fewer layers or a smaller share) and is a straggler no longer. An idle
-    straggler is not measured, so its recovery waits for the next plan made for another reason."""
+    those the running plan assumed: a slot slower than planned, or a slot of ``judged`` that was
+    planned slow (a smaller share of the batch) and is a straggler no longer. An idle straggler
+    is not measured, so its recovery waits for the next plan made for another reason."""
     worse = any(factor > assumed.get(slot, 1.0) for slot, factor in wanted.items())
-    recovered = any(factor > wanted.get(slot, 1.0) for slot, factor in assumed.items() if slot in used)
+    recovered = any(factor > wanted.get(slot, 1.0) for slot, factor in assumed.items() if slot in judged)
     return worse or recovered
+
+
+def _judged(expected: Iterable[Expected], assumed: dict[str, float]) -> set[str]:
+    """The slots of the plan whose speed is measured against a replica of their stage that the
+    plan did not take to be slow: only their recovery is one (two stragglers of one stage, each
+    the other's reference, measure alike and would look recovered, and the job would morph back
+    and forth)."""
+    rows = list(expected)
+    return {e.slot for e in rows
+            if any(o.stage == e.stage and o.slot != e.slot and o.slot not in assumed for o in rows)}
 
 
 def _placement(doc: PlanDoc) -> tuple[tuple[int, str, int], ...]:
