@@ -511,16 +511,7 @@ def plan(
         notes.append(f"{len(unused)} slots idle: P x D = {P} x {D} uses {P * D} of {len(slots)}")
     notes += _sharing_notes(assignment, by_id, cores, slowed)
 
-    stages = []
-    for s, name in enumerate(names):
-        k, a, b = kind_by_name[name], bounds[s], bounds[s + 1]
-        j = k.cal.size_index(mbs)
-        c = sched.stash_bound(P, s, m, flags[s])
-        act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
-        mem = k.cal.worker_bytes + k.static[b] - k.static[a] + max(
-            k.cal.step_bytes(a, b), c * in_b + act if flags[s] else c * (in_b + act))
-        pre = k.fbr[j] if flags[s] else k.fb[j]
-        stages.append(StagePlan(a, b, name, flags[s], int(mem), k.capacity, pre[b] - pre[a]))
+    stages = [_stage_plan(kind_by_name[name], mbs, P, s, m, bounds, flags, sched) for s, name in enumerate(names)]
     parallel = ParallelPlan(P=P, D=D, micro_batch_size=int(mbs), schedule=schedule,
                             cuts=tuple(int(b) - 1 for b in bounds[1:-1]), recompute=tuple(bool(f) for f in flags))
     even = Plan(
@@ -542,6 +533,18 @@ def plan(
     if idle:
         why.append(f"{len(idle)} slots idle: P x D = {u.P} x {len(u.counts)} uses {len(u.assignment)} of {len(slots)}")
     return _uneven_plan(u, global_batch, schedule, sched, why, idle, even.candidates, even.ruled_out)
+
+
+def _stage_plan(k: _Kind, mbs: int, P: int, s: int, m: int, bounds, flags, sched: Schedule) -> StagePlan:
+    """Stage ``s`` of a plan on kind ``k``: its segments, its memory (the bound in the module
+    docstring) and its compute per micro-batch."""
+    j, a, b = k.cal.size_index(mbs), bounds[s], bounds[s + 1]
+    c = sched.stash_bound(P, s, m, flags[s])
+    act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
+    mem = k.cal.worker_bytes + k.static[b] - k.static[a] + max(
+        k.cal.step_bytes(a, b), c * in_b + act if flags[s] else c * (in_b + act))
+    pre = k.fbr[j] if flags[s] else k.fb[j]
+    return StagePlan(a, b, k.name, flags[s], int(mem), k.capacity, pre[b] - pre[a])
 
 
 def _sharing_notes(assignment, by_id, cores, slowed) -> list[str]:
@@ -721,17 +724,8 @@ def _uneven_plan(u: _Uneven, global_batch: int, schedule: str, sched: Schedule, 
                  unused: tuple[str, ...], candidates: tuple[Candidate, ...], ruled_out: tuple[str, ...]) -> Plan:
     """The `Plan` of an uneven-share configuration."""
     k, P, D, mbs = u.kind, u.P, len(u.counts), u.mbs
-    j = k.cal.size_index(mbs)
     m = max(u.counts)
-    stages = []
-    for s in range(P):
-        a, b = u.bounds[s], u.bounds[s + 1]
-        c = sched.stash_bound(P, s, m, u.flags[s])
-        act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
-        mem = k.cal.worker_bytes + k.static[b] - k.static[a] + max(
-            k.cal.step_bytes(a, b), c * in_b + act if u.flags[s] else c * (in_b + act))
-        pre = k.fbr[j] if u.flags[s] else k.fb[j]
-        stages.append(StagePlan(a, b, k.name, u.flags[s], int(mem), k.capacity, pre[b] - pre[a]))
+    stages = [_stage_plan(k, mbs, P, s, m, u.bounds, u.flags, sched) for s in range(P)]
     shares = tuple(c * mbs for c in u.counts)
     speeds = ", ".join(f"{max(f):g}x" for f in u.slowed)
     notes = notes + [f"uneven shares: replicas computing {speeds} slower than calibrated take "
