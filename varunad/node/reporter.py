@@ -5,7 +5,8 @@
 * each rank's latest progress (fenced by epoch) and the job's loss history, every
   ``progress_interval`` (longer for a big job: ``varunad.control.records.progress_interval``), the
   history also at once after a checkpoint (the next epoch resumes there);
-* the workers' log output, through ``varunad.node.log_shipper``, at the same interval.
+* the workers' log output, through ``varunad.node.log_shipper``, at the same interval, and before
+  a changed report: a worker that exited is reported with its last lines already shipped.
 
 A write etcd refuses or does not answer stays pending for the next round. The supervisor tells
 the reporter what happened (`mark`, `record_progress`, `begin_epoch`); the reporter never
@@ -147,6 +148,10 @@ class Reporter:
                 except BaseException:
                     self._history_dirty.add(dirty)
                     raise
+            if periodic or self._report_dirty:
+                # a worker's end goes out with its last lines: `varunactl logs` read the moment a
+                # job has failed must find what the script printed before it exited
+                await self.logs.ship(self._workers(), t)
             if lease is not None and (self._report_dirty or lease.id != self._report_lease):
                 self._report_dirty = False
                 try:
@@ -167,7 +172,6 @@ class Reporter:
                         else:
                             self._progress_revision[key] = written
                         self._progress_written[rank] = p
-                await self.logs.ship(self._workers(), t)
         except StoreError as exc:
             ok = False
             log.debug("%s: could not write reports to etcd yet: %s", self.name, exc)
