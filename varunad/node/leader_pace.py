@@ -107,17 +107,17 @@ class LeaderPace:
         wanted = self._slowdowns()
         assumed = state.plan.get("slowdowns") or {}
         key = (snap.plan_epoch, tuple(sorted(wanted.items())))
-        if not speeds_moved(wanted, assumed, _judged(expected.values(), assumed)) \
-                or key == self._pace_considered or now < self._quiet_until:
+        judged = _judged(expected.values(), assumed)
+        if not speeds_moved(wanted, assumed, judged) or key == self._pace_considered or now < self._quiet_until:
             return False
         self._pace_considered = key
-        morphed = await self._replan_for_speed(snap, state, wanted, assumed)
+        morphed = await self._replan_for_speed(snap, state, wanted, assumed, judged)
         if morphed:
             self._quiet_until = self.clock() + QUIET_S
         return morphed
 
     async def _replan_for_speed(self, snap: FleetSnapshot, state: JobState, wanted: dict[str, float],
-                                assumed: dict[str, float]) -> bool:
+                                assumed: dict[str, float], judged: set[str]) -> bool:
         plan = snap.plan
         entry = snap.entry(state.job)
         if plan is None or entry is None or entry.spec is None:
@@ -143,7 +143,7 @@ class LeaderPace:
         slow = [f"{slot} computes {measured.get(slot, factor):.1f}x slower"
                 for slot, factor in sorted(wanted.items())]
         why = ", ".join(slow) + " than the fastest slot of its kind" if slow else ""
-        back = [slot for slot in sorted(assumed) if slot in used and slot not in wanted]
+        back = [slot for slot in sorted(assumed) if slot in judged and slot not in wanted]
         if back:
             why += ("; " if why else "") + ", ".join(back) + " computes at full speed again"
         reason = (f"{why}: {doc.shape} on {', '.join(doc.members)} is estimated {100 * gain:.0f}% faster than "
