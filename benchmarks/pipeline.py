@@ -7,7 +7,7 @@ step), plain SGD, one torch thread per process. Contenders:
 - single      one process runs the m micro-batches one after another (forward+backward each),
               then the optimizer step
 - ours/<schedule>/rc<0|1>   trainer.Varuna at P=2, D=1 via trainer.launch, for the schedules
-              varuna, gpipe and 1f1b, recompute off (rc0) and on (rc1)
+              of the schedule table (varuna, gpipe, 1f1b, zb-h1), recompute off (rc0) and on (rc1)
 - torch/<schedule>          torch.distributed.pipelining PipelineStage (manual halves) over gloo,
               ScheduleGPipe and Schedule1F1B, 2 processes
 - ceiling     two `single` processes run concurrently: their combined throughput over one alone
@@ -142,8 +142,8 @@ def _worker(ns) -> None:
     clocks = {k: _Clock() for k in ("ours", "torch", "single")}
     ex = varuna.executor
     # An instance attribute shadows the class's dispatch table: time the compute actions only.
-    ex._DISPATCH = {k: (clocks["ours"].wrap(f) if k in (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD) else f)
-                    for k, f in type(ex)._DISPATCH.items()}
+    compute = (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD, Kind.WEIGHT)
+    ex._DISPATCH = {k: (clocks["ours"].wrap(f) if k in compute else f) for k, f in type(ex)._DISPATCH.items()}
     varuna.optimizer.step = clocks["ours"].wrap(varuna.optimizer.step)
 
     # torch.distributed.pipelining: the same two halves, over the same gloo world group

@@ -44,7 +44,7 @@ def reference():
     return reference_run(STEPS, BATCH)
 
 
-# Five launches cover the axes: every P x D shape of the old 15-launch matrix, each schedule on a
+# Six launches cover the axes: every P x D shape of the old 15-launch matrix, each schedule on a
 # pipeline (P >= 2), recompute on (the worker's default) and off, the tied embedding split over the
 # first and last stage (P >= 2) and counted once by global-norm clipping, ragged micro-batches
 # (12 examples over 2 replicas in chunks of 4: micro-batches of 4 and 2), and each stage holding a
@@ -55,6 +55,8 @@ MATRIX = [
     pytest.param(2, 1, "gpipe", ("--recompute", "0"), None, None, id="2x1-gpipe-no-recompute"),
     pytest.param(2, 2, "1f1b", (), None, None, id="2x2-1f1b-ragged"),
     pytest.param(4, 1, "varuna", ("--clip", "0.5"), 0.5, [1, 2, 3], id="4x1-varuna-clip-cut-every-block"),
+    # split backwards with deferred weight passes on stages 1 and 2, the tied head's among them
+    pytest.param(3, 1, "zb-h1", ("--recompute", "0"), None, None, id="3x1-zb-h1-no-recompute"),
 ]
 
 

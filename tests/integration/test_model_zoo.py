@@ -57,8 +57,10 @@ def references():
 
 def _specs(stages: int) -> list[str]:
     # The schedules differ only when there is a pipeline: at P = 1 one of them stands for all.
-    schedules = ("varuna", "gpipe", "1f1b") if stages > 1 else ("varuna",)
-    return [*zoo.HF, *(f"{g}@{s}" for g in zoo.GPT for s in schedules)]
+    schedules = ("varuna", "gpipe", "1f1b", "zb-h1") if stages > 1 else ("varuna",)
+    # two Hugging Face models also with split backwards (the others' graphs hold nothing new)
+    split = ("llama@zb-h1", "gpt2@zb-h1") if stages > 1 else ()
+    return [*zoo.HF, *split, *(f"{g}@{s}" for g in zoo.GPT for s in schedules)]
 
 
 @pytest.mark.parametrize("stages,replicas", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)])

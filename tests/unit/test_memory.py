@@ -16,7 +16,7 @@ from trainer.engine.memory import PeakMemory
 from trainer.planning.calibration import LinkCost
 from trainer.planning.plan import Slot
 from trainer.planning.planner import plan
-from trainer.planning.schedule import stash_bound
+from trainer.planning.schedule import SCHEDULES, stash_bound
 from varunad.control.failures import BACKOFF, classify, memory_backoff
 from varunad.control.records import Progress
 from varunad.control.status import memory_lines, stage_memory
@@ -43,7 +43,7 @@ def test_the_peak_counts_the_stage_and_what_it_grew_by_not_the_build():
     assert meter.peak_bytes() >= peak   # a high-water mark: freeing does not lower it
 
 
-@pytest.mark.parametrize("schedule", ["varuna", "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_the_estimate_counts_the_micro_batches_in_flight_and_recompute(schedule):
     """Each stage's memory is its weights, gradients and optimizer state plus, for the micro-batches
     the schedule keeps in flight on it, their inputs (recomputing) or their whole activations."""

@@ -27,6 +27,7 @@ from trainer.planning.schedule import (
     stash_bound,
     validate,
     varuna,
+    zero_bubble,
 )
 
 GOLDEN = TESTS / "golden"
@@ -38,7 +39,7 @@ def _strs(actions):
 
 
 def _compute(table, stage):
-    return [a for a in table[stage] if a.kind in (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD)]
+    return [a for a in table[stage] if a.kind in (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD, Kind.WEIGHT)]
 
 
 # --- Action -------------------------------------------------------------------------------------
@@ -126,6 +127,34 @@ def test_varuna_recomputes_just_in_time_and_fills_the_gap_with_a_forward():
     assert order[i : i + 3] == ["2R1", "2F4", "2B1"]
 
 
+def test_zero_bubble_defers_a_stage_s_weight_passes_by_s():
+    # the last of 4 stages runs F B pairs and holds its first three WEIGHT passes for the drain
+    assert _strs(zero_bubble(4, 5, 3, False)) == [
+        "3F0", "3B0", "3F1", "3B1", "3F2", "3B2", "3F3", "3B3", "3W0", "3F4", "3B4", "3W1", "3W2", "3W3", "3W4",
+    ]
+    # the first stage keeps its backward whole: 1F1B's order
+    assert zero_bubble(4, 5, 0, False) == one_f_one_b(4, 5, 0, False)
+    # a recomputing stage weighs right after each backward (one recomputed set at a time)
+    assert _strs(zero_bubble(3, 2, 1, True)) == ["1F0", "1F1", "1R0", "1B0", "1W0", "1R1", "1B1", "1W1"]
+
+
+def test_zero_bubble_drains_faster_than_1f1b_at_equal_peak_memory():
+    # forward, input gradient and weight gradient of one unit each (1F1B's backward is two): the
+    # paper's bubble of (P-1) units against 1F1B's 3(P-1), with the most any stage holds unchanged
+    from trainer.planning.simulator import StageCost, Transfer, simulate
+
+    for P, m in [(2, 4), (4, 8), (4, 16), (6, 12)]:
+        free = Transfer(0.0, 0.0, 0.0, 0.0)
+        cost = StageCost(forward_s=1.0, forward_graph_s=1.0, backward_s=2.0, recompute_s=1.0, send_act=free,
+                         send_grad=free, allreduce_s=0.0, step_s=0.0, static_bytes=0, input_bytes=1,
+                         activation_bytes=1)
+        made = {name: simulate(build_table(name, P, m, False), [cost] * P) for name in ("1f1b", "zb-h1")}
+        assert made["1f1b"].minibatch_s == 3 * m + 3 * (P - 1)
+        assert made["zb-h1"].minibatch_s == 3 * m + (P - 1)
+        peak = lambda r: max(st.peak_bytes for st in r.stages)  # noqa: E731
+        assert peak(made["zb-h1"]) == peak(made["1f1b"])
+
+
 def test_per_stage_recompute_flags():
     table = build_table("varuna", 3, 2, (False, True, True))
     kinds = {s: {a.kind for a in table[s]} for s in table}
@@ -137,7 +166,7 @@ def test_per_stage_recompute_flags():
 
 
 def test_unknown_schedule_and_bad_sizes_are_refused():
-    with pytest.raises(ScheduleError, match="schedule 'zigzag' is not one of varuna, gpipe, 1f1b"):
+    with pytest.raises(ScheduleError, match="schedule 'zigzag' is not one of varuna, gpipe, 1f1b, zb-h1"):
         build_table("zigzag", 2, 2)
     with pytest.raises(ScheduleError):
         build_table("varuna", 0, 2)
@@ -145,10 +174,16 @@ def test_unknown_schedule_and_bad_sizes_are_refused():
         varuna(2, 2, 2)
 
 
+def _releasing(compute):
+    """The kind whose end frees a micro-batch's activations: its WEIGHT pass where the backward is split."""
+    return Kind.WEIGHT if any(a.kind is Kind.WEIGHT for a in compute) else Kind.BACKWARD
+
+
 def _max_stashed(compute):
     live = peak = 0
+    release = _releasing(compute)
     for a in compute:
-        live += {Kind.FORWARD: 1, Kind.BACKWARD: -1}.get(a.kind, 0)
+        live += (a.kind is Kind.FORWARD) - (a.kind is release)
         peak = max(peak, live)
     return peak
 
@@ -190,12 +225,9 @@ def test_every_schedule_is_valid_and_runs_without_deadlock(P, m, name, recompute
 
 
 def _peak_stash(compute):
-    """Most micro-batches forwarded and not yet backwarded at any point of one stage's order."""
-    held = peak = 0
-    for a in compute:
-        held += (a.kind is Kind.FORWARD) - (a.kind is Kind.BACKWARD)
-        peak = max(peak, held)
-    return peak
+    """Most micro-batches forwarded and not yet backwarded (weighed, where split) at any point of
+    one stage's order."""
+    return _max_stashed(compute)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
@@ -236,11 +268,13 @@ def test_slack_is_read_off_the_memory_rule():
                 assert not SCHEDULES["1f1b"].has_slack(P, s, rec)
                 assert SCHEDULES["gpipe"].has_slack(P, s, rec)
                 assert SCHEDULES["varuna"].has_slack(P, s, rec) is rec
+                # deferred WEIGHT passes are not forwards run ahead: no slack for a late message
+                assert not SCHEDULES["zb-h1"].has_slack(P, s, rec)
 
 
 @pytest.mark.parametrize("name", ["zigzag", "", "Varuna", None, ["varuna"], 1])
 def test_schedule_names_are_checked_in_one_place(name):
-    with pytest.raises(ScheduleError, match=r"is not one of varuna, gpipe, 1f1b$"):
+    with pytest.raises(ScheduleError, match=r"is not one of varuna, gpipe, 1f1b, zb-h1$"):
         schedule_named(name)
 
 
@@ -297,12 +331,23 @@ def _swap(table, stage, a, b):
         (lambda t: _swap(t, 1, "1SG0", "1SG1"), "immediately after"),
         (lambda t: t[0].pop(), "end with exactly 0AR then 0OPT"),
         (lambda t: _swap(t, 2, "2AR", "2OPT"), "end with exactly"),
+        (lambda t: t[1].insert(t[1].index(Action.parse("1B0")), Action.parse("1W0")), "lacks 1W1"),
+        (lambda t: t[0].insert(0, Action.parse("0W0")), "stage 0 of 3 must not split"),
     ],
 )
 def test_validate_names_the_broken_rule(edit, message):
     table = _table_with(edit)
     with pytest.raises(ScheduleError, match=message):
         validate(table, 3, 3, True)
+
+
+def test_validate_wants_each_weight_pass_after_its_backward():
+    table = {s: list(v) for s, v in build_table("zb-h1", 3, 3, False).items()}
+    validate(table, 3, 3, False)
+    table[2].remove(Action.parse("2W0"))
+    table[2].insert(0, Action.parse("2W0"))
+    with pytest.raises(ScheduleError, match="2W0 must come after 2B0"):
+        validate(table, 3, 3, False)
 
 
 def test_validate_refuses_recompute_when_it_is_off():

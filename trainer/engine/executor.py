@@ -13,6 +13,7 @@ from torch import nn
 
 from trainer.engine.comm import PeerChannel
 from trainer.engine.precision import Precision, autocast
+from trainer.engine.split_backward import WeightPass, backward_input, backward_weight
 from trainer.errors import ConfigError
 from trainer.graph.keyed_random import draws_unkeyed
 from trainer.graph.keyed_rng import Draws, drawing
@@ -22,7 +23,7 @@ from trainer.planning.schedule import Action, Kind
 __all__ = ["StageExecutor"]
 
 _CATEGORY = {
-    Kind.FORWARD: "forward", Kind.RECOMPUTE: "recompute", Kind.BACKWARD: "backward",
+    Kind.FORWARD: "forward", Kind.RECOMPUTE: "recompute", Kind.BACKWARD: "backward", Kind.WEIGHT: "backward",
     Kind.RECV_ACT: "recv", Kind.RECV_GRAD: "recv", Kind.SEND_ACT: "send", Kind.SEND_GRAD: "send",
     Kind.ALLREDUCE: "allreduce", Kind.STEP: "optimizer",
 }
@@ -51,7 +52,8 @@ class StageExecutor:
             before_last_backward: Callable[[], None] | None = None,
             draws: Sequence[Draws] | None = None) -> float:
         """Execute `actions`; return this stage's sum of weighted micro-batch losses (0 unless last).
-        `before_last_backward` runs just before the final BACKWARD (to overlap gradient reduction).
+        `before_last_backward` runs just before the final BACKWARD or WEIGHT, the last action that
+        adds to the parameters' gradients (to overlap their reduction).
         `draws[m]` keys micro-batch m's random ops (its step and first example); without it,
         every micro-batch draws as examples 0.. of step 0."""
         self._inputs, self._weights, self._scale = micro_inputs, weights, loss_scale
@@ -63,11 +65,14 @@ class StageExecutor:
         self._grad_out: dict[int, torch.Tensor] = {}
         self._grad_in: dict[int, torch.Tensor] = {}
         self._outbox: dict[int, torch.Tensor] = {}
+        self._weigh: dict[int, WeightPass] = {}
         self._losses: list[torch.Tensor] = []
         # A micro-batch recomputed later keeps no graph from its first forward.
         self._recompute_set = {a.micro_batch for a in actions if a.kind is Kind.RECOMPUTE}
+        # A micro-batch with a WEIGHT pass splits its backward ([Note: a schedule is data]).
+        self._split = {a.micro_batch for a in actions if a.kind is Kind.WEIGHT}
         handlers = handlers or {}
-        last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD), default=-1)
+        last_backward = max((i for i, a in enumerate(actions) if a.kind in (Kind.BACKWARD, Kind.WEIGHT)), default=-1)
         dispatch = self._DISPATCH
         recorder = self.recorder if getattr(self.recorder, "enabled", self.recorder is not None) else None
 
@@ -87,9 +92,10 @@ class StageExecutor:
                 execute(action.kind, action.micro_batch)
                 if self.device.type == "cuda":   # a span is the kernels' time, not their launch's
                     torch.cuda.synchronize(self.device)
-        if self._stash or self._act or self._grad_out or self._outbox or self._rng:
+        if self._stash or self._act or self._grad_out or self._outbox or self._rng or self._weigh:
             raise RuntimeError(f"stage {self.stage}: the schedule left work undone (stashed "
-                               f"{sorted(self._stash)}, unsent {sorted(self._outbox)}, received {sorted(self._act)})")
+                               f"{sorted(self._stash)}, unsent {sorted(self._outbox)}, received {sorted(self._act)}, "
+                               f"not weighed {sorted(self._weigh)})")
         return self.loss_so_far()
 
     def loss_so_far(self) -> float:
@@ -142,12 +148,23 @@ class StageExecutor:
     def _backward(self, m: int) -> None:
         x, out = self._stash.pop(m)
         if self.last:
-            (out.float() * (self._weights[m] * self._scale)).backward()
+            out, grad = out.float() * (self._weights[m] * self._scale), None
         else:
-            torch.autograd.backward(out, self._grad_out.pop(m))
+            grad = self._grad_out.pop(m)
         self._act.pop(m, None)
+        if m in self._split:
+            # read each time: a weight load may replace the module's parameter objects
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            grad_in, self._weigh[m] = backward_input(out, grad, x if self.takes_activation else None, params)
+            if grad_in is not None:
+                self._grad_in[m] = grad_in
+            return
+        torch.autograd.backward(out, grad)
         if self.takes_activation and x is not None and x.grad is not None:
             self._grad_in[m] = x.grad
+
+    def _weight(self, m: int) -> None:
+        backward_weight(self._weigh.pop(m))
 
     # -- communication -------------------------------------------------------------------------
 
@@ -170,7 +187,7 @@ class StageExecutor:
         raise RuntimeError("ALLREDUCE and STEP need handlers from the caller")
 
     _DISPATCH = {
-        Kind.FORWARD: _forward, Kind.RECOMPUTE: _recompute, Kind.BACKWARD: _backward,
+        Kind.FORWARD: _forward, Kind.RECOMPUTE: _recompute, Kind.BACKWARD: _backward, Kind.WEIGHT: _weight,
         Kind.RECV_ACT: _recv_act, Kind.SEND_ACT: _send_act,
         Kind.RECV_GRAD: _recv_grad, Kind.SEND_GRAD: _send_grad,
         Kind.ALLREDUCE: _stage_wide, Kind.STEP: _stage_wide,

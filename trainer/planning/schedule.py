@@ -3,7 +3,7 @@
 An `Action` is (stage, kind, micro-batch) with a short text form: ``2F0`` (stage 2 forwards
 micro-batch 0), ``1RG3`` (stage 1 receives the gradient of micro-batch 3), ``0AR`` (all-reduce),
 ``0OPT`` (optimizer step). A schedule is one `Schedule` record in `SCHEDULES`: its generator
-(`varuna`, `gpipe`, `one_f_one_b`) returns the compute-only order of one stage, its stash rule says
+(`varuna`, `gpipe`, `one_f_one_b`, `zero_bubble`) returns the compute-only order of one stage, its stash rule says
 how many micro-batches a stage holds, and `build_table` adds the communication with one pure pass,
 so the executor and the simulator read the very same lists and the planner the very same rule.
 
@@ -16,6 +16,11 @@ Semantics shared by every consumer (stages 0..P-1, micro-batches 0..m-1):
   s < P-1; RECV_GRAD m comes before BACKWARD m on s < P-1 (Varuna: after RECOMPUTE m, so the
   recompute overlaps the wait for the gradient; GPipe/1F1B: before it, as a framework that
   recomputes inside backward does), SEND_GRAD m immediately after BACKWARD m on s > 0.
+* WEIGHT m, where a stage's list has it, is the second half of a split backward: BACKWARD m then
+  computes only the gradient of the stage's input (what the previous stage waits for) and WEIGHT m,
+  later, the parameters' gradients (zero-bubble schedules; the engine's `split_backward`). A stage
+  has a WEIGHT for every micro-batch or for none. The micro-batch's activations live until its
+  WEIGHT, so the stash rules count a micro-batch until then.
 * Receives block, sends do not. After the last BACKWARD every stage runs one ALLREDUCE (over its
   data-parallel replicas) and one STEP.
 """
@@ -44,6 +49,7 @@ __all__ = [
     "varuna",
     "gpipe",
     "one_f_one_b",
+    "zero_bubble",
     "build_table",
     "validate",
 ]
@@ -57,6 +63,7 @@ class Kind(enum.Enum):
     FORWARD = "F"
     RECOMPUTE = "R"
     BACKWARD = "B"
+    WEIGHT = "W"
     RECV_ACT = "RA"
     SEND_ACT = "SA"
     RECV_GRAD = "RG"
@@ -173,6 +180,35 @@ def one_f_one_b(P: int, m: int, stage: int, recompute: Recompute = True) -> list
     return out
 
 
+def zero_bubble(P: int, m: int, stage: int, recompute: Recompute = True) -> list[Action]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's order of forwards
+    and backwards, with each backward after the first stage split in two. BACKWARD computes only
+    the input gradient the previous stage waits for; stage s defers the WEIGHT passes by s
+    micro-batches, and the deferred ones fill the drain, where 1F1B's later stages sit idle while
+    the last gradients travel up. With forward, input and weight gradients of equal cost the
+    bubble shrinks from 3(P-1) to (P-1) units. Every stage then holds up to P micro-batches (the
+    first stage's 1F1B count, so the peak over stages is 1F1B's; `_zero_bubble_stash`).
+
+    The first stage keeps its backward whole: nothing waits for its input gradient. A stage that
+    recomputes does not defer (WEIGHT right after BACKWARD): it would otherwise hold several
+    recomputed activation sets at once."""
+    _check_args(P, m, stage)
+    if stage == 0:
+        return one_f_one_b(P, m, stage, recompute)
+    defer = 0 if _recomputes(P, stage, recompute) else stage
+    warmup = min(P - stage - 1, m)
+    out = [_act(stage, Kind.FORWARD, k) for k in range(warmup)]
+    weighed = 0
+    for k in range(m):
+        if warmup + k < m:
+            out.append(_act(stage, Kind.FORWARD, warmup + k))
+        out += _backward_unit(P, stage, k, recompute)
+        if k >= defer:
+            out.append(_act(stage, Kind.WEIGHT, k - defer))
+            weighed = k - defer + 1
+    return out + [_act(stage, Kind.WEIGHT, k) for k in range(weighed, m)]
+
+
 # Costs of the idealised run that orders Varuna's actions. A backward costs twice a forward and
 # a recompute as much as a forward; the partitioner balances stages by their whole work, so a
 # stage that does not recompute (the last one always) is modelled as equally loaded: 4 + 8 = 12
@@ -278,6 +314,11 @@ def _one_f_one_b_stash(P: int, stage: int, m: int, recompute: bool) -> int:
     return min(m, P - stage)  # the warm-up forwards plus the one in flight
 
 
+def _zero_bubble_stash(P: int, stage: int, m: int, recompute: bool) -> int:
+    # 1F1B's count plus the `stage` deferred WEIGHT passes; a recomputing stage does not defer
+    return min(m, P - stage if recompute or stage == 0 else P)
+
+
 StashRule = Callable[[int, int, int, bool], int]
 
 
@@ -293,6 +334,9 @@ class Schedule:
     # RECV_GRAD after RECOMPUTE, so the recompute hides the wait; otherwise the gradient comes
     # first, as in a framework that recomputes inside backward
     overlap_recompute: bool
+    # how many micro-batches a stage forwards ahead of its backwards, where that is fewer than it
+    # stashes (zero-bubble: its stash holds deferred WEIGHT passes, not forwards run ahead)
+    ahead: StashRule | None = None
 
     def table(self, P: int, m: int, recompute: Recompute = True) -> dict[int, list[Action]]:
         """Every stage's full list: compute, communication, then ALLREDUCE and STEP. `recompute` is
@@ -314,8 +358,11 @@ class Schedule:
         """Whether the stage may run further ahead than the P-s micro-batches that keep the pipeline
         full. One that may not (1F1B; Varuna where it keeps full activations) has no slack to hide
         a message in its steady state, so the planner's closed form charges it the hop; read off
-        the memory rule, as the orders are bound by it."""
-        return self.stash_bound(P, stage, P - stage + 1, recompute) > P - stage
+        the memory rule (or the `ahead` rule where there is one), as the orders are bound by it."""
+        if self.ahead is None:
+            return self.stash_bound(P, stage, P - stage + 1, recompute) > P - stage
+        _check_args(P, 1, stage)
+        return self.ahead(P, stage, P - stage + 1, bool(recompute) and stage < P - 1) > P - stage
 
 
 @functools.lru_cache(maxsize=1024)
@@ -330,6 +377,7 @@ SCHEDULES: Mapping[str, Schedule] = types.MappingProxyType({
         Schedule("varuna", varuna, _varuna_stash, overlap_recompute=True),
         Schedule("gpipe", gpipe, _gpipe_stash, overlap_recompute=False),
         Schedule("1f1b", one_f_one_b, _one_f_one_b_stash, overlap_recompute=False),
+        Schedule("zb-h1", zero_bubble, _zero_bubble_stash, overlap_recompute=False, ahead=_one_f_one_b_stash),
     )
 })
 
@@ -381,6 +429,8 @@ def _with_comm(compute: Sequence[Action], P: int, stage: int, overlap: bool) -> 
             out.append(a)
             if s > 0:
                 out.append(_act(s, Kind.SEND_GRAD, k))
+        elif a.kind is Kind.WEIGHT:
+            out.append(a)
         else:
             raise ScheduleError(f"schedule generators return compute only, got {a}")
     return out + [_act(s, Kind.ALLREDUCE), _act(s, Kind.STEP)]
@@ -416,6 +466,10 @@ def validate(table: Mapping[int, Sequence[Action]], P: int, m: int, recompute: R
         expected |= {Kind.RECV_ACT} if s > 0 else set()
         expected |= {Kind.SEND_GRAD} if s > 0 else set()
         expected |= {Kind.SEND_ACT, Kind.RECV_GRAD} if s < P - 1 else set()
+        if any(kind is Kind.WEIGHT for kind, _ in pos):
+            if s == 0 and P > 1:
+                raise ScheduleError(f"stage 0 of {P} must not split its backward (nothing waits for its input gradient)")
+            expected.add(Kind.WEIGHT)
         for kind, k in pos:
             if kind not in expected:
                 raise ScheduleError(f"stage {s} of {P} must not have {kind.name} (found {s}{kind.value}{k})")
@@ -437,6 +491,8 @@ def validate(table: Mapping[int, Sequence[Action]], P: int, m: int, recompute: R
                 raise ScheduleError(f"{Action(s, Kind.RECV_GRAD, k)} must come between {acts[f]} and {acts[b]}")
             if s > 0 and pos[(Kind.SEND_GRAD, k)] != b + 1:
                 raise ScheduleError(f"{Action(s, Kind.SEND_GRAD, k)} must come immediately after {acts[b]}")
+            if Kind.WEIGHT in expected and pos[(Kind.WEIGHT, k)] < b:
+                raise ScheduleError(f"{Action(s, Kind.WEIGHT, k)} must come after {acts[b]}")
         tail = [str(a) for a in acts if a.kind in _STAGE_WIDE]
         if tail != [f"{s}AR", f"{s}OPT"] or [str(a) for a in acts[-2:]] != tail:
             raise ScheduleError(f"stage {s} must end with exactly {s}AR then {s}OPT, found {tail}")

@@ -5,7 +5,9 @@ executor runs; there is no second copy of any schedule here) with calibrated cos
 
 * FORWARD / RECOMPUTE / BACKWARD advance the stage's clock by the stage's cost; a FORWARD that
   keeps its autograd graph (a stage that does not recompute that micro-batch, e.g. the last
-  stage) costs `forward_graph_s`, one that does not `forward_s`;
+  stage) costs `forward_graph_s`, one that does not `forward_s`; where the stage's list splits
+  the backward (a WEIGHT pass per micro-batch), BACKWARD costs the input gradient's part and
+  WEIGHT the rest (`StageCost.weight_share`), and the activations are freed by WEIGHT;
 * SEND_ACT / SEND_GRAD cost the sender only the message's CPU overhead (`Transfer.send_s`: sends
   are asynchronous); the bytes then occupy the directed link for ``bytes / bandwidth`` (sends on
   one link go one after another) and arrive ``latency`` later, plus optional seeded jitter;
@@ -84,6 +86,9 @@ class StageCost:
     activation_bytes: int = 0  # what the autograd graph keeps for one micro-batch
     forward_graph_s: float | None = None  # a FORWARD that keeps its graph (None: forward_s)
     tied_allreduce_s: float = 0.0  # summing tied weights' gradients with the other stages holding them
+    # of a split backward, the weight gradients' part: half, as in the zero-bubble paper (each
+    # matrix product's backward is two products of its size, one for the input, one for the weight)
+    weight_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.forward_graph_s is None:
@@ -100,7 +105,10 @@ class StageCost:
             static_bytes=self.static_bytes,
             input_bytes=self.input_bytes,
             activation_bytes=self.activation_bytes,
+            weight_share=self.weight_share,
         )
+        if not self.weight_share <= 1.0:
+            raise SimulationError(f"StageCost.weight_share must be in 0..1, got {self.weight_share!r}")
 
 
     def slowed(self, factor: float) -> StageCost:
@@ -211,14 +219,15 @@ def stage_costs(
     return tuple(out)
 
 
-_F, _R, _B, _RA, _SA, _RG, _SG, _AR, _OPT = range(9)
+_F, _R, _B, _RA, _SA, _RG, _SG, _AR, _OPT, _W = range(10)
 _CODE = {
     Kind.FORWARD: _F, Kind.RECOMPUTE: _R, Kind.BACKWARD: _B, Kind.RECV_ACT: _RA, Kind.SEND_ACT: _SA,
-    Kind.RECV_GRAD: _RG, Kind.SEND_GRAD: _SG, Kind.ALLREDUCE: _AR, Kind.STEP: _OPT,
+    Kind.RECV_GRAD: _RG, Kind.SEND_GRAD: _SG, Kind.ALLREDUCE: _AR, Kind.STEP: _OPT, Kind.WEIGHT: _W,
 }
 # The categories trainer.engine.trace records for the executor's actions, so that a simulated and a
 # measured step render alike in the report's timelines and Perfetto.
-_TRACE_CATEGORY = ("forward", "recompute", "backward", "recv", "send", "recv", "send", "allreduce", "optimizer")
+_TRACE_CATEGORY = ("forward", "recompute", "backward", "recv", "send", "recv", "send", "allreduce", "optimizer",
+                   "backward")
 
 
 def _trace_event(action: Action, code: int, start_s: float, end_s: float) -> dict:
@@ -254,6 +263,7 @@ def simulate(
         delay = np.random.default_rng(seed).exponential(jitter_s, size=(P, 2, m)).tolist()
     recomputes = [any(c == _R for c, _ in lst) for lst in lists]
     recomputed = [{mb for c, mb in lst if c == _R} for lst in lists]
+    split = [any(c == _W for c, _ in lst) for lst in lists]   # a stage splits all its backwards or none
     tied = {s for s in range(P) if costs[s].tied_allreduce_s > 0}
     tied = tied if len(tied) > 1 else set()   # one holder sums its copies locally
     tied_ready: dict[int, float] = {}   # stage -> when it reached its ALLREDUCE
@@ -274,6 +284,7 @@ def simulate(
         for s in range(P):
             lst, c, t, i = lists[s], costs[s], clock[s], idx[s]
             keep = c.input_bytes + (0 if recomputes[s] else c.activation_bytes)
+            b_cost = c.backward_s * (1.0 - c.weight_share) if split[s] else c.backward_s
             while i < len(lst):
                 code, mb = lst[i]
                 t_before = t
@@ -283,8 +294,14 @@ def simulate(
                     compute[s] += f
                     held[s] += keep
                 elif code == _B:
-                    t += c.backward_s
-                    compute[s] += c.backward_s
+                    t += b_cost
+                    compute[s] += b_cost
+                    if not split[s]:
+                        held[s] -= c.input_bytes + c.activation_bytes
+                elif code == _W:
+                    w = c.backward_s * c.weight_share
+                    t += w
+                    compute[s] += w
                     held[s] -= c.input_bytes + c.activation_bytes
                 elif code == _R:
                     t += c.recompute_s
