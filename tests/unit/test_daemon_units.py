@@ -121,7 +121,8 @@ def test_housekeeping_keeps_the_most_recently_used_jobs(tmp_path):
     ({"batch_size": True}, "batch size"),
     ({"job": "a b"}, "job name"),
     ({"script": "../x.py"}, "relative path"),
-    ({"schedule": "zigzag"}, "schedule"),
+    ({"schedule": "zigzag"}, "schedule 'zigzag' is not one of varuna, gpipe, 1f1b, zb-h1, or 'auto' to let"),
+    ({"schedule": None}, "schedule None is not one of"),
 ])
 def test_job_spec_refuses(kw, message):
     with pytest.raises(JobSpecError, match=message):
@@ -139,6 +140,10 @@ def test_job_spec_round_trip_and_hand_written_values():
     with pytest.raises(JobSpecError, match="names job"):
         JobSpec.decode(spec(job="k").encode(), job="j")
     assert script_fingerprint(s) != script_fingerprint(spec(args=("--x", "2"), chunk_size=4))
+
+
+def test_a_job_may_leave_the_schedule_to_the_planner():
+    assert spec(schedule="auto").schedule == "auto" and spec(schedule="zb-h1").schedule == "zb-h1"
 
 
 def test_job_state_round_trip():

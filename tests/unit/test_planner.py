@@ -17,7 +17,7 @@ from trainer.planning.calibration import Calibration, LinkCost
 from trainer.planning.parallel import ParallelPlan
 from trainer.planning.plan import Plan, PlanError, Slot, StagePlan
 from trainer.planning.planner import plan
-from trainer.planning.schedule import validate
+from trainer.planning.schedule import SCHEDULES, validate
 from trainer.planning.simulator import simulate, stage_costs
 
 GiB = 2**30
@@ -48,6 +48,22 @@ def test_expensive_all_reduce_pushes_towards_a_deep_pipeline():
     assert (p.P, p.D) == (4, 1)  # the only configuration without an all-reduce
     assert p.cuts == (0, 1, 2)
     assert p.estimated_s == pytest.approx(33.0)
+
+
+def test_auto_takes_the_schedule_whose_replay_is_fastest():
+    # 4 x 1 with a backward of two units split in halves: zb-h1 drains in (P-1) units, so
+    # 8 x 3 + 3 = 27 s against 33 s for 1F1B's order (Varuna's and GPipe's are no faster here)
+    slow_ring = {"intra": LinkCost(0.0, 1e6), "inter": LinkCost(0.0, 1e6)}
+    each = {name: plan(_slots(4), 8, [_cal(allreduce=slow_ring)], schedule=name) for name in SCHEDULES}
+    assert each["1f1b"].estimated_s == pytest.approx(33.0)
+    assert each["zb-h1"].estimated_s == pytest.approx(27.0)
+    p = plan(_slots(4), 8, [_cal(allreduce=slow_ring)], schedule="auto")
+    assert p.parallel.schedule == "zb-h1" and p.estimated_s == min(x.estimated_s for x in each.values())
+    assert p.notes[-1].startswith("schedule zb-h1: the fastest replay (27.000 s; varuna 4x1 ")
+    validate(p.table(), p.P, p.micro_batches, p.recompute)
+    # a tie goes to the schedule listed first: without a pipeline every schedule is the same
+    tie = plan(_slots(4), 8, [_cal()], schedule="auto")
+    assert (tie.P, tie.parallel.schedule) == (1, "varuna")
 
 
 def test_memory_forces_a_pipeline_and_balances_the_cut():

@@ -44,6 +44,8 @@ __all__ = [
     "SCHEDULES",
     "DEFAULT_SCHEDULE",
     "schedule_named",
+    "AUTO_SCHEDULE",
+    "check_choice",
     "Recompute",
     "stash_bound",
     "varuna",
@@ -384,6 +386,9 @@ SCHEDULES: Mapping[str, Schedule] = types.MappingProxyType({
 
 # What a job, a plan or a script that names no schedule runs: Varuna's own (the paper's).
 DEFAULT_SCHEDULE = "varuna"
+# What a job names to have the planner pick, by the simulator's replay, the fastest schedule for
+# each plan it makes. Never a plan's schedule: a plan names the one its workers run.
+AUTO_SCHEDULE = "auto"
 
 
 def schedule_named(name: object) -> Schedule:
@@ -393,6 +398,16 @@ def schedule_named(name: object) -> Schedule:
     if found is None:
         raise ScheduleError(f"schedule {name!r} is not one of {', '.join(SCHEDULES)}")
     return found
+
+
+def check_choice(name: object) -> str:
+    """A job's schedule: a schedule's name or `AUTO_SCHEDULE`; refused in `schedule_named`'s words."""
+    if name == AUTO_SCHEDULE:
+        return AUTO_SCHEDULE
+    try:
+        return schedule_named(name).name
+    except ScheduleError as exc:
+        raise ScheduleError(f"{exc}, or {AUTO_SCHEDULE!r} to let the planner choose") from None
 
 
 def stash_bound(name: str, P: int, stage: int, m: int, recompute: bool) -> int:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from trainer.errors import ConfigError
 from trainer.planning.parallel import micro_batches
-from trainer.planning.schedule import DEFAULT_SCHEDULE, ScheduleError, schedule_named  # pure Python
+from trainer.planning.schedule import DEFAULT_SCHEDULE, ScheduleError, check_choice  # pure Python
 from varunad.store import schemas
 
 __all__ = [
@@ -113,7 +113,7 @@ class JobSpec:
             except ConfigError as exc:
                 raise JobSpecError(str(exc)) from None
         try:
-            schedule_named(self.schedule)
+            check_choice(self.schedule)
         except ScheduleError as exc:
             raise JobSpecError(str(exc)) from None
         if self.store is not None and (not isinstance(self.store, str) or not self.store):

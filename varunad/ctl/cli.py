@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from protocol.errors import ProtocolError
-from trainer.planning.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from trainer.planning.schedule import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES
 
 # The handlers are bound by their names here when main() builds the parser, so a test can replace
 # one (cli._cmd_status) before calling main().
@@ -83,8 +83,10 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, required=True, metavar="K", help="checkpoint every K steps")
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="complete checkpoints kept (3)")
     p.add_argument("--store", metavar="DIR", help="checkpoint store of the job (default: the daemons' --store/NAME)")
-    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=list(SCHEDULES),
-                   help="pipeline schedule (default varuna)")
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=[*SCHEDULES, AUTO_SCHEDULE],
+                   help=f"pipeline schedule (default {DEFAULT_SCHEDULE}); {AUTO_SCHEDULE}: the planner replays every "
+                        "schedule for each plan and takes the fastest (zb-h1 splits backwards, and holds up to P "
+                        "micro-batches on every stage)")
     p.add_argument("--no-import-check", action="store_true",
                    help="do not refuse a script whose imports are not installed on this machine (they are on the VMs)")
     p.add_argument("--sign-key", default=os.environ.get("VARUNAD_SIGN_KEY"), metavar="FILE",
