@@ -76,7 +76,16 @@ def test_round_trip_keeps_overheads_and_tied_weights():
     assert again.links["intra"].recv_overhead_s == 3e-4
 
 
+def _v5(doc: dict) -> dict:
+    doc["version"] = 5
+    for seg in doc["segments"]:
+        for cost in seg["costs"]:
+            del cost["input_grad_s"], cost["weight_grad_s"]
+    return doc
+
+
 def _v4(doc: dict) -> dict:
+    doc = _v5(doc)
     doc["version"] = 4
     del doc["worker_bytes"]
     return doc
@@ -106,7 +115,7 @@ def test_version_1_documents_migrate_with_no_overheads_and_no_tied_weights():
         for v in doc[table].values():
             del v["send_overhead_s"], v["recv_overhead_s"]
     cal = Calibration.from_dict(doc)
-    assert cal.version == SCHEMA_VERSION == 5 and cal.tied == ()
+    assert cal.version == SCHEMA_VERSION == 6 and cal.tied == ()
     assert cal.links == LINKS and cal.links["intra"].send_overhead_s == cal.links["intra"].recv_overhead_s == 0
     assert cal.segments == _cal().segments
     doc["links"]["intra"]["send_overhead_s"] = 0.1   # a version 1 document has none
@@ -288,3 +297,22 @@ def test_version_4_documents_migrate_with_no_worker_bytes():
         dataclasses.replace(_cal(), worker_bytes=-1)
     with pytest.raises(CalibrationError, match="worker_bytes"):
         dataclasses.replace(_cal(), worker_bytes=1.5)
+
+
+def test_version_5_documents_migrate_with_no_split_backward_times():
+    cal = Calibration.from_dict(_v5(_doc()))
+    assert cal.segments == _cal().segments
+    assert all(c.input_grad_s is None and c.weight_grad_s is None for seg in cal.segments for c in seg.costs)
+    doc = _v5(_doc())
+    doc["segments"][0]["costs"][0]["input_grad_s"] = 0.1   # a version 5 document has none
+    with pytest.raises(CalibrationError, match="unexpected"):
+        Calibration.from_dict(doc)
+    split = SegmentCost(1.0, 2.0, 1.0, 1, 1, input_grad_s=0.9, weight_grad_s=1.2)
+    base = _cal()
+    measured = dataclasses.replace(base, segments=tuple(dataclasses.replace(seg, costs=(split,) * len(seg.costs))
+                                                        for seg in base.segments))
+    assert Calibration.from_bytes(measured.to_bytes()) == measured
+    with pytest.raises(CalibrationError, match="measured together"):
+        SegmentCost(1.0, 2.0, 1.0, 1, 1, input_grad_s=0.9)
+    with pytest.raises(CalibrationError, match="weight_grad_s"):
+        SegmentCost(1.0, 2.0, 1.0, 1, 1, input_grad_s=0.9, weight_grad_s=-1.0)

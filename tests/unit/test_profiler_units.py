@@ -59,6 +59,20 @@ def test_measure_segments_standalone():
     assert got[1].activation_bytes == 2 * 32 * 48 * 4 and got[1].backward_s > 0
 
 
+def test_the_split_backward_is_timed_where_a_segment_has_an_input_gradient():
+    """Every other backward is split in its input and weight passes (zero-bubble schedules); the
+    first segment, fed token ids, has no input gradient to split off."""
+    model, data = tiny_gpt(n_layer=2)
+    slices = segment_slices(capture_model(model, data.sample_batch(2)))
+    got = measure_segments_interleaved(slices, data.sample_batch(2), in_flight=2, repeats=2, warmup=0)
+    assert got[0].input_grad_s is None and got[0].weight_grad_s is None
+    for k in range(1, len(slices)):
+        assert got[k].input_grad_s > 0 and got[k].weight_grad_s > 0, k
+        assert got[k].backward_s > 0
+        cost = got[k].cost()
+        assert (cost.input_grad_s, cost.weight_grad_s) == (got[k].input_grad_s, got[k].weight_grad_s)
+
+
 def test_micro_batches_are_profiled_interleaved_as_a_pipeline_runs_them(tmp_path):
     """Several micro-batches per repeat, as a running stage holds them: their forwards without the
     graph, then with it (all their graphs alive at once), then their backwards oldest first. The

@@ -6,6 +6,7 @@ Regenerate the golden files (after hand-checking a diff) with
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -153,6 +154,11 @@ def test_zero_bubble_drains_faster_than_1f1b_at_equal_peak_memory():
         assert made["zb-h1"].minibatch_s == 3 * m + (P - 1)
         peak = lambda r: max(st.peak_bytes for st in r.stages)  # noqa: E731
         assert peak(made["zb-h1"]) == peak(made["1f1b"])
+    # calibrated passes replace the halves: with an input pass of 1.5 and a weight pass of 1 (half a
+    # unit more than the whole backward) stage 1 is the slower and runs without a gap from its
+    # first forward: 1 + 4 x 3.5
+    split = dataclasses.replace(cost, split_s=(1.5, 1.0))
+    assert simulate(build_table("zb-h1", 2, 4, False), [cost, split]).minibatch_s == 1 + 4 * 3.5
 
 
 def test_per_stage_recompute_flags():

@@ -39,7 +39,8 @@ Schema history: version 1 had no message overheads and no tied sets; such docume
 (the overheads read as 0 and the tied sets as unknown, i.e. none). Version 2 had no step
 temporaries: they read as 0 (what the planner counted before them), adding up. Version 3 had no
 busy slowdown: it reads as 0 (unknown: a lone worker is taken to compute as calibrated).
-Version 4 had no worker bytes: they read as 0.
+Version 4 had no worker bytes: they read as 0. Version 5 had no split backward times: they read
+as unknown (None), and the simulator takes a split backward as two halves.
 """
 
 from __future__ import annotations
@@ -67,10 +68,11 @@ __all__ = [
 ]
 
 SCHEMA = "varunad.calibration"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # older ones migrate: zero message overheads, no tied sets, no step temporaries, no busy slowdown,
-# no worker bytes
-_READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# no worker bytes, no split backward times
+_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+_SPLIT = ("input_grad_s", "weight_grad_s")
 LINK_KINDS = ("intra", "inter")  # same host, across hosts
 
 
@@ -140,10 +142,19 @@ class SegmentCost:
     recompute_s: float
     activation_bytes: int
     peak_activation_bytes: int
+    # the backward split in its two passes (trainer.engine.split_backward): the input's gradient,
+    # then the weights'; None where not measured (a first segment: no input gradient to split off)
+    input_grad_s: float | None = None
+    weight_grad_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "recompute_s"):
             _num("SegmentCost", name, getattr(self, name))
+        if (self.input_grad_s is None) != (self.weight_grad_s is None):
+            raise CalibrationError("SegmentCost: input_grad_s and weight_grad_s are measured together or not at all")
+        for name in _SPLIT:
+            if getattr(self, name) is not None:
+                _num("SegmentCost", name, getattr(self, name))
         for name in ("activation_bytes", "peak_activation_bytes"):
             _int("SegmentCost", name, getattr(self, name))
 
@@ -317,9 +328,10 @@ class Calibration:
         names = {"schema", "version", "model", "device_kind", "micro_batch_sizes", "input_bytes", "segments",
                  "links", "allreduce"}
         names |= set() if v1 else {"tied"}
-        names |= {"step_bytes_add"} if version in (3, 4, 5) else set()
-        names |= {"busy_slowdown", "busy_load"} if version in (4, 5) else set()
-        names |= {"worker_bytes"} if version == 5 else set()
+        names |= {"step_bytes_add"} if version in (3, 4, 5, 6) else set()
+        names |= {"busy_slowdown", "busy_load"} if version in (4, 5, 6) else set()
+        names |= {"worker_bytes"} if version in (5, 6) else set()
+        cost_fields = set(SegmentCost.__slots__) - (set() if version == 6 else set(_SPLIT))
         top = _fields(doc, "calibration", names)
         if top["schema"] != SCHEMA:
             raise CalibrationError(f"not a calibration document (schema {top['schema']!r})")
@@ -327,9 +339,9 @@ class Calibration:
         segs = []
         for k, s in enumerate(_list(top["segments"], "segments")):
             sd = _fields(s, f"segments[{k}]", {"param_bytes", "optimizer_bytes", "step_s", "costs"}
-                         | ({"step_bytes"} if version in (3, 4, 5) else set()))
+                         | ({"step_bytes"} if version in (3, 4, 5, 6) else set()))
             costs = tuple(
-                SegmentCost(**_fields(c, f"segments[{k}].costs[{j}]", set(SegmentCost.__slots__)))
+                SegmentCost(**_fields(c, f"segments[{k}].costs[{j}]", cost_fields))
                 for j, c in enumerate(_list(sd["costs"], f"segments[{k}].costs"))
             )
             segs.append(SegmentProfile(sd["param_bytes"], sd["optimizer_bytes"], sd["step_s"], costs,

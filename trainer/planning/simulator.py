@@ -6,8 +6,8 @@ executor runs; there is no second copy of any schedule here) with calibrated cos
 * FORWARD / RECOMPUTE / BACKWARD advance the stage's clock by the stage's cost; a FORWARD that
   keeps its autograd graph (a stage that does not recompute that micro-batch, e.g. the last
   stage) costs `forward_graph_s`, one that does not `forward_s`; where the stage's list splits
-  the backward (a WEIGHT pass per micro-batch), BACKWARD costs the input gradient's part and
-  WEIGHT the rest (`StageCost.weight_share`), and the activations are freed by WEIGHT;
+  the backward (a WEIGHT pass per micro-batch), BACKWARD costs the input pass and WEIGHT the
+  weight pass (`StageCost.split_s`), and the activations are freed by WEIGHT;
 * SEND_ACT / SEND_GRAD cost the sender only the message's CPU overhead (`Transfer.send_s`: sends
   are asynchronous); the bytes then occupy the directed link for ``bytes / bandwidth`` (sends on
   one link go one after another) and arrive ``latency`` later, plus optional seeded jitter;
@@ -86,9 +86,10 @@ class StageCost:
     activation_bytes: int = 0  # what the autograd graph keeps for one micro-batch
     forward_graph_s: float | None = None  # a FORWARD that keeps its graph (None: forward_s)
     tied_allreduce_s: float = 0.0  # summing tied weights' gradients with the other stages holding them
-    # of a split backward, the weight gradients' part: half, as in the zero-bubble paper (each
-    # matrix product's backward is two products of its size, one for the input, one for the weight)
-    weight_share: float = 0.5
+    # a split backward's input pass and weight pass, as calibrated; None (not measured): each half
+    # the backward, as in the zero-bubble paper (a matrix product's backward is two products of
+    # its size, one for the input, one for the weight)
+    split_s: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.forward_graph_s is None:
@@ -105,10 +106,13 @@ class StageCost:
             static_bytes=self.static_bytes,
             input_bytes=self.input_bytes,
             activation_bytes=self.activation_bytes,
-            weight_share=self.weight_share,
         )
-        if not self.weight_share <= 1.0:
-            raise SimulationError(f"StageCost.weight_share must be in 0..1, got {self.weight_share!r}")
+        if self.split_s is not None:
+            _nonneg("StageCost", input_pass_s=self.split_s[0], weight_pass_s=self.split_s[1])
+
+    def split(self) -> tuple[float, float]:
+        """(input pass, weight pass) of this stage's split backward."""
+        return self.split_s if self.split_s is not None else (self.backward_s / 2, self.backward_s / 2)
 
 
     def slowed(self, factor: float) -> StageCost:
@@ -118,6 +122,7 @@ class StageCost:
             return self
         cpu = lambda t: replace(t, send_s=t.send_s * factor, recv_s=t.recv_s * factor)  # noqa: E731
         return replace(self, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor,
+                       split_s=None if self.split_s is None else (self.split_s[0] * factor, self.split_s[1] * factor),
                        recompute_s=self.recompute_s * factor, forward_graph_s=self.forward_graph_s * factor,
                        step_s=self.step_s * factor, send_act=cpu(self.send_act), send_grad=cpu(self.send_grad))
 
@@ -206,6 +211,8 @@ def stage_costs(
                 forward_graph_s=sum(c.recompute_s for c in costs),  # with the graph: as a recompute
                 tied_allreduce_s=tied_s[s],
                 backward_s=sum(c.backward_s for c in costs),
+                split_s=(None if any(c.input_grad_s is None for c in costs) else
+                         (sum(c.input_grad_s for c in costs), sum(c.weight_grad_s for c in costs))),
                 recompute_s=sum(c.recompute_s for c in costs),
                 send_act=act,
                 send_grad=grad,
@@ -284,7 +291,7 @@ def simulate(
         for s in range(P):
             lst, c, t, i = lists[s], costs[s], clock[s], idx[s]
             keep = c.input_bytes + (0 if recomputes[s] else c.activation_bytes)
-            b_cost = c.backward_s * (1.0 - c.weight_share) if split[s] else c.backward_s
+            b_cost, w_cost = c.split() if split[s] else (c.backward_s, 0.0)
             while i < len(lst):
                 code, mb = lst[i]
                 t_before = t
@@ -299,9 +306,8 @@ def simulate(
                     if not split[s]:
                         held[s] -= c.input_bytes + c.activation_bytes
                 elif code == _W:
-                    w = c.backward_s * c.weight_share
-                    t += w
-                    compute[s] += w
+                    t += w_cost
+                    compute[s] += w_cost
                     held[s] -= c.input_bytes + c.activation_bytes
                 elif code == _R:
                     t += c.recompute_s

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.engine.precision import Precision, autocast
+from trainer.engine.split_backward import backward_input, backward_weight
 from trainer.errors import ConfigError
 from trainer.graph.partition import ACTIVATION, StageSlice, TracedModel, slice_stages
 from trainer.graph.placement import retarget_graph
@@ -53,10 +54,12 @@ class SegmentMeasurement:
     backward_s: float
     activation_bytes: int
     peak_activation_bytes: int
+    input_grad_s: float | None = None   # the split backward's two passes, where the segment has an input gradient
+    weight_grad_s: float | None = None
 
     def cost(self) -> SegmentCost:
         return SegmentCost(self.forward_s, self.backward_s, self.recompute_s,
-                           self.activation_bytes, self.peak_activation_bytes)
+                           self.activation_bytes, self.peak_activation_bytes, self.input_grad_s, self.weight_grad_s)
 
 
 def tied_weights(slices: Sequence[StageSlice]) -> tuple[TiedWeights, ...]:
@@ -176,7 +179,8 @@ def _inputs(sl: StageSlice, batch, x: torch.Tensor | None) -> dict[str, torch.Te
 
 def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.device, precision: Precision,
                  repeats: int, warmup: int, in_flight: int, start_s: float, *, is_last: bool) -> SegmentMeasurement:
-    def forward(grad: bool) -> tuple[float, torch.Tensor]:
+    def forward(grad: bool) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+        """(seconds, output, the input leaf whose gradient the backward computes)."""
         kw = _inputs(sl, batch, x)
         if grad and sl.takes_activation and x.is_floating_point():
             kw[ACTIVATION] = x.detach().requires_grad_(True)   # the gradient flows on to the previous stage
@@ -185,7 +189,7 @@ def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.de
         with torch.set_grad_enabled(grad), autocast(precision, device):
             y = sl.module(**kw)
         _sync(device)
-        return time.perf_counter() - t0, y
+        return time.perf_counter() - t0, y, kw.get(ACTIVATION)
 
     def backward(y: torch.Tensor) -> float | None:
         if not y.requires_grad:
@@ -196,15 +200,36 @@ def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.de
         t0 = time.perf_counter()
         root.backward(grad)
         _sync(device)
-        elapsed = time.perf_counter() - t0
+        return _less_start(time.perf_counter() - t0)
+
+    def _less_start(elapsed: float) -> float:
         # start_s is a median from other runs: on a busy host a small segment's whole backward can
         # fall below it, and a backward never costs nothing (0 reads as "free" to the planner)
         return max(elapsed - start_s, 0.1 * elapsed)
 
+    def split(y: torch.Tensor, x_in: torch.Tensor) -> tuple[float, float] | None:
+        """The two passes of a zero-bubble schedule's split backward. The input pass starts one
+        backward per stage like a whole one; the weight pass runs one per group of parameters,
+        so its time adds up over segments as it is."""
+        if not y.requires_grad:
+            return None
+        root, grad = (y.float() * 1.0, None) if is_last else (y, torch.ones_like(y))
+        params = [p for p in sl.module.parameters() if p.requires_grad]
+        _sync(device)
+        t0 = time.perf_counter()
+        _, pending = backward_input(root, grad, x_in, params)
+        _sync(device)
+        t1 = time.perf_counter()
+        backward_weight(pending)
+        _sync(device)
+        return _less_start(t1 - t0), time.perf_counter() - t1
+
     fwd: list[float] = []
     rec: list[float] = []
     bwd: list[float] = []
+    parts: list[tuple[float, float]] = []
     act_bytes = 0
+    splits = sl.takes_activation and x is not None and x.is_floating_point()
     # `repeats` and `warmup` count micro-batches, in rounds of k: the same number of samples
     # (and about the same time) whatever k is
     rounds, warm = -(-repeats // in_flight), -(-warmup // in_flight)
@@ -217,20 +242,29 @@ def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.de
         # running pipeline; one micro-batch at a time finds it still cached and under-estimates.
         f_times = [forward(grad=False)[0] for _ in range(in_flight)]
         graphs = [forward(grad=True) for _ in range(in_flight)]
-        r_times = [t for t, _ in graphs]
+        r_times = [t for t, _, _ in graphs]
         act_bytes = _nbytes(graphs[0][1])
-        b_times = []
-        while graphs:
-            b_times.append(backward(graphs.pop(0)[1]))
+        b_times, s_times = [], []
+        # every other backward is split where there is an input gradient to split off: both kinds
+        # measured in the same rounds, at no extra cost to the calibration
+        for i, (_, y, leaf) in enumerate(graphs):
+            if splits and (r * in_flight + i) % 2:
+                s_times.append(split(y, leaf))
+            else:
+                b_times.append(backward(y))
+        graphs.clear()
         if r < warm:
             continue
         fwd += f_times
         rec += r_times
         bwd += [t for t in b_times if t is not None]
+        parts += [t for t in s_times if t is not None]
     peak = _peak_bytes(sl, batch, x, device, precision, list(sl.module.parameters()))
     # The last stage never recomputes: its FORWARD always keeps the graph.
     forward_s = _median(rec) if is_last else _median(fwd)
-    return SegmentMeasurement(forward_s, _median(rec), _median(bwd) if bwd else 0.0, act_bytes, peak)
+    input_s, weight_s = (_median([a for a, _ in parts]), _median([w for _, w in parts])) if parts else (None, None)
+    return SegmentMeasurement(forward_s, _median(rec), _median(bwd) if bwd else 0.0, act_bytes, peak,
+                              input_s, weight_s)
 
 
 def _backward_start_s(device: torch.device, repeats: int, warmup: int) -> float:
