@@ -286,6 +286,16 @@ def test_make_plan_places_ranks_and_the_rendezvous_on_rank_0():
     assert doc.slots_on("d2")[0].endpoint.endswith(":20021")
 
 
+def test_a_job_that_leaves_the_schedule_to_the_planner_gets_a_plan_naming_one():
+    s = spec(schedule="auto")
+    members = [(member(f"d{i}"), 100 + i) for i in (1, 2)]
+    doc, result = make_plan(s, members, {"cpu": uniform_calibration(s, "cpu")}, calibrated=False, reason="test")
+    assert doc.plan.schedule == result.parallel.schedule == "varuna"   # no pipeline: the first of equals
+    assert result.notes[-1].startswith("schedule varuna: the fastest replay")
+    assert json.loads(doc.encode())["schedule"] == "varuna"   # the previous release's flat form too
+    assert PlanDoc.decode(doc.encode()) == doc
+
+
 def test_a_plan_document_checks_its_placement_and_reads_the_previous_release_form():
     s = spec()
     members = [(member(f"d{i}"), 100 + i) for i in (1, 2)]
