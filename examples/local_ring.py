@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from trainer.planning.schedule import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES
 from varunad.ctl import cli, local, progress
 from varunad.ctl import commands as ctl
 from varunad.store.keys import Keys
@@ -48,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                     "--quick)")
     p.add_argument("--dir", type=Path, help="state: etcd data, store, logs (default as for `varunactl up`)")
     p.add_argument("--no-preempt", action="store_true", help="do not kill a daemon midway")
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=[*SCHEDULES, AUTO_SCHEDULE],
+                   help=f"pipeline schedule (default {DEFAULT_SCHEDULE}; {AUTO_SCHEDULE}: the planner's fastest)")
     args = p.parse_args(argv)
     # The tiny GPT takes milliseconds a step: many steps, so that the job is still running when the
     # watch (polling every half second) sees it halfway and kills a daemon.
@@ -90,7 +93,7 @@ async def train(store, ring: local.Ring, args: argparse.Namespace) -> dict[str, 
     spec, bundle = ctl.build_spec(
         name=JOB, script=str(REPO / "examples" / "train_gpt.py"), args=["--preset", args.preset, "--corpus", "source"],
         batch_size=args.batch_size, chunk_size="auto", steps=args.steps, checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=3, store=None, schedule="varuna")
+        keep_checkpoints=3, store=None, schedule=args.schedule)
     await ctl.submit(store, keys, spec, bundle)
     hook = None if args.no_preempt else Preemption(store, keys, ring, args.steps // 2)
     await progress.watch(store, keys, JOB, interval=0.5, on_status=hook)

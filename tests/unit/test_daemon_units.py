@@ -291,7 +291,7 @@ def test_a_job_that_leaves_the_schedule_to_the_planner_gets_a_plan_naming_one():
     members = [(member(f"d{i}"), 100 + i) for i in (1, 2)]
     doc, result = make_plan(s, members, {"cpu": uniform_calibration(s, "cpu")}, calibrated=False, reason="test")
     assert doc.plan.schedule == result.parallel.schedule == "varuna"   # no pipeline: the first of equals
-    assert result.notes[-1].startswith("schedule varuna: the fastest replay")
+    assert result.ruled_out[-1].startswith("the other schedules: gpipe (1x2)")
     assert json.loads(doc.encode())["schedule"] == "varuna"   # the previous release's flat form too
     assert PlanDoc.decode(doc.encode()) == doc
 

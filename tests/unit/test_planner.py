@@ -59,7 +59,8 @@ def test_auto_takes_the_schedule_whose_replay_is_fastest():
     assert each["zb-h1"].estimated_s == pytest.approx(27.0)
     p = plan(_slots(4), 8, [_cal(allreduce=slow_ring)], schedule="auto")
     assert p.parallel.schedule == "zb-h1" and p.estimated_s == min(x.estimated_s for x in each.values())
-    assert p.notes[-1].startswith("schedule zb-h1: the fastest replay (27.000 s; varuna 4x1 ")
+    assert p.ruled_out[-1].startswith("the other schedules: varuna (4x1) ")
+    assert p.ruled_out[-1].endswith("(schedule zb-h1: 27.000 s)")
     validate(p.table(), p.P, p.micro_batches, p.recompute)
     # a tie goes to the schedule listed first: without a pipeline every schedule is the same
     tie = plan(_slots(4), 8, [_cal()], schedule="auto")

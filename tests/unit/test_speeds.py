@@ -258,3 +258,16 @@ def test_status_says_the_shares_of_a_plan_that_gives_replicas_uneven_ones():
     assert lines[0].startswith("why       1x3, micro-batch 2 x up to 5 per replica"), lines
     assert any("replicas take 10, 10, 4 examples of each step's 24" in ln for ln in lines), lines
     assert not any("shares" in ln for ln in plan_lines({**plan, "shares": None}))
+
+
+
+def test_status_names_the_schedule_of_a_pipeline_and_why_not_the_others():
+    from varunad.control.status import plan_lines
+    why = "the other schedules: varuna (4x1) 0.330 s (schedule zb-h1: 0.270 s)"
+    plan = {"P": 4, "D": 1, "micro_batch_size": 1, "micro_batches": 8, "estimated_s": 0.27, "schedule": "zb-h1",
+            "alternatives": [], "ruled_out": [why]}
+    lines = plan_lines(plan)
+    assert lines[0] == "why       4x1, micro-batch 1 x 8 per replica, schedule zb-h1: estimated 0.270 s per step"
+    assert lines[-1] == f"  not     {why}"
+    # without a pipeline every schedule runs the same: none is named
+    assert "schedule" not in plan_lines({**plan, "P": 1, "D": 4, "ruled_out": []})[0]

@@ -552,7 +552,8 @@ def plan(
 def _fastest_schedule(slots, global_batch, calibrations, **options) -> Plan:
     """Plan with every schedule and keep the fastest replay; on a tie (to a microsecond) the one
     listed first in `SCHEDULES` (Varuna's). Each schedule is planned whole, as its memory rule
-    moves the cuts and the recompute flags; the others' estimates join the plan's notes."""
+    moves the cuts and the recompute flags; the others' estimates join what ruled out the obvious
+    plans (`Plan.ruled_out`, which `varunactl status` shows)."""
     made: list[Plan] = []
     refused: dict[str, PlanError] = {}
     for name in SCHEDULES:
@@ -563,10 +564,10 @@ def _fastest_schedule(slots, global_batch, calibrations, **options) -> Plan:
     if not made:
         raise refused[DEFAULT_SCHEDULE]
     best = min(made, key=lambda p: round(p.estimated_s, 6))   # min keeps the first of equals
-    others = "".join(f"; {p.parallel.schedule} {p.P}x{p.D} {p.estimated_s:.3f} s" for p in made if p is not best)
-    why = f"schedule {best.parallel.schedule}: the fastest replay ({best.estimated_s:.3f} s{others})" + "".join(
-        f"; {name}: no plan fits" for name in refused)
-    return dataclasses.replace(best, notes=best.notes + (why,))
+    others = [f"{p.parallel.schedule} ({p.P}x{p.D}) {p.estimated_s:.3f} s" for p in made if p is not best]
+    why = (f"the other schedules: {', '.join(others + [f'{name}: no plan fits' for name in refused])} "
+           f"(schedule {best.parallel.schedule}: {best.estimated_s:.3f} s)")
+    return dataclasses.replace(best, ruled_out=best.ruled_out + (why,))
 
 
 def _stage_plan(k: _Kind, mbs: int, P: int, s: int, m: int, bounds, flags, sched: Schedule) -> StagePlan:

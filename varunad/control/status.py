@@ -240,6 +240,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     est = plan.get("estimated_s")
     lines = [f"why       {plan['P']}x{plan['D']}, micro-batch {plan['micro_batch_size']}"
              + (f" x {'up to ' if plan.get('shares') else ''}{m} per replica" if m else "")
+             + (f", schedule {plan['schedule']}" if plan.get("schedule") and plan["P"] > 1 else "")
              + (f": estimated {_secs(est)} per step" if est is not None else "")
              + ("" if plan.get("calibrated", True) else " (no measured calibration: data-parallel only)")]
     if plan.get("shares"):
