@@ -43,6 +43,8 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "memory_job"))
 sys.path.insert(0, str(REPO))
 
+from trainer.planning.schedule import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES  # noqa: E402  (after the path insert)
+
 JOB = REPO / "tests" / "memory_job" / "mlp_job.py"
 NAMES = ["d1", "d2", "d3", "d4"]
 _MEMORY = re.compile(r"MEMORY (\{.*\})")
@@ -68,7 +70,8 @@ def run_ring(args) -> dict:
         ring.wait_members(NAMES)
         job = "memory"
         r = ring.varunactl("submit", "--name", job, "--batch-size", str(args.batch), "--chunk-size", "auto",
-                           "--steps", str(args.steps), "--checkpoint-every", str(args.steps), str(JOB), "--",
+                           "--steps", str(args.steps), "--checkpoint-every", str(args.steps),
+                           "--schedule", args.schedule, str(JOB), "--",
                            "--width", str(args.width), "--depth", str(args.depth))
         if r.returncode != 0:
             raise SystemExit(f"submit failed: {r.stderr}")
@@ -117,7 +120,7 @@ def run_launch(args) -> dict:
         calibration_peak = meter.peak_bytes()
     slots = [Slot(f"s{i}", "local", cal.device_kind, args.memory) for i in range(4)]
     try:
-        chosen = plan(slots, args.batch, [cal])
+        chosen = plan(slots, args.batch, [cal], schedule=args.schedule)
     except PlanError as exc:   # an answer too: the model does not fit these slots
         raise SystemExit(f"bench memory: no plan: {exc}") from None
     par = chosen.parallel
@@ -154,6 +157,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=[*SCHEDULES, AUTO_SCHEDULE],
+                    help=f"the job's pipeline schedule (default {DEFAULT_SCHEDULE}): each has its own memory rule")
     args = ap.parse_args()
     args.steps = args.steps or (3 if args.quick else 10)
     launch = args.launch or args.device == "cuda"
