@@ -233,6 +233,9 @@ class WorkerAssignment:
     bind_address: str | None = None
     peer_keys: dict[str, str] | None = None  # stream sockets' public keys by endpoint ("*": any other)
     trace_steps: int | None = None           # steps traced when trace_dir is set (None: 10)
+    # keep the exported model here and load it from here (trainer.graph.capture_cache): a
+    # directory per job bundle on this VM, which the daemon gives its workers
+    capture_cache: str | None = None
     extra: dict[str, str] = field(default_factory=dict, metadata={_AS_IS: True})
 
     def __post_init__(self) -> None:

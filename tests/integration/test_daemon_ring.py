@@ -204,6 +204,7 @@ def test_kill9_in_a_2x2_resumes_from_the_survivors_memory(healthy, reference):
         epoch = st["epoch"]
         leader = ring.leader()
         victim = "d4" if leader != "d4" else next(m for m in st["plan"]["members"] if m != leader)
+        killed_at = time.time()
         ring.daemons[victim].kill9()
         st = ring.wait_state("replicas", ("done", "failed"))
         assert st["state"] == "done", st
@@ -225,6 +226,11 @@ def test_kill9_in_a_2x2_resumes_from_the_survivors_memory(healthy, reference):
         spared = [n for n in st["plan"]["members"]
                   if f"epoch {lost['to_epoch']} runs in the spare of slot 0" in ring.daemons[n].log_text()]
         assert spared, "no worker of the new epoch ran in a spare"
+        # ... and loaded the model their VM exported in the epoch before: one kept program per VM,
+        # written before the kill (a worker that exported again would have written it anew)
+        for n in st["plan"]["members"]:
+            kept = list((ring.base / n / "captures" / "replicas").glob("*/capture-*.pt2"))
+            assert len(kept) == 1 and kept[0].stat().st_mtime < killed_at, (n, kept)
 
 
 def test_a_morph_with_dropout_trains_the_plain_loops_model(healthy):

@@ -29,7 +29,7 @@ def full_assignment(plan: ParallelPlan = FULL_PLAN, cls: type = WorkerAssignment
         store="/mnt/ckpt", device="1", gpu_collectives="gloo", control="ipc:///tmp/ctl", checkpoint_every=5, keep_checkpoints=7,
         checkpoint_tmpdir="/tmp/stage", resume="latest", batch_size=96, steps=40, profile="/tmp/cal.json",
         profile_slots=2, profile_machine_slots=3, bind_address="10.0.0.4", peer_keys={"*": "abc", "tcp://10.0.0.1:701": "d=f"},
-        trace_steps=12, **more)
+        trace_steps=12, capture_cache="/var/lib/varunad/captures/gpt/0123456789abcdef", **more)
 
 
 def _default(f: dataclasses.Field):
@@ -71,7 +71,7 @@ def test_the_names_people_use_are_the_derived_ones():
         "VARUNA_CONTROL", "VARUNA_CHECKPOINT_EVERY", "VARUNA_KEEP_CHECKPOINTS", "VARUNA_CHECKPOINT_TMPDIR",
         "VARUNA_RESUME", "VARUNA_BATCH_SIZE", "VARUNA_STEPS", "VARUNA_PROFILE", "VARUNA_PROFILE_SLOTS",
         "VARUNA_PROFILE_MACHINE_SLOTS",
-        "VARUNA_PEER_KEYS", "VARUNA_TRACE_STEPS",
+        "VARUNA_PEER_KEYS", "VARUNA_TRACE_STEPS", "VARUNA_CAPTURE_CACHE",
     }
     assert set(full_assignment().to_env()) == documented
     assert {env_name(f.name) for f, _ in env_fields(WorkerAssignment)} | {"VARUNA_WORLD_SIZE"} == documented

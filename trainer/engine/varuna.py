@@ -133,7 +133,10 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         if own_process:
             gc.freeze()
         captured_on = setup.device_of(model)   # meta for a model materialized stage by stage from `weights`
-        traced = capture_model(model, get_batch_fn(self.micro_batch_size, captured_on))
+        started = time.perf_counter()
+        traced = capture_model(model, get_batch_fn(self.micro_batch_size, captured_on), cache_dir=a.capture_cache)
+        log.info("rank %d: model %s in %.2f s", self.rank,
+                 "loaded from the capture cache" if traced.reused else "captured", time.perf_counter() - started)
         cuts = self._agree_on_cuts(traced, get_batch_fn)
         slices = slice_stages(traced, cuts)
         aliases = setup.aliases(model, traced.canonical)

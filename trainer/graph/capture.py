@@ -30,6 +30,7 @@ import torch
 from torch import fx, nn
 
 from trainer.errors import ConfigError, PartitionError
+from trainer.graph import capture_cache
 from trainer.graph.cutpoint import CutPoint, capturing, cut_marker, is_marker, marker_name
 from trainer.graph.keyed_random import key_random_ops
 
@@ -49,6 +50,7 @@ class TracedModel:
     input_names: tuple[str, ...]
     auto: bool                          # cut points were inferred from a block container
     mutations: tuple[fx.Node, ...] = ()   # copy_ nodes updating buffers (BatchNorm statistics)
+    reused: bool = False   # loaded from a capture cache, not exported
 
     @property
     def marker_names(self) -> list[str]:
@@ -161,8 +163,11 @@ def _loss_output(ep, results: list) -> list:
     return [results[sum(child.num_leaves for child in children[:at])]]
 
 
-def capture_model(model: nn.Module, sample: Mapping[str, object]) -> TracedModel:
-    """Capture `model`'s forward on `sample` (one batch from get_batch_fn) as one graph."""
+def capture_model(model: nn.Module, sample: Mapping[str, object], *,
+                  cache_dir: str | os.PathLike[str] | None = None) -> TracedModel:
+    """Capture `model`'s forward on `sample` (one batch from get_batch_fn) as one graph. With
+    `cache_dir`, an exported program kept there for the same model, sample and libraries is
+    loaded instead of exporting again, and a new export is kept there (trainer.graph.capture_cache)."""
     for name, m in model.named_modules():
         if isinstance(m, CutPoint):
             m._varuna_name = name
@@ -172,10 +177,30 @@ def capture_model(model: nn.Module, sample: Mapping[str, object]) -> TracedModel
     dynamic = {k: {0: torch.export.Dim.AUTO} for k in inputs}
     fixed = _fixed_arguments(model, sample)
     dynamic.update(dict.fromkeys(fixed))
+    key = None if cache_dir is None else capture_cache.cache_key(model, inputs, fixed)
+    ep = None if key is None else capture_cache.load(cache_dir, key)
+    reused = ep is not None
+    if ep is None:
+        ep = _export(model, inputs, fixed, dynamic, blocks)
+        if key is not None:
+            capture_cache.save(cache_dir, key, ep, model)
+    gm, input_names, mutations = _to_graph_module(model, ep, from_model=reused)
+    # Random ops draw by (seed, step, example, op) from here on, so every layout draws alike.
+    keyed = key_random_ops(gm)
+    mutations = tuple(keyed.get(n, n) for n in mutations)
+    markers = tuple(n for n in gm.graph.nodes if is_marker(n))
+    _check_batch_is_dynamic(gm)
+    canonical: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        canonical.setdefault(id(t), name)
+    return TracedModel(gm, markers, canonical, input_names, bool(blocks), mutations, reused)
+
+
+def _export(model: nn.Module, inputs, fixed, dynamic, blocks):
     hooks = [model.get_submodule(b).register_forward_hook(_mark_block_output(b)) for b in blocks]
     try:
         with capturing():
-            ep = torch.export.export(model, (), {**inputs, **fixed}, dynamic_shapes=dynamic, strict=False)
+            return torch.export.export(model, (), {**inputs, **fixed}, dynamic_shapes=dynamic, strict=False)
     except (PartitionError, ConfigError):
         raise
     except Exception as exc:  # export raises many kinds for Python it cannot capture
@@ -188,16 +213,6 @@ def capture_model(model: nn.Module, sample: Mapping[str, object]) -> TracedModel
     finally:
         for h in hooks:
             h.remove()
-    gm, input_names, mutations = _to_graph_module(model, ep)
-    # Random ops draw by (seed, step, example, op) from here on, so every layout draws alike.
-    keyed = key_random_ops(gm)
-    mutations = tuple(keyed.get(n, n) for n in mutations)
-    markers = tuple(n for n in gm.graph.nodes if is_marker(n))
-    _check_batch_is_dynamic(gm)
-    canonical: dict[int, str] = {}
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        canonical.setdefault(id(t), name)
-    return TracedModel(gm, markers, canonical, input_names, bool(blocks), mutations)
 
 
 def _check_batch_is_dynamic(gm: fx.GraphModule) -> None:
@@ -212,9 +227,11 @@ def _check_batch_is_dynamic(gm: fx.GraphModule) -> None:
                 hint="derive sizes from the input (x.size(0), reshape(-1, ...)) instead of constants")
 
 
-def _to_graph_module(model: nn.Module, ep):
+def _to_graph_module(model: nn.Module, ep, *, from_model: bool = False):
     """The exported program as a GraphModule whose parameters and buffers are get_attr nodes
-    (at their first use) of the user's own tensors, named by their path in the model."""
+    (at their first use) of the user's own tensors, named by their path in the model. A fresh
+    export holds the model's tensors; a loaded one (`from_model`) holds tensors without storage,
+    and the model's are looked up by name."""
     from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
     sig = ep.graph_signature
@@ -232,8 +249,10 @@ def _to_graph_module(model: nn.Module, ep):
             else:
                 users[node] = name
         elif spec.kind is InputKind.PARAMETER or (spec.kind is InputKind.BUFFER and spec.persistent):
-            attrs[node] = (spec.target, ep.state_dict[spec.target])
-        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            attrs[node] = (spec.target, _owned(model, spec.target) if from_model else ep.state_dict[spec.target])
+        elif spec.kind is InputKind.BUFFER:
+            attrs[node] = (spec.target, _owned(model, spec.target) if from_model else ep.constants[spec.target])
+        elif spec.kind is InputKind.CONSTANT_TENSOR:
             attrs[node] = (spec.target, ep.constants[spec.target])
         else:
             raise PartitionError(f"the captured graph has an input of kind {spec.kind.name} ('{spec.target}')",
@@ -294,6 +313,19 @@ def _to_graph_module(model: nn.Module, ep):
                   and n not in mutations]
     gm = fx.GraphModule(root, graph, class_name=f"Captured{type(model).__name__}")
     return gm, tuple(users.values()), tuple(mutations)
+
+
+def _owned(model: nn.Module, target: str) -> torch.Tensor:
+    """The model's parameter or buffer called `target` (a cached program names it so)."""
+    owner, _, name = target.rpartition(".")
+    try:
+        t = getattr(model.get_submodule(owner) if owner else model, name)
+    except AttributeError:
+        t = None
+    if not isinstance(t, torch.Tensor):
+        raise PartitionError(f"the cached capture reads '{target}', which the model does not have",
+                             hint="a bug in the capture cache's key: delete the cache directory")
+    return t
 
 
 def _write_back(graph: fx.Graph, target: str, new: fx.Node) -> fx.Node:

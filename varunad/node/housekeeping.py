@@ -15,18 +15,18 @@ import shutil
 from collections.abc import Collection
 from pathlib import Path
 
-__all__ = ["BUNDLES", "LOGS", "STAGING", "job_dir", "prune_jobs"]
+__all__ = ["BUNDLES", "CAPTURES", "LOGS", "STAGING", "job_dir", "prune_jobs"]
 
 log = logging.getLogger(__name__)
 
 # What the state dir holds per job: every writer names its directory through `job_dir`, so
 # pruning sees whatever a job left there.
-BUNDLES, LOGS, STAGING = "bundles", "logs", "staging"
-_KINDS = (BUNDLES, LOGS, STAGING)
+BUNDLES, LOGS, STAGING, CAPTURES = "bundles", "logs", "staging", "captures"
+_KINDS = (BUNDLES, LOGS, STAGING, CAPTURES)
 
 
 def job_dir(state_dir: str | os.PathLike[str], kind: str, job: str) -> Path:
-    """``STATE_DIR/<kind>/<job>``, for one of BUNDLES, LOGS, STAGING."""
+    """``STATE_DIR/<kind>/<job>``, for one of BUNDLES, LOGS, STAGING, CAPTURES."""
     if kind not in _KINDS:
         raise ValueError(f"unknown kind of job files {kind!r}; one of {_KINDS}")
     return Path(state_dir) / kind / job

@@ -57,7 +57,7 @@ from varunad.control.plans import PlanDoc
 from varunad.control.records import Progress, WorkerRecord, WorkerReport, progress_interval
 from varunad.node.config import DaemonConfig
 from varunad.node.control_channel import TOKEN_ENV, WorkerLine, control_identity, new_token
-from varunad.node.housekeeping import LOGS, STAGING, job_dir
+from varunad.node.housekeeping import CAPTURES, LOGS, STAGING, job_dir
 from varunad.node.metrics import DaemonMetrics
 from varunad.node.oom import OOM_WORDS, kernel_oom_kills
 from varunad.node.reporter import Reporter
@@ -281,6 +281,8 @@ class Supervisor(WorkerStopping):
                 trace_dir=job_trace_dir(store_dir, epoch),
                 checkpoint_tmpdir=str(self._staging_dir(doc.job or "")) if self.config.stage_checkpoints else None,
                 bind_address=self.bind_address, peer_keys=peer_keys, trace_steps=_TRACE_STEPS,
+                # one per bundle: a job submitted again with other files never loads the old capture
+                capture_cache=str(job_dir(self.config.state_dir, CAPTURES, doc.job or "") / spec.bundle_digest[:16]),
             )
             ports = [member.worker_ports[s.slot]] + ([member.rendezvous_port] if s.rank == 0 else [])
             token = new_token()
