@@ -138,13 +138,10 @@ def test_buffers_a_forward_updates_are_the_models_own_after_a_load(tmp_path):
 
 
 def test_a_hugging_face_model_given_as_it_is_is_kept_and_loaded(tmp_path):
-    tf = pytest.importorskip("transformers")
-    tf.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
-                                             bos_token_id=0, eos_token_id=0)).eval()
-    ids = torch.randint(1, 64, (3, 16), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids}
+    pytest.importorskip("transformers")
+    from support import zoo
+    model = zoo.build("gpt2").eval()   # unwrapped: its output holds the loss, the logits and its cache
+    batch = zoo.global_batch("gpt2", 0)
     capture_model(model, batch, cache_dir=tmp_path)
     traced = capture_model(model, batch, cache_dir=tmp_path)
     assert traced.reused

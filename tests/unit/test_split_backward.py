@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -165,13 +164,10 @@ def test_a_captured_gpt_stage_with_the_tied_head_splits_exactly():
 
 
 def test_a_hugging_face_gpt2_stage_splits_exactly():
-    tf = pytest.importorskip("transformers")
-    tf.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
-                                             bos_token_id=0, eos_token_id=0)).eval()
-    ids = torch.randint(1, 64, (3, 16), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids}
+    pytest.importorskip("transformers")
+    from support import zoo
+    model = zoo.build("gpt2").eval()
+    batch = zoo.global_batch("gpt2", 0)
     first, second = slice_stages(capture_model(model, batch), [0])
     x = first.module(**{k: batch[k] for k in first.input_names}).detach()
 
@@ -185,7 +181,7 @@ def test_a_hugging_face_gpt2_stage_splits_exactly():
 
     (whole_in, whole), (split_in, split) = _both_ways(Stage(), x, None, **{k: batch[k] for k in second.input_names})
     torch.testing.assert_close(split_in, whole_in)
+    assert any(g is not None for g in whole.values())
     for name in whole:
         if whole[name] is not None:
             torch.testing.assert_close(split[name], whole[name], msg=name)
-    assert F.mse_loss(split_in, whole_in) == 0
