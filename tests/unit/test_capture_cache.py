@@ -96,6 +96,55 @@ class _MlpTanh(_Mlp):   # the same parameters, another forward
         return F.mse_loss(self.b(torch.tanh(self.a(x))).squeeze(-1), y)
 
 
+def test_settings_that_are_not_tensors_are_in_the_key(tmp_path):
+    """The same parameters, another computation: attention heads, a norm's eps."""
+    model, batch = _gpt()
+    capture_model(model, batch, cache_dir=tmp_path)
+    heads, _ = _gpt(n_head=2)
+    traced = capture_model(heads, batch, cache_dir=tmp_path)
+    assert not traced.reused
+    torch.testing.assert_close(_loss_and_grads(traced, heads, batch, [])[0], heads(**batch).detach())
+    eps, _ = _gpt()
+    for m in eps.modules():
+        if isinstance(m, nn.LayerNorm):
+            m.eps = 1e-3
+    assert not capture_model(eps, batch, cache_dir=tmp_path).reused
+
+
+def test_the_kept_file_holds_neither_weights_nor_the_sample(tmp_path):
+    model, batch = _gpt()
+    capture_model(model, batch, cache_dir=tmp_path)
+    (entry,) = _entries(tmp_path)
+    ep = torch.export.load(tmp_path / entry)
+    assert ep.example_inputs is None
+    assert all(t.is_meta for t in ep.state_dict.values())
+
+
+def test_a_kept_program_that_does_not_fit_is_exported_again_and_replaced(tmp_path, caplog):
+    model, batch = _gpt()
+    other = _Mlp()
+    mlp_batch = {"x": torch.randn(4, 8), "y": torch.randn(4)}
+    capture_model(other, mlp_batch, cache_dir=tmp_path)
+    (mlp_entry,) = _entries(tmp_path)
+    key = capture_cache.cache_key(model, batch, {})
+    (tmp_path / mlp_entry).rename(tmp_path / f"capture-{key}.pt2")   # another model's program under this key
+    traced = capture_model(model, batch, cache_dir=tmp_path)
+    assert not traced.reused and "does not fit this model" in caplog.text
+    torch.testing.assert_close(_loss_and_grads(traced, model, batch, [])[0], model(**batch).detach())
+    assert capture_model(model, batch, cache_dir=tmp_path).reused
+
+
+def test_a_killed_writers_temporary_is_swept(tmp_path):
+    import os
+    stale, fresh = tmp_path / ".capture-old.pt2", tmp_path / ".capture-new.pt2"
+    stale.write_bytes(b"half")
+    fresh.write_bytes(b"half")
+    os.utime(stale, (0, 0))
+    model, batch = _gpt()
+    capture_model(model, batch, cache_dir=tmp_path)
+    assert not stale.exists() and fresh.exists()   # a writer may still be writing the fresh one
+
+
 def test_a_changed_forward_with_the_same_parameters_is_a_miss(tmp_path):
     batch = {"x": torch.randn(4, 8), "y": torch.randn(4)}
     relu, tanh = _Mlp(), _MlpTanh()

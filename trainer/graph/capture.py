@@ -21,6 +21,7 @@ buffers as eager mode does.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import traceback
 from collections.abc import Mapping
@@ -35,6 +36,8 @@ from trainer.graph.cutpoint import CutPoint, capturing, cut_marker, is_marker, m
 from trainer.graph.keyed_random import key_random_ops
 
 __all__ = ["TracedModel", "capture_model", "auto_blocks"]
+
+log = logging.getLogger("varuna")
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,22 +181,37 @@ def capture_model(model: nn.Module, sample: Mapping[str, object], *,
     fixed = _fixed_arguments(model, sample)
     dynamic.update(dict.fromkeys(fixed))
     key = None if cache_dir is None else capture_cache.cache_key(model, inputs, fixed)
-    ep = None if key is None else capture_cache.load(cache_dir, key)
-    reused = ep is not None
-    if ep is None:
+    kept = None if key is None else capture_cache.load(cache_dir, key)
+    built = None
+    if kept is not None:
+        try:
+            built = _graph_of(model, kept, from_model=True)
+        except Exception as exc:   # whatever a kept program does wrong, a fresh export is the answer
+            log.warning("capture: the cached program does not fit this model (%s: %s); exporting it again",
+                        type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            capture_cache.forget(cache_dir, key)
+    reused = built is not None
+    if built is None:
         ep = _export(model, inputs, fixed, dynamic, blocks)
-        if key is not None:
+        built = _graph_of(model, ep, from_model=False)
+        if key is not None:   # kept only once it made a graph this package accepts
             capture_cache.save(cache_dir, key, ep, model)
-    gm, input_names, mutations = _to_graph_module(model, ep, from_model=reused)
+    gm, input_names, mutations, markers = built
+    canonical: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        canonical.setdefault(id(t), name)
+    return TracedModel(gm, markers, canonical, input_names, bool(blocks), mutations, reused)
+
+
+def _graph_of(model: nn.Module, ep, *, from_model: bool):
+    """(graph module, input names, buffer mutations, cut markers) of an exported program, checked."""
+    gm, input_names, mutations = _to_graph_module(model, ep, from_model=from_model)
     # Random ops draw by (seed, step, example, op) from here on, so every layout draws alike.
     keyed = key_random_ops(gm)
     mutations = tuple(keyed.get(n, n) for n in mutations)
     markers = tuple(n for n in gm.graph.nodes if is_marker(n))
     _check_batch_is_dynamic(gm)
-    canonical: dict[int, str] = {}
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        canonical.setdefault(id(t), name)
-    return TracedModel(gm, markers, canonical, input_names, bool(blocks), mutations, reused)
+    return gm, input_names, mutations, markers
 
 
 def _export(model: nn.Module, inputs, fixed, dynamic, blocks):
