@@ -80,7 +80,7 @@ def _v5(doc: dict) -> dict:
     doc["version"] = 5
     for seg in doc["segments"]:
         for cost in seg["costs"]:
-            del cost["input_grad_s"], cost["weight_grad_s"]
+            del cost["input_grad_s"], cost["weight_grad_s"], cost["split_bytes"]
     return doc
 
 
@@ -307,7 +307,7 @@ def test_version_5_documents_migrate_with_no_split_backward_times():
     doc["segments"][0]["costs"][0]["input_grad_s"] = 0.1   # a version 5 document has none
     with pytest.raises(CalibrationError, match="unexpected"):
         Calibration.from_dict(doc)
-    split = SegmentCost(1.0, 2.0, 1.0, 1, 1, input_grad_s=0.9, weight_grad_s=1.2)
+    split = SegmentCost(1.0, 2.0, 1.0, 1, 1, input_grad_s=0.9, weight_grad_s=1.2, split_bytes=512)
     base = _cal()
     measured = dataclasses.replace(base, segments=tuple(dataclasses.replace(seg, costs=(split,) * len(seg.costs))
                                                         for seg in base.segments))
@@ -316,3 +316,5 @@ def test_version_5_documents_migrate_with_no_split_backward_times():
         SegmentCost(1.0, 2.0, 1.0, 1, 1, input_grad_s=0.9)
     with pytest.raises(CalibrationError, match="weight_grad_s"):
         SegmentCost(1.0, 2.0, 1.0, 1, 1, input_grad_s=0.9, weight_grad_s=-1.0)
+    with pytest.raises(CalibrationError, match="split_bytes"):
+        SegmentCost(1.0, 2.0, 1.0, 1, 1, split_bytes=1.5)

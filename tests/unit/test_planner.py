@@ -167,10 +167,12 @@ def test_uncalibrated_kinds_are_named():
     assert "left out tpu (2 slots): no calibration for this device kind" in p.notes
 
 
-def test_plan_estimate_is_a_replay_of_its_own_table():
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_plan_estimate_is_a_replay_of_its_own_table(schedule):
     links = {"intra": LinkCost(1e-3, 1e3), "inter": LinkCost(1e-2, 1e2)}
     slots = _slots(8, per_host=2, mem=8)
-    p = plan(slots, 16, [_cal(links=links)])
+    p = plan(slots, 16, [_cal(links=links)], schedule=schedule)
+    assert p.P > 1, p.explain()
     costs = stage_costs([_cal(links=links)] * p.P, [s.first_segment for s in p.stages] + [4],
                         p.micro_batch_size, p.D, p.link_kinds, p.allreduce_kinds)
     replay = simulate(p.table(), costs)

@@ -65,12 +65,15 @@ def test_the_split_backward_is_timed_where_a_segment_has_an_input_gradient():
     model, data = tiny_gpt(n_layer=2)
     slices = segment_slices(capture_model(model, data.sample_batch(2)))
     got = measure_segments_interleaved(slices, data.sample_batch(2), in_flight=2, repeats=2, warmup=0)
-    assert got[0].input_grad_s is None and got[0].weight_grad_s is None
+    assert got[0].input_grad_s is None and got[0].weight_grad_s is None and got[0].split_bytes is None
     for k in range(1, len(slices)):
         assert got[k].input_grad_s > 0 and got[k].weight_grad_s > 0, k
         assert got[k].backward_s > 0
+        # the gradients recorded between the passes: at least the block output's (batch x seq x width floats)
+        assert got[k].split_bytes >= 2 * 32 * 48 * 4, (k, got[k].split_bytes)
         cost = got[k].cost()
-        assert (cost.input_grad_s, cost.weight_grad_s) == (got[k].input_grad_s, got[k].weight_grad_s)
+        assert (cost.input_grad_s, cost.weight_grad_s, cost.split_bytes) == (
+            got[k].input_grad_s, got[k].weight_grad_s, got[k].split_bytes)
 
 
 def test_micro_batches_are_profiled_interleaved_as_a_pipeline_runs_them(tmp_path):

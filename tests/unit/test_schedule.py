@@ -159,6 +159,10 @@ def test_zero_bubble_drains_faster_than_1f1b_at_equal_peak_memory():
     # first forward: 1 + 4 x 3.5
     split = dataclasses.replace(cost, split_s=(1.5, 1.0))
     assert simulate(build_table("zb-h1", 2, 4, False), [cost, split]).minibatch_s == 1 + 4 * 3.5
+    # the gradients kept between the passes count from BACKWARD to WEIGHT: stage 1 of 2 defers one
+    # weight pass, so it holds two micro-batches' (activations 1, input 1, kept 3 each) at its peak
+    kept = dataclasses.replace(cost, split_bytes=3)
+    assert simulate(build_table("zb-h1", 2, 4, False), [cost, kept]).stages[1].peak_bytes == 2 * (1 + 1 + 3)
 
 
 def test_per_stage_recompute_flags():

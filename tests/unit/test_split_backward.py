@@ -135,6 +135,24 @@ def test_without_an_input_gradient_the_weight_pass_is_the_whole_backward():
     assert all(p.grad is not None for p in module.parameters())
 
 
+def test_what_the_split_holds_between_its_passes_is_counted_and_freed():
+    module = _Chain(width=16, depth=3)
+    x = torch.randn(4, 16).requires_grad_(True)
+    _, pending = backward_input(module(x), torch.ones(4, 16), x, list(module.parameters()))
+    # at least one recorded gradient per linear layer, each a 4 x 16 float tensor
+    assert pending.held_bytes() >= 3 * 4 * 16 * 4
+    backward_weight(pending)
+    assert pending.held_bytes() == 0
+
+
+def test_a_stage_that_passes_its_input_on_sends_the_gradient_it_received():
+    x = torch.randn(2, 3).requires_grad_(True)
+    grad = torch.randn(2, 3)
+    grad_in, pending = backward_input(x, grad, x, [])
+    assert grad_in is grad
+    backward_weight(pending)
+
+
 def _gpt_stage_one(cfg, batch):
     slices = slice_stages(capture_model(GPT(cfg, seed=0), batch), [0])
     first, second = slices

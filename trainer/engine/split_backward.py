@@ -46,6 +46,19 @@ class WeightPass:
     groups: list[_Group]
     whole: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (output, its gradient): nothing was split
 
+    def held_bytes(self) -> int:
+        """Bytes of the gradients recorded for the weight pass (each storage once): what a split
+        backward holds beyond the activations until its weight pass."""
+        seen: set[int] = set()
+        total = 0
+        for group in self.groups:
+            for grads in group.grads.values():
+                for g in grads:
+                    if isinstance(g, torch.Tensor) and (ptr := g.untyped_storage().data_ptr()) not in seen:
+                        seen.add(ptr)
+                        total += g.untyped_storage().nbytes()
+        return total
+
 
 def _consumers(root: Node) -> dict[Node, list[Node]]:
     """Every node reachable from `root`, mapped to the nodes that feed it its gradient."""
@@ -108,6 +121,8 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, stage_input:
                    params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, WeightPass]:
     """The gradient of `stage_input` (None where it has none) and what `backward_weight` needs.
     `grad` is the gradient of `output` (None for a scalar loss)."""
+    if output is stage_input:   # a stage that passes its input on: its gradient is the one received
+        return grad, WeightPass([])
     if stage_input is None or not stage_input.requires_grad or output.grad_fn is None:
         return None, WeightPass([], whole=(output, grad))
     groups = _groups(output.grad_fn, get_gradient_edge(stage_input).node, [p for p in params if p.requires_grad])

@@ -72,7 +72,7 @@ SCHEMA_VERSION = 6
 # older ones migrate: zero message overheads, no tied sets, no step temporaries, no busy slowdown,
 # no worker bytes, no split backward times
 _READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
-_SPLIT = ("input_grad_s", "weight_grad_s")
+_SPLIT = ("input_grad_s", "weight_grad_s")   # with split_bytes: what version 6 added
 LINK_KINDS = ("intra", "inter")  # same host, across hosts
 
 
@@ -146,6 +146,9 @@ class SegmentCost:
     # then the weights'; None where not measured (a first segment: no input gradient to split off)
     input_grad_s: float | None = None
     weight_grad_s: float | None = None
+    # what the split holds from one pass to the other beyond the activations: the gradients
+    # recorded where the parameters branch off (None: not measured)
+    split_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "recompute_s"):
@@ -155,6 +158,8 @@ class SegmentCost:
         for name in _SPLIT:
             if getattr(self, name) is not None:
                 _num("SegmentCost", name, getattr(self, name))
+        if self.split_bytes is not None:
+            _int("SegmentCost", "split_bytes", self.split_bytes)
         for name in ("activation_bytes", "peak_activation_bytes"):
             _int("SegmentCost", name, getattr(self, name))
 
@@ -331,7 +336,7 @@ class Calibration:
         names |= {"step_bytes_add"} if version in (3, 4, 5, 6) else set()
         names |= {"busy_slowdown", "busy_load"} if version in (4, 5, 6) else set()
         names |= {"worker_bytes"} if version in (5, 6) else set()
-        cost_fields = set(SegmentCost.__slots__) - (set() if version == 6 else set(_SPLIT))
+        cost_fields = set(SegmentCost.__slots__) - (set() if version == 6 else {*_SPLIT, "split_bytes"})
         top = _fields(doc, "calibration", names)
         if top["schema"] != SCHEMA:
             raise CalibrationError(f"not a calibration document (schema {top['schema']!r})")

@@ -70,6 +70,7 @@ class _Kind:
     fb: list[list[float]] = field(default_factory=list)
     fbr: list[list[float]] = field(default_factory=list)
     act: list[list[float]] = field(default_factory=list)
+    split: list[list[float]] = field(default_factory=list)   # held between a split backward's passes
     out: list[list[int]] = field(default_factory=list)
     static: list[float] = field(default_factory=list)
     params: list[float] = field(default_factory=list)
@@ -83,6 +84,8 @@ class _Kind:
             self.fb.append(acc(x.recompute_s + x.backward_s for x in c))
             self.fbr.append(acc(x.forward_s + x.backward_s + x.recompute_s for x in c))
             self.act.append(acc(x.peak_activation_bytes for x in c))
+            # not measured (an older calibration): as much as the activations, as the simulator takes it
+            self.split.append(acc(x.peak_activation_bytes if x.split_bytes is None else x.split_bytes for x in c))
             self.out.append([x.activation_bytes for x in c])
         self.static = acc(s.static_bytes for s in segs)
         self.params = acc(s.param_bytes for s in segs)
@@ -108,10 +111,11 @@ def _fill(kinds: Sequence[_Kind], j: int, X: float, schedule: Schedule, m: int, 
             pre = k.fbr[j] if rec else k.fb[j]
             e = bisect.bisect_right(pre, pre[i] + X + _EPS, i + 1, jmax + 1) - 1 if s < P - 1 else n
             c = stash[s][rec]
+            splits = schedule.splits(P, s)
             while e > i:
                 act = k.act[j][e] - k.act[j][i]
                 mem = k.cal.worker_bytes + k.static[e] - k.static[i] + max(
-                    k.cal.step_bytes(i, e), c * in_b + act if rec else c * (in_b + act))
+                    k.cal.step_bytes(i, e), _held(c, in_b, act, rec, k.split[j][e] - k.split[j][i] if splits else 0))
                 if mem <= k.capacity:
                     break
                 if s == P - 1:
@@ -570,14 +574,21 @@ def _fastest_schedule(slots, global_batch, calibrations, **options) -> Plan:
     return dataclasses.replace(best, ruled_out=best.ruled_out + (why,))
 
 
+def _held(c: int, in_b: float, act: float, rec: bool, split: float) -> float:
+    """What a stage holds for the micro-batches in flight: `c` inputs, and `c` activation sets or,
+    recomputing, one; plus, where it splits its backwards, the gradients kept between the passes
+    for as many micro-batches (one where it recomputes: it weighs right after each backward)."""
+    return c * in_b + act + split if rec else c * (in_b + act + split)
+
+
 def _stage_plan(k: _Kind, mbs: int, P: int, s: int, m: int, bounds, flags, sched: Schedule) -> StagePlan:
     """Stage ``s`` of a plan on kind ``k``: its segments, its memory (the bound in the module
     docstring) and its compute per micro-batch."""
     j, a, b = k.cal.size_index(mbs), bounds[s], bounds[s + 1]
     c = sched.stash_bound(P, s, m, flags[s])
     act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
-    mem = k.cal.worker_bytes + k.static[b] - k.static[a] + max(
-        k.cal.step_bytes(a, b), c * in_b + act if flags[s] else c * (in_b + act))
+    split = k.split[j][b] - k.split[j][a] if sched.splits(P, s) else 0
+    mem = k.cal.worker_bytes + k.static[b] - k.static[a] + max(k.cal.step_bytes(a, b), _held(c, in_b, act, flags[s], split))
     pre = k.fbr[j] if flags[s] else k.fb[j]
     return StagePlan(a, b, k.name, flags[s], int(mem), k.capacity, pre[b] - pre[a])
 

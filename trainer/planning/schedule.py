@@ -339,6 +339,13 @@ class Schedule:
     # how many micro-batches a stage forwards ahead of its backwards, where that is fewer than it
     # stashes (zero-bubble: its stash holds deferred WEIGHT passes, not forwards run ahead)
     ahead: StashRule | None = None
+    # stages after the first split their backward (a WEIGHT per micro-batch): each holds, from a
+    # micro-batch's BACKWARD to its WEIGHT, the gradients recorded between the two passes
+    split_backward: bool = False
+
+    def splits(self, P: int, stage: int) -> bool:
+        """Whether stage `stage` of P runs split backwards (and holds what they keep between passes)."""
+        return self.split_backward and P > 1 and stage > 0
 
     def table(self, P: int, m: int, recompute: Recompute = True) -> dict[int, list[Action]]:
         """Every stage's full list: compute, communication, then ALLREDUCE and STEP. `recompute` is
@@ -379,7 +386,8 @@ SCHEDULES: Mapping[str, Schedule] = types.MappingProxyType({
         Schedule("varuna", varuna, _varuna_stash, overlap_recompute=True),
         Schedule("gpipe", gpipe, _gpipe_stash, overlap_recompute=False),
         Schedule("1f1b", one_f_one_b, _one_f_one_b_stash, overlap_recompute=False),
-        Schedule("zb-h1", zero_bubble, _zero_bubble_stash, overlap_recompute=False, ahead=_one_f_one_b_stash),
+        Schedule("zb-h1", zero_bubble, _zero_bubble_stash, overlap_recompute=False, ahead=_one_f_one_b_stash,
+                 split_backward=True),
     )
 })
 

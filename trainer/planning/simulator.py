@@ -7,7 +7,8 @@ executor runs; there is no second copy of any schedule here) with calibrated cos
   keeps its autograd graph (a stage that does not recompute that micro-batch, e.g. the last
   stage) costs `forward_graph_s`, one that does not `forward_s`; where the stage's list splits
   the backward (a WEIGHT pass per micro-batch), BACKWARD costs the input pass and WEIGHT the
-  weight pass (`StageCost.split_s`), and the activations are freed by WEIGHT;
+  weight pass (`StageCost.split_s`); the gradients recorded between the passes are held from
+  BACKWARD (`StageCost.split_bytes`), and they and the activations are freed by WEIGHT;
 * SEND_ACT / SEND_GRAD cost the sender only the message's CPU overhead (`Transfer.send_s`: sends
   are asynchronous); the bytes then occupy the directed link for ``bytes / bandwidth`` (sends on
   one link go one after another) and arrive ``latency`` later, plus optional seeded jitter;
@@ -90,6 +91,7 @@ class StageCost:
     # the backward, as in the zero-bubble paper (a matrix product's backward is two products of
     # its size, one for the input, one for the weight)
     split_s: tuple[float, float] | None = None
+    split_bytes: int = 0   # held from a split backward's input pass to its weight pass (per micro-batch)
 
     def __post_init__(self) -> None:
         if self.forward_graph_s is None:
@@ -106,6 +108,7 @@ class StageCost:
             static_bytes=self.static_bytes,
             input_bytes=self.input_bytes,
             activation_bytes=self.activation_bytes,
+            split_bytes=self.split_bytes,
         )
         if self.split_s is not None:
             _nonneg("StageCost", input_pass_s=self.split_s[0], weight_pass_s=self.split_s[1])
@@ -213,6 +216,8 @@ def stage_costs(
                 backward_s=sum(c.backward_s for c in costs),
                 split_s=(None if any(c.input_grad_s is None for c in costs) else
                          (sum(c.input_grad_s for c in costs), sum(c.weight_grad_s for c in costs))),
+                # not measured (an older calibration): as much as the activations, to be safe
+                split_bytes=sum(c.peak_activation_bytes if c.split_bytes is None else c.split_bytes for c in costs),
                 recompute_s=sum(c.recompute_s for c in costs),
                 send_act=act,
                 send_grad=grad,
@@ -303,12 +308,14 @@ def simulate(
                 elif code == _B:
                     t += b_cost
                     compute[s] += b_cost
-                    if not split[s]:
+                    if split[s]:
+                        held[s] += c.split_bytes
+                    else:
                         held[s] -= c.input_bytes + c.activation_bytes
                 elif code == _W:
                     t += w_cost
                     compute[s] += w_cost
-                    held[s] -= c.input_bytes + c.activation_bytes
+                    held[s] -= c.input_bytes + c.activation_bytes + c.split_bytes
                 elif code == _R:
                     t += c.recompute_s
                     compute[s] += c.recompute_s

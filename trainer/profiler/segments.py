@@ -56,10 +56,11 @@ class SegmentMeasurement:
     peak_activation_bytes: int
     input_grad_s: float | None = None   # the split backward's two passes, where the segment has an input gradient
     weight_grad_s: float | None = None
+    split_bytes: int | None = None      # held from one pass to the other (the gradients recorded between)
 
     def cost(self) -> SegmentCost:
-        return SegmentCost(self.forward_s, self.backward_s, self.recompute_s,
-                           self.activation_bytes, self.peak_activation_bytes, self.input_grad_s, self.weight_grad_s)
+        return SegmentCost(self.forward_s, self.backward_s, self.recompute_s, self.activation_bytes,
+                           self.peak_activation_bytes, self.input_grad_s, self.weight_grad_s, self.split_bytes)
 
 
 def tied_weights(slices: Sequence[StageSlice]) -> tuple[TiedWeights, ...]:
@@ -220,6 +221,7 @@ def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.de
         _, pending = backward_input(root, grad, x_in, params)
         _sync(device)
         t1 = time.perf_counter()
+        held.append(pending.held_bytes())
         backward_weight(pending)
         _sync(device)
         return _less_start(t1 - t0), time.perf_counter() - t1
@@ -228,6 +230,7 @@ def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.de
     rec: list[float] = []
     bwd: list[float] = []
     parts: list[tuple[float, float]] = []
+    held: list[int] = []
     act_bytes = 0
     splits = sl.takes_activation and x is not None and x.is_floating_point()
     # `repeats` and `warmup` count micro-batches, in rounds of k: the same number of samples
@@ -264,7 +267,7 @@ def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.de
     forward_s = _median(rec) if is_last else _median(fwd)
     input_s, weight_s = (_median([a for a, _ in parts]), _median([w for _, w in parts])) if parts else (None, None)
     return SegmentMeasurement(forward_s, _median(rec), _median(bwd) if bwd else 0.0, act_bytes, peak,
-                              input_s, weight_s)
+                              input_s, weight_s, max(held) if parts else None)
 
 
 def _backward_start_s(device: torch.device, repeats: int, warmup: int) -> float:
