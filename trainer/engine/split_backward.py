@@ -6,15 +6,22 @@ only what the requested inputs need: a matrix product's node asked for its input
 skips the product that gives its weight's. So `backward_input` runs the graph toward the stage's
 input alone, retaining it, and records the gradient each "junction" node received: a node on the
 way to the input that also leads to parameters. `backward_weight` later restarts autograd at
-those junctions with those gradients, toward the parameters alone, and each matrix product is
-computed once in all.
+those junctions with those gradients, toward the parameters alone: a parameter used once is
+reached through one junction, and each of its matrix products is computed once in all.
 
 Parameters are grouped by the junctions they are reached from (two groups that share a junction
 are one), and each group runs as its own pass: one pass toward every parameter would recompute
 the whole chain of input gradients between junctions. Where one junction of a group leads to
-another, a pre-hook hands the later one the gradient recorded for it, so that nothing is counted
-twice. Gradients accumulate into ``.grad`` through the parameters' own accumulators, so hooks on
+another (a parameter used at several depths), a pre-hook hands the later one the gradient
+recorded for it, so that nothing is counted twice; the input gradients between them are computed
+again. Gradients accumulate into ``.grad`` through the parameters' own accumulators, so hooks on
 them (the data-parallel reducer's) fire as after a whole backward.
+
+What it costs beyond the products: autograd walks the whole graph below a pass's junctions
+before it runs it, so the weight pass's fixed cost grows with the number of groups times the
+stage's graph (measured in review: 17 ms against a whole backward's 3.4 ms for 24 layers of
+width 16, where the products cost nothing). The calibration times the passes per segment, so a
+stage of many segments is estimated low; on wide layers the products dominate.
 
 Without a stage input that requires a gradient there is nothing to split: `backward_input`
 leaves everything to `backward_weight`, which then runs the whole backward.
