@@ -60,6 +60,22 @@ def test_a_kept_capture_is_loaded_and_trains_the_models_own_weights(tmp_path):
     torch.testing.assert_close(_loss_and_grads(now, model, batch, [])[0], model(**batch).detach())
 
 
+def test_a_loaded_capture_draws_its_dropout_as_a_fresh_one(tmp_path):
+    """Random ops are keyed after the load as after an export: the same draws for the same key."""
+    from trainer.graph.keyed_rng import Draws, drawing
+    model, batch = _gpt(dropout=0.3)
+    fresh = capture_model(model, batch, cache_dir=tmp_path)
+    loaded = capture_model(model, batch, cache_dir=tmp_path)
+    assert loaded.reused
+    losses = []
+    for traced in (fresh, loaded, fresh):
+        with drawing(Draws(seed=5, step=3, example_offset=8)):
+            losses.append(_loss_and_grads(traced, model, batch, [1])[0])
+    with drawing(Draws(seed=5, step=4, example_offset=8)):
+        other = _loss_and_grads(loaded, model, batch, [1])[0]
+    assert losses[0] == losses[1] == losses[2] != other
+
+
 def test_a_changed_model_or_torch_is_a_miss(tmp_path, monkeypatch):
     model, batch = _gpt()
     capture_model(model, batch, cache_dir=tmp_path)
