@@ -396,3 +396,49 @@ def test_peer_channels_exchange_step_statistics_with_any_worker():
     finally:
         for c in chans:
             c.close()
+
+
+def test_a_peer_that_sends_and_closes_is_read_before_it_counts_as_dead(monkeypatch):
+    """Stage 0 sends the step's statistics and moves on, closing its channel: the connection stage
+    2 sends on drops while the message may still be on its way over the one it receives on. The
+    message is read; a peer that closed without sending still fails the wait, after the grace."""
+    import threading
+    import time
+
+    from trainer.engine import comm
+    from trainer.engine.comm import PeerChannel
+    from trainer.errors import WorkerError
+    from trainer.launch import free_ports
+
+    monkeypatch.setattr(comm, "_BROKEN_GRACE_S", 2.0)   # wide margins on a loaded machine
+    eps = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+    # the waiting side last: its peer already listens, and the connection's handshake is seen all
+    # the same (a monitor attached after connecting missed it, and then the drop too)
+    first = PeerChannel(bind=eps[0], prev=None, nxt=None, job="job-1", epoch=0, stage=0, rank=0, timeout_s=30,
+                        stats_peers={2: eps[1]})
+    waiting = PeerChannel(bind=eps[1], prev=None, nxt=None, job="job-1", epoch=0, stage=2, rank=2, timeout_s=30,
+                          stats_peers={0: eps[0]})
+    waiting._wake_ms = 20   # check the connections often: the drop is seen long before the message comes
+    late = zmq.Context.instance().socket(zmq.PUSH)
+    late.connect(eps[1])
+    try:
+        waiting.send_stats(0, torch.tensor([1.0], dtype=torch.float64))   # its connection to stage 0 is up
+        assert first.recv_stats(2).item() == 1.0
+        first.close()   # stage 0 moves on: stage 2's connection to it drops
+
+        def send_late():
+            time.sleep(0.5)   # the message still on its way
+            send_tensor(late, torch.tensor([3.0], dtype=torch.float64),
+                        **{**META, "stage": 0, "epoch": 0, "direction": "stats", "micro_batch": 0})
+
+        sender = threading.Thread(target=send_late)
+        sender.start()
+        assert waiting.recv_stats(0).item() == 3.0
+        sender.join()
+        start = time.perf_counter()
+        with pytest.raises(WorkerError, match=f"the connection to the worker at {eps[0]} broke"):
+            waiting.recv_stats(0)   # nothing more comes: the drop counts once the grace is over
+        assert time.perf_counter() - start < 10
+    finally:
+        late.close(linger=0)
+        waiting.close()

@@ -41,6 +41,11 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILE
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _WATCHED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
 _WAKE_MS = 250    # longest single blocking recv: how often the peer timeout and connections are checked
+# A peer that sends its last message and closes (a step's statistics, then the end of its loop)
+# drops the connection this worker sends on while that message may still be on its way over the
+# one this worker receives on: a broken connection counts once this long has passed without the
+# awaited message, and not before.
+_BROKEN_GRACE_S = 0.1
 
 
 class PeerChannel:
@@ -60,14 +65,15 @@ class PeerChannel:
             security.apply_stream_server(self._pull)
         self._pull.bind(bind)
         self._by_endpoint: dict[str, zmq.Socket] = {}
+        # one monitor per connection: a disconnect means the worker at that endpoint is gone
+        self._monitors: dict[str, zmq.Socket] = {}
         self._push: dict[str, zmq.Socket] = {}
         for direction, endpoint in (("act", nxt), ("grad", prev)):
             if endpoint is not None:
                 self._push[direction] = self._connect(endpoint)
         self._stats_to = {r: self._connect(ep) for r, ep in (stats_peers or {}).items()}
-        # one monitor per connection: a disconnect means the worker at that endpoint is gone
-        self._monitors = {ep: sock.get_monitor_socket(_WATCHED) for ep, sock in self._by_endpoint.items()}
         self._connected: set[str] = set()   # endpoints whose handshake succeeded
+        self._broken: tuple[str, float] | None = None   # (endpoint, when) of the first connection that dropped
         self._early: dict[tuple[str, int], deque] = defaultdict(deque)
         self.wait_s = 0.0   # time spent blocked in recv, for the busy fraction
 
@@ -79,6 +85,9 @@ class PeerChannel:
             sock.setsockopt(zmq.LINGER, 2000)
             if self._security is not None:
                 self._security.apply_stream_client(sock, endpoint)
+            # watched before it connects: a peer already listening completes the handshake at
+            # once, and a monitor attached after it would never see the connection up (nor down)
+            self._monitors[endpoint] = sock.get_monitor_socket(_WATCHED)
             sock.connect(endpoint)
             self._by_endpoint[endpoint] = sock
         return sock
@@ -125,6 +134,15 @@ class PeerChannel:
         """Raise WorkerError once the peer timeout has passed or a peer's connection dropped;
         shorten the next wait to the timeout."""
         self._check_connections()
+        wanted_ms = self._wake_ms
+        if self._broken is not None:
+            endpoint, since = self._broken
+            left = _BROKEN_GRACE_S - (time.perf_counter() - since)
+            if left <= 0:
+                raise WorkerError(
+                    f"stage {self.stage}: the connection to the worker at {endpoint} broke: it probably died",
+                    hint="the daemon re-plans when a member is lost; locally, check the other workers' output")
+            wanted_ms = max(1, math.ceil(left * 1000))
         if remaining <= 0:
             if direction == "stats":
                 what = f"no step statistics from rank {micro_batch}"
@@ -135,7 +153,7 @@ class PeerChannel:
                 f"stage {self.stage} got {what} within {self.timeout_s:.0f}s: the peer probably died",
                 hint="the daemon re-plans when a member is lost; locally, check the other workers' output",
             )
-        wanted = max(1, min(self._wake_ms, math.ceil(remaining * 1000)))
+        wanted = max(1, min(wanted_ms, math.ceil(remaining * 1000)))
         if wanted != self._rcvtimeo:
             self._rcvtimeo = wanted
             self._pull.setsockopt(zmq.RCVTIMEO, wanted)
@@ -146,10 +164,8 @@ class PeerChannel:
                 event = recv_monitor_message(monitor)["event"]
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._connected.add(endpoint)
-                elif event == zmq.EVENT_DISCONNECTED and endpoint in self._connected:
-                    raise WorkerError(
-                        f"stage {self.stage}: the connection to the worker at {endpoint} broke: it probably died",
-                        hint="the daemon re-plans when a member is lost; locally, check the other workers' output")
+                elif event == zmq.EVENT_DISCONNECTED and endpoint in self._connected and self._broken is None:
+                    self._broken = (endpoint, time.perf_counter())   # `_wait_less` decides, after a grace
                 elif event & _HANDSHAKE_FAILED:
                     why = ("its keys do not allow this worker" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
                            else "a protocol or security mismatch")
