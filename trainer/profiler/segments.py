@@ -192,14 +192,17 @@ def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.de
         _sync(device)
         return time.perf_counter() - t0, y, kw.get(ACTIVATION)
 
+    def root(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # the executor's last stage backpropagates its loss; another stage, the gradient it receives
+        return (y.float() * 1.0, None) if is_last else (y, torch.ones_like(y))
+
     def backward(y: torch.Tensor) -> float | None:
         if not y.requires_grad:
             return None
-        # the executor's last stage backpropagates its loss; another stage, the gradient it receives
-        root, grad = (y.float() * 1.0, None) if is_last else (y, torch.ones_like(y))
+        out, grad = root(y)
         _sync(device)
         t0 = time.perf_counter()
-        root.backward(grad)
+        out.backward(grad)
         _sync(device)
         return _less_start(time.perf_counter() - t0)
 
@@ -208,29 +211,28 @@ def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.de
         # fall below it, and a backward never costs nothing (0 reads as "free" to the planner)
         return max(elapsed - start_s, 0.1 * elapsed)
 
-    def split(y: torch.Tensor, x_in: torch.Tensor) -> tuple[float, float] | None:
-        """The two passes of a zero-bubble schedule's split backward. The input pass starts one
-        backward per stage like a whole one; the weight pass runs one per group of parameters,
-        so its time adds up over segments as it is."""
+    def split(y: torch.Tensor, x_in: torch.Tensor) -> tuple[float, float, int] | None:
+        """The two passes of a zero-bubble schedule's split backward, and the bytes held between
+        them. The input pass starts one backward per stage like a whole one; the weight pass runs
+        one per group of parameters, so its time adds up over segments as it is."""
         if not y.requires_grad:
             return None
-        root, grad = (y.float() * 1.0, None) if is_last else (y, torch.ones_like(y))
+        out, grad = root(y)
         params = [p for p in sl.module.parameters() if p.requires_grad]
         _sync(device)
         t0 = time.perf_counter()
-        _, pending = backward_input(root, grad, x_in, params)
+        _, pending = backward_input(out, grad, x_in, params)
         _sync(device)
         t1 = time.perf_counter()
-        held.append(pending.held_bytes())
+        held = pending.held_bytes()
         backward_weight(pending)
         _sync(device)
-        return _less_start(t1 - t0), time.perf_counter() - t1
+        return _less_start(t1 - t0), time.perf_counter() - t1, held
 
     fwd: list[float] = []
     rec: list[float] = []
     bwd: list[float] = []
-    parts: list[tuple[float, float]] = []
-    held: list[int] = []
+    parts: list[tuple[float, float, int]] = []
     act_bytes = 0
     splits = sl.takes_activation and x is not None and x.is_floating_point()
     # `repeats` and `warmup` count micro-batches, in rounds of k: the same number of samples
@@ -250,12 +252,13 @@ def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.de
         b_times, s_times = [], []
         # every other backward is split where there is an input gradient to split off: both kinds
         # measured in the same rounds, at no extra cost to the calibration
-        for i, (_, y, leaf) in enumerate(graphs):
+        for i in range(in_flight):
+            _, y, leaf = graphs.pop(0)   # its graph goes as soon as it is measured
             if splits and (r * in_flight + i) % 2:
                 s_times.append(split(y, leaf))
             else:
                 b_times.append(backward(y))
-        graphs.clear()
+            del y, leaf
         if r < warm:
             continue
         fwd += f_times
@@ -265,9 +268,9 @@ def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.de
     peak = _peak_bytes(sl, batch, x, device, precision, list(sl.module.parameters()))
     # The last stage never recomputes: its FORWARD always keeps the graph.
     forward_s = _median(rec) if is_last else _median(fwd)
-    input_s, weight_s = (_median([a for a, _ in parts]), _median([w for _, w in parts])) if parts else (None, None)
-    return SegmentMeasurement(forward_s, _median(rec), _median(bwd) if bwd else 0.0, act_bytes, peak,
-                              input_s, weight_s, max(held) if parts else None)
+    split_part = (_median([a for a, _, _ in parts]), _median([w for _, w, _ in parts]), max(h for _, _, h in parts)
+                  ) if parts else (None, None, None)
+    return SegmentMeasurement(forward_s, _median(rec), _median(bwd) if bwd else 0.0, act_bytes, peak, *split_part)
 
 
 def _backward_start_s(device: torch.device, repeats: int, warmup: int) -> float:
