@@ -106,17 +106,13 @@ def _fill(kinds: Sequence[_Kind], j: int, X: float, schedule: Schedule, m: int, 
             return None
         best, best_rec = i, False
         options = (False, True) if (allow_recompute and s < P - 1) else (False,)
-        in_b = k.in_bytes(j, i)
         for rec in options:
             pre = k.fbr[j] if rec else k.fb[j]
             e = bisect.bisect_right(pre, pre[i] + X + _EPS, i + 1, jmax + 1) - 1 if s < P - 1 else n
             c = stash[s][rec]
             splits = schedule.splits(P, s)
             while e > i:
-                act = k.act[j][e] - k.act[j][i]
-                mem = k.cal.worker_bytes + k.static[e] - k.static[i] + max(
-                    k.cal.step_bytes(i, e), _held(c, in_b, act, rec, k.split[j][e] - k.split[j][i] if splits else 0))
-                if mem <= k.capacity:
+                if _stage_bytes(k, j, i, e, c, rec, splits) <= k.capacity:
                     break
                 if s == P - 1:
                     return None
@@ -574,21 +570,23 @@ def _fastest_schedule(slots, global_batch, calibrations, **options) -> Plan:
     return dataclasses.replace(best, ruled_out=best.ruled_out + (why,))
 
 
-def _held(c: int, in_b: float, act: float, rec: bool, split: float) -> float:
-    """What a stage holds for the micro-batches in flight: `c` inputs, and `c` activation sets or,
-    recomputing, one; plus, where it splits its backwards, the gradients kept between the passes
-    for as many micro-batches (one where it recomputes: it weighs right after each backward)."""
-    return c * in_b + act + split if rec else c * (in_b + act + split)
+def _stage_bytes(k: _Kind, j: int, a: int, b: int, c: int, rec: bool, splits: bool) -> float:
+    """The memory of a stage of segments a..b-1 on kind ``k`` (the bound in the module docstring):
+    its worker, weights and training state, and the larger of its optimizer step's temporaries
+    and what it holds for the ``c`` micro-batches in flight: their inputs, and as many activation
+    sets or, recomputing, one; plus, where it ``splits`` its backwards, the gradients kept between
+    the passes for as many micro-batches (one where it recomputes: it weighs after each backward)."""
+    act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
+    split = k.split[j][b] - k.split[j][a] if splits else 0
+    held = c * in_b + act + split if rec else c * (in_b + act + split)
+    return k.cal.worker_bytes + k.static[b] - k.static[a] + max(k.cal.step_bytes(a, b), held)
 
 
 def _stage_plan(k: _Kind, mbs: int, P: int, s: int, m: int, bounds, flags, sched: Schedule) -> StagePlan:
     """Stage ``s`` of a plan on kind ``k``: its segments, its memory (the bound in the module
     docstring) and its compute per micro-batch."""
     j, a, b = k.cal.size_index(mbs), bounds[s], bounds[s + 1]
-    c = sched.stash_bound(P, s, m, flags[s])
-    act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
-    split = k.split[j][b] - k.split[j][a] if sched.splits(P, s) else 0
-    mem = k.cal.worker_bytes + k.static[b] - k.static[a] + max(k.cal.step_bytes(a, b), _held(c, in_b, act, flags[s], split))
+    mem = _stage_bytes(k, j, a, b, sched.stash_bound(P, s, m, flags[s]), flags[s], sched.splits(P, s))
     pre = k.fbr[j] if flags[s] else k.fb[j]
     return StagePlan(a, b, k.name, flags[s], int(mem), k.capacity, pre[b] - pre[a])
 

@@ -368,10 +368,9 @@ class Schedule:
         full. One that may not (1F1B; Varuna where it keeps full activations) has no slack to hide
         a message in its steady state, so the planner's closed form charges it the hop; read off
         the memory rule (or the `ahead` rule where there is one), as the orders are bound by it."""
-        if self.ahead is None:
-            return self.stash_bound(P, stage, P - stage + 1, recompute) > P - stage
         _check_args(P, 1, stage)
-        return self.ahead(P, stage, P - stage + 1, bool(recompute) and stage < P - 1) > P - stage
+        rule = self.ahead or self.stash
+        return rule(P, stage, P - stage + 1, bool(recompute) and stage < P - 1) > P - stage
 
 
 @functools.lru_cache(maxsize=1024)
