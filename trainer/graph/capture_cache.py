@@ -79,9 +79,13 @@ def _settings(m: nn.Module) -> str:
     """A module's settings that are not tensors: what its forward may read beside its weights
     (heads, eps, a dropout rate, a flag). Its extra_repr, and every plain value among its attributes."""
     plain = (bool, int, float, str, type(None))
-    found = {k: v for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, plain)}
+    found = {}
     for k, v in vars(m).items():
-        if not k.startswith("_") and isinstance(v, (tuple, list)) and all(isinstance(x, plain) for x in v):
+        if k.startswith("_"):
+            continue
+        if isinstance(v, plain):
+            found[k] = v
+        elif isinstance(v, (tuple, list)) and all(isinstance(x, plain) for x in v):
             found[k] = list(v)
     try:
         extra = m.extra_repr()

@@ -72,7 +72,8 @@ SCHEMA_VERSION = 6
 # older ones migrate: zero message overheads, no tied sets, no step temporaries, no busy slowdown,
 # no worker bytes, no split backward times
 _READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
-_SPLIT = ("input_grad_s", "weight_grad_s")   # with split_bytes: what version 6 added
+_SPLIT = ("input_grad_s", "weight_grad_s")   # measured together, or not at all
+_ADDED_IN_6 = (*_SPLIT, "split_bytes")
 LINK_KINDS = ("intra", "inter")  # same host, across hosts
 
 
@@ -336,7 +337,7 @@ class Calibration:
         names |= {"step_bytes_add"} if version in (3, 4, 5, 6) else set()
         names |= {"busy_slowdown", "busy_load"} if version in (4, 5, 6) else set()
         names |= {"worker_bytes"} if version in (5, 6) else set()
-        cost_fields = set(SegmentCost.__slots__) - (set() if version == 6 else {*_SPLIT, "split_bytes"})
+        cost_fields = set(SegmentCost.__slots__) - (set() if version == 6 else set(_ADDED_IN_6))
         top = _fields(doc, "calibration", names)
         if top["schema"] != SCHEMA:
             raise CalibrationError(f"not a calibration document (schema {top['schema']!r})")

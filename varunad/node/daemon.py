@@ -428,6 +428,7 @@ class Daemon(PlanFollowing):
         elif not task.cancelled() and task.exception() is not None:
             log.debug("%s: task %s ended with %r while stopping", self.name, task.get_name(), task.exception())
 
+
 def _setup_child_watcher() -> None:
     """Reap workers with pidfds (no helper thread per child, as Python 3.11's default has)."""
     if sys.version_info >= (3, 12) or not hasattr(asyncio, "PidfdChildWatcher"):
