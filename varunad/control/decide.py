@@ -51,6 +51,8 @@ class LeaderMemory:
     morph: dict[str, dict] = field(default_factory=dict)
     links_since: dict[str, float] = field(default_factory=dict)  # job -> when its first plan began to wait for links
     warming_since: dict[tuple[str, int], float] = field(default_factory=dict)  # (member, lease) -> first seen warming
+    # member -> until when its unparseable key is awaited to be written again (varunad.control.outage)
+    unreadable_until: dict[str, float] = field(default_factory=dict)
 
 
 # How long a scale-up waits for a joined VM's spare workers to import torch (DaemonMember.warming):
@@ -158,12 +160,18 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     why = _root_failure(records)
     if why is not None:
         return Decision("abort", why, job, failure=True)
-    verdict = judge_members(plan, epoch, snap.members, snap.reports, now=now, outage_until=outage_until)
+    verdict = judge_members(plan, epoch, snap.members, snap.reports, now=now, outage_until=outage_until,
+                            unreadable_until=memory.unreadable_until)
     if verdict.gone:
         return Decision("abort", f"{was_lost(verdict.gone)} (its lease ended): re-planning on the VMs left", job)
     if verdict.awaited:
         return Decision("wait", f"etcd was unavailable: waiting up to {outage_until - now:.0f}s for "
                                 f"{', '.join(verdict.awaited)} to register again before counting it lost", job)
+    if verdict.unreadable:
+        names = ", ".join(verdict.unreadable)
+        return Decision("wait", f"the member key of {names} does not parse: waiting up to "
+                                f"{max(memory.unreadable_until[m] for m in verdict.unreadable) - now:.0f}s for its "
+                                "daemon to write it again before counting it lost", job)
     leaving = [m for m in plan.members if snap.members[m][0].draining]
     if leaving:
         return Decision("abort", f"{', '.join(leaving)} is leaving (a stop or a preemption notice): checkpointing, "

@@ -50,6 +50,9 @@ class FleetSnapshot:
     cancels: frozenset[str]
     reports: dict[str, WorkerReport]
     notes: tuple[str, ...] = field(default=())
+    # members whose key is there but does not parse (overwritten by hand or by a stray writer):
+    # their daemon may be alive and about to write it again (varunad.control.outage)
+    unreadable: frozenset[str] = field(default=frozenset())
 
     def entry(self, job: str) -> JobEntry | None:
         return next((e for e in self.jobs if e.job == job), None)
@@ -61,7 +64,7 @@ class FleetSnapshot:
 
 async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:
     notes: list[str] = []
-    members = await _read_members(store, keys, timeout=timeout)
+    members, unreadable = await _read_members(store, keys, timeout=timeout)
     plan, epoch = await read_plan(store, keys, timeout=timeout)
 
     jobs = []
@@ -96,20 +99,23 @@ async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapsh
 
     revision, reports = await _read_reports(store, keys, timeout=timeout)
     return FleetSnapshot(revision, members, plan, epoch, tuple(jobs), states, frozenset(cancels), reports,
-                         tuple(notes))
+                         tuple(notes), unreadable)
 
 
 async def read_members_and_reports(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:
     """A snapshot of the members and their worker reports only (no plan, jobs or states): what
     the leader's wait for a stop reads, many times a second, where the whole fleet is 7 reads."""
-    members = await _read_members(store, keys, timeout=timeout)
+    members, unreadable = await _read_members(store, keys, timeout=timeout)
     revision, reports = await _read_reports(store, keys, timeout=timeout)
-    return FleetSnapshot(revision, members, None, 0, (), {}, frozenset(), reports, ())
+    return FleetSnapshot(revision, members, None, 0, (), {}, frozenset(), reports, (), unreadable)
 
 
-async def _read_members(store: Store, keys: Keys, *, timeout: float) -> dict[str, tuple[DaemonMember, int]]:
-    members = {}
+async def _read_members(store: Store, keys: Keys, *,
+                        timeout: float) -> tuple[dict[str, tuple[DaemonMember, int]], frozenset[str]]:
+    """The members that parse, and the names whose key does not."""
+    members, unreadable = {}, set()
     for kv in await store.get_prefix(keys.members, timeout=timeout):
+        name = None
         try:
             name = keys.member_name(kv.key)
             member = schemas.decoded(kv.key, kv.value, parse_member)
@@ -117,9 +123,11 @@ async def _read_members(store: Store, keys: Keys, *, timeout: float) -> dict[str
                 raise ValueError(f"it describes {member.name!r}")
         except ValueError as exc:
             schemas.reject("member", kv.key, exc)
+            if name is not None:
+                unreadable.add(name)
             continue
         members[name] = (member, kv.lease)
-    return members
+    return members, frozenset(unreadable)
 
 
 async def _read_reports(store: Store, keys: Keys, *, timeout: float) -> tuple[int, dict[str, WorkerReport]]:

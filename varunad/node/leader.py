@@ -174,6 +174,9 @@ class Leader(LeaderPlanning, LeaderPace):
             if paused or self._store_paused == snap.plan_epoch:
                 self.memory.epoch_seen[snap.plan_epoch] = now
             self._store_paused = snap.plan_epoch if paused else None
+        # a live daemon writes its key back at once; a dead one's garbage stays: lost after a TTL
+        grace = self.config.ttl + self.config.loop_wait
+        self.memory.unreadable_until = {m: self.memory.unreadable_until.get(m, now + grace) for m in snap.unreadable}
         decision = decide(snap, self.memory, now=now, start_timeout=self.config.start_timeout,
                           outage_until=self._outage_until())
         sentence = decision.sentence
