@@ -438,6 +438,10 @@ def garbage_in_etcd(run: Run) -> None:
     # its owner's: it is back under its lease at once
     run.ring.poll(lambda: run.ring.call(run.ring.store.get(k.member(victim))).lease != 0, timeout=10,
                   what=f"{victim}'s member key back on its lease")
+    # an etcdctl del of a live member's key: its lease lives, so the leader waits for it to come back
+    run.ring.call(run.ring.store.delete(k.member(victim)))
+    run.ring.poll(lambda: (kv := run.ring.call(run.ring.store.get(k.member(victim)))) is not None and kv.lease != 0,
+                  timeout=10, what=f"{victim}'s deleted member key back on its lease")
 
 
 def garbage_everywhere(run: Run) -> None:

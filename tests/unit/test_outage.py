@@ -69,13 +69,13 @@ def test_a_member_whose_workers_finished_during_the_outage_is_not_lost():
     assert d(snap).action == "nothing"
 
 
-def test_a_member_key_that_does_not_parse_is_awaited_for_a_while_then_lost():
-    # garbage written over d2's key: its daemon writes it back under its lease at once when alive
+def test_a_member_key_gone_while_its_lease_lives_is_awaited_for_a_while_then_lost():
+    # d2's key deleted or overwritten by hand while its lease lives: its daemon writes it back at once
     plan = run_plan()
     members = {n: (member(n), 100 + int(n[-1])) for n in ("d1", "d3")}
     snap = snapshot(plan=plan, epoch=50, states=running(), members=members, reports=reports_for(plan, 50))
-    memory = LeaderMemory(unreadable_until={"d2": 104.0})
+    memory = LeaderMemory(restoring_until={"d2": 104.0})
     dec = decide(snap, memory, now=100.0, start_timeout=60.0)
-    assert dec.action == "wait" and "d2 does not parse" in dec.reason, dec.sentence
+    assert dec.action == "wait" and "d2 is missing or unreadable but its lease lives" in dec.reason, dec.sentence
     dec = decide(snap, memory, now=105.0, start_timeout=60.0)
     assert dec.action == "abort" and "d2 was lost" in dec.reason, dec.sentence

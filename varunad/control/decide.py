@@ -51,8 +51,8 @@ class LeaderMemory:
     morph: dict[str, dict] = field(default_factory=dict)
     links_since: dict[str, float] = field(default_factory=dict)  # job -> when its first plan began to wait for links
     warming_since: dict[tuple[str, int], float] = field(default_factory=dict)  # (member, lease) -> first seen warming
-    # member -> until when its unparseable key is awaited to be written again (varunad.control.outage)
-    unreadable_until: dict[str, float] = field(default_factory=dict)
+    # member -> until when its key, missing while its planned lease lives, is awaited back (varunad.control.outage)
+    restoring_until: dict[str, float] = field(default_factory=dict)
 
 
 # How long a scale-up waits for a joined VM's spare workers to import torch (DaemonMember.warming):
@@ -161,16 +161,16 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     if why is not None:
         return Decision("abort", why, job, failure=True)
     verdict = judge_members(plan, epoch, snap.members, snap.reports, now=now, outage_until=outage_until,
-                            unreadable_until=memory.unreadable_until)
+                            restoring_until=memory.restoring_until)
     if verdict.gone:
         return Decision("abort", f"{was_lost(verdict.gone)} (its lease ended): re-planning on the VMs left", job)
     if verdict.awaited:
         return Decision("wait", f"etcd was unavailable: waiting up to {outage_until - now:.0f}s for "
                                 f"{', '.join(verdict.awaited)} to register again before counting it lost", job)
-    if verdict.unreadable:
-        names = ", ".join(verdict.unreadable)
-        return Decision("wait", f"the member key of {names} does not parse: waiting up to "
-                                f"{max(memory.unreadable_until[m] for m in verdict.unreadable) - now:.0f}s for its "
+    if verdict.restoring:
+        return Decision("wait", f"the member key of {', '.join(verdict.restoring)} is missing or unreadable but "
+                                f"its lease lives: waiting up to "
+                                f"{max(memory.restoring_until[m] for m in verdict.restoring) - now:.0f}s for its "
                                 "daemon to write it again before counting it lost", job)
     leaving = [m for m in plan.members if snap.members[m][0].draining]
     if leaving:

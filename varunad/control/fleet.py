@@ -50,9 +50,6 @@ class FleetSnapshot:
     cancels: frozenset[str]
     reports: dict[str, WorkerReport]
     notes: tuple[str, ...] = field(default=())
-    # members whose key is there but does not parse (overwritten by hand or by a stray writer):
-    # their daemon may be alive and about to write it again (varunad.control.outage)
-    unreadable: frozenset[str] = field(default=frozenset())
 
     def entry(self, job: str) -> JobEntry | None:
         return next((e for e in self.jobs if e.job == job), None)
@@ -64,7 +61,7 @@ class FleetSnapshot:
 
 async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:
     notes: list[str] = []
-    members, unreadable = await _read_members(store, keys, timeout=timeout)
+    members = await _read_members(store, keys, timeout=timeout)
     plan, epoch = await read_plan(store, keys, timeout=timeout)
 
     jobs = []
@@ -99,23 +96,20 @@ async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapsh
 
     revision, reports = await _read_reports(store, keys, timeout=timeout)
     return FleetSnapshot(revision, members, plan, epoch, tuple(jobs), states, frozenset(cancels), reports,
-                         tuple(notes), unreadable)
+                         tuple(notes))
 
 
 async def read_members_and_reports(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:
     """A snapshot of the members and their worker reports only (no plan, jobs or states): what
     the leader's wait for a stop reads, many times a second, where the whole fleet is 7 reads."""
-    members, unreadable = await _read_members(store, keys, timeout=timeout)
+    members = await _read_members(store, keys, timeout=timeout)
     revision, reports = await _read_reports(store, keys, timeout=timeout)
-    return FleetSnapshot(revision, members, None, 0, (), {}, frozenset(), reports, (), unreadable)
+    return FleetSnapshot(revision, members, None, 0, (), {}, frozenset(), reports, ())
 
 
-async def _read_members(store: Store, keys: Keys, *,
-                        timeout: float) -> tuple[dict[str, tuple[DaemonMember, int]], frozenset[str]]:
-    """The members that parse, and the names whose key does not."""
-    members, unreadable = {}, set()
+async def _read_members(store: Store, keys: Keys, *, timeout: float) -> dict[str, tuple[DaemonMember, int]]:
+    members = {}
     for kv in await store.get_prefix(keys.members, timeout=timeout):
-        name = None
         try:
             name = keys.member_name(kv.key)
             member = schemas.decoded(kv.key, kv.value, parse_member)
@@ -123,11 +117,9 @@ async def _read_members(store: Store, keys: Keys, *,
                 raise ValueError(f"it describes {member.name!r}")
         except ValueError as exc:
             schemas.reject("member", kv.key, exc)
-            if name is not None:
-                unreadable.add(name)
             continue
         members[name] = (member, kv.lease)
-    return members, frozenset(unreadable)
+    return members
 
 
 async def _read_reports(store: Store, keys: Keys, *, timeout: float) -> tuple[int, dict[str, WorkerReport]]:

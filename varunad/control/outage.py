@@ -11,9 +11,9 @@ checkpoint. So losing a member is decided by evidence from the member, not by et
 * a member whose key is absent while *this* daemon has just seen etcd fail (its own renewal
   failed or it registered again) is given ``grace`` seconds to come back before it is counted
   lost: its daemon is most likely reconnecting, as this one did;
-* a member whose key is there but does not parse (overwritten by a stray writer or a hand edit)
-  is given until ``unreadable_until[m]`` to write it again: a live daemon watches its own key and
-  writes it back under its lease at once, a dead one leaves the garbage, and is lost after that;
+* a member whose key is absent or does not parse (a stray ``etcdctl del`` or ``put``) while the
+  lease it was planned under still lives is given until ``restoring_until[m]`` to write it back:
+  its daemon is renewing that lease, and watches its key, so it writes it again at once;
 * otherwise (no key, and etcd has been healthy here; or a new incarnation without live workers:
   a restarted daemon) the member is gone, and the epoch is broken.
 
@@ -37,23 +37,24 @@ __all__ = ["Verdict", "judge_members"]
 class Verdict:
     """The members of a plan that are gone, and those still awaited after an etcd outage."""
 
-    __slots__ = ("gone", "awaited", "unreadable")
+    __slots__ = ("gone", "awaited", "restoring")
 
-    def __init__(self, gone: list[str], awaited: list[str], unreadable: list[str] | None = None) -> None:
-        self.gone, self.awaited, self.unreadable = gone, awaited, unreadable or []
+    def __init__(self, gone: list[str], awaited: list[str], restoring: list[str] | None = None) -> None:
+        self.gone, self.awaited, self.restoring = gone, awaited, restoring or []
 
 
 def judge_members(plan: PlanDoc, epoch: int, members: Mapping[str, tuple[object, int]],
                   reports: Mapping[str, WorkerReport], *, now: float, outage_until: float,
-                  unreadable_until: Mapping[str, float] | None = None) -> Verdict:
+                  restoring_until: Mapping[str, float] | None = None) -> Verdict:
     """``members``: name -> (facts, lease id) as registered now; ``outage_until``: until when (on
     ``now``'s clock) absent members are awaited because this daemon saw etcd fail (0: it did not);
-    ``unreadable_until``: for a member whose key does not parse, until when it is awaited."""
-    gone, awaited, unreadable = [], [], []
+    ``restoring_until``: for a member whose key is missing while its lease lives, until when its key
+    is awaited back."""
+    gone, awaited, restoring = [], [], []
     for m in plan.members:
         if m not in members:
-            if now < (unreadable_until or {}).get(m, 0.0):
-                unreadable.append(m)
+            if now < (restoring_until or {}).get(m, 0.0):
+                restoring.append(m)
             else:
                 (awaited if now < outage_until else gone).append(m)
             continue
@@ -69,4 +70,4 @@ def judge_members(plan: PlanDoc, epoch: int, members: Mapping[str, tuple[object,
         kept = report is not None and report.job == plan.job and report.epoch == epoch and bool(report.workers)
         if not kept:
             gone.append(m)
-    return Verdict(gone, awaited, unreadable)
+    return Verdict(gone, awaited, restoring)

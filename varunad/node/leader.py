@@ -174,9 +174,7 @@ class Leader(LeaderPlanning, LeaderPace):
             if paused or self._store_paused == snap.plan_epoch:
                 self.memory.epoch_seen[snap.plan_epoch] = now
             self._store_paused = snap.plan_epoch if paused else None
-        # a live daemon writes its key back at once; a dead one's garbage stays: lost after a TTL
-        grace = self.config.ttl + self.config.loop_wait
-        self.memory.unreadable_until = {m: self.memory.unreadable_until.get(m, now + grace) for m in snap.unreadable}
+        await self._await_restoring(snap, now)
         decision = decide(snap, self.memory, now=now, start_timeout=self.config.start_timeout,
                           outage_until=self._outage_until())
         sentence = decision.sentence
@@ -208,6 +206,24 @@ class Leader(LeaderPlanning, LeaderPace):
             await self.links.survey({m.name: m for m, _ in snap.usable()}, busy)
         except StoreError as exc:
             log.warning("leader: link survey: %s", exc)
+
+    async def _await_restoring(self, snap: FleetSnapshot, now: float) -> None:
+        """Note the planned members whose key is missing or unreadable while the lease they were
+        planned under lives (varunad.control.outage): a stray delete or put, which their daemon
+        undoes at once. A lease that ended, or that etcd cannot vouch for now, is no such member."""
+        plan = snap.plan
+        missing = [m for m in plan.members if m not in snap.members] if plan is not None and plan.kind == "run" else []
+        alive = []
+        for m in missing:
+            lease = plan.incarnations.get(m)
+            try:
+                if lease and await self.store.time_to_live(lease, timeout=self.t) is not None:
+                    alive.append(m)
+            except StoreError as exc:
+                log.debug("leader: cannot ask etcd about %s's lease (%s)", m, exc)
+        # bounded: a daemon that cannot write its own key for a TTL is not one to plan on
+        grace = self.config.ttl + self.config.loop_wait
+        self.memory.restoring_until = {m: self.memory.restoring_until.get(m, now + grace) for m in alive}
 
     def _outage_until(self) -> float:
         """Until when absent members are awaited (varunad.control.outage): two TTLs after this daemon last
