@@ -8,8 +8,12 @@ step), plain SGD, one torch thread per process. Contenders:
               then the optimizer step
 - ours/<schedule>/rc<0|1>   trainer.Varuna at P=2, D=1 via trainer.launch, for the schedules
               of the schedule table (varuna, gpipe, 1f1b, zb-h1), recompute off (rc0) and on (rc1)
-- torch/<schedule>          torch.distributed.pipelining PipelineStage (manual halves) over gloo,
-              ScheduleGPipe and Schedule1F1B, 2 processes
+- torch/<schedule>          torch.distributed.pipelining over gloo, 2 processes, every schedule it
+              ships: ScheduleGPipe, Schedule1F1B and ScheduleInterleavedZeroBubble (zb-h1) on the
+              same halves; ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble on 4 chunks of
+              2 blocks looped (rank r holds chunks r and r+2); ScheduleZBVZeroBubble and
+              ScheduleDualPipeV on the same chunks in a V (rank 0 holds 0 and 3, rank 1 holds 1 and 2).
+              Each rank holds 4 blocks either way; `ratio_vs_torch` is against the best of them
 - ceiling     two `single` processes run concurrently: their combined throughput over one alone
               is what this machine gives two single-threaded processes (the efficiency ceiling)
 
@@ -56,7 +60,15 @@ from trainer.planning.schedule import SCHEDULES  # noqa: E402  (after the path i
 __all__ = ["main"]
 
 WIDTH, LAYERS, CUT, MICRO, P = 512, 8, 3, 4, 2
-TORCH_SCHEDULES = ("gpipe", "1f1b")
+# name -> (torch's class, which chunks of 2 blocks each rank holds: None for the two halves)
+TORCH_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", None), "1f1b": ("Schedule1F1B", None),
+    "zb-h1": ("ScheduleInterleavedZeroBubble", None),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", ((0, 2), (1, 3))),
+    "interleaved-zb": ("ScheduleInterleavedZeroBubble", ((0, 2), (1, 3))),
+    "zbv": ("ScheduleZBVZeroBubble", ((0, 3), (1, 2))),
+    "dualpipev": ("ScheduleDualPipeV", ((0, 3), (1, 2))),
+}
 N_BATCHES = 4   # distinct global batches, cycled
 
 
@@ -125,7 +137,7 @@ def _worker(ns) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     from trainer import Varuna
     from trainer.planning.schedule import Kind
@@ -146,16 +158,26 @@ def _worker(ns) -> None:
     ex._DISPATCH = {k: (clocks["ours"].wrap(f) if k in compute else f) for k, f in type(ex)._DISPATCH.items()}
     varuna.optimizer.step = clocks["ours"].wrap(varuna.optimizer.step)
 
-    # torch.distributed.pipelining: the same two halves, over the same gloo world group
-    blocks = list(_model().body)
-    half = nn.Sequential(*(blocks[:CUT + 1] if rank == 0 else blocks[CUT + 1:]))
-    stage = PipelineStage(half, rank, P, torch.device("cpu"))
-    t_opt = _sgd(half.parameters())
-    stage.forward_one_chunk = clocks["torch"].wrap(stage.forward_one_chunk)
-    stage.backward_one_chunk = clocks["torch"].wrap(stage.backward_one_chunk)
-    t_opt_step = clocks["torch"].wrap(t_opt.step)
-    scheds = {"gpipe": ScheduleGPipe(stage, m, loss_fn=nn.functional.mse_loss),
-              "1f1b": Schedule1F1B(stage, m, loss_fn=nn.functional.mse_loss)}
+    # torch.distributed.pipelining, over the same gloo world group: each schedule on its own copy
+    # of the model (the halves, or chunks of 2 blocks), with its own optimizer
+    scheds = {}
+    for name, (cls, chunks) in TORCH_SCHEDULES.items():
+        blocks = list(_model().body)
+        if chunks is None:
+            ids, n = (rank,), P
+            mods = [nn.Sequential(*(blocks[:CUT + 1] if rank == 0 else blocks[CUT + 1:]))]
+        else:
+            ids, n = chunks[rank], 2 * P
+            mods = [nn.Sequential(*blocks[2 * i:2 * i + 2]) for i in ids]
+        stages = [PipelineStage(mod, i, n, torch.device("cpu")) for mod, i in zip(mods, ids)]
+        for st in stages:
+            for fn in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(st, fn):
+                    setattr(st, fn, clocks["torch"].wrap(getattr(st, fn)))
+        multi = issubclass(getattr(schedules, cls), schedules.PipelineScheduleMulti)
+        sched = getattr(schedules, cls)(stages if multi else stages[0], m, loss_fn=nn.functional.mse_loss)
+        opt = _sgd([p for mod in mods for p in mod.parameters()])
+        scheds[name] = (sched, opt, clocks["torch"].wrap(opt.step), 0 in ids, n - 1 in ids)
 
     # single: the whole model, micro-batch after micro-batch
     whole = _model()
@@ -170,15 +192,13 @@ def _worker(ns) -> None:
         s_opt_step()
         s_opt.zero_grad(set_to_none=True)
 
-    def torch_step(sched):
+    def torch_step(sched, opt, opt_step, first, last):
         def step(i):
             b = batches[i % N_BATCHES]
-            if rank == 0:
-                sched.step(b["x"])
-            else:
-                sched.step(target=b["y"], losses=[])
-            t_opt_step()
-            t_opt.zero_grad(set_to_none=True)
+            # in a V the first and the last stage are on rank 0
+            sched.step(*((b["x"],) if first else ()), **(dict(target=b["y"], losses=[]) if last else {}))
+            opt_step()
+            opt.zero_grad(set_to_none=True)
         return step
 
     def ours_step(i):
@@ -194,7 +214,7 @@ def _worker(ns) -> None:
                 varuna.schedule, varuna.recompute = extra["schedule"], extra["recompute"]
                 out = _timed_loop(ours_step, ns, clocks["ours"], wait=lambda: varuna.channel.wait_s)
             elif name.startswith("torch/"):
-                out = _timed_loop(torch_step(scheds[extra["schedule"]]), ns, clocks["torch"])
+                out = _timed_loop(torch_step(*scheds[extra["schedule"]]), ns, clocks["torch"])
             else:
                 out = _timed_loop(single_step, ns, clocks["single"])
             results.setdefault(name, []).append(out)
@@ -314,11 +334,11 @@ def _report(res, m: int, batch: int) -> int:
         ranks = range(P) if name != "single" else (0,)
         return sum(sum(x["cpu_per_step"] for x in res[name][r]) / len(res[name][r]) for r in ranks)
 
-    print(f"\n{'contender':<17}{'step ms':>8}{'samples/s':>10}{'/torch':>7}{'eff':>7}{'cpu ms':>8}{'/single':>8}"
+    print(f"\n{'contender':<23}{'step ms':>8}{'samples/s':>10}{'/torch':>7}{'eff':>7}{'cpu ms':>8}{'/single':>8}"
           f"  idle s0/s1: recv-wait  1-compute/wall")
     for name, r in rate.items():
         eff = r / (ideal if name != "single" else single)
-        line = (f"{name:<17}{1e3 * batch / r:>8.2f}{r:>10.0f}{r / best_torch:>7.2f}{eff:>7.3f}"
+        line = (f"{name:<23}{1e3 * batch / r:>8.2f}{r:>10.0f}{r / best_torch:>7.2f}{eff:>7.3f}"
                 f"{1e3 * cpu(name):>8.1f}{cpu(name) / cpu('single'):>8.2f}  ")
         if name == "single":
             line += f"{'-':>21}  {1 - frac(name, 0, 'compute_frac'):>14.3f}"
@@ -337,6 +357,9 @@ def _report(res, m: int, batch: int) -> int:
           f"{best_rc0 / ideal / (ceiling / P):.2f} of it)")
     print(f"best ours {max(ours, key=ours.get)} {best_ours:.0f}/s, best torch {max(torch_, key=torch_.get)} "
           f"{best_torch:.0f}/s, best ours recompute off {best_rc0:.0f}/s")
+    # no schedule beats the machine: P processes at its ceiling with no bubble at all
+    print(f"the most any schedule can reach here: ceiling x single = {ceiling * single:.0f}/s, "
+          f"{ceiling * single / best_torch:.2f}x the best torch")
     print(f"bench pipeline: ratio_vs_torch={best_ours / best_torch:.3f} efficiency={best_rc0 / ideal:.3f} "
           f"of_ceiling={best_rc0 / ideal / (ceiling / P):.3f}")
     return 0
