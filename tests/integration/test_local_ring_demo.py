@@ -163,6 +163,12 @@ def test_quick_demo_morphs_and_finishes_with_lower_loss(tmp_path):
         assert int(summary[2]) == 0, out
     assert morphs >= 1 and last < first
     assert "stopped etcd" in out
+    # the VM that calibrated the model kept its export for the job's workers: its first worker loaded
+    # it (one that exported again would have written it anew, after the calibration)
+    calibrated = list(state.glob("vm*/calibration/calibration-*.json"))
+    assert len(calibrated) == 1, calibrated
+    kept = list((calibrated[0].parent.parent / "captures").glob("*/*/capture-*.pt2"))
+    assert len(kept) == 1 and kept[0].stat().st_mtime <= calibrated[0].stat().st_mtime, kept
 
     report = state / "report"
     assert png_size(report / "loss.png") == (900, 450) and png_size(report / "throughput.png") == (900, 550)

@@ -218,3 +218,23 @@ def test_the_key_reads_no_weight_values():
     model, batch = _gpt()
     other, _ = _gpt(seed=7)
     assert capture_cache.cache_key(model, batch, {}) == capture_cache.cache_key(other, batch, {})
+
+
+def test_a_calibrations_capture_is_the_one_the_first_worker_loads(tmp_path):
+    """The calibration run keeps its export where the job's workers look: the worker that follows
+    on the same VM loads it (at its own micro-batch size), and the model's fingerprint, which
+    finds the calibration again, is the same from the kept program as from a fresh export."""
+    from trainer.profiler.calibrate import Profiler
+    from trainer.profiler.identity import model_fingerprint
+
+    model, batch = _gpt()
+
+    def get_batch(n, device=None):
+        return {k: v[:n] for k, v in batch.items()}
+
+    profiler = Profiler(model, get_batch, out_folder=tmp_path / "profiles", capture_cache=tmp_path / "cap")
+    assert not profiler.traced.reused and len(_entries(tmp_path / "cap")) == 1
+    worker = capture_model(model, get_batch(3), cache_dir=tmp_path / "cap")
+    assert worker.reused and len(_entries(tmp_path / "cap")) == 1
+    assert model_fingerprint(model, traced=worker) == profiler.fingerprint
+    torch.testing.assert_close(_loss_and_grads(worker, model, batch, [1])[0], model(**batch).detach())

@@ -65,7 +65,7 @@ class Profiler:
                  optimizer_factor: float = 2.0, links: Mapping[str, LinkCost] | None = None,
                  allreduce: Mapping[str, LinkCost] | None = None, inter_link: LinkCost | None = None,
                  inter_allreduce: LinkCost | None = None, in_flight: int | None = None,
-                 busy_slots: int | None = None) -> None:
+                 busy_slots: int | None = None, capture_cache: str | os.PathLike[str] | None = None) -> None:
         if repeats < 1 or warmup < 0:
             raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
         self.model = model
@@ -94,7 +94,8 @@ class Profiler:
             self._links["inter"] = inter_link
         if inter_allreduce is not None:
             self._allreduce["inter"] = inter_allreduce
-        self.traced = capture_model(model, get_batch_fn(2, device_of(model)))
+        # kept where the job's workers look (trainer.graph.capture_cache): this VM's first worker loads it
+        self.traced = capture_model(model, get_batch_fn(2, device_of(model)), cache_dir=capture_cache)
         self.fingerprint = model_fingerprint(model, traced=self.traced, precision=self.precision)
         self.device_kind = device_kind or device_kind_of(self.device, self.slots)
         self.n_segments = len(self.traced.markers) + 1

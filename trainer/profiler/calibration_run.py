@@ -57,7 +57,7 @@ class CalibrationRun:
         profiler = Profiler(self.model, self.get_batch_fn, device=self.device,
                             out_folder=os.path.dirname(os.path.abspath(a.profile)),
                             gpus_per_node=a.profile_slots, busy_slots=a.profile_machine_slots,
-                            precision=self.precision)
+                            precision=self.precision, capture_cache=a.capture_cache)
         if optimizer is not None:
             profiler.set_optimizer(optimizer)
         meter = PeakMemory(self.device, 0)   # from the captured model: what a worker holds before it trains

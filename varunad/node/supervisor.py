@@ -281,8 +281,7 @@ class Supervisor(WorkerStopping):
                 trace_dir=job_trace_dir(store_dir, epoch),
                 checkpoint_tmpdir=str(self._staging_dir(doc.job or "")) if self.config.stage_checkpoints else None,
                 bind_address=self.bind_address, peer_keys=peer_keys, trace_steps=_TRACE_STEPS,
-                # one per bundle: a job submitted again with other files never loads the old capture
-                capture_cache=str(job_dir(self.config.state_dir, CAPTURES, doc.job or "") / spec.bundle_digest[:16]),
+                capture_cache=self._capture_dir(doc.job or "", spec),
             )
             ports = [member.worker_ports[s.slot]] + ([member.rendezvous_port] if s.rank == 0 else [])
             token = new_token()
@@ -291,6 +290,11 @@ class Supervisor(WorkerStopping):
                               script, list(spec.args), worker_environment(assignment, extra={**extra, TOKEN_ENV: token}))
         log.info("%s: started %d worker(s) of %s epoch %d (%s, ranks %s)", self.name, len(mine), doc.job, epoch,
                  doc.shape, [s.rank for s in mine])
+
+    def _capture_dir(self, job: str, spec: JobSpec) -> str:
+        """Where this VM keeps the job's exported model (trainer.graph.capture_cache): one per bundle,
+        so a job submitted again with other files never loads the old capture."""
+        return str(job_dir(self.config.state_dir, CAPTURES, job) / spec.bundle_digest[:16])
 
     async def start_profile(self, doc: PlanDoc, epoch: int, spec: JobSpec, script: Path, out_path: str) -> None:
         """Run the script once on slot 0 with VARUNA_PROFILE: it writes the calibration and exits 0.
@@ -318,7 +322,7 @@ class Supervisor(WorkerStopping):
             job=doc.job or "", epoch=epoch, threads=threads,
             device=self._device(member, 0), control=self.control_endpoint, batch_size=spec.batch_size, steps=spec.steps,
             profile=out_path, profile_slots=busy_slots, profile_machine_slots=machine_slots,
-            bind_address=self.bind_address,
+            bind_address=self.bind_address, capture_cache=self._capture_dir(doc.job or "", spec),
         )
         with contextlib.suppress(FileNotFoundError):
             os.unlink(out_path)
