@@ -339,6 +339,21 @@ def freeze_daemon(run: Run) -> None:
     os.killpg(pgid, signal.SIGCONT)
 
 
+def freeze_worker(run: Run) -> None:
+    """One worker stopped for good (SIGSTOP) while its daemon and its lease live on: no member is
+    lost and no worker fails, so only the epoch's missing steps say it is stuck (varunad.control.stall)."""
+    victim = next(m for m in run.plan_members() if m != run.leader())
+    report = json.loads(run.ring.call(run.ring.store.get(run.ring.keys.workers_of(victim))).value)
+    pid = next(w["pid"] for w in report["workers"] if w["pid"])
+    os.kill(pid, signal.SIGSTOP)   # never continued: its daemon ends it when the epoch stops
+
+    def said_stuck(st: dict) -> str | None:
+        if any("a worker is stuck" in m.get("reason", "") for m in st.get("morphs", [])):
+            return None
+        return f"no morph names the stuck worker: {[m.get('reason') for m in st.get('morphs', [])]}"
+    run.checks.append(said_stuck)
+
+
 def compact_restart_kill9_leader(run: Run) -> None:
     """etcd's history compacted, etcd restarted, then the leader killed: the next leader must follow
     the plan the dead one wrote, whose revision's history is gone (issue 27: this froze the fleet)."""
@@ -499,6 +514,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # the thawed VM finds a newer plan and stops its worker; it is not taken back in (no scale-up
     # morph: that is kill9-vm's job), which keeps the scenario short
     "frozen-daemon": dict(fault=freeze_daemon, flags=("--scale-up-threshold", "1000")),
+    # a worker stopped for good, its daemon alive: the epoch is restarted once 6 s pass without a step
+    "frozen-worker": dict(fault=freeze_worker, flags=("--stall-timeout", "6")),
     # checkpoints at 4 and 8, the one at 8 corrupted: the resume loads 4, so up to two intervals are redone
     "corrupt-checkpoint": dict(fault=corrupt_newest_checkpoint, steps=18, fault_at=9, max_redone=2 * EVERY),
     # garbage in every etcd key family and forged plans, then on every socket: one job for both;

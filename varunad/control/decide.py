@@ -14,6 +14,7 @@ from varunad.control.fleet import FleetSnapshot, JobEntry
 from varunad.control.outage import judge_members
 from varunad.control.plans import PlanDoc
 from varunad.control.records import WorkerRecord
+from varunad.control.stall import StepWatch
 
 __all__ = ["Decision", "LeaderMemory", "calibration_failed", "decide", "epoch_failure", "error_summary", "was_lost", "who_and_cause",
            "cause_of", "store_failing"]
@@ -51,6 +52,8 @@ class LeaderMemory:
     morph: dict[str, dict] = field(default_factory=dict)
     links_since: dict[str, float] = field(default_factory=dict)  # job -> when its first plan began to wait for links
     warming_since: dict[tuple[str, int], float] = field(default_factory=dict)  # (member, lease) -> first seen warming
+    # the running epoch's newest step, from its progress records (LeaderPace; varunad.control.stall)
+    steps: StepWatch = field(default_factory=StepWatch)
     # member -> until when its key, missing while its planned lease lives, is awaited back (varunad.control.outage)
     restoring_until: dict[str, float] = field(default_factory=dict)
 
@@ -118,7 +121,7 @@ def _queued(snap: FleetSnapshot) -> JobEntry | None:
 
 
 def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeout: float,
-           outage_until: float = 0.0) -> Decision:
+           outage_until: float = 0.0, stall_timeout: float = 0.0) -> Decision:
     """What to do next, from the snapshot alone (and when this leader first saw each epoch)."""
     for entry in snap.jobs:
         st = snap.states.get(entry.job)
@@ -181,9 +184,15 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     seen = memory.epoch_seen.get(epoch, now)
     started = any(r is not None and r.step >= 0 for _, r in records.values())
     # workers that hold the epoch's fence while the checkpoint store refuses it are not stuck
-    if not started and not store_failing(snap) and now - seen > start_timeout:
+    paused = store_failing(snap)
+    if not started and not paused and now - seen > start_timeout:
         return Decision("abort", f"the workers of epoch {epoch} did not reach a first step within "
                                  f"{start_timeout:.0f}s", job, failure=True)
+    if paused:   # held by the store, not stuck: the wait starts again once it takes their writes
+        memory.steps.since = now
+    stuck = memory.steps.stuck(epoch, now, stall_timeout)
+    if stuck is not None:
+        return Decision("abort", stuck, job, failure=True)
     # by registration, not name: a VM lost and back under the same name (a new lease) is
     # considered again, though the one that vanished was considered while its lease still stood
     usable = frozenset((m.name, lease) for m, lease in snap.usable())

@@ -142,6 +142,9 @@ class DaemonConfig:
     """Seconds the leader waits for more changes after one before deciding."""
     start_timeout: float = 120.0
     """Seconds the workers of a new epoch may take to report their first step."""
+    stall_timeout: float = 300.0
+    """Seconds a running epoch may go without a step (or 10x its longest wait between two steps,
+    if longer) before it counts as stuck and is restarted (varunad.control.stall); 0: never."""
     progress_interval: float = 1.0
     """Seconds between progress (and log) writes to etcd."""
     keep_jobs: int = 10
@@ -170,7 +173,8 @@ class DaemonConfig:
                               "(development only)")
         if self.ttl < 2:
             raise DaemonConfigError(f"--ttl {self.ttl} is below etcd's minimum lease of 2 s")
-        for name in ("slots", "port", "worker_port_base", "memory", "threads", "max_restarts", "metrics_port"):
+        for name in ("slots", "port", "worker_port_base", "memory", "threads", "max_restarts", "metrics_port",
+                     "stall_timeout"):
             if getattr(self, name) < 0:
                 raise DaemonConfigError(f"--{name.replace('_', '-')} must not be negative")
         if self.keep_jobs < 1:
@@ -361,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--debounce", type=float, metavar="SECONDS", help="seconds to collect changes before re-planning (default 0.5)")
     a("--start-timeout", type=float, metavar="SECONDS",
       help="seconds a new epoch may take to its first step (default 120)")
+    a("--stall-timeout", type=float, metavar="SECONDS",
+      help="restart an epoch in which no worker finished a step for this long, or for 10x its longest wait "
+           "between two steps if that is longer: a worker is stuck (stopped, deadlocked); 0 never (default 300)")
     a("--progress-interval", type=float, metavar="SECONDS", help="seconds between progress writes to etcd (default 1)")
     a("--keep-jobs", type=int, metavar="N",
       help="keep the bundles and worker logs of the N most recently used jobs in the state dir; "

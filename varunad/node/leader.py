@@ -176,7 +176,7 @@ class Leader(LeaderPlanning, LeaderPace):
             self._store_paused = snap.plan_epoch if paused else None
         await self._await_restoring(snap, now)
         decision = decide(snap, self.memory, now=now, start_timeout=self.config.start_timeout,
-                          outage_until=self._outage_until())
+                          outage_until=self._outage_until(), stall_timeout=self.config.stall_timeout)
         sentence = decision.sentence
         # One line per decision; a decision repeated cycle after cycle (waiting for slots, say) once.
         log.log(logging.DEBUG if sentence == self._last_sentence else logging.INFO, "%s", sentence)

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from trainer.planning.planner import PlanError
-from varunad.control.decide import Decision
+from varunad.control.decide import Decision, LeaderMemory
 from varunad.control.fleet import FleetSnapshot, read_progress
 from varunad.control.jobs import JobState
 from varunad.control.plans import PlanDoc
@@ -62,6 +62,7 @@ def _names(slowdowns: dict[str, float]) -> str:
 
 class LeaderPace:
     speeds: SlotSpeeds
+    memory: LeaderMemory
     _next_pace: float = 0.0
     _pace_considered: tuple[int, tuple] | None = None
     _pace_adopted: bool = False
@@ -86,10 +87,13 @@ class LeaderPace:
         if not self._pace_adopted:   # a new leader: the stragglers its predecessor planned around
             self._pace_adopted = True
             self.speeds.adopt(state.stragglers, now)
+        progress = await read_progress(self.store, self.keys, plan.job, timeout=self.t)
+        # the epoch's newest step: an epoch that stops stepping is stuck (varunad.control.stall)
+        self.memory.steps.see(snap.plan_epoch, max((p.step for p in progress if p.epoch == snap.plan_epoch),
+                                                   default=-1), now)
         expected = expected_of(plan, state.plan, snap)
         if not expected:
             return False
-        progress = await read_progress(self.store, self.keys, plan.job, timeout=self.t)
         changed = self.speeds.observe(snap.plan_epoch, expected, progress, now, calibrated=plan.calibrated)
         paces, stragglers = dict(self.speeds.paces), dict(self.speeds.stragglers)
         self.metrics.slot_paces(paces, stragglers)
