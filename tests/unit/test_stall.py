@@ -59,8 +59,20 @@ def test_zero_turns_it_off_and_a_new_epoch_starts_a_new_watch():
     watch = StepWatch()
     watch.see(7, 9, 0.0)
     watch.see(8, 2, 50.0)   # the next epoch: its own clock
-    assert watch.stuck(8, 79.0, 30.0) is None and watch.stuck(8, 81.0, 30.0) is not None
-    assert watch.stuck(7, 1000.0, 30.0) is None   # not the epoch it watches
+    watch.see(8, 2, 79.0)
+    assert watch.stuck(8, 30.0) is None
+    watch.see(8, 2, 81.0)
+    assert watch.stuck(8, 30.0) is not None
+    assert watch.stuck(7, 30.0) is None   # not the epoch it watches
+
+
+def test_only_time_between_reads_of_the_progress_counts():
+    # a leader that read no progress for a while (busy with other decisions) judges nothing by it
+    plan, memory = run_plan(), LeaderMemory()
+    at(memory, plan, 3, 100.0)
+    snap = snapshot(plan=plan, epoch=50, states=running(), reports=reports_for(plan, 50, step=3))
+    assert decide(snap, memory, now=1000.0, start_timeout=60.0, stall_timeout=30.0).action == "nothing"
+    assert at(memory, plan, 4, 1001.0).action == "nothing"   # and the step it then reads is new
 
 
 def test_before_the_first_step_only_the_start_timeout_counts():

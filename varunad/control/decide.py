@@ -190,7 +190,7 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
                                  f"{start_timeout:.0f}s", job, failure=True)
     if paused:   # held by the store, not stuck: the wait starts again once it takes their writes
         memory.steps.since = now
-    stuck = memory.steps.stuck(epoch, now, stall_timeout)
+    stuck = memory.steps.stuck(epoch, stall_timeout)
     if stuck is not None:
         return Decision("abort", stuck, job, failure=True)
     # by registration, not name: a VM lost and back under the same name (a new lease) is

@@ -28,22 +28,27 @@ class StepWatch:
     epoch: int = -1
     step: int = -1
     since: float = 0.0     # when `step` was first seen
+    checked: float = 0.0   # when the progress records were last read
     longest: float = 0.0   # the longest wait between two steps seen in this epoch
 
     def see(self, epoch: int, step: int, now: float) -> None:
+        """The progress records read at ``now`` say ``epoch``'s newest step is ``step``."""
         if epoch != self.epoch:
             self.epoch, self.step, self.since, self.longest = epoch, step, now, 0.0
         elif step > self.step:
             if self.step >= 0:
                 self.longest = max(self.longest, now - self.since)
             self.step, self.since = step, now
+        self.checked = now
 
-    def stuck(self, epoch: int, now: float, stall_timeout: float) -> str | None:
-        """Why ``epoch`` counts as stuck at ``now``, or None. ``stall_timeout`` 0: never."""
+    def stuck(self, epoch: int, stall_timeout: float) -> str | None:
+        """Why ``epoch`` counts as stuck, or None. Measured between reads of the progress records,
+        so a leader busy elsewhere for a while never takes its own absence for the workers'.
+        ``stall_timeout`` 0: never."""
         if not stall_timeout or epoch != self.epoch or self.step < 0:
             return None
         limit = max(stall_timeout, STALL_FACTOR * self.longest)
-        waited = now - self.since
+        waited = self.checked - self.since
         if waited <= limit:
             return None
         return (f"no worker of epoch {epoch} finished a step in {waited:.0f}s (the last was step {self.step}; "
