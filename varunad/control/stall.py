@@ -9,7 +9,11 @@ wait between two steps it saw in the epoch if that is longer (a model whose step
 a checkpoint step), the epoch is stuck and is stopped as a failed one (it counts as a restart).
 
 Only steps count: the first step is the start timeout's (``decide``), and workers that hold their
-state while the checkpoint store refuses it are paused, not stuck (``store_failing``).
+state while the checkpoint store refuses it are paused, not stuck (``store_failing``). What a
+script does between two steps (an evaluation on every rank) looks the same from here, so the
+daemon's default (``--stall-timeout`` 1800 s) sits well above the workers' own peer timeouts
+(600 s), which end most hangs first; the leader's watch is the backstop that also covers a job of
+one worker, which has no peer to time out.
 """
 
 from __future__ import annotations

@@ -142,9 +142,10 @@ class DaemonConfig:
     """Seconds the leader waits for more changes after one before deciding."""
     start_timeout: float = 120.0
     """Seconds the workers of a new epoch may take to report their first step."""
-    stall_timeout: float = 300.0
+    stall_timeout: float = 1800.0
     """Seconds a running epoch may go without a step (or 10x its longest wait between two steps,
-    if longer) before it counts as stuck and is restarted (varunad.control.stall); 0: never."""
+    if longer) before it counts as stuck and is restarted (varunad.control.stall); 0: never. Longer
+    than anything a script does between two steps (an evaluation), which looks the same."""
     progress_interval: float = 1.0
     """Seconds between progress (and log) writes to etcd."""
     keep_jobs: int = 10
@@ -367,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="seconds a new epoch may take to its first step (default 120)")
     a("--stall-timeout", type=float, metavar="SECONDS",
       help="restart an epoch in which no worker finished a step for this long, or for 10x its longest wait "
-           "between two steps if that is longer: a worker is stuck (stopped, deadlocked); 0 never (default 300)")
+           "between two steps if that is longer: a worker is stuck (stopped, deadlocked); keep it above the "
+           "longest evaluation the script runs between steps, which looks the same; 0 never (default 1800)")
     a("--progress-interval", type=float, metavar="SECONDS", help="seconds between progress writes to etcd (default 1)")
     a("--keep-jobs", type=int, metavar="N",
       help="keep the bundles and worker logs of the N most recently used jobs in the state dir; "
