@@ -12,7 +12,13 @@ and exits 1). stdin closed without a line means the spare is not needed: it exit
 
 Besides torch, a spare imports what `torch.export` loads on its first call (`torch._dynamo`,
 AOT autograd: about 1.6 s of a 2-3 s capture on this project's CI machine), since every worker
-captures its model before its first step.
+captures its model before its first step. Given `--imports-of SCRIPT` (the job running on its
+daemon), it also imports the installed packages the script imports at its top level, and the
+names it takes from them (`from transformers import GPT2LMHeadModel` loads the model's modules:
+about 1.4 s on this host), so that a morph's worker of a Hugging Face model does not pay for them.
+Never a module the script's own directory holds (the script would then find the installed one of
+the same name), nor this project's (some read the environment when imported); whatever fails to
+import is left for the script to meet. Such a spare runs only that script (`run_script_of`).
 
 A spare imports at a lower priority (nice +10) and takes its own back when its order comes, where
 it may (root, or an RLIMIT_NICE that allows it): it imports beside the epoch's running worker on
@@ -27,15 +33,18 @@ modules are not imported ahead: some read the environment when imported.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
+import importlib.machinery
 import json
 import os
 import resource
 import sys
+import time
 from collections.abc import Mapping
 
-__all__ = ["AHEAD", "STARTUP_KEYS", "STARTUP_PREFIXES", "fits", "main"]
+__all__ = ["AHEAD", "STARTUP_KEYS", "STARTUP_PREFIXES", "fits", "main", "script_imports"]
 
 STARTUP_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                 "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD",
@@ -46,12 +55,64 @@ STARTUP_PREFIXES = ("TORCH", "PYTORCH")
 IMPORT_NICE = 10   # how much lower a spare's priority is while it imports
 # imported ahead: torch.export's first call loads these (dynamo alone is most of it)
 AHEAD = ("torch", "numpy", "zmq", "msgpack", "torch._dynamo", "torch._functorch.aot_autograd")
+# never imported ahead for a script: this project's packages read the worker's environment
+OWN_PACKAGES = ("trainer", "varunad", "protocol")
 
 
 def fits(spare_env: Mapping[str, str], job_env: Mapping[str, str]) -> bool:
     """Whether a spare started in `spare_env` can run a worker whose environment is `job_env`."""
     keys = set(STARTUP_KEYS) | {k for k in (*spare_env, *job_env) if k.startswith(STARTUP_PREFIXES)}
     return all(spare_env.get(k) == job_env.get(k) for k in keys)
+
+
+def script_imports(script: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(module, names taken from it) for each absolute import the script runs when it starts: its
+    top-level statements, and those inside top-level ``if``/``try``/``with`` blocks (a function's or
+    a class's body runs later, if ever). Modules its own directory holds and this project's are
+    left out. [] for a script that does not parse (the worker will say why)."""
+    path = os.path.abspath(script)
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    here = [os.path.dirname(path)]
+    out: list[tuple[str, tuple[str, ...]]] = []
+
+    def visit(body) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                out.extend((a.name, ()) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                out.append((node.module, tuple(a.name for a in node.names if a.name != "*")))
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit(node.body)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+                visit(getattr(node, "orelse", []))
+                visit(getattr(node, "finalbody", []))
+
+    visit(tree.body)
+
+    def wanted(module: str) -> bool:
+        top = module.split(".")[0]
+        return top not in OWN_PACKAGES and importlib.machinery.PathFinder.find_spec(top, here) is None
+    return [(m, names) for m, names in out if wanted(m)]
+
+
+def _import_ahead(script: str) -> None:
+    started, done = time.perf_counter(), []
+    for module, names in script_imports(script):
+        try:
+            mod = importlib.import_module(module)
+            for name in names:
+                getattr(mod, name, None)   # a lazy package (transformers) loads a name's modules here
+            done.append(module)
+        except Exception:   # noqa: BLE001 - the script meets it again, and says so in its own log
+            continue
+    # the spare's own log (the daemon's state dir, spares/slotN.log), before the worker's output
+    print(f"spare {os.getpid()}: imported {len(done)} modules {script} imports ({', '.join(done)}) "
+          f"in {time.perf_counter() - started:.2f}s", flush=True)
 
 
 def _run(order: dict) -> None:
@@ -86,6 +147,11 @@ def _set_nice(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, int(tid), nice)
 
 
+def _arguments(argv: list[str]) -> dict[str, str]:
+    """``--ready FILE`` and ``--imports-of SCRIPT``, in any order (the daemon is the only caller)."""
+    return {argv[i]: argv[i + 1] for i in range(0, len(argv) - 1, 2) if argv[i] in ("--ready", "--imports-of")}
+
+
 def main() -> None:
     # A spare imports beside the epoch's running worker on the same cores: it does so with less
     # priority, so that the worker's measured compute (what the leader judges stragglers by) does
@@ -94,10 +160,13 @@ def main() -> None:
     humble = _may_return_to(start)
     if humble:
         _set_nice(min(19, start + IMPORT_NICE))
+    args = _arguments(sys.argv[1:])
     for name in AHEAD:   # the point of a spare: imported before it is needed
         importlib.import_module(name)
-    if len(sys.argv) == 3 and sys.argv[1] == "--ready":
-        with open(sys.argv[2], "w", encoding="utf-8") as f:
+    if args.get("--imports-of"):
+        _import_ahead(args["--imports-of"])
+    if args.get("--ready"):
+        with open(args["--ready"], "w", encoding="utf-8") as f:
             f.write(f"{os.getpid()}\n")
     line = sys.stdin.readline()
     if not line.strip():

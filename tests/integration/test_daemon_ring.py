@@ -226,6 +226,10 @@ def test_kill9_in_a_2x2_resumes_from_the_survivors_memory(healthy, reference):
         spared = [n for n in st["plan"]["members"]
                   if f"epoch {lost['to_epoch']} runs in the spare of slot 0" in ring.daemons[n].log_text()]
         assert spared, "no worker of the new epoch ran in a spare"
+        # ... one that had imported what the job's script imports (trainer.spare --imports-of)
+        ahead = [n for n in spared if re.search(rf"imported \d+ modules \S*{JOB_SCRIPT.name} imports",
+                                                (ring.base / n / "spares" / "slot0.log").read_text())]
+        assert ahead, "no spare imported the job's script's imports"
         # ... and loaded the model their VM exported in the epoch before: one kept program per VM,
         # written before the kill (a worker that exported again would have written it anew)
         for n in st["plan"]["members"]:

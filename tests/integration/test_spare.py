@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support import REPO
 from support.waiting import until
 
@@ -107,3 +108,38 @@ def test_a_spare_says_when_its_imports_are_done(tmp_path):
             proc.kill()
     assert proc.returncode == 0
     assert json.loads(log.read_text().splitlines()[-1])["ahead"]
+
+
+HF_SCRIPT = """
+import json, sys
+ahead = {m: m in sys.modules for m in ("transformers", "transformers.models.gpt2.modeling_gpt2", "wave", "mailbox")}
+from transformers import GPT2LMHeadModel
+import wave, mailbox
+print(json.dumps({"ahead": ahead, "mailbox": mailbox.__file__}), flush=True)
+"""
+
+
+def test_a_spare_given_the_jobs_script_imports_its_packages_but_never_its_own_files(tmp_path):
+    """`--imports-of`: the installed packages the script imports, and the names it takes from them
+    (a lazy Hugging Face model class), are loaded before the order comes; a module of the script's
+    own directory that shares an installed package's name stays the script's."""
+    pytest.importorskip("transformers", reason="transformers is in the test extra: pip install -e .[test]")
+    job = tmp_path / "hf"
+    job.mkdir()
+    (job / "train.py").write_text(HF_SCRIPT)
+    (job / "mailbox.py").write_text("")   # the job's own mailbox.py, not the standard library's
+    ready = tmp_path / "slot0.ready"
+    proc = _spare(tmp_path, "--ready", str(ready), "--imports-of", str(job / "train.py"))
+    try:
+        until(ready.exists, "the spare's ready file", timeout=120)
+        order, log = _order(tmp_path)
+        order.update(script=str(job / "train.py"), cwd=str(job), args=[])
+        proc.communicate((json.dumps(order) + "\n").encode(), timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log.read_text()[-2000:]
+    seen = json.loads(log.read_text().splitlines()[-1])
+    assert seen["ahead"] == {"transformers": True, "transformers.models.gpt2.modeling_gpt2": True, "wave": True,
+                             "mailbox": False}
+    assert seen["mailbox"] == str(job / "mailbox.py")

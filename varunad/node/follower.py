@@ -119,7 +119,7 @@ class PlanFollowing:
         if self.name not in doc.members:
             if sup.alive():
                 sup.stop(None, None, checkpoint=False, reason=f"epoch {epoch} runs without {self.name}")
-            sup.warm_spares()   # a VM that just joined: the morph that takes it in starts its workers there
+            sup.warm_spares(doc.job)   # a VM that just joined: the morph that takes it in starts its workers there
             return
         if not self._planned_for_me(doc):
             return

@@ -1,9 +1,10 @@
 """A daemon's spare worker processes (trainer.spare): one per slot, torch already imported, so
 that the next epoch's worker on the slot (after a morph) starts without the import.
 
-`fill` starts the missing ones in the environment the slots' workers start with; `run` hands a
-worker to its slot's spare when the spare is alive and its start-up environment fits the
-worker's (`trainer.spare.fits`), else says to start a fresh process; `wait_ready` waits until
+`fill` starts the missing ones in the environment the slots' workers start with, importing what
+the job's script imports when it is known here; `run` hands a worker to its slot's spare when the
+spare is alive, its start-up environment fits the worker's (`trainer.spare.fits`) and it imported
+ahead for no other script, else says to start a fresh process; `wait_ready` waits until
 each spare has imported what it imports ahead. A spare is the daemon's child in a session of its
 own that dies with the daemon (the supervisor's `preexec`), watched like any worker once it runs
 one.
@@ -33,28 +34,33 @@ class SparePool:
     def __init__(self, *, name: str, state_dir: str, enabled: bool, preexec: Callable[[], Callable[[], None]]) -> None:
         self.name, self.state_dir, self.enabled = name, state_dir, enabled
         self._preexec = preexec   # makes each spare die with the daemon
-        self._spares: dict[int, tuple[asyncio.subprocess.Process, dict[str, str]]] = {}
+        # slot -> (process, its environment, the script whose imports it imported ahead)
+        self._spares: dict[int, tuple[asyncio.subprocess.Process, dict[str, str], Path | None]] = {}
 
-    async def fill(self, slots: Iterable[int], env: Mapping[str, str]) -> None:
+    async def fill(self, slots: Iterable[int], env: Mapping[str, str], *, script: Path | None = None) -> None:
         if not self.enabled:
             return
         folder = Path(self.state_dir) / "spares"
         folder.mkdir(parents=True, exist_ok=True)
         for slot in slots:
-            if slot in self._spares and self._spares[slot][0].returncode is None:
-                continue
+            if slot in self._spares:
+                proc, _, made_for = self._spares[slot]
+                if proc.returncode is None and made_for in (None, script):
+                    continue
+                self._kill(self._spares.pop(slot)[0])   # dead, or holding another script's modules
             ready = self._ready_file(slot)
             ready.unlink(missing_ok=True)
+            ahead = ["--imports-of", str(script)] if script is not None else []
             try:
                 with open(folder / f"slot{slot}.log", "ab") as out:
                     proc = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "trainer.spare", "--ready", str(ready), cwd=self.state_dir, env=dict(env),
-                        stdin=asyncio.subprocess.PIPE, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                        sys.executable, "-m", "trainer.spare", "--ready", str(ready), *ahead, cwd=self.state_dir,
+                        env=dict(env), stdin=asyncio.subprocess.PIPE, stdout=out, stderr=asyncio.subprocess.STDOUT,
                         start_new_session=True, preexec_fn=self._preexec())
             except OSError as exc:
                 log.warning("%s: could not start a spare worker for slot %d: %s", self.name, slot, exc)
                 return
-            self._spares[slot] = (proc, dict(env))
+            self._spares[slot] = (proc, dict(env), script)
 
     def _ready_file(self, slot: int) -> Path:
         return Path(self.state_dir) / "spares" / f"slot{slot}.ready"
@@ -64,10 +70,10 @@ class SparePool:
         passed): whether all of them are ready."""
         deadline = time.monotonic() + timeout
         while True:
-            waiting = [slot for slot, (proc, _) in self._spares.items()
+            waiting = [slot for slot, (proc, _, _) in self._spares.items()
                        if proc.returncode is None and not self._ready_file(slot).exists()]
             if not waiting:
-                return all(proc.returncode is None for proc, _ in self._spares.values())
+                return all(proc.returncode is None for proc, _, _ in self._spares.values())
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.1)
@@ -75,10 +81,13 @@ class SparePool:
     async def run(self, slot: int, script: Path, args: list[str], env: dict[str, str], log_path: Path,
                   what: str) -> asyncio.subprocess.Process | None:
         """The slot's spare, now running `script`; None: start a fresh process."""
-        proc, spare_env = self._spares.pop(slot, (None, {}))
+        proc, spare_env, made_for = self._spares.pop(slot, (None, {}, None))
         if proc is None:
             return None
-        if proc.returncode is not None or proc.stdin is None or not spare.fits(spare_env, env):
+        # a spare that imported another script's packages could hand this one a module of the same
+        # name as one of its own files
+        other = made_for is not None and made_for != script
+        if proc.returncode is not None or proc.stdin is None or not spare.fits(spare_env, env) or other:
             self._kill(proc)
             return None
         imported = self._ready_file(slot).exists()
@@ -96,7 +105,7 @@ class SparePool:
         return proc
 
     def close(self) -> None:
-        for proc, _ in self._spares.values():
+        for proc, _, _ in self._spares.values():
             self._kill(proc)
         self._spares.clear()
 

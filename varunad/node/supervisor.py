@@ -231,6 +231,7 @@ class Supervisor(WorkerStopping):
         self.spares = SparePool(name=self.name, state_dir=config.state_dir, enabled=config.spare_workers,
                                 preexec=lambda: _die_with(os.getpid()))
         self._spare_task: asyncio.Task[None] | None = None
+        self._spare_for: tuple[str, Path] | None = None   # (job, script) of the last epoch started here
 
     # -- the epoch's workers -------------------------------------------------------------------------
 
@@ -257,6 +258,7 @@ class Supervisor(WorkerStopping):
     async def start_epoch(self, doc: PlanDoc, epoch: int, spec: JobSpec, script: Path) -> None:
         """Start a worker for each slot ``doc`` gives this member (after ending any older ones):
         ``script`` (the job's unpacked entry point) with ``spec``'s arguments and settings."""
+        self._spare_for = (doc.job or "", script)   # the spares import what it imports (trainer.spare)
         await self._rescues_done()
         await self.kill_all("a newer plan replaces them")
         member = self.membership.member
@@ -399,9 +401,11 @@ class Supervisor(WorkerStopping):
             )
         return WorkerProcess(proc)
 
-    def warm_spares(self) -> None:
+    def warm_spares(self, job: str | None = None) -> None:
         """Start the missing spares in the background: once an epoch's traced steps are done here,
-        or while this member waits outside a running job's plan (the next morph may take it in)."""
+        or while this member waits outside the plan of ``job`` (the next morph may take it in)."""
+        if job is not None and self._spare_for is not None and self._spare_for[0] != job:
+            self._spare_for = None   # another job's script: its imports would not serve this one
         if self._spare_task is not None and not self._spare_task.done():
             return
         task = asyncio.get_running_loop().create_task(self._fill_spares(), name="spare-workers")
@@ -414,7 +418,8 @@ class Supervisor(WorkerStopping):
         # what a worker's environment is before its assignment (read after start-up) goes over it
         base = worker_environment(WorkerAssignment(rank=0, plan=ParallelPlan(P=1, D=1), endpoints=[""], dist_url="",
                                                    threads=self._threads(member)), extra=self.security_env)
-        await self.spares.fill(range(member.usable_slots), base)
+        await self.spares.fill(range(member.usable_slots), base,
+                               script=self._spare_for[1] if self._spare_for is not None else None)
         if member.warming:   # a VM that just joined: the leader waits for this before taking it in
             if not await self.spares.wait_ready(_WARM_TIMEOUT):
                 log.warning("%s: spare workers not ready after %.0fs; telling the leader not to wait for them",
