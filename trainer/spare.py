@@ -15,10 +15,11 @@ AOT autograd: about 1.6 s of a 2-3 s capture on this project's CI machine), sinc
 captures its model before its first step. Given `--imports-of SCRIPT` (the job running on its
 daemon), it also imports the installed packages the script imports at its top level, and the
 names it takes from them (`from transformers import GPT2LMHeadModel` loads the model's modules:
-about 1.4 s on this host), so that a morph's worker of a Hugging Face model does not pay for them.
-Never a module the script's own directory holds (the script would then find the installed one of
-the same name), nor this project's (some read the environment when imported); whatever fails to
-import is left for the script to meet. Such a spare runs only that script (`run_script_of`).
+about a second on this host), so that a morph's worker of a Hugging Face model does not pay for
+them. Never a module the script's own directory holds (the script would then find the installed
+one of the same name), nor this project's (some read the environment when imported); whatever
+fails to import is left for the script to meet. The daemon hands such a spare only that script's
+workers (varunad.node.spares).
 
 A spare imports at a lower priority (nice +10) and takes its own back when its order comes, where
 it may (root, or an RLIMIT_NICE that allows it): it imports beside the epoch's running worker on
@@ -108,7 +109,7 @@ def _import_ahead(script: str) -> None:
             for name in names:
                 getattr(mod, name, None)   # a lazy package (transformers) loads a name's modules here
             done.append(module)
-        except Exception:   # noqa: BLE001 - the script meets it again, and says so in its own log
+        except (Exception, SystemExit):   # the script meets it again, and says so in its own log
             continue
     # the spare's own log (the daemon's state dir, spares/slotN.log), before the worker's output
     print(f"spare {os.getpid()}: imported {len(done)} modules {script} imports ({', '.join(done)}) "
