@@ -213,14 +213,16 @@ class Leader(LeaderPlanning, LeaderPace):
         undoes at once. A lease that ended, or that etcd cannot vouch for now, is no such member."""
         plan = snap.plan
         missing = [m for m in plan.members if m not in snap.members] if plan is not None and plan.kind == "run" else []
-        alive = []
-        for m in missing:
+
+        async def lives(m: str) -> bool:
             lease = plan.incarnations.get(m)
             try:
-                if lease and await self.store.time_to_live(lease, timeout=self.t) is not None:
-                    alive.append(m)
+                return bool(lease) and await self.store.time_to_live(lease, timeout=self.t) is not None
             except StoreError as exc:
                 log.debug("leader: cannot ask etcd about %s's lease (%s)", m, exc)
+                return False
+        # at once: after a mass loss every missing member is asked about, and each answer is a round trip
+        alive = [m for m, ok in zip(missing, await asyncio.gather(*map(lives, missing))) if ok]
         # bounded: a daemon that cannot write its own key for a TTL is not one to plan on
         grace = self.config.ttl + self.config.loop_wait
         self.memory.restoring_until = {m: self.memory.restoring_until.get(m, now + grace) for m in alive}
