@@ -19,7 +19,9 @@ about a second on this host), so that a morph's worker of a Hugging Face model d
 them. Never a module the script's own directory holds (the script would then find the installed
 one of the same name), nor this project's (some read the environment when imported); whatever
 fails to import is left for the script to meet. The daemon hands such a spare only that script's
-workers (varunad.node.spares).
+workers (varunad.node.spares). Whatever a spare imported, a script whose directory holds a module of
+the same name (a `numpy.py` beside it) runs in a fresh interpreter the spare execs, as it would have
+without the spare.
 
 A spare imports at a lower priority (nice +10) and takes its own back when its order comes, where
 it may (root, or an RLIMIT_NICE that allows it): it imports beside the epoch's running worker on
@@ -97,8 +99,15 @@ def script_imports(script: str) -> list[tuple[str, tuple[str, ...]]]:
 
     def wanted(module: str) -> bool:
         top = module.split(".")[0]
-        return top not in OWN_PACKAGES and importlib.machinery.PathFinder.find_spec(top, here) is None
+        return top not in OWN_PACKAGES and not _holds(here[0], top)
     return [(m, names) for m, names in out if wanted(m)]
+
+
+def _holds(directory: str, name: str) -> bool:
+    """Whether ``import name`` from a script in ``directory`` finds a module or package there. A
+    plain folder of that name (a data directory) does not count: an installed package wins over it."""
+    spec = importlib.machinery.PathFinder.find_spec(name, [directory])
+    return spec is not None and spec.origin is not None
 
 
 def _import_ahead(script: str) -> None:
@@ -125,11 +134,26 @@ def _run(order: dict) -> None:
     os.environ.update(order["env"])
     os.chdir(order["cwd"])
     script = order["script"]
+    here = os.path.dirname(os.path.abspath(script))
+    shadowed = _shadowed(here)
+    if shadowed:
+        # the script would import the installed module this spare holds instead of its own file: it
+        # runs as `python script args` after all, in this process (its PID, output and exit status)
+        print(f"spare: {here} holds {', '.join(shadowed)}, which this spare had imported: running "
+              f"{os.path.basename(script)} in a fresh interpreter", file=sys.stderr, flush=True)
+        os.execv(sys.executable, [sys.executable, script, *order["args"]])
     sys.argv = [script, *order["args"]]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    sys.path[0] = here
     import runpy
 
     runpy.run_path(script, run_name="__main__")
+
+
+def _shadowed(directory: str) -> list[str]:
+    """The top-level modules this process has imported that ``directory`` holds a module of the same
+    name for: a script there that imports one expects its own."""
+    tops = sorted({name.split(".")[0] for name in list(sys.modules)} - {"__main__"} - set(sys.builtin_module_names))
+    return [name for name in tops if _holds(directory, name)]
 
 
 def _may_return_to(nice: int) -> bool:

@@ -143,3 +143,23 @@ def test_a_spare_given_the_jobs_script_imports_its_packages_but_never_its_own_fi
     assert seen["ahead"] == {"transformers": True, "transformers.models.gpt2.modeling_gpt2": True, "wave": True,
                              "mailbox": False}
     assert seen["mailbox"] == str(job / "mailbox.py")
+
+
+def test_a_script_beside_a_module_the_spare_imported_gets_its_own(tmp_path):
+    """A `numpy.py` next to the script: the spare imported numpy ahead, so it execs a fresh
+    interpreter for the script, in its own process, where `import numpy` finds the script's file."""
+    job = tmp_path / "own"
+    job.mkdir()
+    (job / "numpy.py").write_text("MINE = True\n")
+    (job / "train.py").write_text("import json, os, sys\nimport numpy\n"
+                                  "print(json.dumps({'numpy': numpy.__file__, 'pid': os.getpid(), 'argv': sys.argv[1:]}))\n"
+                                  "sys.exit(4)\n")
+    proc = _spare(tmp_path)
+    order, log = _order(tmp_path)
+    order.update(script=str(job / "train.py"), cwd=str(job), args=["x"])
+    proc.communicate((json.dumps(order) + "\n").encode(), timeout=120)
+    assert proc.returncode == 4, log.read_text()[-2000:]
+    text = log.read_text()
+    seen = json.loads(text.splitlines()[-1])
+    assert seen == {"numpy": str(job / "numpy.py"), "pid": proc.pid, "argv": ["x"]}, seen
+    assert "holds numpy" in text and "fresh interpreter" in text

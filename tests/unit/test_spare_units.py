@@ -46,6 +46,9 @@ def test_the_imports_a_script_runs_at_start_are_found_and_its_own_modules_left_o
     assert got == [("os", ()), ("json", ()), ("torch.nn.functional", ()),
                    ("transformers", ("GPT2Config", "GPT2LMHeadModel")), ("transformers", ()),
                    ("numpy", ()), ("yaml", ()), ("json5", ()), ("csv", ()), ("gzip", ())], got
+    # a plain folder (a data directory) named like a package does not hide the installed one
+    (tmp_path / "yaml").mkdir()
+    assert ("yaml", ()) in spare.script_imports(str(script))
     (tmp_path / "broken.py").write_text("import (\n")
     assert spare.script_imports(str(tmp_path / "broken.py")) == []
     assert spare.script_imports(str(tmp_path / "missing.py")) == []
