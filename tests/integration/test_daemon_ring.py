@@ -346,6 +346,9 @@ def test_scale_up_then_a_preemption_notice(healthy, reference):
         assert morph["checkpoint"] and "d4" in morph["reason"], morph
         # the leader took d4 in once its spare had imported torch: its first worker did not wait for an import
         first = f"epoch {morph['to_epoch']} runs in the spare of slot 0"
+        # the status shows the plan the moment it is written; d4 starts its worker a moment later
+        started = f"started 1 worker(s) of scale epoch {morph['to_epoch']} "
+        ring.poll(lambda: started in ring.daemons["d4"].log_text(), timeout=30, what="d4's first worker of the new epoch")
         assert f"{first} (pid" in ring.daemons["d4"].log_text(), "d4's first worker did not start in a spare"
         assert "its imports done" in ring.daemons["d4"].log_text().split(first, 1)[1].splitlines()[0]
         ring.wait_step("scale", max(st["step"], 0) + 2)
