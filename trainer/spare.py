@@ -79,7 +79,7 @@ def script_imports(script: str) -> list[tuple[str, tuple[str, ...]]]:
             tree = ast.parse(f.read(), filename=path)
     except (OSError, SyntaxError, ValueError):
         return []
-    here = [os.path.dirname(path)]
+    here = os.path.dirname(path)
     out: list[tuple[str, tuple[str, ...]]] = []
 
     def visit(body) -> None:
@@ -99,7 +99,7 @@ def script_imports(script: str) -> list[tuple[str, tuple[str, ...]]]:
 
     def wanted(module: str) -> bool:
         top = module.split(".")[0]
-        return top not in OWN_PACKAGES and not _holds(here[0], top)
+        return top not in OWN_PACKAGES and not _holds(here, top)
     return [(m, names) for m, names in out if wanted(m)]
 
 

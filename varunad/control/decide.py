@@ -188,8 +188,8 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     if not started and not paused and now - seen > start_timeout:
         return Decision("abort", f"the workers of epoch {epoch} did not reach a first step within "
                                  f"{start_timeout:.0f}s", job, failure=True)
-    if paused:   # held by the store, not stuck: the wait starts again once it takes their writes
-        memory.steps.since = now
+    if paused:
+        memory.steps.hold(now)
     stuck = memory.steps.stuck(epoch, stall_timeout)
     if stuck is not None:
         return Decision("abort", stuck, job, failure=True)

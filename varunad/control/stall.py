@@ -45,6 +45,10 @@ class StepWatch:
             self.step, self.since = step, now
         self.checked = now
 
+    def hold(self, now: float) -> None:
+        """The workers are paused by the checkpoint store, not stuck: the wait starts again at ``now``."""
+        self.since = now
+
     def stuck(self, epoch: int, stall_timeout: float) -> str | None:
         """Why ``epoch`` counts as stuck, or None. Measured between reads of the progress records,
         so a leader busy elsewhere for a while never takes its own absence for the workers'.
