@@ -177,3 +177,24 @@ def test_cnn_without_cutpoints_trains_under_2x1():
     losses = [float(line.split()[-1]) for line in result.outputs[0].splitlines() if line.startswith("step ")]
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
+
+
+def test_batchnorm_statistics_and_evaluation_match_the_plain_loop(tmp_path):
+    """A stage that recomputes its forwards still updates BatchNorm's statistics (and a buffer its
+    forward adds to) once per micro-batch, as the eager loop does; `evaluate` normalises with the
+    running statistics, as `model.eval()` does, and changes no buffer."""
+    from support.batchnorm_net import plain_run
+
+    out = tmp_path / "bn"
+    result = launch(TESTS / "workers" / "batchnorm_check.py", ["--out", str(out)], stages=2, replicas=1,
+                    timeout=240)
+    assert result.ok, f"launch failed ({result.reason}):\n" + "\n".join(result.errors)
+    want, want_eval = plain_run()
+    got = {}
+    for f in sorted(out.glob("buffers_rank*.pt")):
+        got.update(torch.load(f, weights_only=True))
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for rank in (0, 1):
+        assert json.loads((out / f"eval_rank{rank}.json").read_text()) == pytest.approx(want_eval, rel=1e-5)

@@ -6,6 +6,7 @@ must not reorder or add work: every action in the list is executed, in order, an
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -15,9 +16,11 @@ from trainer.engine.comm import PeerChannel
 from trainer.engine.precision import Precision, autocast
 from trainer.engine.split_backward import WeightPass, backward_input, backward_weight
 from trainer.errors import ConfigError
+from trainer.graph.evaluation import evaluation_module
 from trainer.graph.keyed_random import draws_unkeyed
 from trainer.graph.keyed_rng import Draws, drawing
 from trainer.graph.partition import ACTIVATION
+from trainer.graph.written import BufferSnapshot, written_buffers
 from trainer.planning.schedule import Action, Kind
 
 __all__ = ["StageExecutor"]
@@ -45,6 +48,11 @@ class StageExecutor:
         # could not key needs torch's generator state saved for it.
         # [Note: randomness belongs to the sample]
         self._saves_rng = draws_unkeyed(module)
+        # Buffers the forward writes (BatchNorm's statistics): a recompute must not write them a
+        # second time, nor an evaluation at all.
+        self._written = written_buffers(module)
+        self._running = module
+        self._evaluating: tuple[tuple[int, ...], nn.Module] | None = None   # (its tensors' ids, the module)
 
     def run(self, actions: Sequence[Action], micro_inputs: Sequence[Mapping[str, torch.Tensor]],
             weights: Sequence[float], *, loss_scale: float = 1.0, training: bool = True,
@@ -66,6 +74,7 @@ class StageExecutor:
         self._grad_in: dict[int, torch.Tensor] = {}
         self._outbox: dict[int, torch.Tensor] = {}
         self._weigh: dict[int, WeightPass] = {}
+        self._before: dict[int, BufferSnapshot] = {}   # written buffers as a recomputed forward found them
         self._losses: list[torch.Tensor] = []
         # A micro-batch recomputed later keeps no graph from its first forward.
         self._recompute_set = {a.micro_batch for a in actions if a.kind is Kind.RECOMPUTE}
@@ -82,6 +91,7 @@ class StageExecutor:
             else:
                 dispatch[kind](self, micro_batch)
 
+        self._running = self.module if training else self._evaluation_module()
         for i, action in enumerate(actions):
             if i == last_backward and before_last_backward is not None:
                 before_last_backward()
@@ -92,10 +102,10 @@ class StageExecutor:
                 execute(action.kind, action.micro_batch)
                 if self.device.type == "cuda":   # a span is the kernels' time, not their launch's
                     torch.cuda.synchronize(self.device)
-        if self._stash or self._act or self._grad_out or self._outbox or self._rng or self._weigh:
+        if self._stash or self._act or self._grad_out or self._outbox or self._rng or self._weigh or self._before:
             raise RuntimeError(f"stage {self.stage}: the schedule left work undone (stashed "
                                f"{sorted(self._stash)}, unsent {sorted(self._outbox)}, received {sorted(self._act)}, "
-                               f"not weighed {sorted(self._weigh)})")
+                               f"not weighed {sorted(self._weigh)}, not recomputed {sorted(self._before)})")
         return self.loss_so_far()
 
     def loss_so_far(self) -> float:
@@ -113,13 +123,16 @@ class StageExecutor:
                 x = x.detach().requires_grad_(True)
             kwargs[ACTIVATION] = x
         with torch.set_grad_enabled(grad), autocast(self.precision, self.device), drawing(self._draws[m]):
-            out = self.module(**kwargs)
+            out = self._running(**kwargs)
         return x, out
 
     def _forward(self, m: int) -> None:
         keep_graph = self._training and (self.last or m not in self._recompute_set)
-        if self._training and not keep_graph and self._saves_rng:
-            self._rng[m] = self._rng_state()
+        if self._training and not keep_graph:
+            if self._saves_rng:
+                self._rng[m] = self._rng_state()
+            if self._written:
+                self._before[m] = BufferSnapshot(self.module, self._written)
         x, out = self._call(m, keep_graph)
         if self.last:
             if not isinstance(out, torch.Tensor) or out.numel() != 1:
@@ -137,13 +150,17 @@ class StageExecutor:
             self._act.pop(m, None)
 
     def _recompute(self, m: int) -> None:
-        if m not in self._rng:
-            self._stash[m] = self._call(m, True)
-            return
-        with torch.random.fork_rng(devices=self._rng_devices()):
-            self._set_rng_state(self._rng.pop(m))
-            x, out = self._call(m, True)
-        self._stash[m] = (x, out)
+        before = self._before.pop(m, None)
+        # the forward runs again on the buffers it first saw, written into copies: the module's
+        # own keep what the forwards wrote, once per micro-batch, as in an eager loop
+        with before.in_place_of_current() if before is not None else contextlib.nullcontext():
+            if m not in self._rng:
+                self._stash[m] = self._call(m, True)
+                return
+            with torch.random.fork_rng(devices=self._rng_devices()):
+                self._set_rng_state(self._rng.pop(m))
+                x, out = self._call(m, True)
+            self._stash[m] = (x, out)
 
     def _backward(self, m: int) -> None:
         x, out = self._stash.pop(m)
@@ -194,6 +211,14 @@ class StageExecutor:
     }
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _evaluation_module(self) -> nn.Module:
+        """The stage's graph as `model.eval()` would run it (trainer.graph.evaluation), built again
+        when a weight load replaced the stage's tensors."""
+        ids = tuple(id(t) for t in (*self.module.parameters(), *self.module.buffers()))
+        if self._evaluating is None or self._evaluating[0] != ids:
+            self._evaluating = (ids, evaluation_module(self.module))
+        return self._evaluating[1]
 
     def _rng_devices(self) -> list[int]:
         return [self.device.index or 0] if self.device.type == "cuda" else []
