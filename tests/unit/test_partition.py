@@ -252,3 +252,23 @@ def test_a_dict_output_without_a_loss_still_says_to_return_the_loss():
 
     with pytest.raises(PartitionError, match="must return the loss as a single scalar"):
         capture_model(Logits(), {"x": torch.randn(3, 4)})
+
+
+def test_cut_points_inside_a_forward_under_autocast_are_named_as_the_reason_it_cannot_be_cut(caplog):
+    """torch.export keeps a region under torch.autocast as one op: the cut points in it are lost,
+    and the capture says so, with the fix, before a pipeline fails for want of cut points."""
+
+    class Autocast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.cut = nn.Linear(4, 4), nn.Linear(4, 4), CutPoint()
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.b(self.cut(self.a(x))).float().pow(2).mean()
+
+    with caplog.at_level("WARNING", logger="varuna"):
+        traced = capture_model(Autocast(), {"x": torch.randn(3, 4)})
+    assert traced.markers == ()
+    assert any("1 cut point(s) lie inside wrap_with_autocast" in r.getMessage() and "precision='bf16'" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -146,6 +146,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         self.cuts = cuts
         mine = slices[self.stage]
         self.module = mine.module
+        self.model_inputs = traced.input_names   # every argument of forward, in its order: what step() takes
         self._named = setup.named_tensors(model, traced.canonical, mine)
         setup.free_other_stages(model, traced.canonical, set(mine.owned) | set(mine.owned_buffers))
         del traced, slices
@@ -252,8 +253,8 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             raise ConfigError("step() before set_optimizer()")
         if not isinstance(inputs, Mapping):
             raise ConfigError(f"step() takes a dict of batch-first tensors keyed by forward's argument names "
-                              f"({', '.join(self.input_names)}), got a {type(inputs).__name__}",
-                              hint="pass {name: tensor}, e.g. dict(zip(%r, batch))" % (tuple(self.input_names),))
+                              f"({', '.join(self.model_inputs)}), got a {type(inputs).__name__}",
+                              hint="pass {name: tensor}, e.g. dict(zip(%r, batch))" % (tuple(self.model_inputs),))
         self._rescue_if_asked()
         self.recorder.set_step(self.iteration)
         start = time.perf_counter()
@@ -499,7 +500,8 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             wanted, shard = self._this_share(wanted, shard)
         missing = set(self.input_names) - set(wanted)
         if missing:
-            raise ConfigError(f"the batch lacks {sorted(missing)}, which stage {self.stage} needs")
+            raise ConfigError(f"the batch lacks {sorted(missing)}, which forward takes (it takes "
+                              f"{', '.join(self.model_inputs)}; stage {self.stage} reads {sorted(missing)})")
         micro, weights = [], []
         for start in range(0, shard, self.micro_batch_size):
             chunk = {k: v[start:start + self.micro_batch_size].to(self.device, non_blocking=True)

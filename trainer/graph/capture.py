@@ -210,8 +210,27 @@ def _graph_of(model: nn.Module, ep, *, from_model: bool):
     keyed = key_random_ops(gm)
     mutations = tuple(keyed.get(n, n) for n in mutations)
     markers = tuple(n for n in gm.graph.nodes if is_marker(n))
+    _warn_of_hidden_markers(gm)
     _check_batch_is_dynamic(gm)
     return gm, input_names, mutations, markers
+
+
+def _warn_of_hidden_markers(gm: fx.GraphModule) -> None:
+    """Say so when cut points sit inside a region torch.export keeps as one op (a forward under
+    `torch.autocast` becomes one `wrap_with_autocast`): the model cannot be cut there, and the
+    error a pipeline then meets ("the model has 0 cut points") would not say why."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        inner = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+        hidden = sum(is_marker(n) for a in inner if isinstance(sub := getattr(gm, a.target, None), fx.GraphModule)
+                     for n in sub.graph.nodes)
+        if hidden:
+            log.warning("capture: %d cut point(s) lie inside %s, which torch.export keeps as one op: the model "
+                        "cannot be split there, so it runs as a single pipeline stage. %s", hidden, node.target,
+                        "Take torch.autocast out of forward and pass precision='bf16' (or 'fp16') to Varuna, "
+                        "which autocasts every stage." if "autocast" in str(node.target) else
+                        "Move the cut points out of that region.")
 
 
 def _export(model: nn.Module, inputs, fixed, dynamic, blocks):
