@@ -6,7 +6,7 @@ the job's script imports when it is known here; `run` hands a worker to its slot
 spare is alive, its start-up environment fits the worker's (`trainer.spare.fits`) and it imported
 ahead for no other script, else says to start a fresh process; `wait_ready` waits until
 each spare has imported what it imports ahead. A spare is the daemon's child in a session of its
-own that dies with the daemon (the supervisor's `preexec`), watched like any worker once it runs
+own that dies with the daemon (the supervisor's `dying_with`), watched like any worker once it runs
 one.
 """
 
@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 
 
 class SparePool:
-    def __init__(self, *, name: str, state_dir: str, enabled: bool, preexec: Callable[[], Callable[[], None]]) -> None:
+    def __init__(self, *, name: str, state_dir: str, enabled: bool, wrap: Callable[[list[str]], list[str]]) -> None:
         self.name, self.state_dir, self.enabled = name, state_dir, enabled
-        self._preexec = preexec   # makes each spare die with the daemon
+        self._wrap = wrap   # a spare's command line made to die with the daemon
         # slot -> (process, its environment, the script whose imports it imported ahead)
         self._spares: dict[int, tuple[asyncio.subprocess.Process, dict[str, str], Path | None]] = {}
 
@@ -54,9 +54,9 @@ class SparePool:
             try:
                 with open(folder / f"slot{slot}.log", "ab") as out:
                     proc = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "trainer.spare", "--ready", str(ready), *ahead, cwd=self.state_dir,
-                        env=dict(env), stdin=asyncio.subprocess.PIPE, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                        start_new_session=True, preexec_fn=self._preexec())
+                        *self._wrap([sys.executable, "-m", "trainer.spare", "--ready", str(ready), *ahead]),
+                        cwd=self.state_dir, env=dict(env), stdin=asyncio.subprocess.PIPE, stdout=out,
+                        stderr=asyncio.subprocess.STDOUT, start_new_session=True)
             except OSError as exc:
                 log.warning("%s: could not start a spare worker for slot %d: %s", self.name, slot, exc)
                 return

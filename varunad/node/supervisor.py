@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -77,22 +76,26 @@ _TRACE_STEPS = 5
 _SPARES_WAIT_S = 20.0   # the most an epoch's spares wait for its traced steps after its first step
 _WARM_TIMEOUT = 60.0   # the most a joined VM's spares are waited for before it says it is ready anyway
 
-# Resolved before any fork: the child of a fork may only call what is already loaded.
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
-_PR_SET_PDEATHSIG = 1
+# A worker or spare gets SIGKILL when its daemon dies. Not a preexec_fn calling prctl: that forces a
+# plain fork() of the daemon, a process with gRPC threads (etcd's client), and gRPC's fork handlers
+# crashed such children (SIGSEGV in cygrpc, a few milliseconds after the fork) in an outside test.
+# Without a preexec_fn the child is spawned with vfork and exec at once. This prefix, a bare
+# interpreter, sets the parent-death signal (kept across exec), gives up if the daemon is already
+# gone, and execs the real command in the same process.
+_DIE_WITH = (
+    "import ctypes, os, sys\n"
+    "prctl = getattr(ctypes.CDLL(None), 'prctl', None)\n"
+    "if prctl is not None:\n"
+    "    prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 
 
-def _die_with(parent: int) -> Callable[[], None]:
-    def preexec() -> None:
-        if _prctl is not None:
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the daemon died before prctl took effect
-            os._exit(1)
-
-    return preexec
+def dying_with(parent: int, command: Sequence[str]) -> list[str]:
+    """`command` (its first word an executable's path) run so that it dies with process `parent`."""
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH, str(parent), *command]
 
 
 def worker_environment(assignment: WorkerAssignment, *, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -229,7 +232,7 @@ class Supervisor(WorkerStopping):
         self._history_ranks: set[int] = {0}   # the ranks whose daemons keep the job's loss history
         # a spare worker process per slot, torch imported (varunad.node.spares)
         self.spares = SparePool(name=self.name, state_dir=config.state_dir, enabled=config.spare_workers,
-                                preexec=lambda: _die_with(os.getpid()))
+                                wrap=lambda command: dying_with(os.getpid(), command))
         self._spare_task: asyncio.Task[None] | None = None
         self._spare_for: tuple[str, Path] | None = None   # (job, script) of the last epoch started here
 
@@ -395,9 +398,9 @@ class Supervisor(WorkerStopping):
         proc = await self.spares.run(w.slot, script, args, env, w.log_path, what) if w.profile_path is None else None
         if proc is None:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(script), *args, cwd=str(script.parent), env=env,
+                *dying_with(os.getpid(), [sys.executable, str(script), *args]), cwd=str(script.parent), env=env,
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with(os.getpid()),
+                start_new_session=True,
             )
         return WorkerProcess(proc)
 
