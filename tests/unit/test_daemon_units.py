@@ -123,6 +123,10 @@ def test_housekeeping_keeps_the_most_recently_used_jobs(tmp_path):
     ({"script": "../x.py"}, "relative path"),
     ({"schedule": "zigzag"}, "schedule 'zigzag' is not one of varuna, gpipe, 1f1b, zb-h1, or 'auto' to let"),
     ({"schedule": None}, "schedule None is not one of"),
+    # the leader enumerates the batch's divisors: a batch of 10**9 stalled every leader in turn
+    ({"batch_size": 10**9}, "more than 16777216 examples per step"),
+    # each VM would resolve it in its own directory, and no checkpoint would ever be complete
+    ({"store": "relative/dir"}, "absolute path .* or a URL, got 'relative/dir'"),
 ])
 def test_job_spec_refuses(kw, message):
     with pytest.raises(JobSpecError, match=message):
@@ -133,6 +137,8 @@ def test_job_spec_round_trip_and_hand_written_values():
     s = spec(args=("--x", "1"), chunk_size=4)
     assert JobSpec.decode(s.encode(), job="j") == s
     assert s.micro_batch_sizes() == [4] and spec().micro_batch_sizes() == [1, 2, 3, 4, 6, 12]
+    assert spec(batch_size=36).micro_batch_sizes() == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert spec(store="/mnt/ckpt").store == "/mnt/ckpt" and spec(store="s3://b/p").store == "s3://b/p"
     for bad, message in [(b"{", "not JSON"), (b"[]", "not a JSON object"), (b'{"job": "j", "zap": 1}', "unknown"),
                          (b'{"job": "j"}', "malformed")]:
         with pytest.raises(JobSpecError, match=message):

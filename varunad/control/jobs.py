@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
+import posixpath
 import re
 import shutil
 import stat
@@ -68,6 +70,17 @@ class BundleError(JobSpecError):
     """The script directory cannot be bundled (too big, unreadable) or a bundle is corrupt."""
 
 
+# A global batch larger than any training run uses; the planner enumerates its divisors, so a bound
+# also bounds the leader's work on a spec written to etcd by hand.
+MAX_BATCH_SIZE = 1 << 24
+
+
+def divisors(n: int) -> list[int]:
+    """Every divisor of `n` >= 1, ascending (sqrt(n) steps, not n)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def _positive_int(where: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise JobSpecError(f"{where} must be a positive integer, got {value!r}")
@@ -104,6 +117,8 @@ class JobSpec:
             raise JobSpecError("args must be a list of strings")
         object.__setattr__(self, "args", tuple(self.args))
         _positive_int("batch size", self.batch_size)
+        if self.batch_size > MAX_BATCH_SIZE:
+            raise JobSpecError(f"batch size {self.batch_size} is more than {MAX_BATCH_SIZE} examples per step")
         _positive_int("steps", self.steps)
         _positive_int("checkpoint interval", self.checkpoint_every)
         _positive_int("checkpoints to keep", self.keep_checkpoints)
@@ -118,6 +133,10 @@ class JobSpec:
             raise JobSpecError(str(exc)) from None
         if self.store is not None and (not isinstance(self.store, str) or not self.store):
             raise JobSpecError("store must be a non-empty path")
+        if isinstance(self.store, str) and "://" not in self.store and not posixpath.isabs(self.store):
+            # each VM would resolve it in its own working directory: no checkpoint would ever be whole
+            raise JobSpecError(f"store must be an absolute path (every VM mounts it there) or a URL, got "
+                               f"{self.store!r}")
         if not isinstance(self.bundle_digest, str) or not re.fullmatch(r"[0-9a-f]{64}", self.bundle_digest):
             raise JobSpecError("bundle_digest must be a sha256 hex digest")
         if isinstance(self.bundle_bytes, bool) or not isinstance(self.bundle_bytes, int) or self.bundle_bytes < 0:
@@ -127,7 +146,7 @@ class JobSpec:
         """Sizes the planner may choose: the fixed chunk size, or every divisor of the batch."""
         if self.chunk_size is not None:
             return [self.chunk_size]
-        return [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
+        return divisors(self.batch_size)
 
     def encode(self) -> bytes:
         doc = asdict(self)
