@@ -93,7 +93,8 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             # the whole model passes through host memory while it is calibrated
             stage_weights.load_stage(model, setup.all_tensors(model), weights, torch.device("cpu"),
                                      tied=shared_weights or ())
-            self._begin_calibration_run(model, get_batch_fn, batch_size, chunk_size,
+            # a micro-batch the job fixed at submit is measured too: the planner may choose no other
+            self._begin_calibration_run(model, get_batch_fn, batch_size, int(a.plan.micro_batch_size or chunk_size),
                                         precision or ("fp16" if fp16 else "fp32"),
                                         setup.choose_device(a, local_rank, device))
             return

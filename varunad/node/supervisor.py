@@ -323,7 +323,8 @@ class Supervisor(WorkerStopping):
             log.warning("%s: calibrating one of %d CPU slots alone (%d threads each; profiling them at once needs "
                         "one): the plan's step-time estimate will be optimistic", self.name, member.slots, threads)
         assignment = WorkerAssignment(
-            rank=0, plan=ParallelPlan(P=1, D=1), endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
+            rank=0, plan=ParallelPlan(P=1, D=1, micro_batch_size=spec.chunk_size),
+            endpoints=[member.stream_endpoint(0)], dist_url=member.rendezvous_url(),
             job=doc.job or "", epoch=epoch, threads=threads,
             device=self._device(member, 0), control=self.control_endpoint, batch_size=spec.batch_size, steps=spec.steps,
             profile=out_path, profile_slots=busy_slots, profile_machine_slots=machine_slots,
