@@ -290,3 +290,14 @@ async def test_user_password_auth_and_expired_tokens(etcd_root, caplog):
                 assert await store.put(etcd_root + "k", "2")
             assert "invalid auth token" in caplog.text and "authenticating again" in caplog.text
             assert (await store.get(etcd_root + "k")).value == b"2"
+
+
+async def test_create_if_absent_writes_its_companions_only_when_it_creates(etcd, etcd_root):
+    async with EtcdStore(etcd.endpoint) as store:
+        key, side, gone = etcd_root + "job", etcd_root + "bundle", etcd_root + "signature"
+        await store.put(gone, "stale")
+        assert await store.create_if_absent(key, "a", also=[(side, "bundle-a"), (gone, None)]) is True
+        assert (await store.get(side)).value == b"bundle-a" and await store.get(gone) is None
+        await store.put(gone, "a's")
+        assert await store.create_if_absent(key, "b", also=[(side, "bundle-b"), (gone, None)]) is False
+        assert (await store.get(side)).value == b"bundle-a" and (await store.get(gone)).value == b"a's"

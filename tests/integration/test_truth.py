@@ -61,6 +61,12 @@ def test_a_script_that_does_not_compile_or_import_is_refused_at_submit(ring, tmp
                        str(tmp_path / "broken.py"))
     assert r.returncode == 1 and "imports no_such_module_here" in r.stderr and "--no-import-check" in r.stderr
     assert ring.call(ring.store.get(ring.keys.job("broken"))) is None   # nothing reached etcd
+    # a file that is not Python at all, named like no Python file (an outside test submitted /etc/passwd)
+    (tmp_path / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    r = ring.varunactl("submit", "--name", "broken", "--batch-size", "8", "--steps", "4", "--checkpoint-every", "2",
+                       str(tmp_path / "passwd"))
+    assert r.returncode == 1 and "passwd line 1: SyntaxError" in r.stderr, r.stderr
+    assert ring.call(ring.store.get(ring.keys.job("broken"))) is None
 
 
 def test_a_config_error_fails_the_job_after_one_attempt_with_its_first_line(ring):

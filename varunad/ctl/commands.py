@@ -48,8 +48,13 @@ def _unreachable(etcd: str, exc: Exception, timeout: float) -> CtlError:
     why = ("connection refused" if "connection refused" in text.lower() else
            f"no answer within {timeout:g}s" if "deadline" in text.lower() or "timed out" in text.lower() else
            text.splitlines()[0][:80] if text else type(exc).__name__)
-    return CtlError(f"cannot reach etcd at {etcd} ({why}): no ring is up here? start one with `varunactl up N`, "
-                    f"or point --etcd HOST:PORT (or $VARUNAD_ETCD) at your fleet's etcd")
+    if why == "connection refused":
+        return CtlError(f"cannot reach etcd at {etcd} ({why}): no ring is up here? start one with `varunactl up N`, "
+                        f"or point --etcd HOST:PORT (or $VARUNAD_ETCD) at your fleet's etcd")
+    # something listens (or the network drops packets): a stopped, overloaded or partitioned etcd
+    return CtlError(f"cannot reach etcd at {etcd} ({why}): it does not answer; is it stopped, overloaded or cut off "
+                    f"(try again, or check the etcd process and its host)? --etcd HOST:PORT (or $VARUNAD_ETCD) "
+                    f"names another")
 
 
 # EtcdStore's TLS options and the flag (and variable) that sets each
@@ -129,7 +134,7 @@ def check_bundle(data: bytes, script: str, *, imports: bool = True) -> None:
         names = zf.namelist()
         trees = {}
         for name in names:
-            if not name.endswith(".py"):
+            if not name.endswith(".py") and name != script:   # the script is Python whatever its name
                 continue
             source = zf.read(name)
             try:
@@ -180,16 +185,14 @@ def build_spec(*, name: str, script: str, args: list[str], batch_size: int, chun
 
 async def submit(store: Store, keys: Keys, spec: JobSpec, bundle: bytes, out: TextIO = sys.stdout, *,
                  signature: bytes | None = None) -> int:
-    """Write the bundle, the signature (``signature`` of ``spec.encode()``, or none) and then the
-    spec: the leader acts on the spec, so everything it needs is there first."""
+    """Write the bundle, the signature (``signature`` of ``spec.encode()``, or none) and the spec
+    in one transaction that only a job name not taken lets through: the leader finds everything
+    the spec needs with it, and of two submits of one name, the one refused writes nothing (its
+    bundle would otherwise replace the other job's)."""
     if await store.get(keys.job(spec.job)) is not None:
         raise CtlError(f"a job named {spec.job} exists already; choose another --name")
-    await store.put(keys.bundle(spec.job), bundle)
-    if signature is not None:
-        await store.put(keys.signature(spec.job), signature)
-    else:
-        await store.delete(keys.signature(spec.job))
-    if not await store.create_if_absent(keys.job(spec.job), spec.encode()):
+    with_it = [(keys.bundle(spec.job), bundle), (keys.signature(spec.job), signature)]
+    if not await store.create_if_absent(keys.job(spec.job), spec.encode(), also=with_it):
         raise CtlError(f"a job named {spec.job} was submitted at the same moment; choose another --name")
     print(f"submitted {spec.job}: {spec.script} {' '.join(spec.args)} (batch {spec.batch_size}, {spec.steps} steps, "
           f"checkpoint every {spec.checkpoint_every}; bundle {spec.bundle_bytes / 1024:.1f} KiB"

@@ -250,8 +250,11 @@ class Store(abc.ABC):
     # Compare-and-create.
     @abc.abstractmethod
     async def create_if_absent(
-        self, key: Key, value: Value, *, lease: Lease | int | None = None, timeout: float | None = None
-    ) -> bool: ...
+        self, key: Key, value: Value, *, lease: Lease | int | None = None, timeout: float | None = None,
+        also: Sequence[tuple[Key, Value | None]] = (),
+    ) -> bool:
+        """Create `key` only if it does not exist; in the same transaction, put each (key, value)
+        of `also` (not under `lease`), or delete its key where the value is None. Whether it did."""
 
     # Guarded writes.
     async def put_if(

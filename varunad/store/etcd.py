@@ -184,13 +184,15 @@ class EtcdStore(EtcdConnection, Store):
         return await self._call(what, op, timeout)
 
     async def create_if_absent(
-        self, key: Key, value: Value, *, lease: Lease | int | None = None, timeout: float | None = None
+        self, key: Key, value: Value, *, lease: Lease | int | None = None, timeout: float | None = None,
+        also: Sequence[tuple[Key, Value | None]] = (),
     ) -> bool:
         k = _encode(key)
+        rest = [_tx.Delete(_encode(ak)) if av is None else _tx.Put(_encode(ak), _encode(av)) for ak, av in also]
         rev = await self._txn(
             f"create {key!r}",
             [_tx.Create(k) == 0],
-            [_tx.Put(k, _encode(value), lease=_lease_id(lease))],
+            [*rest, _tx.Put(k, _encode(value), lease=_lease_id(lease))],
             timeout,
         )
         return rev is not None
