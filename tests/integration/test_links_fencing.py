@@ -19,13 +19,24 @@ from varunad.store.keys import Keys
 async def test_an_old_epoch_never_overwrites_a_newer_record(etcd, etcd_root):
     key = etcd_root + "progress/j/1"
     async with EtcdStore(etcd.endpoint, timeout=3.0) as store:
-        assert await put_for_epoch(store, key, json.dumps({"epoch": 5, "step": 9}).encode(), epoch=5)
+        e = await store.revision()   # epochs are plan revisions: records are written after them
+        assert await put_for_epoch(store, key, json.dumps({"epoch": e, "step": 9}).encode(), epoch=e)
         # a rejoining VM flushing what its old epoch had queued
-        assert not await put_for_epoch(store, key, json.dumps({"epoch": 3, "step": 36}).encode(), epoch=3)
-        assert json.loads((await store.get(key)).value) == {"epoch": 5, "step": 9}
-        assert await put_for_epoch(store, key, json.dumps({"epoch": 5, "step": 10}).encode(), epoch=5)
-        assert await put_for_epoch(store, key, json.dumps({"epoch": 8, "step": 11}).encode(), epoch=8)
-        assert json.loads((await store.get(key)).value)["epoch"] == 8
+        assert not await put_for_epoch(store, key, json.dumps({"epoch": e - 2, "step": 36}).encode(), epoch=e - 2)
+        assert json.loads((await store.get(key)).value) == {"epoch": e, "step": 9}
+        assert await put_for_epoch(store, key, json.dumps({"epoch": e, "step": 10}).encode(), epoch=e)
+        newer = await store.revision()
+        assert await put_for_epoch(store, key, json.dumps({"epoch": newer, "step": 11}).encode(), epoch=newer)
+        assert json.loads((await store.get(key)).value)["epoch"] == newer
+
+
+async def test_a_record_claiming_an_epoch_no_plan_had_yet_does_not_shut_the_writer_out(etcd, etcd_root):
+    key = etcd_root + "progress/j/3"
+    async with EtcdStore(etcd.endpoint, timeout=3.0) as store:
+        e = await store.revision()
+        await store.put(key, json.dumps({"epoch": 10**15, "step": 1}))   # a hand's forged record
+        assert await put_for_epoch(store, key, json.dumps({"epoch": e, "step": 2}).encode(), epoch=e)
+        assert json.loads((await store.get(key)).value) == {"epoch": e, "step": 2}
 
 
 async def test_a_writer_that_knows_its_last_revision_skips_the_read_until_someone_else_writes(etcd, etcd_root):

@@ -7,7 +7,8 @@ would flush an old epoch's progress over the record the survivors' epoch wrote m
 are not keyed by epoch (progress) therefore go through ``put_for_epoch``: read the key, refuse
 if it holds a newer epoch, else write in a transaction on the revision read, so a newer write
 that lands in between wins too (a writer that knows its own last write's revision skips the read
-while the key is still as it left it).
+while the key is still as it left it). A record that claims an epoch no plan could have had yet
+when it was written is overwritten.
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ async def put_for_epoch(store: Store, key: str, value: bytes, *, epoch: int, tim
         revision = 0 if current is None else current.mod_revision
         if current is not None:
             theirs = stored_epoch(current.value)
-            if theirs is not None and theirs > epoch:
+            # An epoch is the revision of its plan, so a record written for it has a later revision:
+            # one claiming an epoch at or past its own revision was never written for a plan (a hand,
+            # garbage) and must not shut this writer out for good.
+            if theirs is not None and theirs > epoch and theirs < current.mod_revision:
                 log.info("not writing %s for epoch %d: it holds epoch %d's record", key, epoch, theirs)
                 return None
         written = await store.compare_and_swap(key, value, mod_revision=revision, timeout=timeout)

@@ -21,7 +21,8 @@ from varunad.store import schemas
 from varunad.store.contract import HistoryCompacted, KeyValue, Store, StoreError
 from varunad.store.keys import Keys
 
-__all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest", "read_progress", "forget_progress"]
+__all__ = ["JobEntry", "FleetSnapshot", "read_fleet", "read_plan", "read_newest", "read_progress", "forget_progress",
+           "usable_spec"]
 
 T = TypeVar("T")
 
@@ -59,6 +60,35 @@ class FleetSnapshot:
         return [self.members[n] for n in sorted(self.members) if self.members[n][0].usable_slots > 0]
 
 
+_told: set[tuple[str, int]] = set()   # (job, mod revision) of overwritten specs already logged
+
+
+async def usable_spec(store: Store, kv: KeyValue, job: str, *, timeout: float) -> tuple[JobSpec, bytes]:
+    """The spec at `kv` (a jobs/<job> key) and its bytes; where that value is not valid but the key
+    was written again after submit, the spec as `varunactl submit` wrote it, read at the key's
+    creation. A spec is never rewritten, so such a value (a hand's, a broken tool's) must not fail
+    a job that was accepted. JobSpecError where neither is valid, or etcd compacted the first away."""
+    try:
+        return JobSpec.decode(kv.value, job=job), kv.value
+    except JobSpecError as exc:
+        if kv.mod_revision == kv.create_revision:
+            raise
+        try:
+            first = await store.get(kv.key, revision=kv.create_revision, timeout=timeout)
+            spec = JobSpec.decode(first.value, job=job) if first is not None else None
+        except (StoreError, JobSpecError):
+            spec = None
+        if spec is None:
+            raise exc from None
+        if (job, kv.mod_revision) not in _told:
+            if len(_told) > 1024:
+                _told.clear()
+            _told.add((job, kv.mod_revision))
+            log.warning("the spec of job %s was overwritten after submit with one that is not valid (%s); "
+                        "using it as submitted", job, exc)
+        return spec, first.value
+
+
 async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:
     notes: list[str] = []
     members = await _read_members(store, keys, timeout=timeout)
@@ -71,7 +101,8 @@ async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapsh
         except ValueError:
             continue
         try:
-            jobs.append(JobEntry(job, JobSpec.decode(kv.value, job=job), None, kv.create_revision))
+            jobs.append(JobEntry(job, (await usable_spec(store, kv, job, timeout=timeout))[0], None,
+                                 kv.create_revision))
         except JobSpecError as exc:
             jobs.append(JobEntry(job, None, str(exc), kv.create_revision))
     jobs.sort(key=lambda e: e.revision)

@@ -86,7 +86,11 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
         if span is not None:
             spans.setdefault(epoch, []).append(span)
     history = merge_history({e: list(v.items()) for e, v in per_epoch.items()})
-    current = [p for p in await read_progress(store, keys, job) if p.epoch == state.epoch]
+    # only the ranks the epoch's plan has: a record of another (a hand's, garbage) is no step of it
+    shape = state.plan or {}
+    world = shape.get("P", 0) * shape.get("D", 0) if all(type(shape.get(k)) is int for k in "PD") else None
+    current = [p for p in await read_progress(store, keys, job)
+               if p.epoch == state.epoch and (world is None or p.rank < world)]
     now = [s + 1 for s in per_epoch.get(state.epoch, {})] + [p.step + 1 for p in current]
     # where the running epoch is, once it has reported: after a resume from an older checkpoint
     # it redoes steps an earlier epoch had reached, and says so rather than the highest step

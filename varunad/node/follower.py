@@ -22,7 +22,7 @@ import random
 from pathlib import Path
 
 from trainer.planning.calibration import Calibration
-from varunad.control.fleet import read_plan
+from varunad.control.fleet import read_plan, usable_spec
 from varunad.control.jobs import BundleError, JobSpec, JobSpecError, script_fingerprint, unpack_bundle
 from varunad.control.plans import PlanDoc
 from varunad.node.housekeeping import BUNDLES, job_dir, prune_jobs
@@ -188,11 +188,11 @@ class PlanFollowing:
         kv = await self.store.get(self.keys.job(job), timeout=t)
         if kv is None:
             raise JobSpecError(f"job {job} has no spec in etcd")
-        spec = JobSpec.decode(kv.value, job=job)
+        spec, raw = await usable_spec(self.store, kv, job, timeout=t)
         if self.allowed_submitters is not None:
             sig = await self.store.get(self.keys.signature(job), timeout=t)
             try:
-                signer = self.allowed_submitters.verify(job, kv.value, None if sig is None else sig.value)
+                signer = self.allowed_submitters.verify(job, raw, None if sig is None else sig.value)
             except SigningError as exc:
                 raise BundleError(str(exc)) from None
             log.info("%s: job %s is signed by %s", self.name, job, signer)

@@ -1,0 +1,43 @@
+"""Records in etcd that a hand or a broken tool changed: what the leader, the daemons and status
+make of them (a real etcd; the fault probe that found them wrote these very values)."""
+
+from __future__ import annotations
+
+import json
+
+from varunad.control.fleet import read_fleet
+from varunad.control.jobs import JobSpec, JobState
+from varunad.control.records import Progress
+from varunad.ctl import commands as ctl
+from varunad.store.etcd import EtcdStore
+from varunad.store.keys import Keys
+
+SPEC = JobSpec(job="f1", script="t.py", batch_size=8, steps=100, checkpoint_every=10, bundle_digest="0" * 64,
+               bundle_bytes=1)
+
+
+async def test_a_spec_overwritten_with_a_bad_value_after_submit_is_read_as_submitted(etcd, etcd_root):
+    keys = Keys(etcd_root)
+    async with EtcdStore(etcd.endpoint) as store:
+        assert await store.create_if_absent(keys.job("f1"), SPEC.encode())
+        bad = {**json.loads(SPEC.encode()), "steps": "100"}   # a string where an integer belongs
+        await store.put(keys.job("f1"), json.dumps(bad))
+        entry = (await read_fleet(store, keys, timeout=5)).entry("f1")
+        assert entry.spec == SPEC and entry.error is None   # the leader plans on, and fails nothing
+        # a spec that was never valid is still refused, with the reason
+        await store.put(keys.job("g1"), json.dumps({**bad, "job": "g1"}))
+        entry = (await read_fleet(store, keys, timeout=5)).entry("g1")
+        assert entry.spec is None and "expected an integer" in entry.error
+
+
+async def test_status_counts_only_the_ranks_of_the_epochs_plan(etcd, etcd_root):
+    keys = Keys(etcd_root)
+    async with EtcdStore(etcd.endpoint) as store:
+        await store.put(keys.job("f1"), SPEC.encode())
+        await store.put(keys.state("f1"), JobState(job="f1", state="running", epoch=9, epochs=(9,),
+                                                   plan={"P": 1, "D": 2}).encode())
+        for rank, step in ((0, 41), (1, 41), (7, 10**6)):   # rank 7: no worker of a 1x2 plan
+            await store.put(keys.progress_of("f1") + str(rank),
+                            Progress(job="f1", epoch=9, rank=rank, step=step, loss=1.0, samples_per_s=1.0,
+                                     busy_fraction=0.5).encode())
+        assert (await ctl.job_status(store, keys, "f1"))["step"] == 42
