@@ -272,3 +272,28 @@ def test_cut_points_inside_a_forward_under_autocast_are_named_as_the_reason_it_c
     assert traced.markers == ()
     assert any("1 cut point(s) lie inside wrap_with_autocast" in r.getMessage() and "precision='bf16'" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_batch_keys_forward_does_not_name_are_left_out_even_past_its_kwargs():
+    """A batch holding an example's id beside a Hugging Face model's inputs: forward takes it only
+    through **kwargs, which torch.export cannot give a dynamic batch dimension, and step() never
+    passes it. Left out of the capture; a forward that names nothing is told how to take its inputs."""
+
+    class Kw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x, y, **kwargs):
+            return F.mse_loss(self.lin(x).squeeze(-1), y)
+
+    batch = {"x": torch.randn(4, 3), "y": torch.randn(4), "example_id": torch.arange(4)}
+    traced = capture_model(Kw(), batch)
+    assert traced.input_names == ("x", "y")
+
+    class OnlyKw(nn.Module):
+        def forward(self, **batch):
+            return batch["x"].sum()
+
+    with pytest.raises(ConfigError, match=r"takes the batch only through \*\*kwargs"):
+        capture_model(OnlyKw(), batch)

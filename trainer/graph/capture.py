@@ -94,14 +94,24 @@ def _forward_inputs(model: nn.Module, sample: Mapping[str, object]) -> dict[str,
     """The sample's tensors that forward takes, by name; a batch of one is doubled so that the
     batch dimension can be captured as dynamic (export fixes sizes 0 and 1)."""
     params = inspect.signature(model.forward).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    wanted = {k: v for k, v in sample.items() if isinstance(v, torch.Tensor) and (takes_any or k in params)}
+    wanted = {k: v for k, v in sample.items() if isinstance(v, torch.Tensor) and k in params}
+    # Keys forward does not name (an example's id beside a Hugging Face model's inputs) stay out,
+    # as step() leaves them out: through a `**kwargs` they would reach code that does not expect
+    # them, and torch.export cannot give them a dynamic batch dimension.
+    unnamed = sorted(k for k in sample if k not in params)
+    if unnamed:
+        log.info("capture: the batch's %s %s not named by %s.forward: left out", ", ".join(unnamed),
+                 "is" if len(unnamed) == 1 else "are", type(model).__name__)
     missing = [n for n, p in params.items()
                if p.default is inspect.Parameter.empty and n not in wanted
                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     if missing:
         raise ConfigError(f"the batch has no {missing}, which {type(model).__name__}.forward needs",
                           hint=f"get_batch_fn must return a dict with keys {list(params)}")
+    if not wanted and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        raise ConfigError(f"{type(model).__name__}.forward takes the batch only through **kwargs",
+                          hint=f"name the inputs as forward's arguments ({', '.join(unnamed)}): the capture "
+                               "gives each of them a dynamic batch dimension by name")
     if not wanted or any(v.dim() == 0 for v in wanted.values()):
         raise ConfigError("get_batch_fn must return batch-first tensors",
                           hint=f"got {({k: tuple(v.shape) for k, v in wanted.items()})}")
