@@ -54,6 +54,12 @@ async def test_a_forged_well_formed_plan_is_not_followed(etcd, etcd_root, caplog
         later = PlanDoc.idle("the leader's next")
         epoch2 = await leader.election.write_plan(later.encode())
         assert await read_plan(store, keys, timeout=3.0) == (later, epoch2)
+        # a writer record deleted by a hand: the one written with the plan is in etcd's history (an
+        # outside test saw the leader drop its own plan and restart the job's workers)
+        kept = (await store.get(keys.plan_writer)).value
+        await store.delete(keys.plan_writer)
+        assert await read_plan(store, keys, timeout=3.0) == (later, epoch2)
+        await store.put(keys.plan_writer, kept)   # what follows is about the leader key, not this record
 
         # a plan of an earlier leader stays in force until the next leader writes one
         await leader.stop()

@@ -195,9 +195,11 @@ async def _not_a_leaders(store: Store, keys: Keys, revision: int, written: KeyVa
     at that very revision. The leader named there must have held the leader key (name, term and
     lease) at that revision: now, if the key has not changed since, else in etcd's history (a
     plan of an earlier leader stays in force until the next leader writes one)."""
-    if written is None or written.mod_revision < revision:
-        return "no plan-writer record was written with it, so no leader wrote it"
     try:
+        if written is None:   # deleted since (a hand): the record written with the plan is in etcd's history
+            written = await store.get(keys.plan_writer, timeout=timeout, revision=revision)
+        if written is None or written.mod_revision < revision:
+            return "no plan-writer record was written with it, so no leader wrote it"
         if written.mod_revision > revision:
             written = await store.get(keys.plan_writer, timeout=timeout, revision=revision)
             if written is None or written.mod_revision != revision:
@@ -211,7 +213,7 @@ async def _not_a_leaders(store: Store, keys: Keys, revision: int, written: KeyVa
         # etcd compacted the history this check would read (routine: auto-compaction). Decide from
         # what is read now: the writer's record was modified at the plan's own revision, so one
         # transaction wrote both, which only the leader's guarded write does.
-        return None
+        return None if written is not None else "no plan-writer record is left to say who wrote it"
     except ValueError as exc:
         return str(exc)
     return (f"its writer {writer.name} (term {writer.term}, lease {writer.lease:x}) did not hold the leader key "
