@@ -297,3 +297,25 @@ def test_batch_keys_forward_does_not_name_are_left_out_even_past_its_kwargs():
 
     with pytest.raises(ConfigError, match=r"takes the batch only through \*\*kwargs"):
         capture_model(OnlyKw(), batch)
+
+
+def test_a_skip_across_automatic_cuts_says_nobody_placed_them_and_what_to_do():
+    """T5 at P=2 was refused with "move the CutPoint" though its user placed none."""
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 4)
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            h0 = self.embed(x)
+            h = h0
+            for block in self.blocks:
+                h = block(h) + h0   # every block reads the embedding: more than one tensor crosses a cut
+            return h.pow(2).mean()
+
+    traced = capture_model(Residual(), X)
+    assert traced.auto
+    with pytest.raises(PartitionError, match=r"placed automatically.*CutPoint\(\)s where one tensor.*\(P=1\)"):
+        slice_stages(traced, [0])

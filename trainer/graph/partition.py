@@ -207,10 +207,11 @@ def slice_stages(traced: TracedModel, cuts: Sequence[int]) -> list[StageSlice]:
     segment_of = _marker_segment(traced)
     bounds = [-1, *cuts, len(traced.markers)]
     stage_of_segment = {s: b for b in range(P) for s in range(bounds[b] + 1, bounds[b + 1] + 1)}
-    needed = [_backward_slice(ends[b], entries[b], set(active), names, b) for b in range(P)]
+    hint = _skip_hint(traced)
+    needed = [_backward_slice(ends[b], entries[b], set(active), names, b, hint) for b in range(P)]
     for mut in traced.mutations:   # a buffer update runs in the segment that computes it
         b = stage_of_segment[segment_of[mut]]
-        needed[b] |= _backward_slice(mut, entries[b], set(active), names, b)
+        needed[b] |= _backward_slice(mut, entries[b], set(active), names, b, hint)
     once = _mixes_weights_and_batch(traced)
     placed: dict[fx.Node, int] = {}
     slices = []
@@ -226,14 +227,25 @@ def slice_stages(traced: TracedModel, cuts: Sequence[int]) -> list[StageSlice]:
                 raise PartitionError(
                     f"{_where(node)} would be computed in stages {placed[node]} and {b}: its output is "
                     "used after a cut point without passing through it (a skip connection across the cut?)",
-                    hint="move the CutPoint so that one tensor carries everything the next layers need",
+                    hint=hint,
                 )
             placed.setdefault(node, b)
         slices.append(_build_slice(traced, b, needed[b], entry, ends[b], bounds))
     return slices
 
 
-def _backward_slice(end, entry, active: set, names: dict, stage: int) -> set:
+def _skip_hint(traced: TracedModel) -> str:
+    if not traced.auto:
+        return "move the CutPoint so that one tensor carries everything the next layers need"
+    # nobody placed these cuts: say where they came from, and that this model cannot be cut there
+    return ("the cut points were placed automatically, after each block of the model's largest "
+            "nn.Sequential/nn.ModuleList, and this model passes its blocks more than one tensor (an "
+            "encoder's output to a decoder, a bias every layer reads): it cannot be pipelined at those "
+            "places. Add CutPoint()s where one tensor carries everything the later layers need, or train "
+            "it with one stage per replica (P=1)")
+
+
+def _backward_slice(end, entry, active: set, names: dict, stage: int, hint: str) -> set:
     needed, stack = set(), [end]
     while stack:
         node = stack.pop()
@@ -246,7 +258,7 @@ def _backward_slice(end, entry, active: set, names: dict, stage: int) -> set:
             raise PartitionError(
                 f"stage {stage} needs a value computed before cut point '{names[node]}' that does not "
                 "pass through the cut point just before it (a skip connection across a cut?)",
-                hint="move the CutPoint so that one tensor carries everything the next layers need",
+                hint=hint,
             )
         stack.extend(node.all_input_nodes)
     return needed
