@@ -13,7 +13,10 @@ from trainer import CutPoint
 
 STEPS, BATCH, CHUNK = 5, 8, 2
 VOCAB, SEQ = 64, 16
-HF = ("llama", "gpt2", "bert", "resnet")
+HF = ("llama", "gpt2", "gpt2_sft", "bert", "resnet")
+# trained on prompts and padding labelled -100: its loss is a mean over the other tokens, so each
+# micro-batch must weigh its tokens, and the plain loop is one full-batch step
+TOKEN_MEAN = ("gpt2_sft",)
 GPT = ("gpt_tied", "gpt_shared")
 SHARED = {"gpt_shared": [("wte.weight", "lm_head.weight")]}
 
@@ -93,7 +96,7 @@ def build(name: str) -> nn.Module:
         return LossOf(tf.LlamaForCausalLM(tf.LlamaConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False, **ids)))
-    if name == "gpt2":   # as it is, unwrapped: its output holds the loss, the logits and its cache
+    if name in ("gpt2", "gpt2_sft"):   # as it is, unwrapped: its output holds the loss, the logits and its cache
         return tf.GPT2LMHeadModel(tf.GPT2Config(
             n_embd=32, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, **ids))
@@ -116,6 +119,11 @@ def global_batch(name: str, step: int, size: int = BATCH) -> dict[str, torch.Ten
         return {"pixel_values": torch.randn(size, 3, 64, 64, generator=g),
                 "labels": torch.randint(0, 5, (size,), generator=g)}
     x = torch.randint(1, VOCAB, (size, SEQ), generator=g)
+    if name in TOKEN_MEAN:   # a prompt of 2-7 tokens and an answer of 1-8, then padding: -100 outside the answer
+        prompt = torch.randint(2, 8, (size, 1), generator=g)
+        end = prompt + torch.randint(1, 9, (size, 1), generator=g)
+        at = torch.arange(SEQ)
+        return {"input_ids": x, "labels": torch.where((at >= prompt) & (at < end), x, -100)}
     # labels everywhere (no -100): every micro-batch's mean is over the same number of tokens
     return {"input_ids": x, "labels": torch.roll(x, -1, 1) if name in GPT else x}
 
@@ -132,7 +140,8 @@ def optimizer(params) -> torch.optim.Optimizer:
 
 def reference(name: str, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The plain loop: micro-batches of CHUNK consecutive examples (BatchNorm sees what each
-    stage sees), gradients accumulated, one optimizer step per global batch."""
+    stage sees), gradients accumulated, one optimizer step per global batch; for a loss averaged
+    over tokens (TOKEN_MEAN), the whole global batch at once."""
     model = build(name)
     model.train()
     opt = optimizer(model.parameters())
@@ -140,7 +149,11 @@ def reference(name: str, steps: int = STEPS) -> tuple[list[float], dict[str, tor
     for step in range(steps):
         opt.zero_grad()
         batch, total = global_batch(name, step), 0.0
-        for start in range(0, BATCH, CHUNK):
+        if name in TOKEN_MEAN:   # the global batch's token mean, as one process computes it
+            loss = model(**batch).loss
+            loss.backward()
+            total = loss.item()
+        for start in range(0, BATCH, CHUNK) if name not in TOKEN_MEAN else ():
             out = model(**{k: v[start:start + CHUNK] for k, v in batch.items()})
             loss = getattr(out, "loss", out) * (CHUNK / BATCH)
             loss.backward()

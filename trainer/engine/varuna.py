@@ -56,6 +56,7 @@ from trainer.engine.precision import LossScaler, Precision
 from trainer.engine.store_outage import StoreHealth
 from trainer.engine.trace import NullRecorder, recorder_for
 from trainer.errors import CheckpointError, ConfigError, StoreOutage, WorkerError
+from trainer.graph import loss_weights
 from trainer.graph.keyed_rng import Draws
 from trainer.graph.layout import Layout, build_layout
 from trainer.graph.partition import capture_model, slice_stages
@@ -86,8 +87,11 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
                  from_cache: bool = True, *, precision: Precision | None = None,
                  schedule: str | None = None, recompute: bool | None = None,
                  weights: str | os.PathLike[str] | None = None,
-                 assignment: WorkerAssignment | None = None, seed: int = 0) -> None:
+                 assignment: WorkerAssignment | None = None, seed: int = 0,
+                 loss_count: loss_weights.Counter | str | None = "auto") -> None:
         self.assignment = assignment or setup.assignment_for(stage_to_rank_map)
+        # what a micro-batch's loss weighs: its examples, or the tokens its loss averages (trainer.graph.loss_weights)
+        self._counter = loss_weights.counter_for(model, loss_count)
         a = self.assignment
         if a.profile:
             # the whole model passes through host memory while it is calibrated
@@ -267,7 +271,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             self.control.abandonable = True
             # under uneven shares the stage's replicas trade inputs first: a peer lost there breaks
             # the epoch like one lost mid-schedule
-            micro, weights = self._micro_batches(inputs, self.batch_size)
+            micro, weights = self._loss_weights(*self._micro_batches(inputs, self.batch_size))
             table = self._table(self.schedule, len(micro), self.recompute)
             draws = self._draws(len(micro), self.shard_offset)
             self.executor.run(
@@ -347,7 +351,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         the whole batch's, defaults to the sum of the replicas' shards)."""
         shard = setup.shard_size(inputs)
         total, first = self._evaluation_split(shard, batch_size)
-        micro, weights = self._micro_batches(inputs, total)
+        micro, weights = self._loss_weights(*self._micro_batches(inputs, total))
         actions = []
         for m in range(len(micro)):
             if self.stage > 0:
@@ -511,6 +515,21 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             micro.append(chunk)
             weights.append(n / global_batch)
         return micro, weights
+
+    def _loss_weights(self, micro: list[dict[str, torch.Tensor]], weights: list[float]
+                      ) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+        """The micro-batches and their weights: by examples, or on the last stage, where a counter
+        counts the tokens each loss averages, by tokens over the global batch's, which the stage's
+        replicas add up (only the last stage weighs its losses; the others back-propagate them)."""
+        if self._counter is None or self.stage != self.plan.P - 1:
+            return micro, weights
+        counted = loss_weights.counts(self._counter, micro)
+        if counted is None:
+            return micro, weights
+        total = torch.tensor([float(sum(counted))], dtype=torch.float64)
+        if self.plan.D > 1:
+            dist.all_reduce(total, group=self.stage_group)
+        return micro, loss_weights.token_weights(counted, int(total[0]))
 
     def _this_share(self, wanted: dict[str, torch.Tensor], shard: int) -> tuple[dict[str, torch.Tensor], int]:
         """This replica's examples of the step's global batch, from the `shard` of them the script

@@ -23,6 +23,7 @@ from torch import fx, nn
 from trainer.errors import ConfigError
 from trainer.graph.capture import capture_model
 from trainer.graph.keyed_rng import keyed_randomness
+from trainer.graph.loss_weights import counter_for, counts, token_weights
 
 __all__ = ["keyed_model", "train_step", "keyed_randomness"]
 
@@ -31,26 +32,33 @@ def keyed_model(model: nn.Module, sample: Mapping[str, torch.Tensor]) -> fx.Grap
     """`model` captured as the engine captures it (on `sample`, a batch from get_batch_fn),
     random ops keyed; it trains the model's own parameters. Call it with the batch's tensors
     by name inside `keyed_randomness(seed, step, example_offset)`."""
-    return capture_model(model, sample).graph_module
+    gm = capture_model(model, sample).graph_module
+    gm.varuna_loss_count = counter_for(model, "auto")   # what train_step weighs micro-batches by, as the engine does
+    return gm
 
 
 def train_step(keyed: fx.GraphModule, batch: Mapping[str, torch.Tensor], step: int, *, seed: int = 0,
                micro_batch_size: int | None = None) -> float:
-    """Forward and backward of step `step`'s global batch in micro-batches, each weighted by its
-    share of the batch as the engine weights it; gradients accumulate in the parameters (the
-    caller zeroes them and steps its optimizer). Returns the batch's loss."""
+    """Forward and backward of step `step`'s global batch in micro-batches, each weighted as the
+    engine weights it (its share of the examples, or of the tokens a Hugging Face model's loss
+    averages: trainer.graph.loss_weights); gradients accumulate in the parameters (the caller
+    zeroes them and steps its optimizer). Returns the batch's loss."""
     sizes = {int(v.shape[0]) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()}
     if len(sizes) != 1:
         raise ConfigError(f"the batch's tensors hold different numbers of examples: {sorted(sizes)}",
                           hint="pass batch-first tensors of one global batch")
     total = sizes.pop()
     size = micro_batch_size or total
+    micro = [{k: v[start:start + size] for k, v in batch.items()} for start in range(0, total, size)]
+    weights = [min(size, total - start) / total for start in range(0, total, size)]
+    counter = getattr(keyed, "varuna_loss_count", None)
+    counted = counts(counter, micro) if counter is not None else None
+    if counted is not None:   # a loss averaged over tokens: each micro-batch weighs its tokens
+        weights = token_weights(counted, sum(counted))
     loss = 0.0
-    for start in range(0, total, size):
-        micro = {k: v[start:start + size] for k, v in batch.items()}
-        n = min(size, total - start)
+    for start, m, w in zip(range(0, total, size), micro, weights):
         with keyed_randomness(seed, step, start):
-            part = keyed(**micro) * (n / total)
+            part = keyed(**m) * w
         part.backward()
         loss += part.item()
     return loss
