@@ -23,16 +23,23 @@ def evaluation_module(module: nn.Module) -> nn.Module:
     """`module` itself where its graph has nothing that evaluates differently; else the copy."""
     if not isinstance(module, fx.GraphModule):
         return module
-    if not any(norm_in_training(n) or writes(n) for n in module.graph.nodes):
+    if not any(norm_in_training(n) or _updates_a_buffer(n) for n in module.graph.nodes):
         return module
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in module.graph.nodes:
-        if writes(node) and not norm_in_training(node) and not node.users:
-            continue   # a buffer update (a count, a write-back of new statistics): not in an evaluation
+        if _updates_a_buffer(node):
+            continue   # a count, a write-back of new statistics: not in an evaluation
         copy = graph.node_copy(node, lambda n: env[n])
         if norm_in_training(node):
             copy.args = (*copy.args[:5], False, *copy.args[6:])
         env[node] = copy
     graph.eliminate_dead_code()
     return fx.GraphModule(module, graph, class_name=f"{type(module).__name__}Eval")
+
+
+def _updates_a_buffer(node: fx.Node) -> bool:
+    """An in-place write into buffers that nothing reads the result of (an activation's in-place
+    op, a relu_, is the computation itself and stays)."""
+    dests = writes(node)
+    return bool(dests) and not node.users and not norm_in_training(node) and all(d.op == "get_attr" for d in dests)
