@@ -127,6 +127,8 @@ def test_housekeeping_keeps_the_most_recently_used_jobs(tmp_path):
     ({"batch_size": 10**9}, "more than 16777216 examples per step"),
     # each VM would resolve it in its own directory, and no checkpoint would ever be complete
     ({"store": "relative/dir"}, "absolute path .* or a URL, got 'relative/dir'"),
+    ({"args": ("--x", "a\x00b")}, "an argument holds a NUL character"),
+    ({"steps": 10**30}, "steps must be at most 9007199254740992"),
 ])
 def test_job_spec_refuses(kw, message):
     with pytest.raises(JobSpecError, match=message):

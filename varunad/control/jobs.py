@@ -81,9 +81,15 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
+# Counts of steps beyond this are no training run's, and JSON readers elsewhere lose precision there.
+MAX_COUNT = 2**53
+
+
 def _positive_int(where: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise JobSpecError(f"{where} must be a positive integer, got {value!r}")
+    if value > MAX_COUNT:
+        raise JobSpecError(f"{where} must be at most {MAX_COUNT}, got {value}")
     return value
 
 
@@ -115,6 +121,9 @@ class JobSpec:
             raise JobSpecError(f"script {self.script!r} must be a relative path inside the bundle")
         if not isinstance(self.args, (list, tuple)) or not all(isinstance(a, str) for a in self.args):
             raise JobSpecError("args must be a list of strings")
+        for what, text in (("script", self.script), ("store", self.store or ""), *(("an argument", a) for a in self.args)):
+            if "\x00" in text:   # no process can be given it: the worker would never start
+                raise JobSpecError(f"{what} holds a NUL character: {text!r}")
         object.__setattr__(self, "args", tuple(self.args))
         _positive_int("batch size", self.batch_size)
         if self.batch_size > MAX_BATCH_SIZE:

@@ -384,7 +384,7 @@ class Supervisor(WorkerStopping):
             w.log_offset = out.tell()
             try:
                 w.proc = await self._launch(w, script, args, env, out)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:   # ValueError: an argument no process can take (a NUL)
                 w.outcome, w.error = "failed", f"could not start {script}: {exc}"
                 self._after_exit(w)
                 return
