@@ -58,3 +58,10 @@ def test_a_snapshot_runs_with_copies_and_leaves_the_module_tensors_untouched():
     snap.restore()
     for n in names:
         torch.testing.assert_close(own[n], snap._saved[names.index(n)])
+
+
+def test_the_capture_says_batchnorm_makes_the_model_depend_on_the_micro_batch_size(caplog):
+    with caplog.at_level("WARNING", logger="varuna"):
+        _captured()
+    said = [r.getMessage() for r in caplog.records if "BatchNorm" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("capture: 3 BatchNorm layer(s)") and "--chunk-size" in said[0], said

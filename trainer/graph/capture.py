@@ -34,6 +34,7 @@ from trainer.errors import ConfigError, PartitionError
 from trainer.graph import capture_cache
 from trainer.graph.cutpoint import CutPoint, capturing, cut_marker, is_marker, marker_name
 from trainer.graph.keyed_random import key_random_ops
+from trainer.graph.written import norm_in_training
 
 __all__ = ["TracedModel", "capture_model", "auto_blocks"]
 
@@ -221,8 +222,21 @@ def _graph_of(model: nn.Module, ep, *, from_model: bool):
     mutations = tuple(keyed.get(n, n) for n in mutations)
     markers = tuple(n for n in gm.graph.nodes if is_marker(n))
     _warn_of_hidden_markers(gm)
+    _warn_of_batch_statistics(gm)
     _check_batch_is_dynamic(gm)
     return gm, input_names, mutations, markers
+
+
+def _warn_of_batch_statistics(gm: fx.GraphModule) -> None:
+    """Say so when the model normalises with the statistics of the batch it is given (BatchNorm in
+    training): each micro-batch is normalised on its own, so the trained model depends on the
+    micro-batch size, which the planner picks, unlike everything else a plan changes."""
+    norms = sum(norm_in_training(n) and "batch_norm" in n.target._schema.name for n in gm.graph.nodes)
+    if norms:
+        log.warning("capture: %d BatchNorm layer(s) normalise each micro-batch with its own statistics: the "
+                    "model trained depends on the micro-batch size (as with gradient accumulation). Fix the size "
+                    "(varunactl submit --chunk-size N) to train the same model under every plan, or use "
+                    "GroupNorm or LayerNorm", norms)
 
 
 def _warn_of_hidden_markers(gm: fx.GraphModule) -> None:

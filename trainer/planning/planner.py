@@ -617,7 +617,6 @@ def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lo
     if len(kinds) != 1:
         return []
     k = kinds[0]
-    gib = 2**30
     out = []
     for D in sorted({k.slots, 1}, reverse=True):
         if (1, D) == chosen:
@@ -633,7 +632,7 @@ def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lo
                                allow_recompute)]
         if not whole:
             out.append(f"{shape}: memory: one {k.name} slot cannot hold the whole model (weights and optimizer "
-                       f"state alone {k.static[k.cal.n_segments] / gib:.2f} GiB, {k.capacity / gib:.2f} GiB usable)")
+                       f"state alone {_size(k.static[k.cal.n_segments])}, {_size(k.capacity)} usable)")
             continue
         times = [e for e, c in scored if c[3] == 1 and c[1] == D]
         if times:
@@ -641,6 +640,11 @@ def _ruled_out(kinds, sizes, global_batch, schedule, allow_recompute, scored, lo
         else:
             out.append(f"{shape}: estimated at least {lower_by_kind.get(k.name, 0.0):.3f} s per step, slower")
     return out
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in GiB, or MiB below one (a small model's 0.003 GiB reads as nothing at 2 decimals)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 # --- uneven data-parallel shares ----------------------------------------------------------------
