@@ -241,3 +241,27 @@ def test_calibration_grows_by_less_than_the_weights_plus_one_slot():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["segments"] == 8 and got["weights"] > 130e6
     assert got["growth"] < got["weights"] + 200e6, got
+
+
+def test_a_calibration_run_of_a_batchnorm_model_measures_the_scripts_micro_batch_alone(tmp_path, caplog):
+    """BatchNorm normalises each micro-batch with its own statistics: the model depends on the
+    micro-batch size. Calibrated at the script's chunk_size alone, the planner can choose no other,
+    so every plan trains the same model; a size the job fixed at submit is measured as any job's."""
+    from support.batchnorm_net import BATCH, CHUNK, BatchNormNet, batch
+
+    from trainer.engine.varuna import Varuna
+    from trainer.planning.parallel import ParallelPlan
+    from trainer.worker_env import WorkerAssignment
+
+    def calibrate(out, micro_batch_size=None):
+        a = WorkerAssignment(rank=0, plan=ParallelPlan(P=1, D=1, micro_batch_size=micro_batch_size),
+                             endpoints=["inproc://calibration-run"], dist_url="", profile=str(out))
+        varuna = Varuna(BatchNormNet(), None, lambda n, device: {k: v[:n] for k, v in batch(0).items()}, BATCH, CHUNK,
+                        assignment=a)
+        with pytest.raises(SystemExit):
+            varuna.set_optimizer(torch.optim.SGD(varuna.parameters(), lr=0.1))
+        return Calibration.load(out)
+
+    assert calibrate(tmp_path / "auto.json").micro_batch_sizes == (CHUNK,)
+    assert "calibrating micro-batch size 2 only" in caplog.text
+    assert calibrate(tmp_path / "fixed.json", micro_batch_size=4).micro_batch_sizes == (1, 2, 4, 8)

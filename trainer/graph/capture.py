@@ -34,7 +34,7 @@ from trainer.errors import ConfigError, PartitionError
 from trainer.graph import capture_cache
 from trainer.graph.cutpoint import CutPoint, capturing, cut_marker, is_marker, marker_name
 from trainer.graph.keyed_random import key_random_ops
-from trainer.graph.written import norm_in_training
+from trainer.graph.written import batch_statistics
 
 __all__ = ["TracedModel", "capture_model", "auto_blocks"]
 
@@ -231,12 +231,12 @@ def _warn_of_batch_statistics(gm: fx.GraphModule) -> None:
     """Say so when the model normalises with the statistics of the batch it is given (BatchNorm in
     training): each micro-batch is normalised on its own, so the trained model depends on the
     micro-batch size, which the planner picks, unlike everything else a plan changes."""
-    norms = sum(norm_in_training(n) and "batch_norm" in n.target._schema.name for n in gm.graph.nodes)
+    norms = batch_statistics(gm)
     if norms:
         log.warning("capture: %d BatchNorm layer(s) normalise each micro-batch with its own statistics: the "
-                    "model trained depends on the micro-batch size (as with gradient accumulation). Fix the size "
-                    "(varunactl submit --chunk-size N) to train the same model under every plan, or use "
-                    "GroupNorm or LayerNorm", norms)
+                    "model trained depends on the micro-batch size (as with gradient accumulation). Under varunad "
+                    "the job keeps the script's chunk_size unless submitted with --chunk-size N; or use GroupNorm "
+                    "or LayerNorm", norms)
 
 
 def _warn_of_hidden_markers(gm: fx.GraphModule) -> None:

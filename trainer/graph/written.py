@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 
-__all__ = ["written_buffers", "writes", "norm_in_training", "BufferSnapshot"]
+__all__ = ["written_buffers", "writes", "norm_in_training", "batch_statistics", "BufferSnapshot"]
 
 
 # Norm ops that update their running statistics (arguments 3 and 4) in place when argument 5
@@ -34,6 +34,13 @@ def norm_in_training(node: fx.Node) -> bool:
     schema = target._schema
     return (any(op in schema.name for op in _NORM_OPS) and len(schema.arguments) > 5
             and schema.arguments[5].name in _NORM_FLAGS and len(node.args) > 5 and node.args[5] is True)
+
+
+def batch_statistics(gm: fx.GraphModule) -> int:
+    """How many norms of `gm` normalise with the statistics of the batch they are given (BatchNorm
+    in training; instance norm's are each example's own): the model they train depends on the
+    micro-batch size."""
+    return sum(norm_in_training(n) and "batch_norm" in n.target._schema.name for n in gm.graph.nodes)
 
 
 def writes(node: fx.Node) -> list[fx.Node]:

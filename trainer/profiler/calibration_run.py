@@ -21,6 +21,7 @@ from torch import nn
 
 from trainer.engine.memory import PeakMemory
 from trainer.engine.precision import Precision
+from trainer.graph.written import batch_statistics
 from trainer.profiler.calibrate import Profiler
 from trainer.worker_env import WorkerAssignment
 
@@ -44,6 +45,11 @@ class CalibrationRun:
                  device: torch.device) -> None:
         self.model, self.get_batch_fn, self.assignment = model, get_batch_fn, assignment
         self.sizes = profile_sizes(batch_size, chunk_size)
+        # the one size to calibrate where the micro-batch decides the model (BatchNorm), unless the job
+        # fixed one at submit: the script's chunk_size, or the largest calibrated size below it
+        # that splits the batch evenly (a ragged one may give no plan at all)
+        self.fixed = assignment.plan.micro_batch_size is not None
+        self.one_size = max((b for b in self.sizes if b <= chunk_size and batch_size % b == 0), default=1)
         self.precision, self.device = precision, device
         self.started = False
 
@@ -61,7 +67,14 @@ class CalibrationRun:
         if optimizer is not None:
             profiler.set_optimizer(optimizer)
         meter = PeakMemory(self.device, 0)   # from the captured model: what a worker holds before it trains
-        calibration = profiler.profile_all(self.sizes)
+        sizes = self.sizes
+        if not self.fixed and batch_statistics(profiler.traced.graph_module):
+            # BatchNorm trains a model that depends on the micro-batch: calibrated at one size, the
+            # planner chooses that one under every plan, so every plan trains the same model
+            sizes = [self.one_size]
+            log.warning("calibrating micro-batch size %d only (from the script's chunk_size): the model's "
+                        "BatchNorm makes what it trains depend on the micro-batch size", self.one_size)
+        calibration = profiler.profile_all(sizes)
         calibration.save(a.profile)
         # the whole model passes through host memory; the device holds one segment at a time
         log.warning("calibration memory: peak %.1f MB above the built model (%s), the model's weights %.1f MB",
