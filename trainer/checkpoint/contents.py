@@ -60,6 +60,7 @@ class _Placement(Protocol):
 
 class _Layout(Protocol):
     files: Mapping[str, str]   # tensor name -> the file of the layer that first uses it
+    untrained: frozenset[str]  # names forward never uses (a checkpoint may lack them)
 
     def writer_stage(self, name: str) -> int: ...
 
@@ -348,11 +349,12 @@ def load(v: Checkpointed, store: str, iteration: int | None, *, check_complete: 
     index = manifest["meta"]["index"]
     group_of = {id(q): g for g in v.optimizer.param_groups for q in g["params"]} if v.optimizer is not None else {}
     named = v.named_tensors()
-    missing = sorted(n for n in named if n not in index)
+    # a checkpoint of an older release has no tensors forward never uses: they keep their values
+    missing = sorted(n for n in named if n not in index and n not in v.layout.untrained)
     if missing:
         raise CheckpointError(f"checkpoint {iteration} has no {missing[:5]}",
                               hint="it was written by a different model")
-    for fname in sorted({index[n] for n in named}):
+    for fname in sorted({index[n] for n in named if n in index}):
         content = reading.read_tensors(ckpt_dir, fname)
         for kind in ("params", "buffers"):
             for name, saved in content.get(kind, {}).items():

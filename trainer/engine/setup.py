@@ -10,7 +10,7 @@ import ctypes
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -130,9 +130,10 @@ def aliases(model: nn.Module, canonical: Mapping[int, str]) -> dict[str, str]:
     return out
 
 
-def named_tensors(model, canonical, mine) -> dict[str, torch.Tensor]:
+def named_tensors(model, canonical, mine, also: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """The tensors of the stage `mine` (and the names in `also`) by their canonical names."""
     by_name = {canonical[id(t)]: t for t in (*model.parameters(), *model.buffers()) if id(t) in canonical}
-    return {n: by_name[n] for n in (*mine.owned, *mine.owned_buffers)}
+    return {n: by_name[n] for n in (*mine.owned, *mine.owned_buffers, *sorted(also))}
 
 
 def all_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -145,15 +145,18 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         cuts = self._agree_on_cuts(traced, get_batch_fn)
         slices = slice_stages(traced, cuts)
         aliases = setup.aliases(model, traced.canonical)
-        self.layout: Layout = build_layout(traced, slices, shared_weights or (), aliases)
         # the user's state_dict names, recorded in every checkpoint for an export
         self.model_record = record_model(model, traced.canonical)
+        self.layout: Layout = build_layout(traced, slices, shared_weights or (), aliases,
+                                           state=self.model_record.state_dict.values())
         self.cuts = cuts
         mine = slices[self.stage]
         self.module = mine.module
         self.model_inputs = traced.input_names   # every argument of forward, in its order: what step() takes
-        self._named = setup.named_tensors(model, traced.canonical, mine)
-        setup.free_other_stages(model, traced.canonical, set(mine.owned) | set(mine.owned_buffers))
+        # what forward never uses is kept by stage 0, untrained (as a plain loop leaves it), for the checkpoints
+        self._untrained = self.layout.untrained if self.stage == 0 else frozenset()
+        self._named = setup.named_tensors(model, traced.canonical, mine, also=self._untrained)
+        setup.free_other_stages(model, traced.canonical, set(self._named))
         del traced, slices
         self._named = stage_weights.load_stage(model, self._named, weights, self.device, tied=self.layout.tied,
                                                holders=(self.module,))
@@ -211,7 +214,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         return [p for _, p in self.named_parameters()]
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(n, t) for n, t in self._named.items() if isinstance(t, nn.Parameter)]
+        return [(n, t) for n, t in self._named.items() if isinstance(t, nn.Parameter) and n not in self._untrained]
 
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -475,6 +478,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         self.precision, self.device, self.iteration = precision, device, 0
         self.optimizer = None
         self._named = dict(model.named_parameters())
+        self._untrained = frozenset()
 
     # The script's names for P and D (the original Varuna API's): `GlobalBatches.shard` takes D.
     @property

@@ -8,7 +8,7 @@ names in the user's model, so a checkpoint written by any P x D loads into any o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from trainer.errors import ConfigError
@@ -24,6 +24,9 @@ class Layout:
     owners: dict[str, tuple[int, ...]]       # canonical name -> stages that use it
     tied: tuple[tuple[str, ...], ...]        # sets of names that are one tensor in the math
     files: dict[str, str]                    # canonical name -> checkpoint file name
+    # tensors of the model's state_dict that forward never uses: stage 0 keeps them untrained, so
+    # checkpoints and exports hold the whole state_dict (a checkpoint without them still loads)
+    untrained: frozenset[str] = frozenset()
 
     def writer_stage(self, name: str) -> int:
         return self.owners[name][0]
@@ -33,8 +36,10 @@ class Layout:
 
 
 def build_layout(traced: TracedModel, slices: Sequence[StageSlice],
-                 shared_weights: Sequence[tuple[str, str]] = (), aliases: Mapping[str, str] | None = None) -> Layout:
-    """`aliases` maps every parameter name of the model (tied duplicates too) to its canonical name."""
+                 shared_weights: Sequence[tuple[str, str]] = (), aliases: Mapping[str, str] | None = None,
+                 state: Iterable[str] = ()) -> Layout:
+    """`aliases` maps every parameter name of the model (tied duplicates too) to its canonical name;
+    `state`: the canonical names of the model's state_dict, those no stage uses going to stage 0."""
     layer: dict[str, int] = {}
     seg = 0
     for node in traced.graph_module.graph.nodes:
@@ -49,6 +54,10 @@ def build_layout(traced: TracedModel, slices: Sequence[StageSlice],
         for name in (*sl.owned, *sl.owned_buffers):
             owners.setdefault(name, []).append(sl.stage)
     params = {n for sl in slices for n in sl.owned}
+    untrained = frozenset(n for n in state if n not in owners)
+    for name in sorted(untrained):
+        owners[name] = [0]
+        layer.setdefault(name, 0)
     # Buffers several stages read (rotary frequencies) are copies, not weights to keep equal.
     tied = _tied_sets({n: s for n, s in owners.items() if n in params}, shared_weights, aliases or {})
     # One writer per file: tensors of one layer written by different stages get split files.
@@ -59,7 +68,7 @@ def build_layout(traced: TracedModel, slices: Sequence[StageSlice],
     for name, stages in owners.items():
         lay = layer[name]
         files[name] = f"layer_{lay:03d}.pt" if len(writers[lay]) == 1 else f"layer_{lay:03d}_s{stages[0]}.pt"
-    return Layout(layer, {k: tuple(v) for k, v in owners.items()}, tied, files)
+    return Layout(layer, {k: tuple(v) for k, v in owners.items()}, tied, files, untrained)
 
 
 def _tied_sets(owners, shared_weights, alias) -> tuple[tuple[str, ...], ...]:

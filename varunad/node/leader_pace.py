@@ -73,6 +73,14 @@ class LeaderPace:
     def _slowdowns(self) -> dict[str, float]:
         return self.speeds.slowdowns()
 
+    def _adopt_stragglers(self, state: JobState | None) -> None:
+        """Once per leader: the stragglers its predecessor found for the job (its state), taken in
+        before this leader's first plan of it, not after (a plan onto a known straggler was
+        followed half a second later by a morph off it)."""
+        if state is not None and not self._pace_adopted:
+            self._pace_adopted = True
+            self.speeds.adopt(state.stragglers, self.clock())
+
     async def _pace(self, snap: FleetSnapshot) -> bool:
         """Measure the running job's slots; True when it started a morph around a straggler."""
         plan = snap.plan
@@ -84,9 +92,7 @@ class LeaderPace:
         state = snap.states.get(plan.job)
         if state is None or state.epoch != snap.plan_epoch or state.state != "running":
             return False
-        if not self._pace_adopted:   # a new leader: the stragglers its predecessor planned around
-            self._pace_adopted = True
-            self.speeds.adopt(state.stragglers, now)
+        self._adopt_stragglers(state)
         progress = await read_progress(self.store, self.keys, plan.job, timeout=self.t)
         # the epoch's newest step: an epoch that stops stepping is stuck (varunad.control.stall)
         self.memory.steps.see(snap.plan_epoch, max((p.step for p in progress if p.epoch == snap.plan_epoch),

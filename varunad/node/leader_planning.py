@@ -279,6 +279,7 @@ class LeaderPlanning:
         if inputs is None:
             return None
         cals, measured = inputs
+        self._adopt_stragglers(snap.states.get(spec.job))
         doc, _ = make_plan(spec, members, cals, calibrated=measured, reason=reason, memory_scale=memory_scale,
                            slowdowns=self._slowdowns())
         return doc
