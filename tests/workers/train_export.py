@@ -3,7 +3,7 @@ checkpoint store, its stage's tensors saved as each worker holds them at the end
 
 * `tagger`: hand-written: an embedding tied to the output head (one Parameter), CutPoints, a
   BatchNorm (persistent running statistics), a persistent buffer the forward reads and a
-  non-persistent one (which a state_dict leaves out);
+  non-persistent one (which a state_dict leaves out), and a head and a buffer it never uses;
 * `gpt2`: transformers' GPT2LMHeadModel from a tiny random config (head tied to the token
   embedding), wrapped in a module whose forward returns the loss, no CutPoint.
 
@@ -36,6 +36,9 @@ class Tagger(nn.Module):
         self.register_buffer("temperature", torch.tensor(2.0))
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.embed.weight
+        # a head and a buffer forward never uses (another task's): kept untrained, exported
+        self.other_task = nn.Linear(d, 3)
+        self.register_buffer("other_scale", torch.tensor(0.5))
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids) + self.offsets
