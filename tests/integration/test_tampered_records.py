@@ -3,6 +3,7 @@ make of them (a real etcd; the fault probe that found them wrote these very valu
 
 from __future__ import annotations
 
+import io
 import json
 
 from varunad.control.fleet import read_fleet
@@ -40,4 +41,13 @@ async def test_status_counts_only_the_ranks_of_the_epochs_plan(etcd, etcd_root):
             await store.put(keys.progress_of("f1") + str(rank),
                             Progress(job="f1", epoch=9, rank=rank, step=step, loss=1.0, samples_per_s=1.0,
                                      busy_fraction=0.5).encode())
-        assert (await ctl.job_status(store, keys, "f1"))["step"] == 42
+        doc = await ctl.job_status(store, keys, "f1")
+        assert doc["step"] == 42
+        # no member key: no daemon is up, so nothing trains whatever the job's state says
+        out = io.StringIO()
+        ctl.print_job(doc, out)
+        assert doc["daemons"] == 0 and "fleet     no daemon is up" in out.getvalue()
+        await store.put(keys.members + "vm1", b"{}")   # any live key: the line goes
+        out = io.StringIO()
+        ctl.print_job(await ctl.job_status(store, keys, "f1"), out)
+        assert "no daemon is up" not in out.getvalue()

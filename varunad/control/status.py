@@ -133,6 +133,8 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
         "stages": stage_memory(plan, current),
         "restarts": state.restarts, "error": state.error,
         "store_failing": await _store_failing(store, keys, job, state.epoch) if state.state in _LIVE else None,
+        # a live member key is a daemon whose lease holds: none, and nothing trains, whatever the state says
+        "daemons": len(await store.get_prefix(keys.members)) if state.state in _LIVE else None,
         # slot -> how many times slower than the fastest of its kind it computes; the stragglers
         # among them are the slots the plan works around (varunad.control.speeds)
         "paces": dict(state.paces), "stragglers": dict(state.stragglers),

@@ -258,6 +258,9 @@ def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
         f"morphs    {len(moves) or 'none'}" + "".join(f"\n  {m['from']} -> {m['to']}: {m['reason'].splitlines()[0]}"
                                                        for m in moves[-5:]),
     ] + [f"warning   {w}" for w in doc.get("warnings", [])]
+    if doc.get("daemons") == 0:
+        lines.append("fleet     no daemon is up (no live member key): nothing trains until one starts; the job goes "
+                     "on from its newest checkpoint then (varunactl nodes)")
     if doc.get("store_failing"):
         lines.append(f"store     {doc['store_failing']}: free space on the store or remount it writable; "
                      "training keeps its state and writes again when it can")

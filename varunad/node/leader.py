@@ -90,6 +90,7 @@ class Leader(LeaderPlanning, LeaderPace):
         self.metrics = metrics if metrics is not None else DaemonMetrics()
         self._changed = asyncio.Event()
         self._last_sentence = ""
+        self._unreadable_since: float | None = None   # when reading the fleet began to fail (one warning per outage)
         self._reports: set[asyncio.Task[None]] = set()  # end-of-job reports being written
         self._ahead: asyncio.Task[None] | None = None   # the next epoch planned while the old one stops
         self._ahead_for: tuple[str, frozenset[str] | None] | None = None   # (job, the members it planned on)
@@ -163,8 +164,15 @@ class Leader(LeaderPlanning, LeaderPace):
         try:
             snap = await read_fleet(self.store, self.keys, timeout=self.t)
         except StoreError as exc:
-            log.warning("leader: cannot read the fleet from etcd (%s); deciding nothing until it answers", exc)
+            first = self._unreadable_since is None
+            self._unreadable_since = self._unreadable_since or self.clock()
+            # a cycle runs every few tens of milliseconds: one warning per outage, not twenty a second
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "leader: cannot read the fleet from etcd (%s); deciding nothing until it answers", exc)
             return False
+        if self._unreadable_since is not None:
+            log.warning("leader: etcd answers again after %.1fs", self.clock() - self._unreadable_since)
+            self._unreadable_since = None
         await self._survey_links(snap)
         now = self.clock()
         if snap.plan is not None and snap.plan.kind == "run":

@@ -303,7 +303,12 @@ class LeaderPlanning:
         current = plan.estimated_s
         gain = (current - doc.estimated_s) / current if current > 0 else 0.0
         same = (doc.shape, doc.members) == (plan.shape, plan.members)
-        if same or gain <= self.config.scale_up_threshold:
+        if same:   # the same plan, only estimated anew (a fresh calibration): nothing to morph to
+            log.info("leader: keeping %s as %s on %s: the best plan now is the one it runs (estimated at %.3f s "
+                     "per step now, %.3f s when it was made)", d.job, plan.shape, ", ".join(plan.members),
+                     doc.estimated_s, current)
+            return False
+        if gain <= self.config.scale_up_threshold:
             log.info("leader: keeping %s as %s: re-planning onto %s would gain %.1f%% (threshold %.1f%%)",
                      d.job, plan.shape, ", ".join(doc.members), 100 * gain, 100 * self.config.scale_up_threshold)
             return False
