@@ -51,3 +51,15 @@ async def test_status_counts_only_the_ranks_of_the_epochs_plan(etcd, etcd_root):
         out = io.StringIO()
         ctl.print_job(await ctl.job_status(store, keys, "f1"), out)
         assert "no daemon is up" not in out.getvalue()
+
+
+async def test_a_note_about_checkpoints_is_a_warning_while_the_job_runs_and_history_after(etcd, etcd_root):
+    keys = Keys(etcd_root)
+    async with EtcdStore(etcd.endpoint) as store:
+        await store.put(keys.job("f1"), SPEC.encode())
+        await store.put(keys.note_entry("f1", "vm1"), json.dumps(["skipping checkpoint 5: it is incomplete"]))
+        for state, word in (("running", "warning"), ("done", "noted")):
+            await store.put(keys.state("f1"), JobState(job="f1", state=state, epoch=9, epochs=(9,)).encode())
+            out = io.StringIO()
+            ctl.print_job(await ctl.job_status(store, keys, "f1"), out)
+            assert f"{word:9s} skipping checkpoint 5" in out.getvalue(), out.getvalue()

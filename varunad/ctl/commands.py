@@ -237,6 +237,10 @@ async def fleet_status(store: Store, keys: Keys) -> dict[str, Any]:
             "members": await _members(store, keys), "plan": plan_doc, "jobs": await job_queue(store, keys)}
 
 
+# a note about a job's checkpoints is a warning while it runs, history once it is over
+_ENDED = ("done", "failed", "cancelled")
+
+
 def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
     plan = doc["plan"]
     shape = f"{plan['P']}x{plan['D']}, micro-batch {plan['micro_batch_size']}" if plan["P"] else "-"
@@ -257,7 +261,7 @@ def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
                                           if doc["error"] and doc["restarts"] else ""),
         f"morphs    {len(moves) or 'none'}" + "".join(f"\n  {m['from']} -> {m['to']}: {m['reason'].splitlines()[0]}"
                                                        for m in moves[-5:]),
-    ] + [f"warning   {w}" for w in doc.get("warnings", [])]
+    ] + [f"{'noted' if doc['state'] in _ENDED else 'warning':9s} {w}" for w in doc.get("warnings", [])]
     if doc.get("daemons") == 0:
         lines.append("fleet     no daemon is up (no live member key): nothing trains until one starts; the job goes "
                      "on from its newest checkpoint then (varunactl nodes)")
