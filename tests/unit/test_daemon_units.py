@@ -501,3 +501,24 @@ def test_the_progress_interval_grows_with_the_job_so_the_fleet_writes_a_bounded_
         interval = progress_interval(1.0, world)
         assert interval >= 1.0 and world / interval <= 100.0 + 1e-9, (world, interval)
     assert progress_interval(1.0, 300) < progress_interval(1.0, 1000)
+
+
+def test_workers_count_as_progressing_through_a_checkpoint_write_for_the_whole_lease():
+    """An etcd outage longer than the lease fences the workers unless they progress. A worker that
+    last reported a step the job checkpoints after stands still for the write, so it is given the
+    whole lease; after any other step, twice its step interval (at least a third of the lease): an
+    outside probe saw a healthy worker killed in the middle of its checkpoint."""
+    import time
+    from types import SimpleNamespace
+
+    from varunad.node.stopping import WorkerStopping
+
+    def workers(step: int, ago: float, every: int):
+        return SimpleNamespace(alive=lambda: [SimpleNamespace(rank=0)], _step_interval={0: 0.2},
+                               checkpoint_every=every,
+                               reporter=SimpleNamespace(progress={0: SimpleNamespace(step=step, at=time.time() - ago)}))
+
+    assert WorkerStopping.progressing(workers(step=9, ago=3.0, every=10), 5.0)       # writing checkpoint 10
+    assert not WorkerStopping.progressing(workers(step=8, ago=3.0, every=10), 5.0)   # stuck mid-step
+    assert not WorkerStopping.progressing(workers(step=9, ago=6.0, every=10), 5.0)   # past the lease
+    assert WorkerStopping.progressing(workers(step=8, ago=1.0, every=10), 5.0)

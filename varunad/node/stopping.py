@@ -126,11 +126,17 @@ class WorkerStopping:
 
     def progressing(self, limit: float) -> bool:
         """Whether a live worker reported a step recently: within twice its last step interval
-        (at least ``limit``/3, at most ``limit`` seconds)."""
+        (at least ``limit``/3, at most ``limit`` seconds), or within ``limit`` when that step was
+        one the job checkpoints after (the write stands training still for longer than a step)."""
         now = time.time()
+        every = getattr(self, "checkpoint_every", 0)
         for w in self.alive():
             p = self.reporter.progress.get(w.rank)
-            if p is not None and now - p.at <= min(limit, max(limit / 3, 2 * self._step_interval.get(w.rank, 0.0))):
+            if p is None:
+                continue
+            writing = every > 0 and (p.step + 1) % every == 0
+            window = limit if writing else min(limit, max(limit / 3, 2 * self._step_interval.get(w.rank, 0.0)))
+            if now - p.at <= window:
                 return True
         return False
 

@@ -262,6 +262,7 @@ class Supervisor(WorkerStopping):
         """Start a worker for each slot ``doc`` gives this member (after ending any older ones):
         ``script`` (the job's unpacked entry point) with ``spec``'s arguments and settings."""
         self._spare_for = (doc.job or "", script)   # the spares import what it imports (trainer.spare)
+        self.checkpoint_every = spec.checkpoint_every   # the steps after which a worker stands still to write
         await self._rescues_done()
         await self.kill_all("a newer plan replaces them")
         member = self.membership.member
