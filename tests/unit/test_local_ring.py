@@ -148,3 +148,11 @@ def test_down_without_a_ring_is_a_no_op(tmp_path, capsys):
     assert "no ring is up" in capsys.readouterr().out
 
 
+
+
+def test_a_ring_larger_than_one_machine_should_run_is_refused_before_anything_starts(tmp_path, capsys):
+    # an outside tester's `up 1000` filled 15 of 23 GB with daemons before it was stopped
+    assert cli.main(["up", str(local.MAX_LOCAL_DAEMONS + 1), "--dir", str(tmp_path / "ring")]) == 1
+    err = capsys.readouterr().err
+    assert f"at most {local.MAX_LOCAL_DAEMONS}" in err and err.count("\n") == 1
+    assert not (tmp_path / "ring").exists()

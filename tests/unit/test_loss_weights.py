@@ -50,3 +50,26 @@ def test_a_token_mean_loss_trains_the_same_model_at_every_micro_batch_size():
             got.append(train_step(keyed, zoo.global_batch("gpt2_sft", step), step, micro_batch_size=size))
             opt.step()
         assert got == pytest.approx(want, rel=1e-5), size
+
+
+def test_a_micro_batch_with_no_token_to_average_adds_nothing_not_nan():
+    """Prompt-only or padded rows: a micro-batch whose labels are all -100 has a loss of 0/0. It
+    weighs nothing, and the step's loss is the full batch's (an outside probe saw NaN)."""
+    from trainer.engine.executor import StageExecutor
+    from trainer.planning.schedule import Action, Kind
+
+    batch = zoo.global_batch("gpt2_sft", 0)
+    batch["labels"][:2] = -100   # the first micro-batch of 2 holds nothing to predict
+    model = zoo.build("gpt2_sft")
+    want = float(model(**batch).loss)
+    keyed = keyed_model(model, zoo.sample_batch_fn("gpt2_sft")(2, "cpu"))
+    assert train_step(keyed, batch, 0, micro_batch_size=2) == pytest.approx(want, rel=1e-5)
+    counted = counts(counter_for(model, "auto"), [{k: v[i:i + 2] for k, v in batch.items()} for i in range(0, 8, 2)])
+    assert counted[0] == 0
+    executor = StageExecutor(keyed, stage=0, stages=1, takes_activation=False, channel=None,
+                             device=torch.device("cpu"), precision="fp32")
+    micro = [{k: v[i:i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
+    actions = [Action(0, kind, m) for m in range(4) for kind in (Kind.FORWARD, Kind.BACKWARD)]
+    got = executor.run(actions, micro, token_weights(counted, sum(counted)))
+    assert got == pytest.approx(want, rel=1e-5)
+    assert all(torch.isfinite(p.grad).all() for p in keyed.parameters() if p.grad is not None)

@@ -141,7 +141,9 @@ class StageExecutor:
                 raise ConfigError(f"the model's forward returned {what}; it must return the scalar loss",
                                   hint="compute the loss inside forward (e.g. F.cross_entropy(logits, labels)) "
                                        "and return it alone")
-            self._losses.append(out.detach().float() * self._weights[m])
+            # a micro-batch that weighs nothing (no token its loss averages: 0/0, NaN) adds nothing
+            weight = self._weights[m]
+            self._losses.append(out.detach().float() * weight if weight else torch.zeros((), device=out.device))
         if keep_graph:
             self._stash[m] = (x, out)
         elif not self.last:

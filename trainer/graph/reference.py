@@ -57,6 +57,8 @@ def train_step(keyed: fx.GraphModule, batch: Mapping[str, torch.Tensor], step: i
         weights = token_weights(counted, sum(counted))
     loss = 0.0
     for start, m, w in zip(range(0, total, size), micro, weights):
+        if not w:   # no token its loss averages (0/0): no loss and no gradient, as in the full batch
+            continue
         with keyed_randomness(seed, step, start):
             part = keyed(**m) * w
         part.backward()

@@ -45,6 +45,8 @@ class CalibrationRun:
                  device: torch.device) -> None:
         self.model, self.get_batch_fn, self.assignment = model, get_batch_fn, assignment
         self.sizes = profile_sizes(batch_size, chunk_size)
+        if assignment.plan.micro_batch_size is not None:   # fixed at submit: the one size the planner may use
+            self.sizes = sorted({*self.sizes, min(assignment.plan.micro_batch_size, batch_size)})
         # the one size to calibrate where the micro-batch decides the model (BatchNorm), unless the job
         # fixed one at submit: the script's chunk_size, or the largest calibrated size below it
         # that splits the batch evenly (a ragged one may give no plan at all)

@@ -136,6 +136,9 @@ class JobSpec:
                 micro_batches(self.batch_size, 1, self.chunk_size)
             except ConfigError as exc:
                 raise JobSpecError(str(exc)) from None
+            if self.chunk_size > self.batch_size:   # no calibration measures it: the job would wait for a plan forever
+                raise JobSpecError(f"the micro-batch size {self.chunk_size} is larger than the global batch "
+                                   f"{self.batch_size}")
         try:
             check_choice(self.schedule)
         except ScheduleError as exc:

@@ -314,6 +314,9 @@ def _wait_members(ring: Ring, names: Sequence[str], timeout: float) -> None:
 
 # --- up, down, add, kill ---------------------------------------------------------------------------------------
 
+MAX_LOCAL_DAEMONS = 32
+
+
 def up(n: int, state_dir: Path | str | None = None, *, ttl: float = 5.0, root: str = "/varunad/",
        metrics_port: int = 0, daemon_args: Sequence[str] = (), timeout: float = 60.0,
        say: Callable[[str], None] = lambda line: None) -> Ring:
@@ -328,6 +331,11 @@ def up(n: int, state_dir: Path | str | None = None, *, ttl: float = 5.0, root: s
     """
     if n < 1:
         raise LocalRingError(f"a ring needs at least one daemon, got {n}")
+    if n > MAX_LOCAL_DAEMONS:
+        # each daemon is a Python process of about 70 MB, and a spare worker each: a thousand
+        # filled an outside tester's 23 GB host before `up` was done starting them
+        raise LocalRingError(f"a local ring of {n} daemons is more than this machine should run (at most "
+                             f"{MAX_LOCAL_DAEMONS}); a larger fleet is many VMs, each with its own varunad")
     if not 0 <= metrics_port <= 65535 - n:
         raise LocalRingError(f"--metrics-port {metrics_port} leaves no room for {n} ports below 65536")
     binary = find_etcd_binary()
