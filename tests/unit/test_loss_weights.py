@@ -61,7 +61,7 @@ def test_a_micro_batch_with_no_token_to_average_adds_nothing_not_nan():
     batch = zoo.global_batch("gpt2_sft", 0)
     batch["labels"][:2] = -100   # the first micro-batch of 2 holds nothing to predict
     model = zoo.build("gpt2_sft")
-    want = float(model(**batch).loss)
+    want = float(model(**batch).loss.detach())
     keyed = keyed_model(model, zoo.sample_batch_fn("gpt2_sft")(2, "cpu"))
     assert train_step(keyed, batch, 0, micro_batch_size=2) == pytest.approx(want, rel=1e-5)
     counted = counts(counter_for(model, "auto"), [{k: v[i:i + 2] for k, v in batch.items()} for i in range(0, 8, 2)])
