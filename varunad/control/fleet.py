@@ -60,9 +60,6 @@ class FleetSnapshot:
         return [self.members[n] for n in sorted(self.members) if self.members[n][0].usable_slots > 0]
 
 
-_told: set[tuple[str, int]] = set()   # (job, mod revision) of overwritten specs already logged
-
-
 async def usable_spec(store: Store, kv: KeyValue, job: str, *, timeout: float) -> tuple[JobSpec, bytes]:
     """The spec at `kv` (a jobs/<job> key) and its bytes; where that value is not valid but the key
     was written again after submit, the spec as `varunactl submit` wrote it, read at the key's
@@ -80,12 +77,8 @@ async def usable_spec(store: Store, kv: KeyValue, job: str, *, timeout: float) -
             spec = None
         if spec is None:
             raise exc from None
-        if (job, kv.mod_revision) not in _told:
-            if len(_told) > 1024:
-                _told.clear()
-            _told.add((job, kv.mod_revision))
-            log.warning("the spec of job %s was overwritten after submit with one that is not valid (%s); "
-                        "using it as submitted", job, exc)
+        schemas.reject("job spec", f"{kv.key}@{kv.mod_revision}",
+                       f"{exc} (written after submit; the spec as submitted is used)")
         return spec, first.value
 
 
