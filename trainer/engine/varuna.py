@@ -274,7 +274,8 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             self.control.abandonable = True
             # under uneven shares the stage's replicas trade inputs first: a peer lost there breaks
             # the epoch like one lost mid-schedule
-            micro, weights = self._loss_weights(*self._micro_batches(inputs, self.batch_size))
+            micro, weights = self._micro_batches(inputs, self.batch_size)
+            weights = self._loss_weights(micro, weights)
             table = self._table(self.schedule, len(micro), self.recompute)
             draws = self._draws(len(micro), self.shard_offset)
             self.executor.run(
@@ -354,7 +355,8 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         the whole batch's, defaults to the sum of the replicas' shards)."""
         shard = setup.shard_size(inputs)
         total, first = self._evaluation_split(shard, batch_size)
-        micro, weights = self._loss_weights(*self._micro_batches(inputs, total))
+        micro, weights = self._micro_batches(inputs, total)
+        weights = self._loss_weights(micro, weights)
         actions = []
         for m in range(len(micro)):
             if self.stage > 0:
@@ -520,20 +522,19 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             weights.append(n / global_batch)
         return micro, weights
 
-    def _loss_weights(self, micro: list[dict[str, torch.Tensor]], weights: list[float]
-                      ) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
-        """The micro-batches and their weights: by examples, or on the last stage, where a counter
+    def _loss_weights(self, micro: list[dict[str, torch.Tensor]], weights: list[float]) -> list[float]:
+        """The micro-batches' weights: `weights` (by examples), or on the last stage, where a counter
         counts the tokens each loss averages, by tokens over the global batch's, which the stage's
         replicas add up (only the last stage weighs its losses; the others back-propagate them)."""
         if self._counter is None or self.stage != self.plan.P - 1:
-            return micro, weights
+            return weights
         counted = loss_weights.counts(self._counter, micro)
         if counted is None:
-            return micro, weights
+            return weights
         total = torch.tensor([float(sum(counted))], dtype=torch.float64)
         if self.plan.D > 1:
             dist.all_reduce(total, group=self.stage_group)
-        return micro, loss_weights.token_weights(counted, int(total[0]))
+        return loss_weights.token_weights(counted, int(total[0]))
 
     def _this_share(self, wanted: dict[str, torch.Tensor], shard: int) -> tuple[dict[str, torch.Tensor], int]:
         """This replica's examples of the step's global batch, from the `shard` of them the script
