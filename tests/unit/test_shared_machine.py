@@ -178,6 +178,25 @@ def test_the_leader_expects_the_slots_of_a_shared_machine_as_shared():
     assert shared == {"d1/0": True, "d2/0": True, "d3/0": False}
 
 
+def test_a_slot_alone_in_its_plan_shares_its_machine_with_the_daemons_the_plan_left_out():
+    """`varunactl up 2` ran a 1x1 job on one daemon; measured against its calibration it was called
+    a straggler and moved to the other daemon of the same host, and back again."""
+    from support.decisions import run_plan, snapshot
+
+    from varunad.node.leader_pace import expected_of
+
+    doc = run_plan(members=("d1",))   # 1x1
+    members = {"d1": (_on(member("d1")), 101)}
+    alone = expected_of(doc, {"stage_compute_s": [0.01] * doc.plan.P}, snapshot(members=members))
+    members["d2"] = (_on(member("d2")), 102)   # not in the plan, on the same machine
+    beside = expected_of(doc, {"stage_compute_s": [0.01] * doc.plan.P}, snapshot(members=members))
+    members["d2"] = (_on(member("d2"), machine="boot-2"), 102)   # a machine of its own
+    apart = expected_of(doc, {"stage_compute_s": [0.01] * doc.plan.P}, snapshot(members=members))
+    assert [e.shared for e in alone.values()] == [False]
+    assert [e.shared for e in beside.values()] == [True]
+    assert [e.shared for e in apart.values()] == [False]
+
+
 def test_crowding_from_a_calibration_measured_alone_that_also_timed_the_machine_busy():
     # one one-thread slot of two cores measured alone (load 0.5); two busy at once computed 1.5x slower
     assert _crowding(1, 2, 0.5, 1.5, 1.0) == pytest.approx(1.0)   # alone, as calibrated

@@ -23,10 +23,11 @@ divides it by what the plan expected of that stage on its kind, which gives a ra
   no longer measured; ``forget_s`` after its last measurement it is taken at full speed again, by
   the next plan made for any reason (a straggler's recovery never morphs a job by itself:
   `varunad.node.leader_pace`).
-* A slot whose machine runs other workers of the plan (daemons of one host: a local ring, network
-  namespaces) is measured but never called a straggler: which of them lags is the host's
+* A slot whose machine runs other workers of the plan, or other daemons (a local ring, network
+  namespaces), is measured but never called a straggler: which of them lags is the host's
   scheduler's choice from moment to moment, not a slot's speed (a chaos ring measured healthy
-  daemons 2.4-4.1x slower than their replicas for seconds).
+  daemons 2.4-4.1x slower than their replicas for seconds), and a plan moved onto another daemon
+  of the machine would compute no faster.
 
 The planner sees a straggler as a device kind of its own, ``KIND~Fx``, whose calibration is its
 kind's with every compute time F times longer (F rounded to a step of a factor of sqrt(2), so the

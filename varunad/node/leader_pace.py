@@ -45,6 +45,10 @@ def expected_of(plan: PlanDoc, facts: dict, snap: FleetSnapshot) -> dict[int, Ex
         return {}
     where = plan.plan.positions()
     machines = Counter(snap.members[s.member][0].machine_key for s in plan.slots if s.member in snap.members)
+    # Other daemons on the machine count too, planned or not: their spares import and their
+    # calibrations run on its cores, and a plan moved onto one of them computes no faster (a 1x1
+    # job on `varunactl up 2` was moved from one daemon to the other and back as a straggler).
+    daemons = Counter(m.machine_key for m, _ in snap.members.values())
     out = {}
     for s in plan.slots:
         stage = where[s.rank][0]
@@ -52,7 +56,7 @@ def expected_of(plan: PlanDoc, facts: dict, snap: FleetSnapshot) -> dict[int, Ex
         if member is None or stage >= len(compute) or not isinstance(compute[stage], (int, float)):
             continue
         out[s.rank] = Expected(f"{s.member}/{s.slot}", member[0].device_kind, float(compute[stage]), stage,
-                               shared=machines[member[0].machine_key] > 1)
+                               shared=max(machines[member[0].machine_key], daemons[member[0].machine_key]) > 1)
     return out
 
 
