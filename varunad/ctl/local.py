@@ -350,8 +350,11 @@ def up(n: int, state_dir: Path | str | None = None, *, ttl: float = 5.0, root: s
                 daemon_args=tuple(daemon_args), metrics_base=metrics_port)
     try:
         _write_ring(ring)
-        ring = replace(ring, daemons=tuple(_start_daemon(ring, i) for i in range(1, n + 1)))
-        _write_ring(ring)
+        for i in range(1, n + 1):
+            # recorded as each starts: an `up` killed before the last one (SIGTERM, a closed
+            # terminal) leaves daemons that `down` finds
+            ring = replace(ring, daemons=(*ring.daemons, _start_daemon(ring, i)))
+            _write_ring(ring)
         _wait_members(ring, [d.name for d in ring.daemons], timeout)
     except BaseException:
         down(state)
