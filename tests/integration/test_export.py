@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import TESTS
+from support.store_faults import MountRefused, tmpfs_store
 from support.workers import load_worker
 
 from trainer.checkpoint import reading
@@ -133,6 +134,32 @@ def test_step_picks_an_older_checkpoint_and_only_complete_ones_are_exported(trai
     assert not (tmp_path / "w").exists()
     with pytest.raises(CheckpointError, match="not an empty directory"):
         export_checkpoint(str(store), tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_an_export_onto_a_full_disk_says_so_and_leaves_nothing_behind(trained, tmp_path):
+    """A disk too small for the export: safetensors' own error was a traceback, the half-written
+    shard stayed, and the next try was refused for the directory not being empty."""
+    store, _ = trained("tagger")
+    first = reading.read_tensors(reading.checkpoint_dir(str(store), CHECKPOINTS[-1]), "layer_000.pt")["params"]
+    room = sum(t.numel() * t.element_size() for t in first.values()) // 2   # less than the first shard
+    disk = tmp_path / "small"
+    try:
+        mounted = tmpfs_store(disk, size=f"{max(room, 4096)}")
+        mounted.__enter__()
+    except MountRefused as exc:
+        pytest.skip(str(exc))
+    try:
+        out = disk / "out"
+        with pytest.raises(CheckpointError, match=r"writing the export into .*out failed: No space left on device; "
+                                                  r"what it had written was removed") as caught:
+            export_checkpoint(str(store), out)
+        assert "MiB there; free some, or export elsewhere" in caught.value.hint
+        assert list(disk.iterdir()) == []   # neither a partial shard nor the directory it made
+        done = export_checkpoint(str(store), tmp_path / "roomy")   # elsewhere it goes through
+        assert torch.equal(read_export(Path(done.out))["embed.weight"], first["embed.weight"])
+    finally:
+        mounted.__exit__(None, None, None)
 
 
 def read_export_of(store: Path, out: Path) -> dict[str, torch.Tensor]:

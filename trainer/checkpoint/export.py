@@ -18,8 +18,10 @@ May import: trainer.checkpoint.reading, .store, .model_record, trainer.errors, t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -82,28 +84,23 @@ def export_checkpoint(store: str, out: str | os.PathLike[str], step: int | None 
                               hint="it was written by a different model; check --module")
     save_file = _safetensors_save()
     _check_empty(out)
+    made = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
-    files = sorted(by_file)
-    shard_names = [SINGLE] if len(files) == 1 else [
-        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    weight_map: dict[str, str] = {}
-    total = largest = 0
-    for fname, shard in zip(files, shard_names):
-        largest = max(largest, _size(fname, manifest))
-        tensors = _shard(ckpt_dir, fname, by_file[fname])
-        save_file(tensors, os.path.join(out, shard), metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map.update(dict.fromkeys(tensors, shard))
-        del tensors   # one file's tensors at a time
-    written = list(shard_names)
-    if len(files) > 1:
-        _write_json(os.path.join(out, INDEX), {"metadata": {"total_size": total},
-                                               "weight_map": dict(sorted(weight_map.items()))})
-        written.append(INDEX)
-    config = prefix == record.pretrained_prefix and record.config is not None
-    if config:   # written last: a directory with config.json holds a whole export
-        _write_json(os.path.join(out, CONFIG), dict(record.config))
-        written.append(CONFIG)
+    written: list[str] = []
+    try:
+        total, largest, weight_map, config = _write_files(out, ckpt_dir, manifest, by_file, record, prefix,
+                                                          save_file, written)
+    except BaseException as exc:
+        # nothing half-written stays behind: a partial export would be refused as a non-empty
+        # directory on the next try, or worse, loaded
+        _remove(out, written, made)
+        reason = _io_reason(exc)
+        if reason is None:
+            raise
+        need = sum(_size(f, manifest) for f in by_file)
+        raise CheckpointError(f"writing the export into {out} failed: {reason}; what it had written was removed",
+                              hint=f"it needs about {need / 2**20:.1f} MiB there; free some, or export elsewhere"
+                              ) from None
     pretrained = prefix == record.pretrained_prefix and record.pretrained_class is not None
     if pretrained:
         model_class = record.pretrained_class
@@ -112,6 +109,58 @@ def export_checkpoint(store: str, out: str | os.PathLike[str], step: int | None 
     return Exported(out=out, step=step, module=prefix, model_class=model_class,
                     files=tuple(written), tensors=len(weight_map), total_bytes=total, largest_read=largest,
                     pretrained=pretrained, config=config, missing=missing, left_out=len(record.state_dict) - len(names))
+
+
+def _write_files(out: str, ckpt_dir: str, manifest: dict, by_file: dict[str, list[tuple[str, str]]],
+                 record: ModelRecord, prefix: str, save_file, written: list[str]
+                 ) -> tuple[int, int, dict[str, str], bool]:
+    """The shards, their index and the config into ``out``; each name goes into ``written`` as
+    its file is begun. (total bytes, largest checkpoint file read, weight map, config written)."""
+    files = sorted(by_file)
+    shard_names = [SINGLE] if len(files) == 1 else [
+        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    weight_map: dict[str, str] = {}
+    total = largest = 0
+    for fname, shard in zip(files, shard_names):
+        largest = max(largest, _size(fname, manifest))
+        tensors = _shard(ckpt_dir, fname, by_file[fname])
+        written.append(shard)
+        save_file(tensors, os.path.join(out, shard), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, shard))
+        del tensors   # one file's tensors at a time
+    if len(files) > 1:
+        written.append(INDEX)
+        _write_json(os.path.join(out, INDEX), {"metadata": {"total_size": total},
+                                               "weight_map": dict(sorted(weight_map.items()))})
+    config = prefix == record.pretrained_prefix and record.config is not None
+    if config:   # written last: a directory with config.json holds a whole export
+        written.append(CONFIG)
+        _write_json(os.path.join(out, CONFIG), dict(record.config))
+    return total, largest, weight_map, config
+
+
+def _remove(out: str, written: list[str], made: bool) -> None:
+    for name in written:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(out, name))
+    if made:
+        with contextlib.suppress(OSError):
+            os.rmdir(out)
+
+
+_OS_ERROR = re.compile(r"os error (\d+)|code: (\d+)")
+
+
+def _io_reason(exc: BaseException) -> str | None:
+    """What went wrong writing, in words (a full disk: "No space left on device"), or None for an
+    error that is not the file system's."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    if type(exc).__name__ == "SafetensorError":   # its text wraps the OS error: "... (os error 28)"
+        m = _OS_ERROR.search(str(exc))
+        return os.strerror(int(m.group(1) or m.group(2))) if m else str(exc)
+    return None
 
 
 def _complete(store: str, step: int | None, checksums: bool) -> tuple[int, str, dict]:

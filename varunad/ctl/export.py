@@ -36,7 +36,7 @@ async def job_store_dir(store: Store, keys: Keys, job: str) -> str:
     if state is not None and state.store:
         return state.store
     raise ExportError(f"job {job} was submitted without --store and has not run, so its store is not known: "
-                      f"pass --store DIR (the daemons' --store, then /{job})")
+                      f"pass --store DIR/{job}, where DIR is the daemons' --store")
 
 
 def export(store_dir: str, out: str, step: int | None, module: str | None) -> dict[str, Any]:
