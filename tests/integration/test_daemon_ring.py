@@ -456,7 +456,7 @@ def test_a_worker_that_fails_the_same_way_twice_fails_the_job(healthy):
     # one fresh start to see whether it repeats; it does, word for word: no more restarts
     assert st["restarts"] == 1 and "again on a fresh start" in st["reason"], st
     # the reason leads with what the script printed last, then which worker
-    assert st["reason"].startswith("failing on purpose (rank 0 on d") and "exited with code 3" in st["reason"], st
+    assert st["reason"].startswith("exit code 3 after printing: failing on purpose (rank 0 on d") and "exited with code 3" in st["reason"], st
     assert st["morphs"] and all(m["restart"] for m in st["morphs"]), st["morphs"]   # restarts, not morphs
     assert "failing on purpose" in (st["error"] or "") or "exited with code 3" in (st["error"] or ""), st["error"]
     r = ring.varunactl("logs", "crash")

@@ -211,9 +211,10 @@ def test_a_failed_workers_error_is_summed_up_by_the_exception_that_ended_it():
     assert error_summary(tail) == "rank 0 on vm1 exited with code 1: ValueError: boom from user script"
     assert error_summary("rank 0 on vm1 exited with code 1; last output:\ntrainer.errors.ConfigError: bad (hint)") \
         == "rank 0 on vm1 exited with code 1: trainer.errors.ConfigError: bad (hint)"
-    # no traceback: the last line printed; nothing printed: the first line as it is
+    # no traceback: the exit code and the last line printed (not a reason by itself); nothing
+    # printed: the first line as it is
     assert error_summary("rank 1 on vm2 exited with code 3; last output:\nfailing on purpose\n") == \
-        "rank 1 on vm2 exited with code 3: failing on purpose"
+        "rank 1 on vm2 exited with code 3: exit code 3 after printing: failing on purpose"
     assert error_summary("rank 1 on vm2 killed by SIGKILL; last output:\n") == \
         "rank 1 on vm2 killed by SIGKILL; last output:"
     assert error_summary("vm1 could not get the job's files: gone") == "vm1 could not get the job's files: gone"

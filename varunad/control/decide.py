@@ -83,14 +83,19 @@ _EXCEPTION_LINE = re.compile(r"(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception
 def error_summary(text: str) -> str:
     """One line for a failed worker's error: the supervisor's first line ("rank 0 on vm1 exited
     with code 1; last output:") and, from the output after it, the exception that ended the
-    script (the last line of its traceback), else the last line it printed."""
+    script (the last line of its traceback), else its exit code and the last line it printed."""
     lines = text.strip().splitlines()
     if not lines:
         return ""
     head, output = lines[0], [ln.strip() for ln in lines[1:] if ln.strip()]
     if not head.endswith(_LAST_OUTPUT) or not output:
         return head[:300]
-    cause = next((ln for ln in reversed(output) if _EXCEPTION_LINE.fullmatch(ln)), output[-1])
+    cause = next((ln for ln in reversed(output) if _EXCEPTION_LINE.fullmatch(ln)), None)
+    if cause is None:
+        # no exception: the script chose its exit (sys.exit(3)) and its last line is whatever it
+        # printed last ("step 5 loss 2.31"), which must not read as the reason
+        code = re.search(r"exited with code (-?\d+)", head)
+        cause = f"exit code {code.group(1)} after printing: {output[-1]}" if code else output[-1]
     return f"{head[:-len(_LAST_OUTPUT)]}: {cause}"[:300]
 
 
