@@ -158,6 +158,18 @@ def test_manifest_lists_every_file_and_meta(tmp_path):
     assert all(f["sha256"] == _sha(os.path.join(d, f["name"])) for f in doc["files"])
 
 
+def test_a_commit_removes_the_temporary_of_a_writer_that_died_mid_file(tmp_path):
+    d = checkpoint_dir(str(tmp_path), 6)
+    entries = [write_tensors(d, "layer_000.pt", {"w": torch.ones(3)})]
+    dead = os.path.join(d, ".layer_001.pt.4242.0123abcd.tmp")   # as LocalStorage.open_atomic names one
+    with open(dead, "wb") as f:
+        f.write(b"half a file")
+    (tmp_path / "varuna_ckpt_6" / "notes.txt").write_text("the user's")   # not ours: stays
+    write_manifest(d, entries, {})
+    assert sorted(os.listdir(d)) == sorted([MANIFEST, "layer_000.pt", "notes.txt"])
+    verify(d)
+
+
 def test_missing_manifest_is_incomplete_and_points_at_an_older_one(tmp_path):
     _save(tmp_path, 30)
     d = _save(tmp_path, 40, manifest=False)

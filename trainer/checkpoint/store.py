@@ -160,6 +160,25 @@ def _write_manifest_doc(storage: CheckpointStorage, ckpt_dir: str, doc: dict) ->
         raise write_error(path, exc) from exc
 
 
+# `LocalStorage.open_atomic`'s temporaries: ".<name>.<pid>.<8 hex>.tmp"
+_TEMPORARY = re.compile(r"\..+\.\d+\.[0-9a-f]{8}\.tmp")
+
+
+def _sweep_temporaries(storage: CheckpointStorage, ckpt_dir: str) -> None:
+    """Remove the temporaries of writers that died mid-file (a worker killed while it saved):
+    every writer of this checkpoint has returned by its commit, so none is still in use, and a
+    committed checkpoint should hold only what its manifest lists."""
+    try:
+        names = storage.listdir(ckpt_dir)
+    except OSError:
+        return
+    for name in names:
+        if _TEMPORARY.fullmatch(name):
+            with contextlib.suppress(OSError):
+                storage.remove(posixpath.join(ckpt_dir, name))
+                log.info("removed %s from %s: a writer died before it finished that file", name, ckpt_dir)
+
+
 def write_manifest(
     ckpt_dir: str, entries: list[FileEntry], meta: dict, *, iteration: int | None = None,
     epoch: int | None = None,
@@ -223,6 +242,7 @@ def write_manifest(
         check_epoch(epoch)
         doc["epoch"] = epoch
     refuse_superseded(posixpath.dirname(ckpt_dir.rstrip("/")), epoch, iteration)
+    _sweep_temporaries(storage, ckpt_dir)
     _write_manifest_doc(storage, ckpt_dir, doc)
     log.info("committed checkpoint %d in %s (%d files)", iteration, ckpt_dir, len(by_name))
 
