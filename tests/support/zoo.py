@@ -101,10 +101,16 @@ def build(name: str) -> nn.Module:
             n_embd=32, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, **ids))
     if name == "bert":
-        return LossOf(tf.BertForMaskedLM(tf.BertConfig(
+        bert = tf.BertForMaskedLM(tf.BertConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, pad_token_id=0)))
+            attention_probs_dropout_prob=0.0, pad_token_id=0))
+        # partial fine-tuning: the word embeddings (tied to the MLM head) and the first layer
+        # frozen. A frozen tensor failed every D > 1 run, and a frozen tied one got a zero
+        # gradient at P > 1, which weight decay still applied (optimizer() decays bert's).
+        bert.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+        bert.bert.encoder.layer[0].requires_grad_(False)
+        return LossOf(bert)
     if name == "resnet":
         return ImageLossOf(tf.ResNetForImageClassification(tf.ResNetConfig(
             num_channels=3, embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1], num_labels=5)))
@@ -134,8 +140,8 @@ def sample_batch_fn(name: str):
     return get_batch_fn
 
 
-def optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.02, momentum=0.9)
+def optimizer(params, name: str = "") -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.02, momentum=0.9, weight_decay=0.05 if name == "bert" else 0.0)
 
 
 def reference(name: str, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -144,7 +150,7 @@ def reference(name: str, steps: int = STEPS) -> tuple[list[float], dict[str, tor
     over tokens (TOKEN_MEAN), the whole global batch at once."""
     model = build(name)
     model.train()
-    opt = optimizer(model.parameters())
+    opt = optimizer(model.parameters(), name)
     losses = []
     for step in range(steps):
         opt.zero_grad()

@@ -37,7 +37,7 @@ for spec in args.models.split(","):
     model = zoo.build(name)
     varuna = Varuna(model, None, zoo.sample_batch_fn(name), zoo.BATCH, zoo.CHUNK,
                     schedule=schedule or "varuna", shared_weights=zoo.SHARED.get(name))
-    varuna.set_optimizer(zoo.optimizer(varuna.parameters()))
+    varuna.set_optimizer(zoo.optimizer(varuna.parameters(), name))
     if args.resume is not None:
         varuna.load_checkpoint(args.store, args.resume)
     record = []

@@ -91,25 +91,40 @@ class GradReducer:
                 raise ValueError("a parameter is in two tied sets; tied sets that share a tensor are one set")
             tied_ids.update(id(p) for p in copies)
             self.tied.append((copies, pg))
-        untied = [p for p in _unique(params) if id(p) not in tied_ids]
-        self.buckets = _buckets(untied, bucket_bytes) if world > 1 else []
+        self._untied = [p for p in _unique(params) if id(p) not in tied_ids]
+        self._bucket_bytes = bucket_bytes
         self._pending: list[tuple[list[nn.Parameter], torch.Tensor, object]] = []
         self._pending_tied: list[tuple[list[nn.Parameter], torch.Tensor, object | None]] = []
-        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._hooked: set[int] = set()
+        self._trainable: tuple[bool, ...] | None = None
         self._armed = False
+        self._build()
+
+    def _build(self) -> None:
+        """Buckets of the parameters that train now. A frozen one (requires_grad=False: partial
+        fine-tuning) has no gradient to sum and can carry no hook; one the script unfreezes later
+        joins the buckets at the next `arm()`."""
+        self._trainable = tuple(p.requires_grad for p in self._untied)
+        trainable = [p for p in self._untied if p.requires_grad]
+        self.buckets = _buckets(trainable, self._bucket_bytes) if self.world > 1 else []
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._ready = [0] * len(self.buckets)
         self._started = [False] * len(self.buckets)
         for bucket in self.buckets:
             for p in bucket:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                if id(p) not in self._hooked:
+                    self._hooked.add(id(p))
+                    p.register_post_accumulate_grad_hook(self._on_grad)
 
     def arm(self) -> None:
+        if self._trainable != tuple(p.requires_grad for p in self._untied):
+            self._build()
         self._armed = True
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        if not self._armed:
+        i = self._bucket_of.get(id(p)) if self._armed else None
+        if i is None:   # not armed, or frozen since its hook was registered
             return
-        i = self._bucket_of[id(p)]
         self._ready[i] += 1
         if self._ready[i] == len(self.buckets[i]):
             self._start(i)
@@ -137,6 +152,10 @@ class GradReducer:
         # The backward is over: every copy's gradient is final, so the sum is the whole one.
         # A fresh tensor, so the copies' own `.grad`s are never aliased by the all-reduce.
         for copies, pg in self.tied:
+            if not any(p.requires_grad for p in copies):
+                # frozen (on every rank alike): no gradient, not a zero one, which weight decay
+                # would still apply
+                continue
             total = torch.zeros_like(copies[0])
             for p in copies:
                 if p.grad is not None:
@@ -169,3 +188,4 @@ class GradReducer:
     def release(self) -> None:
         """Drop the process groups (after they were destroyed): the hooks keep this object alive."""
         self.group, self.buckets, self._bucket_of, self.tied = None, [], {}, []
+        self._untied, self._trainable = [], ()
