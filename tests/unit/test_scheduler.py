@@ -69,3 +69,19 @@ def test_a_script_that_also_steps_the_scheduler_is_told_to_stop(tmp_path):
         assert "remove the script's own scheduler.step()" in str(err.value.hint)
     finally:
         v.close()
+
+
+def test_a_scheduler_that_steps_on_a_metric_is_refused_at_set_optimizer():
+    """ReduceLROnPlateau failed at the first step with step() missing its metric."""
+    v = Varuna(Normed(), {0: [0]}, normed_batch, 8, 4)
+    try:
+        opt = torch.optim.SGD(v.parameters(), lr=0.05)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+        with pytest.raises(ConfigError, match=r"ReduceLROnPlateau: its step\(\) needs metrics") as err:
+            v.set_optimizer(opt, lr_scheduler=plateau)
+        assert "step it yourself with the metric" in err.value.hint
+        v.set_optimizer(opt)   # without it, the script steps it itself
+        v.step(normed_batch(8))
+        plateau.step(1.0)
+    finally:
+        v.close()

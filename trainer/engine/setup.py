@@ -43,6 +43,8 @@ __all__ = [
     "free_other_stages",
     "stream_security",
     "shard_size",
+    "captured_shapes",
+    "check_shapes",
 ]
 
 log = logging.getLogger("varuna")
@@ -190,3 +192,34 @@ def shard_size(inputs: Mapping[str, torch.Tensor]) -> int:
     if not sizes or len(set(sizes.values())) != 1:
         raise ConfigError(f"inputs must be batch-first tensors of one batch size, got {sizes}")
     return next(iter(sizes.values()))
+
+
+def captured_shapes(gm) -> dict[str, tuple[int | None, ...]]:
+    """Each batch input's shape after the batch dimension as the capture fixed it (None where a
+    dimension stayed symbolic), from the graph's placeholders; empty where they carry none."""
+    out = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(val, torch.Tensor) and val.dim() > 0:
+            out[node.target] = tuple(d if isinstance(d, int) else None for d in val.shape[1:])
+    return out
+
+
+def check_shapes(inputs: Mapping[str, torch.Tensor], captured: Mapping[str, tuple[int | None, ...]]) -> None:
+    """ConfigError for a batch tensor whose shape after the batch dimension differs from the one
+    the model was captured with: the captured graph holds those sizes (a mask sliced to the
+    sequence length, a position range), and it would fail deep inside with an index error."""
+    for name, fixed in captured.items():
+        t = inputs.get(name)
+        if not isinstance(t, torch.Tensor):
+            continue
+        got = tuple(t.shape[1:])
+        if len(got) != len(fixed) or any(f is not None and f != g for f, g in zip(fixed, got)):
+            want = "[batch, " + ", ".join("*" if f is None else str(f) for f in fixed) + "]"
+            raise ConfigError(
+                f"the batch's {name} has shape {list(t.shape)}, but the model was captured with {want}: "
+                "every dimension after the batch is fixed when Varuna captures the model from "
+                "get_batch_fn's sample",
+                hint="pad every batch to one length (a tokenizer's padding='max_length' with max_length=, "
+                     "not padding to each batch's longest), the length get_batch_fn's sample has")
+

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import logging
 import os
 import sys
@@ -153,6 +154,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         mine = slices[self.stage]
         self.module = mine.module
         self.model_inputs = traced.input_names   # every argument of forward, in its order: what step() takes
+        self._shapes = setup.captured_shapes(traced.graph_module)
         # what forward never uses is kept by stage 0, untrained (as a plain loop leaves it), for the checkpoints
         self._untrained = self.layout.untrained if self.stage == 0 else frozenset()
         self._named = setup.named_tensors(model, traced.canonical, mine, also=self._untrained)
@@ -232,6 +234,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         if foreign:
             raise ConfigError(f"the optimizer holds {len(foreign)} parameters that this stage does not own",
                               hint="build it from varuna.parameters(), after creating Varuna")
+        _check_scheduler(lr_scheduler)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         if self.precision == "fp16":
@@ -513,6 +516,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         if missing:
             raise ConfigError(f"the batch lacks {sorted(missing)}, which forward takes (it takes "
                               f"{', '.join(self.model_inputs)}; stage {self.stage} reads {sorted(missing)})")
+        setup.check_shapes(wanted, self._shapes)
         micro, weights = [], []
         for start in range(0, shard, self.micro_batch_size):
             chunk = {k: v[start:start + self.micro_batch_size].to(self.device, non_blocking=True)
@@ -564,3 +568,26 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
 
     def _allreduce(self) -> None:
         self.reducer.reduce()
+
+
+def _check_scheduler(lr_scheduler) -> None:
+    """ConfigError for a scheduler step() cannot step: one whose step needs an argument
+    (ReduceLROnPlateau's metric, which only the script measures) failed at the first step."""
+    if lr_scheduler is None:
+        return
+    step = getattr(lr_scheduler, "step", None)
+    if not callable(step):
+        raise ConfigError(f"lr_scheduler={type(lr_scheduler).__name__} has no step() method")
+    try:
+        params = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):
+        return
+    needed = [p.name for p in params if p.default is inspect.Parameter.empty
+              and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if needed:
+        raise ConfigError(
+            f"lr_scheduler={type(lr_scheduler).__name__}: its step() needs {', '.join(needed)}, which Varuna's "
+            "step() does not have, so Varuna cannot step it",
+            hint="leave it out of set_optimizer and step it yourself with the metric (e.g. after evaluate()); "
+                 "save its state_dict() with your own files, since Varuna's checkpoints will not hold it")
+
