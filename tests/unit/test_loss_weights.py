@@ -37,6 +37,26 @@ def test_each_kind_of_hugging_face_loss_is_counted_as_its_loss_function_counts()
     assert token_weights([3, 1], 4) == [0.75, 0.25] and token_weights([0, 0], 0) == [0.0, 0.0]
 
 
+def test_a_hugging_face_model_inside_the_scripts_module_is_named_when_its_tokens_are_not_counted(caplog):
+    """Wrapped, a causal LM's token mean was weighed by examples without a word (probe: Llama in
+    a user's module, weights 0.5 off between micro-batches of 2 and 4)."""
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.lm = inner
+
+    with caplog.at_level("WARNING", logger="varuna"):
+        assert counter_for(Wrapper(_hf("causal")), "auto") is None
+    assert "Wrapper wraps the Hugging Face GPT2LMHeadModel (as 'lm')" in caplog.text
+    assert "loss_count=lambda m: (m['labels'][:, 1:] != -100).sum()" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="varuna"):
+        counter_for(Wrapper(_hf("classes")), "auto")   # a loss over examples: nothing to say
+        counter_for(Wrapper(_hf("causal")), None)      # the script chose examples
+        counter_for(nn.Linear(2, 2), "auto")
+    assert caplog.text == ""
+
+
 def test_a_token_mean_loss_trains_the_same_model_at_every_micro_batch_size():
     """The plain-loop helper weighs micro-batches as the engine does: by tokens, the full batch's loss."""
     want, _ = zoo.reference("gpt2_sft", 2)

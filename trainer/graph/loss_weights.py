@@ -16,6 +16,7 @@ token classification and sequence-to-sequence models do not). A script passes `l
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 
 import torch
@@ -27,6 +28,8 @@ __all__ = ["Counter", "counter_for", "counts", "token_weights"]
 
 Counter = Callable[[Mapping[str, torch.Tensor]], "int | torch.Tensor | None"]
 
+log = logging.getLogger("varuna")
+
 IGNORE_INDEX = -100   # torch's cross_entropy default and Hugging Face's label for "no loss here"
 _SHIFTED = (None, "ForCausalLM")   # None: what Hugging Face's loss_function falls back to
 _ALIGNED = ("ForMaskedLM", "ForTokenClassification", "ForConditionalGeneration")
@@ -35,6 +38,26 @@ _ALIGNED = ("ForMaskedLM", "ForTokenClassification", "ForConditionalGeneration")
 def _is_hugging_face(model: nn.Module) -> bool:
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
                for c in type(model).__mro__)
+
+
+def _warn_of_wrapped(model: nn.Module) -> None:
+    """A Hugging Face model inside the script's own module is not counted by itself: its loss
+    (when the wrapper returns it) averages over tokens, weighed here by examples, so the model
+    trained would depend on the micro-batch size the planner picks. Said once, at start-up."""
+    inner = next(((name, m) for name, m in model.named_modules() if name and _is_hugging_face(m)), None)
+    if inner is None:
+        return
+    name, m = inner
+    loss_type = getattr(m, "loss_type", None)
+    if loss_type not in _SHIFTED and loss_type not in _ALIGNED:
+        return
+    shift = loss_type in _SHIFTED
+    log.warning("%s wraps the Hugging Face %s (as '%s'), whose loss averages over the tokens whose label is not "
+                "-100; with loss_count='auto' Varuna counts only a Hugging Face model given as it is, so it "
+                "weighs each micro-batch by its examples, and where labels hold -100 (padding, prompts) the "
+                "model trained depends on the micro-batch size. If forward returns that loss, pass "
+                "loss_count=lambda m: (m['labels']%s != -100).sum() (or loss_count=None to silence this)",
+                type(model).__name__, type(m).__name__, name, "[:, 1:]" if shift else "")
 
 
 def _labels_counter(shift: bool) -> Counter:
@@ -56,6 +79,7 @@ def counter_for(model: nn.Module, loss_count: Counter | str | None) -> Counter |
     if loss_count != "auto":
         raise ConfigError(f"loss_count must be 'auto', None or a callable, got {loss_count!r}")
     if not _is_hugging_face(model):
+        _warn_of_wrapped(model)
         return None
     loss_type = getattr(model, "loss_type", None)
     if loss_type in _SHIFTED:
