@@ -45,6 +45,7 @@ __all__ = [
     "shard_size",
     "captured_shapes",
     "check_shapes",
+    "uncompiled",
 ]
 
 log = logging.getLogger("varuna")
@@ -222,4 +223,16 @@ def check_shapes(inputs: Mapping[str, torch.Tensor], captured: Mapping[str, tupl
                 "get_batch_fn's sample",
                 hint="pad every batch to one length (a tokenizer's padding='max_length' with max_length=, "
                      "not padding to each batch's longest), the length get_batch_fn's sample has")
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module a `torch.compile`d model wraps, which Varuna captures itself (torch.export):
+    the compiled wrapper takes its batch only through **kwargs and cannot be split into stages."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        log.warning("the model is torch.compile'd: Varuna captures and runs the module it wraps (%s) "
+                    "with torch.export itself, so the compiled wrapper is set aside; pass the module "
+                    "before torch.compile to silence this", type(inner).__name__)
+        return inner
+    return model
 

@@ -90,6 +90,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
                  weights: str | os.PathLike[str] | None = None,
                  assignment: WorkerAssignment | None = None, seed: int = 0,
                  loss_count: loss_weights.Counter | str | None = "auto") -> None:
+        model = setup.uncompiled(model)
         self.assignment = assignment or setup.assignment_for(stage_to_rank_map)
         # what a micro-batch's loss weighs: its examples, or the tokens its loss averages (trainer.graph.loss_weights)
         self._counter = loss_weights.counter_for(model, loss_count)
