@@ -19,6 +19,7 @@ class _Log:
     rank: int
     log_path: Path
     log_offset: int = 0
+    alive: bool = False
 
 
 async def _chunks(store, keys, job, member) -> list[bytes]:
@@ -65,3 +66,25 @@ async def test_a_full_chunk_ends_at_a_line_boundary(etcd, etcd_root, tmp_path, m
         await shipper.ship([w], timeout=5.0)
         assert await _chunks(store, keys, "j", "vm2") == [b"[vm2 e0 r0] abcdef\n"]
         assert w.log_offset == 7
+
+
+async def test_a_line_still_being_written_is_shipped_whole_with_one_prefix(etcd, etcd_root, tmp_path):
+    """`varunactl logs` once showed "step 0 loss 4.5788260 P1xD1 mb8[vm1 e34 r0] ": the shipper
+    read a line the worker had not finished and prefixed its rest again."""
+    keys = Keys(etcd_root)
+    path = tmp_path / "e34-r0.log"
+    path.write_bytes(b"step 0 loss 4.5788260 P1xD1 mb8")
+    w = _Log(job="j", epoch=34, rank=0, log_path=path, alive=True)
+    async with EtcdStore(etcd.endpoint) as store:
+        shipper = LogShipper(name="vm1", store=store, keys=keys)
+        await shipper.ship([w], timeout=5.0)
+        assert await _chunks(store, keys, "j", "vm1") == [] and w.log_offset == 0
+        with open(path, "ab") as f:
+            f.write(b"\nstep 1 lo")
+        await shipper.ship([w], timeout=5.0)
+        assert await _chunks(store, keys, "j", "vm1") == [b"[vm1 e34 r0] step 0 loss 4.5788260 P1xD1 mb8\n"]
+        w.alive = False   # it exited mid-line: what it wrote goes out
+        await shipper.ship([w], timeout=5.0)
+        assert (await _chunks(store, keys, "j", "vm1"))[-1] == b"[vm1 e34 r0] step 1 lo"
+        assert w.log_offset == path.stat().st_size
+

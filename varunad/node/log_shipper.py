@@ -1,7 +1,8 @@
 """Copy this daemon's worker logs into etcd, and pick the checkpoint refusals out of them.
 
 Each worker writes ``STATE_DIR/logs/<job>/e<epoch>-r<rank>.log`` (varunad.node.supervisor). The
-shipper reads what was appended since its last call, whole lines only, prefixes every line with
+shipper reads what was appended since its last call, whole lines only (a worker that has ended
+also its last line without a newline), prefixes every line with
 ``[member e<epoch> r<rank>]`` and writes it as one chunk under the job's log keys (the newest
 ``_CHUNKS_KEPT`` chunks per job and daemon are kept), where ``varunactl logs`` reads them. A line
 saying a checkpoint was skipped (trainer.checkpoint.store) is also logged here and kept as a note.
@@ -36,6 +37,7 @@ class ShippedLog(Protocol):
     rank: int
     log_path: Path
     log_offset: int  # bytes of the log already shipped (or written before this worker started)
+    alive: bool      # still running: a line without its newline yet is not shipped
 
 
 class LogShipper:
@@ -60,8 +62,15 @@ class LogShipper:
                 continue
             if not data:
                 continue
-            if len(data) == _CHUNK and b"\n" in data:
-                data = data[: data.rindex(b"\n") + 1]  # whole lines only
+            if not data.endswith(b"\n"):
+                # whole lines only: a line the worker is still writing would be shipped in two
+                # chunks, each prefixed ("... mb8[vm1 e34 r0] "). Its rest is shipped with it next
+                # time; a worker that has ended writes no more, and a line longer than a chunk
+                # goes as it is
+                if b"\n" in data:
+                    data = data[: data.rindex(b"\n") + 1]
+                elif len(data) < _CHUNK and getattr(w, "alive", False):
+                    continue
             await self._note_refusals(w, data, timeout)
             prefix = f"[{self.name} e{w.epoch} r{w.rank}] ".encode()
             text = b"".join(prefix + line for line in data.splitlines(keepends=True))
