@@ -101,8 +101,9 @@ def _forward_inputs(model: nn.Module, sample: Mapping[str, object]) -> dict[str,
     # them, and torch.export cannot give them a dynamic batch dimension.
     unnamed = sorted(k for k in sample if k not in params)
     if unnamed:
-        log.info("capture: the batch's %s %s not named by %s.forward: left out", ", ".join(unnamed),
-                 "is" if len(unnamed) == 1 else "are", type(model).__name__)
+        # a warning: a misspelt key ("label") is left out this way too
+        log.warning("capture: the batch's %s %s not named by %s.forward: left out", ", ".join(unnamed),
+                    "is" if len(unnamed) == 1 else "are", type(model).__name__)
     missing = [n for n, p in params.items()
                if p.default is inspect.Parameter.empty and n not in wanted
                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
