@@ -15,7 +15,7 @@ from support.calibrations import calibration
 
 from trainer.planning.calibration import Calibration, LinkCost
 from trainer.planning.parallel import ParallelPlan
-from trainer.planning.plan import Plan, PlanError, Slot, StagePlan
+from trainer.planning.plan import ModelTooLarge, Plan, PlanError, Slot, StagePlan
 from trainer.planning.planner import plan
 from trainer.planning.schedule import SCHEDULES, validate
 from trainer.planning.simulator import simulate, stage_costs
@@ -194,9 +194,21 @@ def test_explain_prints_the_choice_and_its_runners_up():
 
 
 def test_nothing_fits_says_what_to_change():
+    # each segment (2 GiB of weights and training state) fits a 3 GiB slot, the four do not fit two
     with pytest.raises(PlanError, match="no configuration of 2 slots fits") as err:
-        plan(_slots(2, mem=2), 8, [_cal()])
-    assert "add slots or memory" in str(err.value)
+        plan(_slots(2, mem=3), 8, [_cal()])
+    assert "add slots or memory" in str(err.value) and not isinstance(err.value, ModelTooLarge)
+
+
+def test_a_segment_no_slot_holds_is_refused_in_numbers_as_beyond_any_number_of_slots():
+    """More slots cannot help a segment larger than a slot: the leader fails such a job instead
+    of keeping it queued (and the queue behind it) for good."""
+    with pytest.raises(ModelTooLarge, match=r"the model cannot fit any number of these slots: the first of its 4 "
+                                            r"segments .* needs 2048\.0 MiB on a gpu slot even alone on a stage at "
+                                            r"micro-batch 1 \(its weights and training state 2048\.0 MiB\), and a "
+                                            r"slot has 1945\.6 MiB usable") as err:
+        plan(_slots(64, mem=2), 8, [_cal()], memory_fraction=0.95)
+    assert "CutPoints" in err.value.hint and "more memory" in err.value.hint
 
 
 @pytest.mark.parametrize(

@@ -18,11 +18,16 @@ from trainer.errors import ConfigError, VarunaError
 from trainer.planning.parallel import ParallelPlan, check_shares, micro_batches, share_micro_batches
 from trainer.planning.schedule import Action, build_table
 
-__all__ = ["PlanError", "Slot", "StagePlan", "Candidate", "Plan"]
+__all__ = ["PlanError", "ModelTooLarge", "Slot", "StagePlan", "Candidate", "Plan"]
 
 
 class PlanError(VarunaError, ValueError):
     """No configuration fits, or the planner's inputs are inconsistent."""
+
+
+class ModelTooLarge(PlanError):
+    """A segment of the model does not fit any slot's memory even alone: no number of slots of
+    the calibrated kinds can hold the model; only more memory per slot or finer cut points can."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from trainer.planning.calibration import Calibration
 from trainer.planning.parallel import ParallelPlan, micro_batches
-from trainer.planning.plan import Candidate, Plan, PlanError, Slot, StagePlan
+from trainer.planning.plan import Candidate, ModelTooLarge, Plan, PlanError, Slot, StagePlan
 from trainer.planning.schedule import (
     AUTO_SCHEDULE,
     DEFAULT_SCHEDULE,
@@ -50,7 +50,7 @@ from trainer.planning.schedule import (
 from trainer.planning.simulator import simulate, stage_costs
 
 # The plan types live in trainer.planning.plan; they are named here too, as the planner's return types.
-__all__ = ["PlanError", "Slot", "StagePlan", "Candidate", "Plan", "plan"]
+__all__ = ["PlanError", "ModelTooLarge", "Slot", "StagePlan", "Candidate", "Plan", "plan"]
 
 _EPS = 1e-9
 _SIM_CAP = 32  # micro-batches replayed exactly (at least 2P); beyond, extrapolated linearly in m
@@ -460,6 +460,7 @@ def plan(
         if len(best_k) > keep:
             heapq.heappop(best_k)
     if not scored:
+        _refuse_too_large(kinds, sizes, allow_recompute)
         raise PlanError(
             f"no configuration of {len(slots)} slots fits the model's memory for global batch {global_batch}",
             hint="add slots or memory, allow recompute, calibrate a smaller micro-batch size, or pick a global "
@@ -568,6 +569,31 @@ def _fastest_schedule(slots, global_batch, calibrations, **options) -> Plan:
     why = (f"the other schedules: {', '.join(others + [f'{name}: no plan fits' for name in refused])} "
            f"(schedule {best.parallel.schedule}: {best.estimated_s:.3f} s)")
     return dataclasses.replace(best, ruled_out=best.ruled_out + (why,))
+
+
+def _refuse_too_large(kinds: Sequence[_Kind], sizes: Sequence[int], allow_recompute: bool) -> None:
+    """ModelTooLarge when some segment, alone on a stage at the smallest micro-batch size with one
+    micro-batch in flight, needs more memory than a slot of every kind has usable: no number of
+    slots fits the model, so waiting for more of them would wait forever."""
+    mbs = min(sizes)
+    n = kinds[0].cal.n_segments
+    for i in range(n):
+        needs = []
+        for k in kinds:
+            j = k.cal.size_index(mbs)
+            need = min(_stage_bytes(k, j, i, i + 1, 1, rec, False) for rec in {False, allow_recompute})
+            needs.append((need - k.capacity, need, k))
+        if all(over > 0 for over, _, _ in needs):
+            _, need, k = min(needs, key=lambda x: x[0])
+            static = k.static[i + 1] - k.static[i]
+            where = "the first" if i == 0 else "the last" if i == n - 1 else f"segment {i + 1}"
+            raise ModelTooLarge(
+                f"the model cannot fit any number of these slots: {where} of its {n} segments (the parts "
+                f"between cut points) needs {need / 2**20:.1f} MiB on a {k.name} slot even alone on a stage "
+                f"at micro-batch {mbs} (its weights and training state {static / 2**20:.1f} MiB), and a slot "
+                f"has {k.capacity / 2**20:.1f} MiB usable",
+                hint="give each slot more memory (larger VMs, or the daemons' --memory), or add CutPoints inside "
+                     "that part of the model so that it can be split over more stages")
 
 
 def _stage_bytes(k: _Kind, j: int, a: int, b: int, c: int, rec: bool, splits: bool) -> float:

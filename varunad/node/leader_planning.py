@@ -17,7 +17,7 @@ from collections import Counter
 
 from protocol.messages import PlanChanged
 from trainer.planning.calibration import Calibration
-from trainer.planning.planner import Plan, PlanError
+from trainer.planning.planner import ModelTooLarge, Plan, PlanError
 from varunad.control.decide import Decision, calibration_failed, still_warming
 from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet
 from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
@@ -214,16 +214,15 @@ class LeaderPlanning:
             await self._planned_ahead()
             doc, planned = make_plan(spec, members, cals, calibrated=measured, reason=reason,
                                      memory_scale=state.memory_scale, slowdowns=slowdowns)
+        except ModelTooLarge as exc:
+            if not state.epochs:
+                # more slots of these kinds cannot help, and a job that waits blocks the queue
+                # behind it for good: it fails, in numbers, and the user resubmits on bigger VMs
+                await self._finish(snap, job, "failed", f"{exc} ({exc.hint})")
+                return True
+            return await self._no_plan(job, state, exc)
         except PlanError as exc:
-            why = f"waiting for a plan: {exc}" + "".join(
-                f" (counting {100 * share:.0f}% of a {kind} slot's memory: a stage of this job ran out)"
-                for kind, share in sorted(state.memory_scale.items()))
-            if self.memory.waiting.get(job) != why:
-                self.memory.waiting[job] = why
-                await self._put_state(state.but(state="queued" if state.state == "queued" else "morphing",
-                                                reason=why))
-                log.info("leader: %s is %s", job, why)
-            return False
+            return await self._no_plan(job, state, exc)
         self.memory.waiting.pop(job, None)
         epoch = await self.election.write_plan(doc.encode())
         planned_at = time.time()
@@ -256,6 +255,18 @@ class LeaderPlanning:
                  ", ".join(doc.members), doc.estimated_s, planned.explain())
         await forget_progress(self.store, self.keys, job, len(doc.slots), timeout=self.t)
         return True
+
+    async def _no_plan(self, job: str, state: JobState, exc: PlanError) -> bool:
+        """The job waits for a plan (more slots, more memory), saying why in its state."""
+        why = f"waiting for a plan: {exc}" + "".join(
+            f" (counting {100 * share:.0f}% of a {kind} slot's memory: a stage of this job ran out)"
+            for kind, share in sorted(state.memory_scale.items()))
+        if self.memory.waiting.get(job) != why:
+            self.memory.waiting[job] = why
+            await self._put_state(state.but(state="queued" if state.state == "queued" else "morphing",
+                                            reason=why))
+            log.info("leader: %s is %s", job, why)
+        return False
 
     async def _profile(self, snap: FleetSnapshot, spec: JobSpec, members: list[tuple], state: JobState,
                        missing: list[str]) -> bool:
