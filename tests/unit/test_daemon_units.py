@@ -212,17 +212,30 @@ def test_a_failed_workers_error_is_summed_up_by_the_exception_that_ended_it():
     assert error_summary("rank 0 on vm1 exited with code 1; last output:\ntrainer.errors.ConfigError: bad (hint)") \
         == "rank 0 on vm1 exited with code 1: trainer.errors.ConfigError: bad (hint)"
     # no traceback: the exit code and the last line printed (not a reason by itself); nothing
-    # printed: the first line as it is
+    # printed: the first line, saying so
     assert error_summary("rank 1 on vm2 exited with code 3; last output:\nfailing on purpose\n") == \
         "rank 1 on vm2 exited with code 3: exit code 3 after printing: failing on purpose"
     assert error_summary("rank 1 on vm2 killed by SIGKILL; last output:\n") == \
-        "rank 1 on vm2 killed by SIGKILL; last output:"
+        "rank 1 on vm2 killed by SIGKILL (no output)"
     assert error_summary("vm1 could not get the job's files: gone") == "vm1 could not get the job's files: gone"
     assert error_summary("") == "" and len(error_summary("x" * 1000)) == 300
     # torch.distributed prefixes a worker's traceback lines with its rank
     assert error_summary("rank 2 on vm3 exited with code 1; last output:\n[rank2]: RuntimeError: closed by peer\n"
                          "[rank2]:[W1122] ProcessGroupGloo destroyed\n") == \
         "rank 2 on vm3 exited with code 1: [rank2]: RuntimeError: closed by peer"
+
+
+def test_a_calibration_run_out_of_memory_is_not_called_the_scripts_fault():
+    """A probe's capped slot: "failed: out of memory; last output:; ... fix the script"."""
+    from varunad.control.decide import calibration_failed
+    from varunad.node.oom import OOM_WORDS
+
+    said = calibration_failed("big", "vm1", f"rank 0 on vm1 {OOM_WORDS}; last output:\n")
+    assert said.startswith("the calibration run of big on vm1 ran out of memory (the kernel's OOM killer ended "
+                           "it): it runs the model segment by segment on one slot"), said
+    assert "fix the script" not in said and "give that VM more memory" in said
+    script = calibration_failed("j", "vm2", "rank 0 on vm2 exited with code 1; last output:\nValueError: bad arg\n")
+    assert script.startswith("the calibration run of j on vm2 failed: ValueError: bad arg; its workers would fail")
 
 
 def test_device_kinds_tell_apart_gpu_models_and_shared_cpu_hosts(tmp_path, caplog):

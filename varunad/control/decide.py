@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from varunad.control.failures import cause as failure_cause
-from varunad.control.failures import is_transient
+from varunad.control.failures import is_out_of_memory, is_transient
 from varunad.control.fleet import FleetSnapshot, JobEntry
 from varunad.control.outage import judge_members
 from varunad.control.plans import PlanDoc
@@ -88,7 +88,9 @@ def error_summary(text: str) -> str:
     if not lines:
         return ""
     head, output = lines[0], [ln.strip() for ln in lines[1:] if ln.strip()]
-    if not head.endswith(_LAST_OUTPUT) or not output:
+    if head.endswith(_LAST_OUTPUT) and not output:
+        return f"{head[:-len(_LAST_OUTPUT)]} (no output)"[:300]
+    if not head.endswith(_LAST_OUTPUT):
         return head[:300]
     cause = next((ln for ln in reversed(output) if _EXCEPTION_LINE.fullmatch(ln)), None)
     if cause is None:
@@ -104,7 +106,15 @@ def calibration_failed(job: str, member: str, error: str) -> str:
     started as a worker is, so what ended it (a bad argument, a missing import, an exception
     before training) would end every worker too: planning without a calibration would only start
     workers that fail the same way, later and in other words."""
-    return (f"the calibration run of {job} on {member} failed: {failure_cause(error_summary(error)) or 'no output'}; "
+    summary = error_summary(error)
+    if is_out_of_memory(summary):
+        # not the script's fault: one slot held a segment at the largest micro-batch sizes
+        how = "the kernel's OOM killer ended it" if "OOM killer" in summary else failure_cause(summary)
+        return (f"the calibration run of {job} on {member} ran out of memory ({how}): it runs "
+                f"the model segment by segment on one slot, at each micro-batch size up to the batch's; give "
+                f"that VM more memory, or submit with a smaller fixed --chunk-size (its output: "
+                f"varunactl logs {job})")
+    return (f"the calibration run of {job} on {member} failed: {failure_cause(summary) or 'no output'}; "
             f"its workers would fail the same way: fix the script or its arguments and submit again "
             f"(its whole output: varunactl logs {job})")
 
