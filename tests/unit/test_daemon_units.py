@@ -508,6 +508,25 @@ def test_failures_that_cannot_go_away_fail_at_once_transient_ones_are_retried():
     assert classify(boom, None) == "retry"          # new: one fresh start shows whether it repeats
     assert classify(boom, boom.replace("vm1", "vm2")) == "fail"   # the same words again, on any VM
     assert classify(boom, "rank 0 on vm1 exited with code 3: something else") == "retry"
+    # a worker killed from outside, twice in the same words: not the script's doing
+    killed = error_summary("rank 1 on vm2 killed by SIGKILL; last output:\nstep 17855 loss 2.1\n")
+    assert killed == "rank 1 on vm2 killed by SIGKILL: killed by SIGKILL after printing: step 17855 loss 2.1"
+    assert classify(killed, killed) == "retry"
+
+
+def test_a_workers_error_keeps_its_first_line_past_the_tail_it_keeps():
+    """A worker that printed more than the record keeps lost the line saying who ended how: the
+    job's reason read "rank 0 on vm1 failed: st output:", the same on every attempt, so a kill -9
+    repeated by an operator failed the job as deterministic, blaming the survivor."""
+    from varunad.node.supervisor import _TAIL_BYTES, _clip
+
+    output = "".join(f"step {i:05d} loss 4.123456\n" for i in range(1000))
+    error = f"rank 1 on vm2 killed by SIGKILL; last output:\n{output}"
+    kept = _clip(error)
+    assert len(kept) <= _TAIL_BYTES and kept.startswith("rank 1 on vm2 killed by SIGKILL; last output:\nstep ")
+    assert kept.endswith("step 00999 loss 4.123456\n")
+    assert error_summary(kept) == "rank 1 on vm2 killed by SIGKILL: killed by SIGKILL after printing: step 00999 loss 4.123456"
+    assert _clip("short") == "short"
 
 
 def test_the_progress_interval_grows_with_the_job_so_the_fleet_writes_a_bounded_rate():

@@ -96,8 +96,9 @@ def error_summary(text: str) -> str:
     if cause is None:
         # no exception: the script chose its exit (sys.exit(3)) and its last line is whatever it
         # printed last ("step 5 loss 2.31"), which must not read as the reason
-        code = re.search(r"exited with code (-?\d+)", head)
-        cause = f"exit code {code.group(1)} after printing: {output[-1]}" if code else output[-1]
+        end = re.search(r"exited with code (-?\d+)|killed by (SIG[A-Z0-9]+)", head)
+        how = (f"exit code {end.group(1)}" if end.group(1) else f"killed by {end.group(2)}") if end else None
+        cause = f"{how} after printing: {output[-1]}" if how else output[-1]
     return f"{head[:-len(_LAST_OUTPUT)]}: {cause}"[:300]
 
 

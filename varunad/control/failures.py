@@ -13,7 +13,8 @@ epoch that lost a VM is the VM's doing and is never counted against the script. 
   ``OutOfMemoryError``, a ``MemoryError``, or the kernel's OOM killer as the daemon saw it): the
   same plan would run out again, so the leader re-plans with less of that slot kind's memory
   counted as usable (``memory_backoff``); counted against ``max_restarts``;
-* ``retry``: it looks transient (a peer's connection broke, a timeout), or it is new, so one
+* ``retry``: it looks transient (a peer's connection broke, a timeout), a signal ended the
+  worker (a kill -9 from outside, however often), or it is new, so one
   fresh start shows whether it repeats.
 
 ``cause`` is the line that says what went wrong (the exception that ended the script, without
@@ -48,6 +49,9 @@ _RANK_ON = re.compile(r"^rank (\d+) on \S+ ")
 # each re-plan after running out counts on this much less at most (a peak above the estimate, more)
 BACKOFF = 0.8
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
+# a worker a signal ended (not the OOM killer, which is `memory`): someone or something outside the
+# script did it, however often; never "the same error again"
+_SIGNALLED = re.compile(r"^rank \d+ on \S+ killed by SIG[A-Z0-9]+\b")
 _EXC_NAME = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception))\b")
 
 
@@ -88,7 +92,7 @@ def classify(summary: str, previous: str | None) -> str:
     m = _EXC_NAME.match(now)
     if m and m.group(1) in DETERMINISTIC:
         return "fail"
-    if _TRANSIENT.search(now):
+    if _TRANSIENT.search(now) or _SIGNALLED.search(summary):
         return "retry"
     if previous is not None and cause(previous) == now:
         return "fail"

@@ -116,6 +116,19 @@ def _tail(path: Path, size: int = _TAIL_BYTES) -> str:
     return "\n".join(lines[1:] if len(text) >= size and len(lines) > 1 else lines)
 
 
+def _clip(error: str, size: int = _TAIL_BYTES) -> str:
+    """`error` in `size` characters: its first line (who ended how) and the end of the output after
+    it, from a line's start. Its last `size` characters alone lost that line once the output ran
+    past them, and the job's reason became a fragment ("st output:") that repeated word for word."""
+    if len(error) <= size:
+        return error
+    head, _, rest = error.partition("\n")
+    rest = rest[-max(0, size - len(head) - 1):]
+    if "\n" in rest:
+        rest = rest.split("\n", 1)[1]   # no partial first line
+    return f"{head[:size]}\n{rest}"
+
+
 class WorkerProcess:
     """A worker's process as the supervisor acts on it: wait for it, signal it, kill its group.
 
@@ -182,7 +195,7 @@ class _SupervisedWorker:
 
     def record(self) -> WorkerRecord:
         return WorkerRecord(rank=self.rank, slot=self.slot, pid=self.proc.pid if self.proc else 0,
-                            outcome=self.outcome, exit_code=self.exit_code, error=self.error[-_TAIL_BYTES:],
+                            outcome=self.outcome, exit_code=self.exit_code, error=_clip(self.error),
                             step=self.step, started_at=self.started_at,
                             store_failing_since=self.store_failing_since, store_error=self.store_error[-_TAIL_BYTES:])
 
