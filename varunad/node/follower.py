@@ -89,6 +89,16 @@ class PlanFollowing:
     async def _apply(self, doc: PlanDoc, epoch: int) -> None:
         async with self._apply_lock:
             if epoch <= self.applied_epoch:
+                went_back = self.__dict__.setdefault("_went_back", set())   # said once per epoch
+                if epoch < self.applied_epoch and epoch not in went_back:
+                    # plan epochs are etcd revisions, which never go back unless etcd lost its
+                    # data or was restored from an older copy: this daemon's workers then run an
+                    # epoch the fleet no longer knows (not handled yet: said, not hidden)
+                    went_back.add(epoch)
+                    log.error("%s: the plan's epoch %d is older than epoch %d, which this daemon applied: etcd's "
+                              "history went back (its data was lost or restored from an older copy); this "
+                              "daemon ignores plans older than epoch %d until it is restarted", self.name, epoch,
+                              self.applied_epoch, self.applied_epoch)
                 return
             self.applied_epoch = epoch
             log.info("%s: plan epoch %d: %s %s (%s)", self.name, epoch, doc.kind, doc.job or "", doc.reason)
