@@ -556,3 +556,21 @@ def test_workers_count_as_progressing_through_a_checkpoint_write_for_the_whole_l
     assert not WorkerStopping.progressing(workers(step=8, ago=3.0, every=10), 5.0)   # stuck mid-step
     assert not WorkerStopping.progressing(workers(step=9, ago=6.0, every=10), 5.0)   # past the lease
     assert WorkerStopping.progressing(workers(step=8, ago=1.0, every=10), 5.0)
+
+
+def test_a_calibration_run_that_never_ends_fails_the_job_after_the_stall_timeout():
+    """A script that hangs before Varuna() held its calibration, and every job queued behind it,
+    for good: the stall check needs a first step, which a calibration run never reports."""
+    from varunad.control.decide import decide
+
+    plan = PlanDoc(kind="profile", job="j", reason="calibrating cpu on d1", profile_member="d1",
+                   incarnations={"d1": 101})
+    snap = snapshot(plan=plan, epoch=40)
+    memory = LeaderMemory()
+    memory.epoch_seen[40] = 0.0
+    waiting = decide(snap, memory, now=1000.0, start_timeout=120.0, stall_timeout=1800.0)
+    assert (waiting.action, waiting.job) == ("wait", "j"), waiting
+    hung = decide(snap, memory, now=1801.0, start_timeout=120.0, stall_timeout=1800.0)
+    assert (hung.action, hung.job) == ("fail", "j"), hung
+    assert hung.reason.startswith("the calibration run on d1 did not finish within 1800s (--stall-timeout)")
+    assert decide(snap, memory, now=1e9, start_timeout=120.0).action == "wait"   # 0: no bound

@@ -157,7 +157,7 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
                 return Decision("idle", "no job is running or queued")
             return Decision("nothing", "no job is queued")
         if plan is not None and plan.kind == "profile" and plan.job == nxt.job:
-            return _profile_progress(snap, nxt, plan, epoch)
+            return _profile_progress(snap, nxt, plan, epoch, memory, now, stall_timeout)
         return Decision("start", f"started: {nxt.job} was next in the queue", nxt.job)
 
     job = cur.job
@@ -285,7 +285,8 @@ def cause_of(reason: str) -> str:
     return reason
 
 
-def _profile_progress(snap: FleetSnapshot, entry: JobEntry, plan: PlanDoc, epoch: int) -> Decision:
+def _profile_progress(snap: FleetSnapshot, entry: JobEntry, plan: PlanDoc, epoch: int, memory: LeaderMemory,
+                      now: float, stall_timeout: float) -> Decision:
     member = plan.profile_member or ""
     report = snap.reports.get(member)
     records = report.of(entry.job, epoch) if report else {}
@@ -294,4 +295,11 @@ def _profile_progress(snap: FleetSnapshot, entry: JobEntry, plan: PlanDoc, epoch
         return Decision("start", f"{member}, which was calibrating the model, left", entry.job)
     if rec is not None and not rec.alive:
         return Decision("start", f"the calibration run on {member} ended ({rec.outcome})", entry.job)
+    # bounded as a running epoch's steps are (`--stall-timeout`): a script that hangs before its
+    # first step held the whole queue behind its calibration for good
+    running = now - memory.epoch_seen.get(epoch, now)
+    if stall_timeout and running > stall_timeout:
+        return Decision("fail", f"the calibration run on {member} did not finish within {stall_timeout:.0f}s "
+                                f"(--stall-timeout): the script hangs before its first step, or waits for "
+                                f"something that never comes (its output: varunactl logs {entry.job})", entry.job)
     return Decision("wait", f"{member} is calibrating the model of {entry.job}", entry.job)

@@ -175,6 +175,8 @@ class Leader(LeaderPlanning, LeaderPace):
             self._unreadable_since = None
         await self._survey_links(snap)
         now = self.clock()
+        if snap.plan is not None and snap.plan.kind == "profile":
+            self.memory.epoch_seen.setdefault(snap.plan_epoch, now)   # the calibration's bound counts from here
         if snap.plan is not None and snap.plan.kind == "run":
             self.memory.epoch_seen.setdefault(snap.plan_epoch, now)
             # workers paused by the checkpoint store get the whole start timeout once it is back
