@@ -10,6 +10,7 @@ user can fix print one line on stderr and exit with status 1.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -40,6 +41,22 @@ from varunad.ctl.handlers import (
 __all__ = ["main"]
 
 # --- keys -----------------------------------------------------------------------------------------
+
+def _seconds(text: str, *, zero: bool = False) -> float:
+    """A duration option: a finite number of seconds above 0 (or 0 where ``zero``): a poll every
+    0 seconds spins, a negative one reads as no wait at all."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise argparse.ArgumentTypeError(f"must be {'0 or more' if zero else 'more than 0'} seconds, got {text}")
+    return value
+
+
+def _seconds_or_zero(text: str) -> float:
+    return _seconds(text, zero=True)
+
 
 def _add_keys(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser(
@@ -120,7 +137,7 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("cancel", help="cancel a job", description="Stop JOB's workers and mark it cancelled.")
     p.add_argument("job", metavar="JOB")
-    p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--wait", type=_seconds_or_zero, default=10.0, metavar="SECONDS",
                    help="how long to wait for the leader to confirm (default 10)")
     p.set_defaults(handler=_cmd_cancel)
 
@@ -143,11 +160,11 @@ def _add_ring(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", metavar="DIR", help="state: etcd data, store, logs, ring.json; an earlier ring's store, "
                    "logs and report are moved into DIR/earlier/<time>/ (default $VARUNAD_LOCAL_DIR or "
                    "~/.local/state/varunad/ring)")
-    p.add_argument("--ttl", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--ttl", type=_seconds, default=5.0, metavar="SECONDS",
                    help="member lease TTL: how soon a killed daemon is noticed (default 5)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="BASE",
                    help="give daemon i --metrics-port BASE+i (default 0: no metrics endpoint)")
-    p.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--wait", type=_seconds, default=60.0, metavar="SECONDS",
                    help="longest wait for etcd and for the daemons to join (default 60)")
     # Not a positional: argparse would take every option after N as one. main() gives `up` what
     # follows "--" (see _split_daemon_args); this entry only documents it in --help.
@@ -159,7 +176,7 @@ def _add_ring(sub: argparse._SubParsersAction) -> None:
                        description="SIGTERM every daemon of the local ring (running workers checkpoint), SIGKILL "
                                    "what is left after --grace seconds, then stop etcd. Logs and the store stay.")
     p.add_argument("--dir", metavar="DIR", help="the ring's state directory (default as for up)")
-    p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--grace", type=_seconds_or_zero, default=30.0, metavar="SECONDS",
                    help="how long daemons get to stop before SIGKILL (default 30)")
     p.set_defaults(handler=_cmd_down)
 
@@ -174,7 +191,7 @@ def _add_ring(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--notice", action="store_true", help="SIGTERM (a preemption notice) instead of SIGKILL")
     p.add_argument("--job", metavar="JOB", help="the job to wait for (default: the one running)")
     p.add_argument("--dir", metavar="DIR", help="the ring's state directory (default as for up)")
-    p.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
+    p.add_argument("--wait", type=_seconds, default=600.0, metavar="SECONDS",
                    help="longest wait for the step and then for the job to resume (default 600)")
     p.set_defaults(handler=_cmd_kill)
 
@@ -183,7 +200,7 @@ def _add_ring(sub: argparse._SubParsersAction) -> None:
                                    "a line per morph; plain lines when stdout is not a terminal. Exits 0 when the "
                                    "job is done, 1 when it failed or was cancelled.")
     p.add_argument("job", metavar="JOB")
-    p.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="poll interval (default 1)")
+    p.add_argument("--interval", type=_seconds, default=1.0, metavar="SECONDS", help="poll interval (default 1)")
     p.set_defaults(handler=_cmd_watch)
 
 
@@ -267,7 +284,7 @@ def _parser() -> argparse.ArgumentParser:
                              "else 127.0.0.1:2379)")
     parser.add_argument("--root", default=os.environ.get("VARUNAD_ROOT", "/varunad/"), metavar="PREFIX",
                         help="the fleet's etcd key root (default $VARUNAD_ROOT or /varunad/)")
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+    parser.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
                         help="give up on an unreachable etcd after this long (default 5)")
     env = os.environ.get
     parser.add_argument("--etcd-ca", default=env("VARUNAD_ETCD_CA"), metavar="FILE",
