@@ -179,7 +179,8 @@ def _complete(store: str, step: int | None, checksums: bool) -> tuple[int, str, 
                                   hint="check the store path, or let the job write a checkpoint first")
     elif step not in (found := reading.list_checkpoints(store)):
         raise CheckpointError(f"no checkpoint {step} in {store}; it has {found or 'none'}",
-                              hint="pick one of those, or leave the step out for the newest complete one")
+                              hint="pick one of those, or leave the step out for the newest complete one" if found
+                              else "let the job write a checkpoint first (its --checkpoint-every), or check the store")
     ckpt_dir = reading.checkpoint_dir(store, step)
     return step, ckpt_dir, reading.verify(ckpt_dir, checksums=checksums)
 
