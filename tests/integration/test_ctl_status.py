@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shlex
 import subprocess
@@ -74,6 +75,13 @@ async def test_a_queued_job_says_what_it_waits_for(etcd, etcd_root):
             "waiting for first and 1 job(s) queued before it"
         listed = {j["job"]: j["reason"] for j in (await ctl.fleet_status(store, keys))["jobs"]}
         assert listed["second"] == "waiting for first"
+        # `logs` of a job that printed nothing: an empty stdout and a note why, not silence
+        out = io.StringIO()
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert await ctl.logs(store, keys, "second", follow=False, out=out) == 0
+        assert out.getvalue() == ""
+        assert err.getvalue().startswith("second: no output from its workers or its calibration run (queued;")
 
 
 def test_no_ring_here_is_one_line_naming_up_and_etcd(tmp_path):

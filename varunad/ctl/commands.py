@@ -312,6 +312,12 @@ async def logs(store: Store, keys: Keys, job: str, *, follow: bool, out: TextIO 
         return listing.revision
 
     revision = await catch_up()
+    if not shown and not follow:
+        # nothing on stdout is a log; a note on stderr says why there is none
+        state = await read_state(store, keys, job)
+        print(f"{job}: no output from its workers or its calibration run "
+              f"({state.state if state is not None else 'queued'}; what a worker prints is kept here once "
+              f"its daemon ships it, every few seconds)", file=sys.stderr)
     try:
         while follow:
             try:
