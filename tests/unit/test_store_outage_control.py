@@ -5,6 +5,7 @@ The worker's side is in test_store_outage.py; a whole job through a full store i
 
 from __future__ import annotations
 
+import io
 import re
 
 from support.decisions import d, reports_for, run_plan, running, snapshot
@@ -117,3 +118,21 @@ def test_workers_held_by_the_store_before_their_first_step_are_not_stuck():
     assert d(quiet, memory, now=600.0).action == "abort"
 
 
+
+
+def test_status_names_the_staging_directory_when_it_is_what_refused_the_checkpoint():
+    """A daemon's --state-dir made read-only: status said "free space on the store" of a store that
+    was fine; the path the error names says which of the two refused."""
+    from varunad.ctl.commands import print_job
+
+    def shown(failing: str) -> str:
+        doc = {**_doc(25, failing), "activity": None, "reason": "running", "restarts": 0, "error": None,
+               "busy_fraction": None,
+               "plan": {"P": 2, "D": 1, "micro_batch_size": 4, "members": ["vm1"]}}
+        out = io.StringIO()
+        print_job(doc, out)
+        return next(line for line in out.getvalue().splitlines() if line.startswith("store "))
+
+    staged = shown("checkpoints failing since step 24: Read-only file system (/srv/vm1/staging/j/rank0/layer_000.pt)")
+    assert "free space on the daemon's --state-dir, where checkpoints are staged" in staged
+    assert "free space on the store or remount it writable" in shown(f"checkpoints failing since step 24: {FULL}")

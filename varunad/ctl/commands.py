@@ -266,7 +266,11 @@ def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
         lines.append("fleet     no daemon is up (no live member key): nothing trains until one starts; the job goes "
                      "on from its newest checkpoint then (varunactl nodes)")
     if doc.get("store_failing"):
-        lines.append(f"store     {doc['store_failing']}: free space on the store or remount it writable; "
+        # a checkpoint is staged in the daemon's state directory (STATE_DIR/staging/JOB) before the
+        # store: which of the two refused is in the path the error names
+        where = ("the daemon's --state-dir, where checkpoints are staged on their way to the store,"
+                 if "/staging/" in doc["store_failing"] else "the store")
+        lines.append(f"store     {doc['store_failing']}: free space on {where} or remount it writable; "
                      "training keeps its state and writes again when it can")
     print("\n".join(lines), file=out)
 
