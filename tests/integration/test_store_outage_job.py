@@ -130,3 +130,41 @@ def test_a_worker_that_dies_of_a_store_outage_restarts_without_using_up_a_restar
     reference = reference_run(10, BATCH)[0]
     assert [s for s, _ in st["loss_history"]] == list(range(10))
     assert all(abs(loss - reference[s]) <= 1e-4 * abs(reference[s]) for s, loss in st["loss_history"])
+
+
+def test_a_daemons_staging_directory_read_only_for_a_while_pauses_its_checkpoints_not_the_job(
+        tmp_path, etcd, etcd_root):
+    """Two daemons, 1x2; the first one's staging directory (STATE_DIR/staging: checkpoints wait
+    there on their way to the store) turns read-only for a few checkpoints. That worker's save
+    was given up while its peer's went through; at the next checkpoint the peer entered the
+    comparison of shares, a collective the first one skipped, and the job hung for good, also
+    after the directory was writable again (an outside probe's read-only --state-dir)."""
+    from support.ring import Ring
+
+    ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=10.0)
+    steps = 16
+    try:
+        for name in ("s1", "s2"):
+            ring.start(name, "--calibrate", "uniform", "--progress-interval", "0.3")
+        ring.wait_members(["s1", "s2"])
+        ring.submit("staged", steps=steps, every=EVERY, script_args=("--cheap-allreduce", "--step-sleep", "0.3"))
+        st = ring.wait_step("staged", 3)
+        assert (st["plan"]["P"], st["plan"]["D"]) == (1, 2), st["plan"]
+        staging = ring.base / "s1" / "staging"
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(read_only(staging))
+            except MountRefused as exc:
+                pytest.skip(str(exc))
+            held = ring.poll(lambda: (s := ring.status("staged"))["store_failing"] and s, timeout=60,
+                             what="a checkpoint the read-only staging directory refused")
+            ring.wait_step("staged", held["step"] + 2 * EVERY, timeout=60)   # training goes on meanwhile
+        done = ring.wait_state("staged", ("done", "failed"), timeout=120)
+    finally:
+        ring.close()
+    assert "Read-only file system" in held["store_failing"] and "/staging/" in held["store_failing"]
+    assert done["state"] == "done", (done["state"], done["reason"])
+    assert done["restarts"] == 0 and done["epoch"] == st["epoch"], done["morphs"]
+    reference = reference_run(steps, BATCH)[0]
+    assert [s for s, _ in done["loss_history"]] == list(range(steps))
+    assert all(abs(loss - reference[s]) <= 1e-4 * abs(reference[s]) for s, loss in done["loss_history"])

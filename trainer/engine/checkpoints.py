@@ -31,10 +31,17 @@ class WorkerCheckpoints:
         notice) writes straight into the store and returns when it is complete. Either way the
         staged checkpoint still in flight, if any, is waited for first (a failed one is logged)."""
         self._settle_upload(together=True)
+        staged = tmpdir is not None and not on_demand
+        if not on_demand:
+            # Every worker compares its share at the next checkpoint, whatever this save does and
+            # whether its daemon stages: one whose staging directory refused the save (a
+            # StoreOutage, given up) once skipped that collective while the others entered it, and
+            # the job hung for good. A staged share counts as failed until the save returns, so
+            # that the comparison tells rank 0 to stop waiting for its files.
+            self._shares_unsettled, self._share_failed = True, staged
         final_dir, self._upload = checkpointing.save(self, global_store, self.iteration if step is None else step,
-                                                     tmpdir=None if on_demand else tmpdir, shard=shard)
-        if self._upload is not None:
-            self._shares_unsettled, self._share_failed = True, False
+                                                     tmpdir=tmpdir if staged else None, shard=shard)
+        self._share_failed = False
         return final_dir
 
     def _write_checkpoint(self, *, on_demand: bool) -> str | None:
