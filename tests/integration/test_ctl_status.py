@@ -68,7 +68,13 @@ async def test_a_queued_job_says_what_it_waits_for(etcd, etcd_root):
             spec = JobSpec(job=job, script="t.py", batch_size=8, steps=10, checkpoint_every=5,
                            bundle_digest="0" * 64, bundle_bytes=1)
             await store.put(keys.job(job), spec.encode())
-        assert (await ctl.job_status(store, keys, "second"))["reason"] == "submitted"   # nothing runs yet
+        # nothing runs yet: the first job is the one the leader plans
+        assert (await ctl.job_status(store, keys, "first"))["reason"] == "submitted"
+        assert (await ctl.job_status(store, keys, "second"))["reason"] == "waiting behind first, queued first"
+        # in the list, a job behind one the leader is planning (calibrating, waiting for a plan) says so
+        listed = {j["job"]: j["reason"] for j in (await ctl.fleet_status(store, keys))["jobs"]}
+        assert listed == {"first": "submitted", "second": "waiting behind first, queued first",
+                          "third": "waiting behind first, queued first (1 more before it)"}, listed
         await store.put(keys.state("first"), JobState(job="first", state="running", epoch=3).encode())
         assert (await ctl.job_status(store, keys, "second"))["reason"] == "waiting for first"
         assert (await ctl.job_status(store, keys, "third"))["reason"] == \

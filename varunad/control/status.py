@@ -178,13 +178,19 @@ async def job_queue(store: Store, keys: Keys) -> list[dict[str, Any]]:
                     "reason": st.reason if st else "submitted", "spec": what})
     # the fleet runs one job at a time: say what a job that was only submitted waits for
     running = [j["job"] for j in out if j["state"] in ("running", "morphing")]
-    ahead = 0
+    ahead: list[str] = []
     for j in out:
-        if j["state"] == "queued" and running:
-            if j["reason"] == "submitted":
-                j["reason"] = f"waiting for {running[0]}" + (f" and {ahead} job(s) queued before it"
-                                                              if ahead else "")
-            ahead += 1
+        if j["state"] != "queued":
+            continue
+        if j["reason"] == "submitted" and running:
+            j["reason"] = f"waiting for {running[0]}" + (f" and {len(ahead)} job(s) queued before it"
+                                                          if ahead else "")
+        elif j["reason"] == "submitted" and ahead:
+            # the first queued job is the one the leader plans (it may be calibrating, or
+            # waiting for a plan); the rest wait behind it
+            j["reason"] = f"waiting behind {ahead[0]}, queued first" + (
+                f" ({len(ahead) - 1} more before it)" if len(ahead) > 1 else "")
+        ahead.append(j["job"])
     return out
 
 
