@@ -242,6 +242,9 @@ class LeaderPlanning:
         # once running again, the state says where the job runs now and why it moved (the morph keeps
         # the whole sentence)
         now = reason
+        if not state.epochs and reason.startswith("the calibration run on "):
+            # "running (the calibration run on vm1 ended (done))" read as if that were the news
+            now = f"running as {doc.shape} on {', '.join(doc.members)}, calibrated on {reason.split()[4]}"
         if info is not None and info.get("cause"):
             now = f"resumed as {doc.shape} on {', '.join(doc.members)} after {info['cause']}"
         await self._put_state(state.but(state="running", change="", reason=now, epoch=epoch,
