@@ -148,3 +148,13 @@ def test_a_calibration_holds_one_segments_training_state_at_a_time(tmp_path):
     assert all(p.grad is None for p in model.parameters())
 
 
+
+
+def test_a_calibration_keeps_no_more_micro_batches_in_flight_than_the_global_batch_holds():
+    """Four micro-batches of the whole batch at once held 1.7 GB for a model whose training state
+    was 0.5 GB (an outside probe, batch 16, sizes 1 to 16); a step never holds more than B / b."""
+    from trainer.profiler.slots import in_flight
+
+    assert [in_flight(4, b, 16) for b in (1, 2, 4, 8, 16)] == [4, 4, 4, 2, 1]
+    assert in_flight(4, 8, 64) == 4 and in_flight(1, 1, 64) == 1
+    assert in_flight(4, 64, 48) == 1   # never below one

@@ -87,6 +87,7 @@ class Profiler:
         self.in_flight = in_flight if in_flight is not None else IN_FLIGHT if self.device.type == "cpu" else 1
         if self.in_flight < 1:
             raise ConfigError(f"in_flight must be >= 1, got {in_flight}")
+        self.global_batch: int | None = None   # set by a calibration run: bounds the micro-batches in flight
         self.optimizer_factor = optimizer_factor
         self._links = dict(links or {})
         self._allreduce = dict(allreduce or {})
@@ -179,7 +180,7 @@ class Profiler:
             batches[b] = batch
             input_bytes.append(sum(_nbytes(v) for v in batch.values() if isinstance(v, torch.Tensor)))
         job = _Job(slices, batches, segments, self.device, self.precision, self.repeats, self.warmup,
-                   self._factory, self.optimizer_factor, self.in_flight)
+                   self._factory, self.optimizer_factor, self.in_flight, self.global_batch)
         try:
             busy_slowdown = busy_load = 0.0
             if self.slots > 1:

@@ -44,6 +44,7 @@ class CalibrationRun:
                  assignment: WorkerAssignment, batch_size: int, chunk_size: int, precision: Precision,
                  device: torch.device) -> None:
         self.model, self.get_batch_fn, self.assignment = model, get_batch_fn, assignment
+        self.batch_size = batch_size
         self.sizes = profile_sizes(batch_size, chunk_size)
         if assignment.plan.micro_batch_size is not None:   # fixed at submit: the one size the planner may use
             self.sizes = sorted({*self.sizes, min(assignment.plan.micro_batch_size, batch_size)})
@@ -66,6 +67,7 @@ class CalibrationRun:
                             out_folder=os.path.dirname(os.path.abspath(a.profile)),
                             gpus_per_node=a.profile_slots, busy_slots=a.profile_machine_slots,
                             precision=self.precision, capture_cache=a.capture_cache)
+        profiler.global_batch = self.batch_size
         if optimizer is not None:
             profiler.set_optimizer(optimizer)
         meter = PeakMemory(self.device, 0)   # from the captured model: what a worker holds before it trains
