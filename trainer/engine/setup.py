@@ -235,4 +235,3 @@ def uncompiled(model: nn.Module) -> nn.Module:
                     "before torch.compile to silence this", type(inner).__name__)
         return inner
     return model
-

@@ -591,4 +591,3 @@ def _check_scheduler(lr_scheduler) -> None:
             "step() does not have, so Varuna cannot step it",
             hint="leave it out of set_optimizer and step it yourself with the metric (e.g. after evaluate()); "
                  "save its state_dict() with your own files, since Varuna's checkpoints will not hold it")
-
