@@ -175,10 +175,10 @@ class Leader(LeaderPlanning, LeaderPace):
             self._unreadable_since = None
         await self._survey_links(snap)
         now = self.clock()
-        if snap.plan is not None and snap.plan.kind == "profile":
-            self.memory.epoch_seen.setdefault(snap.plan_epoch, now)   # the calibration's bound counts from here
-        if snap.plan is not None and snap.plan.kind == "run":
+        if snap.plan is not None and snap.plan.kind in ("run", "profile"):
+            # a run's start and stall bounds, and a calibration's, count from here
             self.memory.epoch_seen.setdefault(snap.plan_epoch, now)
+        if snap.plan is not None and snap.plan.kind == "run":
             # workers paused by the checkpoint store get the whole start timeout once it is back
             paused = store_failing(snap)
             if paused or self._store_paused == snap.plan_epoch:

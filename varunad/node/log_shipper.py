@@ -69,7 +69,7 @@ class LogShipper:
                 # goes as it is
                 if b"\n" in data:
                     data = data[: data.rindex(b"\n") + 1]
-                elif len(data) < _CHUNK and getattr(w, "alive", False):
+                elif len(data) < _CHUNK and w.alive:
                     continue
             await self._note_refusals(w, data, timeout)
             prefix = f"[{self.name} e{w.epoch} r{w.rank}] ".encode()
