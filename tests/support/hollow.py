@@ -199,6 +199,7 @@ class HollowWorker:
                 self.step += 1
                 if a.checkpoint_every and self.step % a.checkpoint_every == 0:
                     await self._checkpoint(sock, "checkpoint")
+            await self._teardown()
             return 0
         finally:
             sock.close()
@@ -253,11 +254,16 @@ class HollowWorker:
             await sock.send(encode(WorkerRescuing(job=a.job, epoch=a.epoch, rank=a.rank, step=self.step)))
             if a.store:
                 await asyncio.to_thread(_rescue_save, a.store, self.step, a.rank, a.plan)
-        # a worker's process exits a while after its last message (its teardown): the daemon
-        # reads that message before it sees the exit, where a stand-in that ended at once has
-        # it dropped as stale
-        await asyncio.sleep(0.25)
+        await self._teardown()
         return STOPPED_EXIT_CODE
+
+    @staticmethod
+    async def _teardown() -> None:
+        # A worker's process exits a while after its last message (its teardown, a socket that
+        # lingers until it is sent): the daemon reads that message before it sees the exit. A
+        # stand-in that ended at once closed its socket (no linger) on a message not yet sent,
+        # or had it dropped as a dead worker's: a hollow job ended with its last step missing.
+        await asyncio.sleep(0.25)
 
 
 class HollowSupervisor(Supervisor):
