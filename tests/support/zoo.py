@@ -15,7 +15,8 @@ STEPS, BATCH, CHUNK = 5, 8, 2
 VOCAB, SEQ = 64, 16
 HF = ("llama", "gpt2", "gpt2_sft", "bert", "resnet")
 # trained on prompts and padding labelled -100: its loss is a mean over the other tokens, so each
-# micro-batch must weigh its tokens, and the plain loop is one full-batch step
+# micro-batch must weigh its tokens, and the plain loop is one full-batch step; each global batch
+# is padded to its own longest sequence, so the length differs from step to step
 TOKEN_MEAN = ("gpt2_sft",)
 GPT = ("gpt_tied", "gpt_shared")
 SHARED = {"gpt_shared": [("wte.weight", "lm_head.weight")]}
@@ -129,7 +130,9 @@ def global_batch(name: str, step: int, size: int = BATCH) -> dict[str, torch.Ten
         prompt = torch.randint(2, 8, (size, 1), generator=g)
         end = prompt + torch.randint(1, 9, (size, 1), generator=g)
         at = torch.arange(SEQ)
-        return {"input_ids": x, "labels": torch.where((at >= prompt) & (at < end), x, -100)}
+        # padded to the batch's longest, as a collator pads: the length changes from step to step
+        longest = int(end.max())
+        return {"input_ids": x[:, :longest], "labels": torch.where((at >= prompt) & (at < end), x, -100)[:, :longest]}
     # labels everywhere (no -100): every micro-batch's mean is over the same number of tokens
     return {"input_ids": x, "labels": torch.roll(x, -1, 1) if name in GPT else x}
 

@@ -119,7 +119,7 @@ def _loss_and_grads(gm, x, micro: int, step: int = 3):
     total = 0.0
     for start in range(0, x.shape[0], micro):
         part = x[start:start + micro]
-        with keyed_randomness(11, step, start):
+        with keyed_randomness(11, step, start, examples=part.shape[0]):
             loss = gm(x=part) * (part.shape[0] / x.shape[0])
         loss.backward()
         total += loss.item()
@@ -143,6 +143,15 @@ def test_every_random_op_of_a_captured_model_draws_the_same_at_every_micro_batch
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     assert _loss_and_grads(gm, x, 8, step=4)[0] != pytest.approx(ref_loss, rel=1e-3)   # the step is in the key
+    # the sequence length stays symbolic: the dropout over (B*T, C) reads T from the micro-batch's
+    # examples, which a plain loop must then give
+    flat = [n for n in gm.graph.nodes if n.op == "call_function" and n.kwargs.get("key_rows") == 0]
+    assert len(flat) == 1, [(n.target.__name__, n.kwargs.get("key_rows")) for n in gm.graph.nodes if "key_op" in n.kwargs]
+    longer = torch.randn(4, 7, 6)
+    with keyed_randomness(11, 3, 0, examples=4):
+        assert torch.isfinite(gm(x=longer))
+    with keyed_randomness(11, 3, 0), pytest.raises(ValueError, match=r"examples=N"):
+        gm(x=longer)
 
 
 def test_a_sequence_first_model_keys_its_dropout_by_the_batch_dimension_it_has():
@@ -251,7 +260,7 @@ def test_the_executor_keys_each_micro_batch_and_saves_no_generator_state():
     x = torch.randn(4, 5, 6)
     micro = [{"x": x[:2]}, {"x": x[2:]}]
     actions = [Action(0, kind, m) for m in (0, 1) for kind in (Kind.FORWARD, Kind.BACKWARD)]
-    got = executor.run(actions, micro, [0.5, 0.5], draws=[Draws(11, 3, 0), Draws(11, 3, 2)])
+    got = executor.run(actions, micro, [0.5, 0.5], draws=[Draws(11, 3, 0, examples=2), Draws(11, 3, 2, examples=2)])
     engine_grads = {n: p.grad.clone() for n, p in gm.named_parameters()}
     want, grads = _loss_and_grads(gm, x, 4, step=3)
     assert got == pytest.approx(want, rel=1e-5)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from protocol.errors import SecurityError
 from protocol.security import Security, SecurityConfig
@@ -202,14 +203,19 @@ def captured_shapes(gm) -> dict[str, tuple[int | None, ...]]:
     for node in gm.graph.nodes:
         val = node.meta.get("val") if node.op == "placeholder" else None
         if isinstance(val, torch.Tensor) and val.dim() > 0:
-            out[node.target] = tuple(d if isinstance(d, int) else None for d in val.shape[1:])
+            # a size the capture fixed may be a SymInt that is a number: fixed all the same
+            out[node.target] = tuple(int(d) if is_concrete_int(d) else None for d in val.shape[1:])
     return out
 
 
-def check_shapes(inputs: Mapping[str, torch.Tensor], captured: Mapping[str, tuple[int | None, ...]]) -> None:
+def check_shapes(inputs: Mapping[str, torch.Tensor], captured: Mapping[str, tuple[int | None, ...]],
+                 sample: Mapping[str, tuple[int, ...]]) -> list[str]:
     """ConfigError for a batch tensor whose shape after the batch dimension differs from the one
-    the model was captured with: the captured graph holds those sizes (a mask sliced to the
-    sequence length, a position range), and it would fail deep inside with an index error."""
+    the model was captured with where the model's code fixed it (a Linear over flattened tokens):
+    the captured graph holds those sizes, and it would fail deep inside with an index error.
+    Returns what is larger than get_batch_fn's sample, by which the plan's memory was measured
+    ("input_ids dimension 1: 14 > 13"), for a warning."""
+    larger = []
     for name, fixed in captured.items():
         t = inputs.get(name)
         if not isinstance(t, torch.Tensor):
@@ -219,10 +225,13 @@ def check_shapes(inputs: Mapping[str, torch.Tensor], captured: Mapping[str, tupl
             want = "[batch, " + ", ".join("*" if f is None else str(f) for f in fixed) + "]"
             raise ConfigError(
                 f"the batch's {name} has shape {list(t.shape)}, but the model was captured with {want}: "
-                "every dimension after the batch is fixed when Varuna captures the model from "
-                "get_batch_fn's sample",
-                hint="pad every batch to one length (a tokenizer's padding='max_length' with max_length=, "
-                     "not padding to each batch's longest), the length get_batch_fn's sample has")
+                "the model's code fixes the sizes shown as numbers (those shown as * may vary from batch "
+                "to batch)",
+                hint="pad every batch to those sizes (a tokenizer's padding='max_length' with max_length=), or "
+                     "compute them in forward from the input (x.size(1)) rather than from constants")
+        larger += [f"{name} dimension {d + 1}: {g} > {w}" for d, (g, w) in enumerate(zip(got, sample.get(name, got)))
+                   if g > w]
+    return larger
 
 
 def uncompiled(model: nn.Module) -> nn.Module:

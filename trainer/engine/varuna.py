@@ -141,7 +141,12 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             gc.freeze()
         captured_on = setup.device_of(model)   # meta for a model materialized stage by stage from `weights`
         started = time.perf_counter()
-        traced = capture_model(model, get_batch_fn(self.micro_batch_size, captured_on), cache_dir=a.capture_cache)
+        sample = get_batch_fn(self.micro_batch_size, captured_on)
+        # the sizes the plan's memory and time were measured at: a longer batch is warned of
+        self._sample_shapes = {k: tuple(v.shape[1:]) for k, v in sample.items() if isinstance(v, torch.Tensor)}
+        self._warned_larger = False
+        traced = capture_model(model, sample, cache_dir=a.capture_cache)
+        del sample
         log.info("rank %d: model %s in %.2f s", self.rank,
                  "loaded from the capture cache" if traced.reused else "captured", time.perf_counter() - started)
         cuts = self._agree_on_cuts(traced, get_batch_fn)
@@ -278,10 +283,10 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             self.control.abandonable = True
             # under uneven shares the stage's replicas trade inputs first: a peer lost there breaks
             # the epoch like one lost mid-schedule
-            micro, weights = self._micro_batches(inputs, self.batch_size)
-            weights = self._loss_weights(micro, weights)
+            micro, sizes = self._micro_batches(inputs)
+            weights = self._loss_weights(micro, [n / self.batch_size for n in sizes])
             table = self._table(self.schedule, len(micro), self.recompute)
-            draws = self._draws(len(micro), self.shard_offset)
+            draws = self._draws(sizes, self.shard_offset)
             self.executor.run(
                 table, micro, weights, loss_scale=self.scaler.scale,
                 handlers={Kind.ALLREDUCE: clock.apart(self._allreduce),
@@ -359,8 +364,8 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         the whole batch's, defaults to the sum of the replicas' shards)."""
         shard = setup.shard_size(inputs)
         total, first = self._evaluation_split(shard, batch_size)
-        micro, weights = self._micro_batches(inputs, total)
-        weights = self._loss_weights(micro, weights)
+        micro, sizes = self._micro_batches(inputs, as_training=total == self.batch_size)
+        weights = self._loss_weights(micro, [n / total for n in sizes])
         actions = []
         for m in range(len(micro)):
             if self.stage > 0:
@@ -369,7 +374,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             if self.stage < self.plan.P - 1:
                 actions.append(Action(self.stage, Kind.SEND_ACT, m))
         local = self.executor.run(actions, micro, weights, training=False,
-                                  draws=self._draws(len(micro), first, training=False))
+                                  draws=self._draws(sizes, first, training=False))
         out = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(out)
         return float(out[0])
@@ -508,24 +513,30 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             self._tables[key] = build_table(name, self.plan.P, m, recompute)[self.stage]
         return self._tables[key]
 
-    def _micro_batches(self, inputs: Mapping[str, torch.Tensor], global_batch: int):
+    def _micro_batches(self, inputs: Mapping[str, torch.Tensor], *, as_training: bool = True):
+        """This stage's micro-batches of `inputs` (its shard; split as training splits it, its share
+        under uneven shares, where `as_training`), and how many examples each holds."""
         shard = setup.shard_size(inputs)
         wanted = {k: v for k, v in inputs.items() if k in self.input_names}
-        if global_batch == self.batch_size:
+        if as_training:
             wanted, shard = self._this_share(wanted, shard)
         missing = set(self.input_names) - set(wanted)
         if missing:
             raise ConfigError(f"the batch lacks {sorted(missing)}, which forward takes (it takes "
                               f"{', '.join(self.model_inputs)}; stage {self.stage} reads {sorted(missing)})")
-        setup.check_shapes(wanted, self._shapes)
-        micro, weights = [], []
+        larger = setup.check_shapes(wanted, self._shapes, self._sample_shapes)
+        if larger and not self._warned_larger:
+            self._warned_larger = True
+            log.warning("rank %d: step %d's batch is larger than get_batch_fn's sample (%s): the plan's memory "
+                        "and step time were measured with the sample, so a worker may run out of memory; make "
+                        "the sample as large as the largest batch (said once)", self.rank, self.iteration,
+                        "; ".join(larger))
+        micro, sizes = [], []
         for start in range(0, shard, self.micro_batch_size):
-            chunk = {k: v[start:start + self.micro_batch_size].to(self.device, non_blocking=True)
-                     for k, v in wanted.items()}
-            n = min(self.micro_batch_size, shard - start)
-            micro.append(chunk)
-            weights.append(n / global_batch)
-        return micro, weights
+            micro.append({k: v[start:start + self.micro_batch_size].to(self.device, non_blocking=True)
+                          for k, v in wanted.items()})
+            sizes.append(min(self.micro_batch_size, shard - start))
+        return micro, sizes
 
     def _loss_weights(self, micro: list[dict[str, torch.Tensor]], weights: list[float]) -> list[float]:
         """The micro-batches' weights: `weights` (by examples), or on the last stage, where a counter
@@ -560,12 +571,12 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
                                       offset=self.shard_offset, group=self.stage_group, order=self._replica_order)
         return mine, self.shard_size
 
-    def _draws(self, count: int, first: int, training: bool = True) -> list[Draws]:
-        """The key of each micro-batch's random ops: the step and the global index of its first
+    def _draws(self, sizes: list[int], first: int, training: bool = True) -> list[Draws]:
+        """The key of each micro-batch's random ops: the step, the global index of its first
         example (`first`: where this replica's examples start in the global batch, a contiguous
-        slice: `replica_slice`)."""
-        return [Draws(self.seed, self.iteration, first + i * self.micro_batch_size, training)
-                for i in range(count)]
+        slice: `replica_slice`) and how many it holds."""
+        return [Draws(self.seed, self.iteration, first + i * self.micro_batch_size, training, examples=n)
+                for i, n in enumerate(sizes)]
 
     def _allreduce(self) -> None:
         self.reducer.reduce()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from trainer.errors import ConfigError, PartitionError
 from trainer.graph import capture_cache
@@ -189,9 +190,7 @@ def capture_model(model: nn.Module, sample: Mapping[str, object], *,
     has_cutpoints = any(isinstance(m, CutPoint) for m in model.modules())
     blocks = () if has_cutpoints else auto_blocks(model)
     inputs = _forward_inputs(model, sample)
-    dynamic = {k: {0: torch.export.Dim.AUTO} for k in inputs}
     fixed = _fixed_arguments(model, sample)
-    dynamic.update(dict.fromkeys(fixed))
     key = None if cache_dir is None else capture_cache.cache_key(model, inputs, fixed)
     kept = None if key is None else capture_cache.load(cache_dir, key)
     built = None
@@ -204,7 +203,7 @@ def capture_model(model: nn.Module, sample: Mapping[str, object], *,
             capture_cache.forget(cache_dir, key)
     reused = built is not None
     if built is None:
-        ep = _export(model, inputs, fixed, dynamic, blocks)
+        ep = _export(model, inputs, fixed, blocks)
         built = _graph_of(model, ep, from_model=False)
         if key is not None:   # kept only once it made a graph this package accepts
             capture_cache.save(cache_dir, key, ep, model)
@@ -258,11 +257,29 @@ def _warn_of_hidden_markers(gm: fx.GraphModule) -> None:
                         "Move the cut points out of that region.")
 
 
-def _export(model: nn.Module, inputs, fixed, dynamic, blocks):
+def _dynamic(inputs: Mapping[str, torch.Tensor], fixed: Mapping[str, object], *, every_dim: bool):
+    """export's dynamic_shapes: the batch dimension, and with ``every_dim`` every other one too
+    (AUTO: a size the model's code needs fixed, a Linear's features, is fixed and the rest stay
+    symbolic), so batches padded to their own longest sequence run on one capture."""
+    dims = {k: {d: torch.export.Dim.AUTO for d in range(v.dim() if every_dim else 1)} for k, v in inputs.items()}
+    return {**dims, **dict.fromkeys(fixed)}
+
+
+def _export(model: nn.Module, inputs, fixed, blocks):
     hooks = [model.get_submodule(b).register_forward_hook(_mark_block_output(b)) for b in blocks]
     try:
         with capturing():
-            return torch.export.export(model, (), {**inputs, **fixed}, dynamic_shapes=dynamic, strict=False)
+            try:
+                return torch.export.export(model, (), {**inputs, **fixed},
+                                           dynamic_shapes=_dynamic(inputs, fixed, every_dim=True), strict=False)
+            except (PartitionError, ConfigError):
+                raise
+            except Exception as exc:   # some code only captures with its sizes fixed: the batch's alone then
+                log.info("capture: with every dimension symbolic export failed (%s: %s); capturing with the "
+                         "batch dimension alone symbolic, so every batch must have the sample's other sizes",
+                         type(exc).__name__, str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "")
+            return torch.export.export(model, (), {**inputs, **fixed},
+                                       dynamic_shapes=_dynamic(inputs, fixed, every_dim=False), strict=False)
     except (PartitionError, ConfigError):
         raise
     except Exception as exc:  # export raises many kinds for Python it cannot capture
@@ -282,7 +299,7 @@ def _check_batch_is_dynamic(gm: fx.GraphModule) -> None:
         if node.op != "placeholder":
             continue
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[0], int):
+        if isinstance(val, torch.Tensor) and val.dim() and is_concrete_int(val.shape[0]):
             raise PartitionError(
                 f"the model fixes the batch dimension of '{node.target}' at {val.shape[0]}: the capture "
                 "would only run micro-batches of that size",

@@ -11,7 +11,8 @@ whatever the stage cut. The key's other parts come from the `Draws` in force whe
 
 Which examples an op's output holds is read from the captured shapes: the first dimension
 whose size involves the batch's symbolic size is the batch dimension, with a fixed number of
-rows per example (1 for (B, T, C); T for (B*T, C)). An op whose output has no such dimension
+rows per example (1 for (B, T, C); T for (B*T, C), read from the micro-batch's example count
+in `Draws` where T varies from batch to batch). An op whose output has no such dimension
 (`torch.rand(t, t)`) is keyed by the op alone: every micro-batch gets the same draw.
 
 A random op not listed here (randint, multinomial, exponential_, ...) still draws from torch's
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from trainer.graph.keyed_rng import current_draws, keyed_keep, keyed_normal, keyed_uniform
+from trainer.graph.keyed_rng import UNKEYED, current_draws, keyed_keep, keyed_normal, keyed_uniform
 
 __all__ = ["key_random_ops", "draws_unkeyed", "RANDOM_OPS"]
 
@@ -40,17 +41,35 @@ def _site(key_dim: int) -> int | None:
     return None if key_dim < 0 else key_dim
 
 
+def _rows(shape, key_dim: int, key_rows: int) -> int:
+    """Rows per example: as captured, or (0) the batch dimension's size over the micro-batch's
+    examples, for a flattened batch whose other factor (the sequence length) varies."""
+    if key_rows or key_dim < 0:
+        return key_rows or 1
+    draws = current_draws()
+    if draws is UNKEYED:   # outside any key (a calibration's forward): no draw is reproduced
+        return 1
+    examples, size = draws.examples, int(shape[key_dim])
+    if examples is None or size % examples:
+        raise ValueError(
+            f"a random op draws for a flattened batch of {size} rows whose rows per example vary with the "
+            "batch's sizes: enter keyed_randomness(..., examples=N) with the micro-batch's number of examples"
+            if examples is None else f"a random op draws {size} rows for {examples} examples, not a multiple")
+    return size // examples
+
+
 def _keep(shape, p: float, like: torch.Tensor, key_op: int, key_dim: int, key_rows: int) -> torch.Tensor:
-    return keyed_keep(key_op, shape, p, batch_dim=_site(key_dim), rows_per_example=key_rows, device=like.device)
+    return keyed_keep(key_op, shape, p, batch_dim=_site(key_dim), rows_per_example=_rows(shape, key_dim, key_rows),
+                      device=like.device)
 
 
 def _uniform(shape, dtype, device, key_op: int, key_dim: int, key_rows: int) -> torch.Tensor:
-    return keyed_uniform(key_op, shape, batch_dim=_site(key_dim), rows_per_example=key_rows,
+    return keyed_uniform(key_op, shape, batch_dim=_site(key_dim), rows_per_example=_rows(shape, key_dim, key_rows),
                          dtype=dtype, device=device)
 
 
 def _normal(shape, dtype, device, key_op: int, key_dim: int, key_rows: int) -> torch.Tensor:
-    return keyed_normal(key_op, shape, batch_dim=_site(key_dim), rows_per_example=key_rows,
+    return keyed_normal(key_op, shape, batch_dim=_site(key_dim), rows_per_example=_rows(shape, key_dim, key_rows),
                         dtype=dtype, device=device)
 
 
@@ -234,7 +253,8 @@ def _drawn_shape(node: fx.Node):
 
 def _batch_layout(shape, batch: set) -> tuple[int, int] | None:
     """(dimension, rows per example) of the batch in `shape`, or None when no dimension is a
-    whole multiple of the batch size."""
+    whole multiple of the batch size. Rows per example 0: a multiple that is itself symbolic
+    (B*T, T the batch's sequence length), which the op reads from the micro-batch's examples."""
     if shape is None:
         return None
     for d, size in enumerate(shape):
@@ -245,6 +265,8 @@ def _batch_layout(shape, batch: set) -> tuple[int, int] | None:
             ratio = expr / sym
             if ratio.is_Integer and int(ratio) > 0:
                 return d, int(ratio)
+            if ratio.free_symbols and not ratio.free_symbols & batch and ratio.is_integer and ratio.is_positive:
+                return d, 0
     return None
 
 

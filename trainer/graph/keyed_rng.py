@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Draws", "keyed_randomness", "drawing", "current_draws", "keyed_words", "keyed_uniform", "keyed_normal",
+__all__ = ["Draws", "UNKEYED", "keyed_randomness", "drawing", "current_draws", "keyed_words", "keyed_uniform", "keyed_normal",
            "keyed_keep"]
 
 _M32 = 0xFFFFFFFF
@@ -49,12 +49,15 @@ _KEEP = 3
 class Draws:
     """The key of the draws made while it is current: the job's seed, the step, the global
     index of the micro-batch's first example, and whether the forward trains (dropout is the
-    identity when it does not; other random ops draw either way)."""
+    identity when it does not; other random ops draw either way). `examples`, the micro-batch's
+    number of examples, tells an op that draws for each token of a flattened batch, (B*T, C)
+    with T varying from batch to batch, how many rows each example has; None where unknown."""
 
     seed: int = 0
     step: int = 0
     example_offset: int = 0
     training: bool = True
+    examples: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("seed", "step", "example_offset"):
@@ -67,9 +70,13 @@ class Draws:
             raise ValueError(f"Draws.step must be >= 0, got {self.step}")
         if not 0 <= self.example_offset <= _M32:
             raise ValueError(f"Draws.example_offset must be in 0..2**32-1, got {self.example_offset}")
+        if self.examples is not None and (isinstance(self.examples, bool) or not isinstance(self.examples, int)
+                                          or self.examples < 1):
+            raise ValueError(f"Draws.examples must be a positive int or None, got {self.examples!r}")
 
 
-_CURRENT: contextvars.ContextVar[Draws] = contextvars.ContextVar("varuna_draws", default=Draws())
+UNKEYED = Draws()   # in force outside any `drawing`: draws that nothing reproduces (a calibration's)
+_CURRENT: contextvars.ContextVar[Draws] = contextvars.ContextVar("varuna_draws", default=UNKEYED)
 
 
 def current_draws() -> Draws:
@@ -88,15 +95,16 @@ def drawing(draws: Draws) -> Iterator[Draws]:
 
 
 def keyed_randomness(seed: int = 0, step: int = 0, example_offset: int = 0, *,
-                     training: bool = True):
+                     training: bool = True, examples: int | None = None):
     """Key the random ops of captured models run inside by (seed, step, example): the micro-batch
     run inside holds the examples example_offset, example_offset + 1, ... of step `step`'s
-    global batch. A context manager:
+    global batch (`examples` of them: needed by a model that drops out a flattened batch of
+    tokens whose length varies). A context manager:
 
-        with keyed_randomness(seed, step, example_offset=start):
+        with keyed_randomness(seed, step, example_offset=start, examples=len(micro_batch)):
             loss = keyed(**micro_batch)
     """
-    return drawing(Draws(seed, step, example_offset, training))
+    return drawing(Draws(seed, step, example_offset, training, examples))
 
 
 def _splitmix64(x: int) -> int:

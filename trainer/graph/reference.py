@@ -59,7 +59,7 @@ def train_step(keyed: fx.GraphModule, batch: Mapping[str, torch.Tensor], step: i
     for start, m, w in zip(range(0, total, size), micro, weights):
         if not w:   # no token its loss averages (0/0): no loss and no gradient, as in the full batch
             continue
-        with keyed_randomness(seed, step, start):
+        with keyed_randomness(seed, step, start, examples=min(size, total - start)):
             part = keyed(**m) * w
         part.backward()
         loss += part.item()

@@ -40,7 +40,7 @@ from varunad.ctl.handlers import (
 
 __all__ = ["main"]
 
-# --- keys -----------------------------------------------------------------------------------------
+# --- option types ---------------------------------------------------------------------------------
 
 def _seconds(text: str, *, zero: bool = False) -> float:
     """A duration option: a finite number of seconds above 0 (or 0 where ``zero``): a poll every
@@ -57,6 +57,8 @@ def _seconds(text: str, *, zero: bool = False) -> float:
 def _seconds_or_zero(text: str) -> float:
     return _seconds(text, zero=True)
 
+
+# --- keys -----------------------------------------------------------------------------------------
 
 def _add_keys(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser(
