@@ -154,6 +154,43 @@ def test_every_random_op_of_a_captured_model_draws_the_same_at_every_micro_batch
         gm(x=longer)
 
 
+class Repeated(nn.Module):
+    """Batches whose examples repeat along a dimension, as people write them: a sequence-first
+    encoder's tokens flattened to (T*B, C) (fairseq), a batch concatenated with itself for two
+    dropout views (SimCSE), a batch repeated; and, beside them, repeat_interleave, whose copies
+    of an example stay together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        c = h.shape[-1]
+        flat = F.dropout(h.transpose(0, 1).reshape(-1, c), 0.3, True)
+        views = F.dropout(torch.cat([h, h]), 0.3, True)
+        again = F.dropout(h.repeat(2, 1, 1), 0.3, True)
+        together = F.dropout(h.repeat_interleave(2, 0), 0.3, True)
+        return sum((t * t.detach().abs().sqrt()).mean() for t in (flat, views, again, together))
+
+
+def test_examples_repeated_along_the_batch_dimension_draw_the_same_at_every_micro_batch_size():
+    """Each such row gets its own example's draw: keyed as if an example's rows were together,
+    the row of example e in a micro-batch of m was keyed as example e // 2 (or t's), and the
+    model changed with the micro-batch size (a probe's SimCSE model: 1.9e-2)."""
+    torch.manual_seed(0)
+    gm = capture_model(Repeated().train(), {"x": torch.randn(2, 5, 6)}).graph_module
+    rows = [n.kwargs["key_rows"] for n in gm.graph.nodes if "key_rows" in n.kwargs]
+    assert rows == [-1, -1, -1, 2], rows
+    x = torch.randn(6, 5, 6)
+    ref_loss, ref_grads = _loss_and_grads(gm, x, 6)
+    for micro in (1, 2, 4):   # 4: ragged micro-batches of 4 and 2
+        loss, grads = _loss_and_grads(gm, x, micro)
+        assert loss == pytest.approx(ref_loss, rel=1e-5), micro
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_sequence_first_model_keys_its_dropout_by_the_batch_dimension_it_has():
     class SeqFirst(nn.Module):
         def __init__(self):

@@ -34,6 +34,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from trainer.errors import ConfigError, PartitionError
 from trainer.graph import capture_cache
 from trainer.graph.cutpoint import CutPoint, capturing, cut_marker, is_marker, marker_name
+from trainer.graph.host_random import watching_host_random
 from trainer.graph.keyed_random import key_random_ops
 from trainer.graph.written import batch_statistics
 
@@ -144,6 +145,10 @@ def _why(exc: BaseException) -> tuple[str, str]:
         return (f"Python control flow depends on a tensor's value at {where or 'an unknown place'}",
                 "compute both branches and pick with torch.where (or use torch.cond), or move the "
                 "decision out of forward; `if`/`bool()`/`.item()` on tensors cannot be captured")
+    if "generator" in where:
+        return (f"{type(exc).__name__}: {text[:300]} at {where}",
+                "draw without generator=: Varuna keys torch's random ops by (seed, step, example), the "
+                "same in every worker and every P x D, so a generator of the model's own is not needed")
     return (f"{type(exc).__name__}: {text[:300]}" + (f" at {where}" if where else ""),
             "make forward run on a batch of any size with the batch's tensors as its only "
             "inputs, and return the loss")
@@ -267,19 +272,22 @@ def _dynamic(inputs: Mapping[str, torch.Tensor], fixed: Mapping[str, object], *,
 
 def _export(model: nn.Module, inputs, fixed, blocks):
     hooks = [model.get_submodule(b).register_forward_hook(_mark_block_output(b)) for b in blocks]
+    host: list[str] = []
     try:
-        with capturing():
+        with capturing(), watching_host_random(host):
             try:
-                return torch.export.export(model, (), {**inputs, **fixed},
-                                           dynamic_shapes=_dynamic(inputs, fixed, every_dim=True), strict=False)
+                ep = torch.export.export(model, (), {**inputs, **fixed},
+                                         dynamic_shapes=_dynamic(inputs, fixed, every_dim=True), strict=False)
             except (PartitionError, ConfigError):
                 raise
             except Exception as exc:   # some code only captures with its sizes fixed: the batch's alone then
                 log.info("capture: with every dimension symbolic export failed (%s: %s); capturing with the "
                          "batch dimension alone symbolic, so every batch must have the sample's other sizes",
                          type(exc).__name__, str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "")
-            return torch.export.export(model, (), {**inputs, **fixed},
-                                       dynamic_shapes=_dynamic(inputs, fixed, every_dim=False), strict=False)
+                ep = torch.export.export(model, (), {**inputs, **fixed},
+                                         dynamic_shapes=_dynamic(inputs, fixed, every_dim=False), strict=False)
+        _warn_of_host_random(host)
+        return ep
     except (PartitionError, ConfigError):
         raise
     except Exception as exc:  # export raises many kinds for Python it cannot capture
@@ -292,6 +300,20 @@ def _export(model: nn.Module, inputs, fixed, blocks):
     finally:
         for h in hooks:
             h.remove()
+
+
+def _warn_of_host_random(calls: list[str]) -> None:
+    """Say where forward drew from a generator the capture cannot key (trainer.graph.host_random)."""
+    for call in dict.fromkeys(calls):
+        if call.startswith("torch.manual_seed"):
+            log.warning("capture: forward calls %s: it has no effect on the captured model, whose random ops "
+                        "draw by (seed, step, example, op); Varuna(seed=...) sets the seed", call)
+        else:
+            log.warning("capture: forward calls %s: the capture runs forward once, so this draw is fixed into "
+                        "the model for every step, and differs from worker to worker unless seeded (replicas "
+                        "then train different models, and fail in a collective). Draw with torch instead, which "
+                        "Varuna keys by example (to drop a layer: keep = torch.rand(x.shape[0], 1, 1) >= p, "
+                        "then torch.where(keep, layer(x), x))", call)
 
 
 def _check_batch_is_dynamic(gm: fx.GraphModule) -> None:
@@ -335,7 +357,10 @@ def _to_graph_module(model: nn.Module, ep, *, from_model: bool = False):
             attrs[node] = (spec.target, ep.constants[spec.target])
         else:
             raise PartitionError(f"the captured graph has an input of kind {spec.kind.name} ('{spec.target}')",
-                                 hint="forward must take the batch's tensors and use ordinary parameters")
+                                 hint="forward must take the batch's tensors and use ordinary parameters" + (
+                                     "; a torch.Generator the model holds is such an object: draw without "
+                                     "generator=, Varuna keys torch's random ops by (seed, step, example)"
+                                     if spec.kind is InputKind.CUSTOM_OBJ else ""))
     root = nn.Module()
     for target, t in attrs.values():
         _register(root, target, t)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 
+import sympy
 import torch
 import torch.nn.functional as F
 from torch import fx
@@ -41,36 +42,53 @@ def _site(key_dim: int) -> int | None:
     return None if key_dim < 0 else key_dim
 
 
-def _rows(shape, key_dim: int, key_rows: int) -> int:
-    """Rows per example: as captured, or (0) the batch dimension's size over the micro-batch's
-    examples, for a flattened batch whose other factor (the sequence length) varies."""
-    if key_rows or key_dim < 0:
-        return key_rows or 1
+# key_rows: k > 0, k rows per example, an example's rows together (B*T, C from (B, T, C)); 0, as
+# many rows per example as the dimension over the micro-batch's examples (T symbolic); INTERLEAVED,
+# the examples repeat along it (T*B, C from (T, B, C); a batch concatenated with itself).
+INTERLEAVED = -1
+
+
+def _rows(shape, key_dim: int, key_rows: int) -> tuple[int, int | None]:
+    """(rows per example, the micro-batch's examples where they are interleaved, else None)."""
+    if key_rows > 0 or key_dim < 0:
+        return max(key_rows, 1), None
     draws = current_draws()
     if draws is UNKEYED:   # outside any key (a calibration's forward): no draw is reproduced
-        return 1
+        return 1, None
     examples, size = draws.examples, int(shape[key_dim])
     if examples is None or size % examples:
         raise ValueError(
             f"a random op draws for a flattened batch of {size} rows whose rows per example vary with the "
             "batch's sizes: enter keyed_randomness(..., examples=N) with the micro-batch's number of examples"
             if examples is None else f"a random op draws {size} rows for {examples} examples, not a multiple")
-    return size // examples
+    return size // examples, examples if key_rows == INTERLEAVED else None
+
+
+def _laid_out(draw: torch.Tensor, key_dim: int, interleaved: int | None) -> torch.Tensor:
+    """`draw`, made with each example's rows together, in the op's layout: for examples that
+    repeat along the dimension, row j*B + e holds example e's j-th row."""
+    if interleaved is None:
+        return draw
+    rows = draw.shape[key_dim] // interleaved
+    return draw.unflatten(key_dim, (interleaved, rows)).transpose(key_dim, key_dim + 1).flatten(key_dim, key_dim + 1)
 
 
 def _keep(shape, p: float, like: torch.Tensor, key_op: int, key_dim: int, key_rows: int) -> torch.Tensor:
-    return keyed_keep(key_op, shape, p, batch_dim=_site(key_dim), rows_per_example=_rows(shape, key_dim, key_rows),
-                      device=like.device)
+    rows, interleaved = _rows(shape, key_dim, key_rows)
+    return _laid_out(keyed_keep(key_op, shape, p, batch_dim=_site(key_dim), rows_per_example=rows,
+                                device=like.device), key_dim, interleaved)
 
 
 def _uniform(shape, dtype, device, key_op: int, key_dim: int, key_rows: int) -> torch.Tensor:
-    return keyed_uniform(key_op, shape, batch_dim=_site(key_dim), rows_per_example=_rows(shape, key_dim, key_rows),
-                         dtype=dtype, device=device)
+    rows, interleaved = _rows(shape, key_dim, key_rows)
+    return _laid_out(keyed_uniform(key_op, shape, batch_dim=_site(key_dim), rows_per_example=rows, dtype=dtype,
+                                   device=device), key_dim, interleaved)
 
 
 def _normal(shape, dtype, device, key_op: int, key_dim: int, key_rows: int) -> torch.Tensor:
-    return keyed_normal(key_op, shape, batch_dim=_site(key_dim), rows_per_example=_rows(shape, key_dim, key_rows),
-                        dtype=dtype, device=device)
+    rows, interleaved = _rows(shape, key_dim, key_rows)
+    return _laid_out(keyed_normal(key_op, shape, batch_dim=_site(key_dim), rows_per_example=rows, dtype=dtype,
+                                  device=device), key_dim, interleaved)
 
 
 def _drops(train) -> bool:
@@ -270,6 +288,68 @@ def _batch_layout(shape, batch: set) -> tuple[int, int] | None:
     return None
 
 
+_RESHAPES = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+def _same(a, b) -> bool:
+    return sympy.simplify(a - b) == 0
+
+
+def _merged(before, after, d: int) -> tuple[int, int] | None:
+    """The dimensions [i, j) of shape `before` that a reshape to `after` merges into its dimension
+    `d`, or None where they do not line up."""
+    prefix, i, acc = sympy.Integer(1), 0, sympy.Integer(1)
+    for size in after[:d]:
+        prefix *= _expr(size)
+    while i < len(before) and not _same(acc, prefix):
+        acc *= _expr(before[i])
+        i += 1
+    want, j, acc = _expr(after[d]), i, sympy.Integer(1)
+    while j < len(before) and not _same(acc, want):
+        acc *= _expr(before[j])
+        j += 1
+    return (i, j) if _same(acc, want) and j > i else None
+
+
+def _examples_repeat(node: fx.Node, d: int, batch: set) -> bool:
+    """Whether dimension `d` of what random op `node` draws for holds the examples repeated
+    (row j*B + e is example e's) rather than each example's rows together: its input made by a
+    reshape that merges a leading dimension into the batch's ((T, B, C) to (T*B, C)), by a
+    concatenation along the batch, or by a repeat of it. Followed back through ops that keep
+    the shape (copies, elementwise ops); anything else counts as rows together."""
+    x = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    shape = _drawn_shape(node)
+    for _ in range(16):
+        if x is None or x.op != "call_function":
+            return False
+        val = x.meta.get("val")
+        if not isinstance(val, torch.Tensor) or shape is None or len(val.shape) != len(shape):
+            return False
+        source = x.args[0] if x.args and isinstance(x.args[0], fx.Node) else None
+        if x.target in _RESHAPES and source is not None and isinstance(source.meta.get("val"), torch.Tensor):
+            before = tuple(source.meta["val"].shape)
+            group = _merged(before, tuple(val.shape), d)
+            at = next((k for k, size in enumerate(before)
+                       if isinstance(size, torch.SymInt) and size.node.expr.free_symbols & batch), None)
+            return group is not None and at is not None and group[0] <= at < group[1] and any(
+                not _same(_expr(before[k]), 1) for k in range(group[0], at))
+        if x.target is _aten.cat.default:
+            dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
+            return dim % len(shape) == d and len(x.args[0]) > 1
+        if x.target is _aten.repeat.default:
+            repeats = list(x.args[1])
+            return not _same(_expr(repeats[len(repeats) - len(shape) + d]), 1)
+        src = source.meta.get("val") if source is not None else None
+        if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(val.shape):
+            return False
+        x = source
+    return False
+
+
 def draws_unkeyed(gm: fx.GraphModule) -> bool:
     """Whether `gm` still holds a random op that draws from torch's generator (any module that
     is not a captured graph may)."""
@@ -299,6 +379,8 @@ def key_random_ops(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
                         "as whole rows per example: it is keyed by the op alone, so its draws change with "
                         "the micro-batch size", node.target, tuple(shape))
         key_dim, key_rows = layout if layout is not None else (-1, 1)
+        if layout is not None and _examples_repeat(node, key_dim, batch):
+            key_rows = INTERLEAVED
         kwargs = {k: v for k, v in node.kwargs.items() if k != "generator"}
         if "from" in kwargs:   # a Python keyword: the replacement spells it from_
             kwargs["from_"] = kwargs.pop("from")
