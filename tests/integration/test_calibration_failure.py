@@ -47,3 +47,47 @@ def test_a_failed_calibration_run_fails_the_job_with_the_scripts_error(tmp_path,
         assert "synthetic" not in d.log_text()
     finally:
         ring.close()
+
+
+_SLOW_FIRST_CALIBRATION = """
+import os, sys, time
+from pathlib import Path
+# the first calibration run waits to be killed; the next runs the example as it is
+marker = Path(sys.argv[1])
+if os.environ.get("VARUNA_PROFILE") and not marker.exists():
+    marker.write_text(str(os.getpid()))
+    time.sleep(120)
+sys.argv = [sys.argv[0], *sys.argv[2:]]
+exec(compile(Path({script!r}).read_text(), {script!r}, "exec"))
+"""
+
+
+def test_a_calibration_run_killed_from_outside_is_run_again_as_a_restart(tmp_path, etcd, etcd_root):
+    """kill -9 of the calibration run's process (not the script's doing, nor the daemon's death):
+    the job used to fail for good, blaming the script ("fix the script or its arguments"); it now
+    calibrates again, counted against --max-restarts as a killed training worker is, and trains."""
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "slow_first.py"
+    script.write_text(_SLOW_FIRST_CALIBRATION.replace("{script!r}", repr(str(GPT_SCRIPT))))
+    marker = tmp_path / "calibrating.pid"
+    ring = Ring(tmp_path / "ring", etcd.endpoint, root=etcd_root, ttl=10.0)
+    try:
+        d = ring.start("solo")
+        ring.wait_members(["solo"])
+        r = ring.varunactl("submit", "--name", "k", "--batch-size", "8", "--steps", "3", "--checkpoint-every", "3",
+                           str(script), "--", str(marker), "--preset", "tiny")
+        assert r.returncode == 0, r.stderr
+        deadline = time.monotonic() + 90
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), d.log_text()[-3000:]
+        time.sleep(0.2)
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+        st = ring.wait_state("k", ("done", "failed"), timeout=180)
+        assert st["state"] == "done" and st["restarts"] == 1, st
+        assert "the calibration run of k on solo was killed by a signal: calibrating again (restart 1" in d.log_text()
+    finally:
+        ring.close()

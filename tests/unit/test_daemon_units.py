@@ -28,6 +28,7 @@ from varunad.control.jobs import (
 )
 from varunad.control.plans import PlanDoc, make_plan, uniform_calibration
 from varunad.control.records import (
+    WorkerRecord,
     WorkerReport,
     decode_history,
     encode_history,
@@ -574,3 +575,26 @@ def test_a_calibration_run_that_never_ends_fails_the_job_after_the_stall_timeout
     assert (hung.action, hung.job) == ("fail", "j"), hung
     assert hung.reason.startswith("the calibration run on d1 did not finish within 1800s (--stall-timeout)")
     assert decide(snap, memory, now=1e9, start_timeout=120.0).action == "wait"   # 0: no bound
+
+
+def test_a_morph_that_waits_for_a_calibration_waits_for_it_and_does_not_start_it_again():
+    """A morphing job whose next plan needs a kind calibrated (a VM of a new kind joined, then
+    one of the plan's was lost): "start" each cycle wrote a new calibration plan, whose run
+    replaced the one just begun, 30,000 plan epochs in 2.5 minutes (a probe)."""
+    from varunad.control.decide import decide
+
+    plan = PlanDoc(kind="profile", job="j", reason="calibrating cpu-b on d3", profile_member="d3",
+                   incarnations={"d3": 103})
+    states = {"j": JobState(job="j", state="morphing", epoch=30, epochs=(20, 30))}
+    memory = LeaderMemory()
+    memory.epoch_seen[41] = 0.0
+    calibrating = {"d3": WorkerReport(member="d3", job="j", epoch=41, workers=(WorkerRecord(rank=0, slot=0),))}
+    waiting = decide(snapshot(plan=plan, epoch=41, states=states, reports=calibrating), memory, now=10.0,
+                     start_timeout=60.0, stall_timeout=1800.0)
+    assert (waiting.action, waiting.job) == ("wait", "j") and "d3 is calibrating" in waiting.reason, waiting
+    ended = {"d3": WorkerReport(member="d3", job="j", epoch=41, workers=(WorkerRecord(rank=0, slot=0, outcome="done"),))}
+    done = decide(snapshot(plan=plan, epoch=41, states=states, reports=ended), memory, now=20.0, start_timeout=60.0)
+    assert (done.action, done.job) == ("start", "j") and "calibration run on d3 ended" in done.reason, done
+    hung = decide(snapshot(plan=plan, epoch=41, states=states, reports=calibrating), memory, now=1801.0,
+                  start_timeout=60.0, stall_timeout=1800.0)
+    assert hung.action == "fail", hung   # bounded by --stall-timeout, as a start's calibration is

@@ -162,6 +162,10 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
 
     job = cur.job
     state = snap.states[job]
+    if plan is not None and plan.kind == "profile" and plan.job == job:
+        # a morph onto a kind without a calibration waits for it as a start does: "start" again
+        # wrote a new calibration plan each cycle, whose workers replaced the run just begun
+        return _profile_progress(snap, cur, plan, epoch, memory, now, stall_timeout)
     if plan is None or plan.job != job or plan.kind in ("idle", "profile"):
         return Decision("start", f"{job} is {state.state} but no plan runs it", job)
     if plan.kind == "stop":

@@ -64,6 +64,11 @@ def cause(summary: str) -> str:
     return m.group(1) + text[m.end():] if m else text
 
 
+def is_signalled(summary: str) -> bool:
+    """Whether a signal from outside the script ended the worker (not the OOM killer)."""
+    return bool(_SIGNALLED.search(summary))
+
+
 def is_store_outage(summary: str) -> bool:
     """Whether the failure with ``summary`` (error_summary's line) is the checkpoint store's doing."""
     return bool(_OUTAGE.match(cause(summary)))
@@ -92,7 +97,7 @@ def classify(summary: str, previous: str | None) -> str:
     m = _EXC_NAME.match(now)
     if m and m.group(1) in DETERMINISTIC:
         return "fail"
-    if _TRANSIENT.search(now) or _SIGNALLED.search(summary):
+    if _TRANSIENT.search(now) or is_signalled(summary):
         return "retry"
     if previous is not None and cause(previous) == now:
         return "fail"

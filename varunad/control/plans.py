@@ -376,6 +376,9 @@ def _machines(members: Sequence[DaemonMember], calibrations: Mapping[str, Calibr
     return cores, loads
 
 
+_SAID: set[tuple[str, str, bytes]] = set()
+
+
 def calibrations_for(
     spec: JobSpec, kinds: Sequence[str], stored: Mapping[str, bytes]
 ) -> tuple[dict[str, Calibration], list[str]]:
@@ -391,7 +394,9 @@ def calibrations_for(
         try:
             found[kind] = Calibration.from_bytes(data)
         except (ValueError, TypeError) as exc:
-            log.warning("ignoring the stored calibration of %s for %s: %s", spec.job, kind, exc)
+            if (spec.job, kind, data) not in _SAID:   # read every leader cycle: said once per value
+                _SAID.add((spec.job, kind, data))
+                log.warning("ignoring the stored calibration of %s for %s: %s", spec.job, kind, exc)
             missing.append(kind)
     return found, missing
 

@@ -19,6 +19,7 @@ from protocol.messages import PlanChanged
 from trainer.planning.calibration import Calibration
 from trainer.planning.planner import ModelTooLarge, Plan, PlanError
 from varunad.control.decide import Decision, calibration_failed, still_warming
+from varunad.control.failures import is_signalled
 from varunad.control.fleet import FleetSnapshot, forget_progress, read_fleet
 from varunad.control.jobs import JobSpec, JobState, MorphEvent, job_store, script_fingerprint
 from varunad.control.links import PROBE_TIMEOUT, apply_links
@@ -184,7 +185,16 @@ class LeaderPlanning:
         if snap.plan is not None and snap.plan.kind == "profile" and snap.plan.job == job:
             report = snap.reports.get(snap.plan.profile_member or "")
             rec = report.of(job, snap.plan_epoch).get(0) if report else None
-            if rec is not None and rec.outcome == "failed":
+            if rec is not None and rec.outcome == "failed" and is_signalled(rec.error) \
+                    and state.restarts < self.config.max_restarts:
+                # a signal from outside (a kill -9), not the script: calibrate again, as a training
+                # worker so ended is started again, counted against --max-restarts
+                state = state.but(restarts=state.restarts + 1, error=rec.error)
+                await self._put_state(state)
+                log.warning("leader: the calibration run of %s on %s was killed by a signal: calibrating again "
+                            "(restart %d of at most %d)", job, snap.plan.profile_member, state.restarts,
+                            self.config.max_restarts)
+            elif rec is not None and rec.outcome == "failed":
                 # the job's own script ended it, as it would end every worker: fail now, in its words
                 await self._finish(snap, job, "failed", calibration_failed(job, snap.plan.profile_member or "",
                                                                            rec.error), error=rec.error)
