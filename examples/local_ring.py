@@ -20,6 +20,7 @@ throughput.png), and stops everything
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 import urllib.request
@@ -131,9 +132,31 @@ def save_metrics(ring: local.Ring) -> None:
     print(f"metrics: {out} (what each daemon's --metrics-port endpoint served at the end)", flush=True)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a `timeout`, a kill, a closed terminal): stop the ring as Ctrl-C does.
+    Python's default for them ends the process without `finally`, and the ring trained on."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.code = 128 + signum
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated(signum)
+
+
+def _stop_ring(state_dir: Path | None) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):   # a second signal must not cut the stop short
+        signal.signal(sig, signal.SIG_IGN)
+    print("stopping the ring ...", flush=True)
+    local.down(state_dir, say=lambda line: print(f"  {line}", flush=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _terminated)
     try:
         ring = local.up(args.daemons, args.dir, ttl=args.ttl, metrics_port=local.free_port_range(args.daemons),
                         daemon_args=["--progress-interval", "0.5"], timeout=120.0,
@@ -141,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     except ctl.CtlError as exc:
         print(f"local_ring: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:   # while the ring started: what did start stops
+        _stop_ring(args.dir)
+        return getattr(exc, "code", 130)
     try:
         ports = [f"{d.name}:{d.metrics_port}" for d in ring.daemons if d.metrics_port]
         print(f"etcd on {ring.etcd}; {len(ring.daemons)} daemons ({', '.join(d.name for d in ring.daemons)}); "
@@ -152,11 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         if doc["state"] == "done":
             report(ring)
         return 0 if doc["state"] == "done" else 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        return getattr(exc, "code", 130)
     finally:
-        print("stopping the ring ...", flush=True)
-        local.down(ring.dir, say=lambda line: print(f"  {line}", flush=True))
+        _stop_ring(ring.dir)
 
 
 if __name__ == "__main__":

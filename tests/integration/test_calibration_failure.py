@@ -21,12 +21,14 @@ def test_a_failed_calibration_run_fails_the_job_with_the_scripts_error(tmp_path,
     broken.write_text("import definitely_not_a_module_of_this_job\n")
     raises = tmp_path / "raises.py"
     raises.write_text("import torch\nraise RuntimeError('the token file tokens.bin is empty')\n")
+    untrained = tmp_path / "untrained.py"   # exits 0 having never built Varuna: no calibration written
+    untrained.write_text("print('hello from a script that never trains')\n")
     ring = Ring(tmp_path / "ring", etcd.endpoint, root=etcd_root, ttl=10.0)
     try:
         d = ring.start("solo")
         ring.wait_members(["solo"])
         for job, script, args in (("typo", GPT_SCRIPT, ["--preset", "tiny", "--stpes", "3"]),
-                                  ("noimport", broken, []), ("raises", raises, [])):
+                                  ("noimport", broken, []), ("raises", raises, []), ("untrained", untrained, [])):
             # --no-import-check: the import is missing on the VMs only
             r = ring.varunactl("submit", "--name", job, "--batch-size", "8", "--steps", "3", "--checkpoint-every", "3",
                                "--no-import-check", str(script), "--", *args)
@@ -41,6 +43,8 @@ def test_a_failed_calibration_run_fails_the_job_with_the_scripts_error(tmp_path,
         assert "unrecognized arguments: --stpes" in ring.status("typo")["reason"]
         assert "No module named 'definitely_not_a_module_of_this_job'" in ring.status("noimport")["reason"]
         assert "RuntimeError: the token file tokens.bin is empty" in ring.status("raises")["reason"]
+        assert "the script exited (code 0) without training: it never built Varuna(model, ...)" in \
+            ring.status("untrained")["reason"], ring.status("untrained")["reason"]
         logs = ring.varunactl("logs", "raises")
         assert "Traceback" in logs.stdout and "tokens.bin is empty" in logs.stdout, logs.stdout + logs.stderr
         assert "without a measured calibration" not in d.log_text()

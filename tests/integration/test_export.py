@@ -227,6 +227,7 @@ def test_varunactl_export_finds_the_store_of_a_job_in_etcd(trained, tmp_path, et
 
     asyncio.run(put("ran", state="done", store=str(store)))
     asyncio.run(put("queued"))
+    asyncio.run(put("broken", state="failed", reason="the calibration run of broken on vm1 failed: ImportError"))
 
     def ctl(*argv: str) -> tuple[int, str, str]:
         out, err = io.StringIO(), io.StringIO()
@@ -244,6 +245,9 @@ def test_varunactl_export_finds_the_store_of_a_job_in_etcd(trained, tmp_path, et
 
     rc, out, err = ctl("export", "queued", "--out", str(tmp_path / "b"))
     assert rc == 1 and "pass --store DIR" in err and not (tmp_path / "b").exists()
+    # a job that failed before its first plan has nothing to export, whatever --store says
+    rc, out, err = ctl("export", "broken", "--out", str(tmp_path / "b"))
+    assert rc == 1 and "is failed and never trained a step" in err and "ImportError" in err, err
     rc, out, err = ctl("export", "nosuch", "--out", str(tmp_path / "b"))
     assert rc == 1 and "no job named nosuch" in err
     # with --store, etcd is not asked (nothing answers at port 9)

@@ -192,3 +192,35 @@ def test_quick_demo_morphs_and_finishes_with_lower_loss(tmp_path):
         assert set(METRIC_NAMES) <= _metric_types(text), sorted(set(METRIC_NAMES) - _metric_types(text))
     assert sum(float(line.split()[-1]) for text in served for line in text.splitlines()
                if line.startswith("varunad_leader ")) == 1
+
+
+@pytest.mark.slow
+def test_the_demo_stops_its_ring_when_it_is_terminated(tmp_path):
+    """SIGTERM (a `timeout`, a kill) ended the demo without its `finally`, and the ring trained on
+    behind it (a probe found etcd, three daemons and a worker left): it now stops the ring as
+    Ctrl-C does, and exits 143."""
+    import signal
+
+    state = tmp_path / "demo"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "local_ring.py"), "--quick", "--dir", str(state)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("etcd on "):   # the ring is up and the job about to be submitted
+                break
+        assert any(line.startswith("etcd on ") for line in lines), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
+        assert "stopping the ring ..." in rest and "stopped etcd" in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        leftovers = _ring_processes(state)
+        for p in leftovers:
+            p.kill()
+    assert leftovers == [] and not (state / local.RING_FILE).exists(), leftovers

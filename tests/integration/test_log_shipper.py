@@ -45,14 +45,39 @@ async def test_new_output_goes_to_etcd_once_with_a_prefix_and_refusals_become_no
         await shipper.ship([w], timeout=5.0)  # nothing new: nothing written
         assert len(await _chunks(store, keys, "j", "vm1")) == 1
 
-        # only the newest chunks stay, in order
-        for i in range(log_shipper._CHUNKS_KEPT + 2):
+
+
+async def test_the_newest_output_stays_and_a_marker_says_what_went_and_where_it_all_is(etcd, etcd_root, tmp_path,
+                                                                                      monkeypatch):
+    """A count of chunks kept a busy job's last 30 s, one chunk a tick, and `varunactl logs` then
+    began mid-run without a word (a probe): now bytes are counted, and a marker listed first says
+    how much went and where the whole logs are."""
+    from io import StringIO
+
+    from varunad.ctl import commands
+
+    line = len(b"[vm1 e3 r1] line 10\n")
+    monkeypatch.setattr(log_shipper, "_KEPT_BYTES", 3 * line)
+    keys = Keys(etcd_root)
+    path = tmp_path / "logs" / "j" / "e3-r1.log"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"")
+    w = _Log(job="j", epoch=3, rank=1, log_path=path)
+    async with EtcdStore(etcd.endpoint) as store:
+        await store.put(keys.job("j"), b"{}")
+        shipper = LogShipper(name="vm1", store=store, keys=keys)
+        for i in range(10, 16):
             with open(path, "ab") as f:
                 f.write(f"line {i}\n".encode())
             await shipper.ship([w], timeout=5.0)
         kept = await _chunks(store, keys, "j", "vm1")
-        assert len(kept) == log_shipper._CHUNKS_KEPT
-        assert kept[0] == b"[vm1 e3 r1] line 2\n" and kept[-1] == f"[vm1 e3 r1] line {log_shipper._CHUNKS_KEPT + 1}\n".encode()
+        assert kept[1:] == [f"[vm1 e3 r1] line {i}\n".encode() for i in (13, 14, 15)], kept
+        assert kept[0] == (f"[vm1] ({3 * line} bytes of earlier output dropped here: etcd keeps the last 0 MiB of "
+                           f"each daemon's; the whole logs are in {path.parent} on vm1)\n").encode(), kept[0]
+        out = StringIO()
+        await commands.logs(store, keys, "j", follow=False, out=out)
+        assert out.getvalue().splitlines()[0].startswith("[vm1] (60 bytes of earlier output dropped"), out.getvalue()
+        assert out.getvalue().splitlines()[1:] == [f"[vm1 e3 r1] line {i}" for i in (13, 14, 15)]
 
 
 async def test_a_full_chunk_ends_at_a_line_boundary(etcd, etcd_root, tmp_path, monkeypatch):
@@ -63,9 +88,10 @@ async def test_a_full_chunk_ends_at_a_line_boundary(etcd, etcd_root, tmp_path, m
     w = _Log(job="j", epoch=0, rank=0, log_path=path)
     async with EtcdStore(etcd.endpoint) as store:
         shipper = LogShipper(name="vm2", store=store, keys=keys)
-        await shipper.ship([w], timeout=5.0)
-        assert await _chunks(store, keys, "j", "vm2") == [b"[vm2 e0 r0] abcdef\n"]
-        assert w.log_offset == 7
+        await shipper.ship([w], timeout=5.0)   # a burst goes out in one call, chunk by chunk
+        assert await _chunks(store, keys, "j", "vm2") == [
+            b"[vm2 e0 r0] abcdef\n", b"[vm2 e0 r0] ghijklmnopqrstuv", b"[vm2 e0 r0] wxyz\n"]   # a line longer than a chunk
+        assert w.log_offset == path.stat().st_size
 
 
 async def test_a_line_still_being_written_is_shipped_whole_with_one_prefix(etcd, etcd_root, tmp_path):

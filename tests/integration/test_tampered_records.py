@@ -3,6 +3,7 @@ make of them (a real etcd; the fault probe that found them wrote these very valu
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -63,3 +64,17 @@ async def test_a_note_about_checkpoints_is_a_warning_while_the_job_runs_and_hist
             out = io.StringIO()
             ctl.print_job(await ctl.job_status(store, keys, "f1"), out)
             assert f"{word:9s} skipping checkpoint 5" in out.getvalue(), out.getvalue()
+
+
+async def test_a_submit_with_no_daemon_up_is_taken_and_says_that_it_waits(etcd, etcd_root, capsys):
+    """A probe's ring whose daemons had all died took a job without a word: it sat "queued
+    (submitted)" with nothing to say that nothing could run it."""
+    keys = Keys(etcd_root)
+    async with EtcdStore(etcd.endpoint) as store:
+        out = io.StringIO()
+        assert await ctl.submit(store, keys, SPEC, b"bundle", out) == 0
+        assert "submitted f1" in out.getvalue() and await store.get(keys.job("f1")) is not None
+        assert "note: no daemon is up" in capsys.readouterr().err
+        await store.put(keys.members + "vm1", b"{}")
+        assert await ctl.submit(store, keys, dataclasses.replace(SPEC, job="f2"), b"bundle", io.StringIO()) == 0
+        assert "no daemon is up" not in capsys.readouterr().err

@@ -116,8 +116,8 @@ def calibration_failed(job: str, member: str, error: str) -> str:
                 f"that VM more memory, or submit with a smaller fixed --chunk-size (its output: "
                 f"varunactl logs {job})")
     return (f"the calibration run of {job} on {member} failed: {failure_cause(summary) or 'no output'}; "
-            f"its workers would fail the same way: fix the script or its arguments and submit again "
-            f"(its whole output: varunactl logs {job})")
+            f"its workers would fail the same way: fix the script or its arguments and submit it again under a "
+            f"new --name (its whole output: varunactl logs {job})")
 
 
 def _current(snap: FleetSnapshot) -> JobEntry | None:

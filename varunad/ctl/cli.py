@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from protocol.errors import ProtocolError
 from trainer.planning.schedule import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES
+from varunad import __version__
 
 # The handlers are bound by their names here when main() builds the parser, so a test can replace
 # one (cli._cmd_status) before calling main().
@@ -37,6 +38,7 @@ from varunad.ctl.handlers import (
     _cmd_up,
     _cmd_watch,
 )
+from varunad.options import Parser
 
 __all__ = ["main"]
 
@@ -277,7 +279,7 @@ _GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_keys, 
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="varunactl",
         description="Control a varunad fleet: keys, jobs, status. "
                     "Run `varunactl COMMAND --help` for a command's options.")
@@ -298,6 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--etcd-user", default=env("VARUNAD_ETCD_USER"), metavar="USER",
                         help="etcd user (default $VARUNAD_ETCD_USER; the password is read from "
                              "$VARUNAD_ETCD_PASSWORD, never from the command line)")
+    parser.add_argument("--version", action="version", version=f"varunactl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in _GROUPS:
         add(sub)

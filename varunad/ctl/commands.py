@@ -197,6 +197,11 @@ async def submit(store: Store, keys: Keys, spec: JobSpec, bundle: bytes, out: Te
     print(f"submitted {spec.job}: {spec.script} {' '.join(spec.args)} (batch {spec.batch_size}, {spec.steps} steps, "
           f"checkpoint every {spec.checkpoint_every}; bundle {spec.bundle_bytes / 1024:.1f} KiB"
           f"{'; signed' if signature is not None else ''})", file=out)
+    if not await store.get_prefix(keys.members):
+        # accepted all the same (a ring that boots later runs it), but a user waiting for it
+        # should know nothing can yet
+        print(f"note: no daemon is up (none holds a member key in etcd): {spec.job} waits in the queue until "
+              "one starts; `varunactl nodes` lists them", file=sys.stderr)
     return 0
 
 

@@ -35,6 +35,9 @@ async def job_store_dir(store: Store, keys: Keys, job: str) -> str:
     state = await read_state(store, keys, job)
     if state is not None and state.store:
         return state.store
+    if state is not None and state.terminal:   # it ended before its first plan: no step, no checkpoint
+        raise ExportError(f"job {job} is {state.state} and never trained a step, so it has no checkpoint to "
+                          f"export: {state.reason}")
     raise ExportError(f"job {job} was submitted without --store and has not run, so its store is not known: "
                       f"pass --store DIR/{job}, where DIR is the daemons' --store")
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from varunad.options import Parser
 from varunad.store.contract import StoreConfigError
 from varunad.store.etcd import parse_endpoints
 
@@ -286,7 +287,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="varunad",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="The varunad daemon: one per VM. It registers the VM's device slots in etcd under a lease,\n"

@@ -170,9 +170,14 @@ class PlanFollowing:
             await self.store.put(self.keys.calibration_entry(script_fingerprint(spec), kind), cal.to_bytes(),
                                  timeout=self.config.retry_timeout)
             log.info("%s: stored the calibration of %s for %s", self.name, spec.job, kind)
+        except FileNotFoundError:
+            worker.outcome = "failed"
+            worker.error = ("the script exited (code 0) without training: it never built Varuna(model, ...) and "
+                            "called step(), where the calibration is measured (a script that ends before, or "
+                            "trains with a plain loop of its own)")
         except (OSError, ValueError, KeyError, StoreError) as exc:
             worker.outcome = "failed"
-            worker.error = f"the calibration run of {worker.job} on {self.name} left no usable calibration: {exc}"
+            worker.error = f"it left no usable calibration: {exc}"
 
     async def _job_files_patiently(self, job: str) -> tuple[JobSpec, Path]:
         """``_job_files``, a read etcd failed or did not answer tried again for up to

@@ -466,7 +466,9 @@ class Leader(LeaderPlanning, LeaderPace):
                     again = " again on a fresh start" if state.restarts else ""
                     await self._finish(snap, job, "failed",
                                        f"{what} ({who}{again}): not retried, starting again would fail the same "
-                                       f"way; fix the script or the job and submit it again", error=d.reason)
+                                       f"way; fix the script or the job and submit it again under a new --name"
+                                       + (f" (with --store {state.store} it resumes from this one's checkpoints)"
+                                          if state.store else ""), error=d.reason)
                     return True
                 if restarts > self.config.max_restarts:
                     await self._finish(snap, job, "failed", f"gave up after {state.restarts} restarts: {what} ({who})",

@@ -3,9 +3,11 @@
 Each worker writes ``STATE_DIR/logs/<job>/e<epoch>-r<rank>.log`` (varunad.node.supervisor). The
 shipper reads what was appended since its last call, whole lines only (a worker that has ended
 also its last line without a newline), prefixes every line with
-``[member e<epoch> r<rank>]`` and writes it as one chunk under the job's log keys (the newest
-``_CHUNKS_KEPT`` chunks per job and daemon are kept), where ``varunactl logs`` reads them. A line
-saying a checkpoint was skipped (trainer.checkpoint.store) is also logged here and kept as a note.
+``[member e<epoch> r<rank>]`` and writes it in chunks of at most ``_CHUNK`` bytes under the job's
+log keys, where ``varunactl logs`` reads them. The newest ``_KEPT_BYTES`` per job and daemon are
+kept; once older chunks go, a marker first in the listing (sequence 0) says how much and where the
+whole logs are. A line saying a checkpoint was skipped (trainer.checkpoint.store) is also logged
+here and kept as a note.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ __all__ = ["LogShipper", "ShippedLog"]
 log = logging.getLogger(__name__)
 
 _CHUNK = 64 * 1024
-_CHUNKS_KEPT = 64
+# per job and daemon: at one chunk a tick, a count of chunks kept a busy job's last 30 s only
+_KEPT_BYTES = 4 << 20
+_CHUNKS_PER_CALL = 16   # per worker: a burst of output reaches etcd within a few ticks
 _REFUSAL = b"skipping checkpoint"  # what trainer.checkpoint.store logs for a checkpoint that does not verify
 
 
@@ -49,39 +53,57 @@ class LogShipper:
         self.store = store
         self.keys = keys
         self._seq = time.time_ns() // 1000
-        self._chunks: dict[str, list[str]] = {}  # job -> chunk keys this daemon wrote, oldest first
+        self._chunks: dict[str, list[tuple[str, int]]] = {}  # job -> (chunk key, bytes) written here, oldest first
+        self._dropped: dict[str, int] = {}   # job -> bytes of its oldest chunks deleted
         self._notes: dict[str, list[str]] = {}  # job -> checkpoint refusals its workers logged here
 
     async def ship(self, workers: Iterable[ShippedLog], timeout: float) -> None:
         for w in list(workers):
-            try:
-                with open(w.log_path, "rb") as f:
-                    f.seek(w.log_offset)
-                    data = f.read(_CHUNK)
-            except OSError:
-                continue
-            if not data:
-                continue
-            if not data.endswith(b"\n"):
-                # whole lines only: a line the worker is still writing would be shipped in two
-                # chunks, each prefixed ("... mb8[vm1 e34 r0] "). Its rest is shipped with it next
-                # time; a worker that has ended writes no more, and a line longer than a chunk
-                # goes as it is
-                if b"\n" in data:
-                    data = data[: data.rindex(b"\n") + 1]
-                elif len(data) < _CHUNK and w.alive:
-                    continue
-            await self._note_refusals(w, data, timeout)
-            prefix = f"[{self.name} e{w.epoch} r{w.rank}] ".encode()
-            text = b"".join(prefix + line for line in data.splitlines(keepends=True))
-            self._seq = max(self._seq + 1, time.time_ns() // 1000)
-            key = self.keys.log_chunk(w.job, self.name, self._seq)
-            await self.store.put(key, text, timeout=timeout)
-            w.log_offset += len(data)
-            chunks = self._chunks.setdefault(w.job, [])
-            chunks.append(key)
-            while len(chunks) > _CHUNKS_KEPT:
-                await self.store.delete(chunks.pop(0), timeout=timeout)
+            for _ in range(_CHUNKS_PER_CALL):
+                if not await self._ship_chunk(w, timeout):
+                    break
+
+    async def _ship_chunk(self, w: ShippedLog, timeout: float) -> bool:
+        """Ship the next chunk of `w`'s log; False when there is none yet."""
+        try:
+            with open(w.log_path, "rb") as f:
+                f.seek(w.log_offset)
+                data = f.read(_CHUNK)
+        except OSError:
+            return False
+        if not data:
+            return False
+        if not data.endswith(b"\n"):
+            # whole lines only: a line the worker is still writing would be shipped in two
+            # chunks, each prefixed ("... mb8[vm1 e34 r0] "). Its rest is shipped with it next
+            # time; a worker that has ended writes no more, and a line longer than a chunk
+            # goes as it is
+            if b"\n" in data:
+                data = data[: data.rindex(b"\n") + 1]
+            elif len(data) < _CHUNK and w.alive:
+                return False
+        await self._note_refusals(w, data, timeout)
+        prefix = f"[{self.name} e{w.epoch} r{w.rank}] ".encode()
+        text = b"".join(prefix + line for line in data.splitlines(keepends=True))
+        self._seq = max(self._seq + 1, time.time_ns() // 1000)
+        key = self.keys.log_chunk(w.job, self.name, self._seq)
+        await self.store.put(key, text, timeout=timeout)
+        w.log_offset += len(data)
+        chunks = self._chunks.setdefault(w.job, [])
+        chunks.append((key, len(text)))
+        dropped = 0
+        while sum(n for _, n in chunks) > _KEPT_BYTES:
+            old, n = chunks[0]
+            await self.store.delete(old, timeout=timeout)
+            chunks.pop(0)
+            dropped += n
+        if dropped:
+            self._dropped[w.job] = self._dropped.get(w.job, 0) + dropped
+            await self.store.put(self.keys.log_chunk(w.job, self.name, 0), (
+                f"[{self.name}] ({self._dropped[w.job]} bytes of earlier output dropped here: etcd keeps the last "
+                f"{_KEPT_BYTES >> 20} MiB of each daemon's; the whole logs are in {w.log_path.parent} on "
+                f"{self.name})\n").encode(), timeout=timeout)
+        return True
 
     async def _note_refusals(self, w: ShippedLog, data: bytes, timeout: float) -> None:
         """A worker that skipped a corrupt checkpoint (trainer.checkpoint.store: "skipping checkpoint N:
