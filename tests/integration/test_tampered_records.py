@@ -26,6 +26,11 @@ async def test_a_spec_overwritten_with_a_bad_value_after_submit_is_read_as_submi
         await store.put(keys.job("f1"), json.dumps(bad))
         entry = (await read_fleet(store, keys, timeout=5)).entry("f1")
         assert entry.spec == SPEC and entry.error is None   # the leader plans on, and fails nothing
+        # a valid but different spec written over it (a batch doubled mid-job) does not change the job
+        await store.put(keys.job("f1"), dataclasses.replace(SPEC, batch_size=16).encode())
+        entry = (await read_fleet(store, keys, timeout=5)).entry("f1")
+        assert entry.spec == SPEC and entry.error is None
+        assert (await ctl.job_status(store, keys, "f1"))["steps"] == SPEC.steps
         # a spec that was never valid is still refused, with the reason
         await store.put(keys.job("g1"), json.dumps({**bad, "job": "g1"}))
         entry = (await read_fleet(store, keys, timeout=5)).entry("g1")

@@ -60,26 +60,34 @@ class FleetSnapshot:
         return [self.members[n] for n in sorted(self.members) if self.members[n][0].usable_slots > 0]
 
 
-async def usable_spec(store: Store, kv: KeyValue, job: str, *, timeout: float) -> tuple[JobSpec, bytes]:
-    """The spec at `kv` (a jobs/<job> key) and its bytes; where that value is not valid but the key
-    was written again after submit, the spec as `varunactl submit` wrote it, read at the key's
-    creation. A spec is never rewritten, so such a value (a hand's, a broken tool's) must not fail
-    a job that was accepted. JobSpecError where neither is valid, or etcd compacted the first away."""
+async def usable_spec(store: Store, kv: KeyValue, job: str, *, timeout: float | None) -> tuple[JobSpec, bytes]:
+    """The spec at `kv` (a jobs/<job> key) and its bytes. A spec is never rewritten: where the key
+    was written again after submit (a hand's, a broken tool's), the spec as `varunactl submit`
+    wrote it, read at the key's creation, is the job's. An invalid value must not fail a job that
+    was accepted, and a valid but different one must not change it half-way (a probe's batch
+    doubled at step 7 trained the rest of the job on another batch, and said nothing). Only where
+    etcd compacted the first away is a later valid value used. JobSpecError where none is."""
     try:
-        return JobSpec.decode(kv.value, job=job), kv.value
+        now, error = JobSpec.decode(kv.value, job=job), None
     except JobSpecError as exc:
-        if kv.mod_revision == kv.create_revision:
-            raise
-        try:
-            first = await store.get(kv.key, revision=kv.create_revision, timeout=timeout)
-            spec = JobSpec.decode(first.value, job=job) if first is not None else None
-        except (StoreError, JobSpecError):
-            spec = None
-        if spec is None:
-            raise exc from None
+        now, error = None, exc
+    if kv.mod_revision == kv.create_revision:
+        if error is not None:
+            raise error
+        return now, kv.value
+    try:
+        first = await store.get(kv.key, revision=kv.create_revision, timeout=timeout)
+        spec = JobSpec.decode(first.value, job=job) if first is not None else None
+    except (StoreError, JobSpecError):
+        spec = None
+    if spec is None:
+        if error is not None:
+            raise error from None
+        return now, kv.value
+    if error is not None or first.value != kv.value:
         schemas.reject("job spec", f"{kv.key}@{kv.mod_revision}",
-                       f"{exc} (written after submit; the spec as submitted is used)")
-        return spec, first.value
+                       f"{error or 'a different spec'} (written after submit; the spec as submitted is used)")
+    return spec, first.value
 
 
 async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from varunad.control.fleet import read_newest, read_progress
+from varunad.control.fleet import read_newest, read_progress, usable_spec
 from varunad.control.jobs import JobSpec, JobSpecError, JobState
 from varunad.control.records import (
     Progress,
@@ -21,7 +21,7 @@ from varunad.control.records import (
     steps_trained_twice,
 )
 from varunad.store import schemas
-from varunad.store.contract import Store
+from varunad.store.contract import Store, StoreError
 from varunad.store.keys import Keys
 
 __all__ = ["memory_lines", "stage_memory",
@@ -95,9 +95,9 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
     # where the running epoch is, once it has reported: after a resume from an older checkpoint
     # it redoes steps an earlier epoch had reached, and says so rather than the highest step
     step = max(now or [s + 1 for s, _ in history] or [0])
-    try:
-        total = JobSpec.decode(spec_kv.value).steps
-    except JobSpecError:
+    try:   # the spec the fleet runs: as submitted, whatever was written over it since
+        total = (await usable_spec(store, spec_kv, job, timeout=None))[0].steps
+    except (JobSpecError, StoreError):
         total = None
     if state.state == "done" and total is not None:   # done means every step was trained
         step = max(step, total)
