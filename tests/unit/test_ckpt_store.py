@@ -9,6 +9,7 @@ import json
 import os
 import posixpath
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -158,16 +159,27 @@ def test_manifest_lists_every_file_and_meta(tmp_path):
     assert all(f["sha256"] == _sha(os.path.join(d, f["name"])) for f in doc["files"])
 
 
-def test_a_commit_removes_the_temporary_of_a_writer_that_died_mid_file(tmp_path):
+def test_a_commit_removes_the_temporary_of_a_writer_that_died_mid_file_and_not_a_live_ones(tmp_path):
+    """A live writer's temporary stays: two replicas saving one stage from memory write the same
+    file, and the commit that the other's copy completed deleted the one still being written (a
+    probe: its rename failed with "check that the store is mounted" on a healthy store)."""
     d = checkpoint_dir(str(tmp_path), 6)
     entries = [write_tensors(d, "layer_000.pt", {"w": torch.ones(3)})]
     dead = os.path.join(d, ".layer_001.pt.4242.0123abcd.tmp")   # as LocalStorage.open_atomic names one
     with open(dead, "wb") as f:
         f.write(b"half a file")
+    long_ago = time.time() - 600
+    os.utime(dead, (long_ago, long_ago))
     (tmp_path / "varuna_ckpt_6" / "notes.txt").write_text("the user's")   # not ours: stays
-    write_manifest(d, entries, {})
+
+    data = (tmp_path / "varuna_ckpt_6" / "layer_000.pt").read_bytes()
+    with storage.LocalStorage().open_atomic(os.path.join(d, "layer_000.pt")) as f:   # the other replica's copy, mid-file
+        f.write(data[:10])
+        write_manifest(d, entries, {})
+        f.write(data[10:])
     assert sorted(os.listdir(d)) == sorted([MANIFEST, "layer_000.pt", "notes.txt"])
     verify(d)
+    assert not os.path.exists(dead)
 
 
 def test_missing_manifest_is_incomplete_and_points_at_an_older_one(tmp_path):

@@ -14,6 +14,7 @@ import hashlib
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO, Protocol
@@ -99,6 +100,10 @@ class LocalStorage:
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
+
+    def idle_s(self, path: str) -> float:
+        """Seconds since `path` was last written (optional: the temporaries' sweep needs it)."""
+        return time.time() - os.stat(path).st_mtime
 
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)

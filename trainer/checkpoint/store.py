@@ -164,19 +164,29 @@ def _write_manifest_doc(storage: CheckpointStorage, ckpt_dir: str, doc: dict) ->
 _TEMPORARY = re.compile(r"\..+\.\d+\.[0-9a-f]{8}\.tmp")
 
 
+# A temporary nobody wrote for this long belongs to a writer that died mid-file.
+_DEAD_WRITER_S = 120.0
+
+
 def _sweep_temporaries(storage: CheckpointStorage, ckpt_dir: str) -> None:
-    """Remove the temporaries of writers that died mid-file (a worker killed while it saved):
-    every writer of this checkpoint has returned by its commit, so none is still in use, and a
-    committed checkpoint should hold only what its manifest lists."""
+    """Remove the temporaries of writers that died mid-file (a worker killed while it saved), so
+    that a committed checkpoint holds only what its manifest lists. Only those idle for
+    `_DEAD_WRITER_S`: a live writer may still hold one, as a replica saving the same stage from
+    memory does when the other replica's files completed the checkpoint first (its rename then
+    failed, "check that the store is mounted", on a healthy store). Kept where the storage cannot
+    say how long a file was idle."""
+    idle = getattr(storage, "idle_s", None)
     try:
-        names = storage.listdir(ckpt_dir)
+        names = storage.listdir(ckpt_dir) if idle is not None else []
     except OSError:
         return
     for name in names:
         if _TEMPORARY.fullmatch(name):
+            path = posixpath.join(ckpt_dir, name)
             with contextlib.suppress(OSError):
-                storage.remove(posixpath.join(ckpt_dir, name))
-                log.info("removed %s from %s: a writer died before it finished that file", name, ckpt_dir)
+                if idle(path) >= _DEAD_WRITER_S:
+                    storage.remove(path)
+                    log.info("removed %s from %s: a writer died before it finished that file", name, ckpt_dir)
 
 
 def write_manifest(
