@@ -143,3 +143,34 @@ async def test_a_stop_is_delivered_even_after_a_failed_send(tmp_path, monkeypatc
                 await task
         sup.close()
         ctx.term()
+
+
+async def test_a_stop_kills_a_calibration_run_at_once_and_asks_a_training_worker(tmp_path):
+    """A calibration run has nothing to save and never reads a stop: a daemon shutting down (a
+    preemption notice) waited the whole stop grace for it, and `varunactl down` had to SIGKILL
+    the daemon (a probe)."""
+    from varunad.node.supervisor import WorkerProcess
+
+    ctx = zmq.asyncio.Context()
+    sup = _supervisor(tmp_path, ctx)
+    procs = []
+    try:
+        for rank, profile in ((0, str(tmp_path / "cal.json")), (1, None)):
+            proc = await asyncio.create_subprocess_exec("sleep", "60", start_new_session=True)
+            procs.append(proc)
+            w = _running(sup, rank, f"t{rank}")
+            w.profile_path, w.proc = profile, WorkerProcess(proc)
+        assert sup.stop(None, None, checkpoint=True, reason="vm1 is shutting down") == 2
+        assert await asyncio.wait_for(procs[0].wait(), 5) == -9   # the calibration run: killed now
+        assert sup.workers[0].killed_by_daemon and procs[1].returncode is None
+        assert sup.workers[1].kill_task is not None   # the training worker: asked, killed after the grace
+    finally:
+        for w in sup.workers.values():
+            if w.kill_task is not None:
+                w.kill_task.cancel()
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        sup.close()
+        ctx.term()

@@ -39,11 +39,21 @@ class WorkerStopping:
         """Ask the workers (of ``job``/``epoch``, or all) to stop; SIGKILL those alive after the grace
         (by default stop_grace with a checkpoint, abort_grace without; 0 kills them now)."""
         targets = [w for w in self.alive() if (job is None or w.job == job) and (epoch is None or w.epoch <= epoch)]
+        calibrating = [w for w in targets if w.profile_path is not None]
+        if calibrating:
+            # a calibration run has nothing to save and ignores a stop: waited for, it held a
+            # preempted VM's daemon for the whole grace (a probe: `down` had to SIGKILL it)
+            for w in calibrating:
+                w.killed_by_daemon = True
+                if w.proc is not None:
+                    w.proc.kill_group()
+            log.info("%s: killed %d calibration run(s) (%s)", self.name, len(calibrating), reason)
+            targets = [w for w in targets if w.profile_path is None]
         if grace is None:
             grace = self.config.stop_grace if checkpoint else self.config.abort_grace
         if grace <= 0:
             self._rescue_or_kill(targets, reason)
-            return len(targets)
+            return len(targets) + len(calibrating)
         for w in targets:
             msg = StopWorkers(job=w.job, epoch=w.epoch, reason=str(reason)[:1000], checkpoint=checkpoint)
             w.stop_request = encode(msg)
@@ -59,7 +69,7 @@ class WorkerStopping:
         if targets:
             log.info("%s: asked %d worker(s) to stop (%s; checkpoint=%s, SIGKILL after %.0fs)", self.name,
                      len(targets), reason, checkpoint, grace)
-        return len(targets)
+        return len(targets) + len(calibrating)
 
     def _rescue_or_kill(self, targets: list[_SupervisedWorker], reason: str) -> None:
         """A broken epoch: a worker that trained a step may hold state newer than the store's, so it
