@@ -196,3 +196,34 @@ def test_a_closed_worker_ignores_the_rescue_signal_so_its_own_exit_status_stands
         assert signal.getsignal(RESCUE_SIGNAL) is mine
     finally:
         signal.signal(RESCUE_SIGNAL, before)
+
+
+def test_a_rescue_between_steps_saves_at_once_and_one_inside_a_step_waits_for_it():
+    """A script that evaluates or loads data between steps for longer than the daemon's abort
+    grace was SIGKILLed with its newer state unsaved: the rescue only set a flag for the next
+    step() (a probe: the job resumed from an older checkpoint, 3 steps redone, "the survivors
+    held no common step newer than it"). The signal, real, now saves between steps at once."""
+    import os
+    import signal
+
+    from trainer.engine.control import RESCUE_SIGNAL, ControlClient, StepAbandoned
+
+    before = signal.getsignal(RESCUE_SIGNAL)
+    client = ControlClient("tcp://127.0.0.1:9", job="j", epoch=1, rank=0)
+    saved = []
+    try:
+        client.idle_rescue = lambda: saved.append("saved")
+        client.in_step = True   # inside a step, where nothing is abandonable: the step acts on the flag
+        os.kill(os.getpid(), RESCUE_SIGNAL)
+        assert client.rescue_requested and saved == []
+        client.in_step = False   # between steps
+        os.kill(os.getpid(), RESCUE_SIGNAL)
+        assert saved == ["saved"] and client.idle_rescue is None   # once
+        os.kill(os.getpid(), RESCUE_SIGNAL)
+        assert saved == ["saved"]
+        client.abandonable = True   # mid-step compute: the step is abandoned, as before
+        with pytest.raises(StepAbandoned):
+            os.kill(os.getpid(), RESCUE_SIGNAL)
+    finally:
+        client.close()
+        signal.signal(RESCUE_SIGNAL, before)

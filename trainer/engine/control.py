@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import signal
+from collections.abc import Callable
 
 import zmq
 
@@ -68,6 +69,11 @@ class ControlClient:
         self.stop_requested = False
         self.rescue_requested = False
         self.abandonable = False   # set by the engine while the step holds nothing half-applied
+        # set by the engine once it holds a model: called on a rescue that comes between steps,
+        # where the state is whole (a script evaluating or loading data for longer than the
+        # daemon's abort grace was SIGKILLed with its newer state unsaved)
+        self.idle_rescue: Callable[[], None] | None = None
+        self.in_step = False
         self._sock = None
         if endpoint:
             self._sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -95,6 +101,9 @@ class ControlClient:
         if self.abandonable:
             self.abandonable = False   # raised once: the rescue itself must not be interrupted
             raise StepAbandoned("the daemon says this epoch is broken (a peer was lost)")
+        if not self.in_step and self.idle_rescue is not None:
+            rescue, self.idle_rescue = self.idle_rescue, None   # once: it must not be interrupted either
+            rescue()
 
     def _on_sigterm(self, signum, frame) -> None:
         log.warning("rank %d: SIGTERM: will checkpoint and stop at the next step boundary", self.rank)

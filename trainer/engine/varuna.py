@@ -261,11 +261,19 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
                 log.info("rank %d: resumed from checkpoint %d", self.rank, newest)
         self._held_since = self.iteration
         self._scheduler_steps = getattr(lr_scheduler, "last_epoch", None)
+        self.control.idle_rescue = self._rescue_if_asked
 
     def step(self, inputs: Mapping[str, torch.Tensor], clip_grad_max_norm: float | None = None
              ) -> tuple[float, bool]:
         """One optimizer step on the global mini-batch; `inputs` is this replica's shard: its share
         of the global batch (`shares`), or the even one of B / D examples, which works with any plan."""
+        self.control.in_step = True   # a rescue asked for meanwhile is this step's to act on
+        try:
+            return self._step(inputs, clip_grad_max_norm)
+        finally:
+            self.control.in_step = False
+
+    def _step(self, inputs: Mapping[str, torch.Tensor], clip_grad_max_norm: float | None) -> tuple[float, bool]:
         if self.optimizer is None:
             raise ConfigError("step() before set_optimizer()")
         if not isinstance(inputs, Mapping):
@@ -454,6 +462,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             self.channel.close()
             self.channel = None
         if getattr(self, "control", None) is not None:
+            self.control.idle_rescue = None
             self.control.close()
         # gloo's threads must be joined before the interpreter tears down, or C++ aborts
         # ("terminate called without an active exception") and the worker exits non-zero.
