@@ -47,7 +47,7 @@ def _unreachable(etcd: str, exc: Exception, timeout: float) -> CtlError:
     text = str(exc)
     why = ("connection refused" if "connection refused" in text.lower() else
            f"no answer within {timeout:g}s" if "deadline" in text.lower() or "timed out" in text.lower() else
-           text.splitlines()[0][:80] if text else type(exc).__name__)
+           text.splitlines()[0][:300] if text else type(exc).__name__)
     if why == "connection refused":
         return CtlError(f"cannot reach etcd at {etcd} ({why}): no ring is up here? start one with `varunactl up N`, "
                         f"or point --etcd HOST:PORT (or $VARUNAD_ETCD) at your fleet's etcd")
@@ -63,10 +63,12 @@ _TLS_FLAGS = {"ca_file": "--etcd-ca (VARUNAD_ETCD_CA)", "cert_file": "--etcd-cer
 _USER_FLAGS = "--etcd-user (VARUNAD_ETCD_USER) and VARUNAD_ETCD_PASSWORD"
 
 
-def _etcd_failed(etcd: str, exc: StoreError, timeout: float, options: dict[str, Any]) -> CtlError:
+def _etcd_failed(etcd: str, exc: StoreError, timeout: float, options: dict[str, Any], *,
+                 connected: bool = False) -> CtlError:
     """One line for a failed etcd request that names the option to fix: a TLS file that cannot be
     read, a TLS handshake etcd or we refused, a wrong user or password, a role without the key
-    root; anything else is "cannot reach" (:func:`_unreachable`)."""
+    root; anything else is "cannot reach" (:func:`_unreachable`). `connected`: etcd answered this
+    client before, so a closed connection is etcd going away, not a TLS port."""
     text = getattr(exc, "reason", str(exc))
     user = options.get("user")
     if isinstance(exc, StoreConfigError):
@@ -93,6 +95,9 @@ def _etcd_failed(etcd: str, exc: StoreError, timeout: float, options: dict[str, 
         if tls and ("TSI_" in text or "handshake" in text.lower() or "BAD_CERTIFICATE" in text):
             return CtlError(f"etcd at {etcd} refused the TLS handshake: it may want a client certificate; pass "
                             f"{_TLS_FLAGS['cert_file']} and {_TLS_FLAGS['key_file']}, signed by a CA etcd trusts")
+        if connected and "socket closed" in text.lower():
+            return CtlError(f"etcd at {etcd} closed the connection: was it stopped or restarted? (check the etcd "
+                            "process and its host, and try again)")
         if not tls and "socket closed" in text.lower():
             return CtlError(f"etcd at {etcd} closed a plaintext connection: it speaks TLS? pass "
                             f"{_TLS_FLAGS['ca_file']} (and {_TLS_FLAGS['cert_file']}, {_TLS_FLAGS['key_file']} if it "
@@ -117,7 +122,7 @@ def run(etcd: str, timeout: float, fn: Callable[[Store], Awaitable[int]], **opti
         try:
             return await fn(store)
         except StoreError as exc:
-            raise _etcd_failed(etcd, exc, timeout, options) from None
+            raise _etcd_failed(etcd, exc, timeout, options, connected=True) from None
         finally:
             await store.close()
 
@@ -321,6 +326,7 @@ async def logs(store: Store, keys: Keys, job: str, *, follow: bool, out: TextIO 
         return listing.revision
 
     revision = await catch_up()
+    unanswered = 0.0   # since when etcd has not answered (0: it answers)
     if not shown and not follow:
         # nothing on stdout is a log; a note on stderr says why there is none
         state = await read_state(store, keys, job)
@@ -330,6 +336,10 @@ async def logs(store: Store, keys: Keys, job: str, *, follow: bool, out: TextIO 
     try:
         while follow:
             try:
+                if unanswered:   # what came meanwhile, then watch again
+                    revision = await catch_up()
+                    print(f"etcd answers again after {time.monotonic() - unanswered:.0f}s", file=sys.stderr)
+                    unanswered = 0.0
                 async with store.watch_prefix(prefix, start_revision=revision + 1) as watch:
                     while True:
                         event = await watch.next(timeout=2.0)
@@ -345,6 +355,13 @@ async def logs(store: Store, keys: Keys, job: str, *, follow: bool, out: TextIO 
             except HistoryCompacted:
                 # etcd compacted what the watch was to replay: list again, write what is new
                 revision = await catch_up()
+            except StoreUnavailable as exc:
+                # the fleet rides through an etcd pause or restart, and so does a follower of it
+                if not unanswered:
+                    unanswered = time.monotonic()
+                    print(f"etcd does not answer ({str(exc).splitlines()[0][:200]}); still following "
+                          "(Ctrl-C to stop)", file=sys.stderr)
+                await asyncio.sleep(1.0)
     except KeyboardInterrupt:
         return 0
     return 0

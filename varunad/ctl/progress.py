@@ -215,17 +215,31 @@ async def watch(store, keys, job: str, out: TextIO = sys.stdout, *, interval: fl
     halfway) and return a line to print; on a terminal it goes above the bar."""
     from varunad.control.jobs import JobSpec
     from varunad.ctl import commands as ctl
+    from varunad.store.contract import StoreUnavailable
 
     kv = await store.get(keys.job(job))
     if kv is None:
         raise ctl.CtlError(f"no job named {job} (see `varunactl jobs`)")
     shown = start(job, JobSpec.decode(kv.value).steps, tty=out.isatty() if tty is None else tty)
     doc: dict[str, Any] = {}
+    unanswered = 0.0   # since when etcd has not answered (0: it answers)
     try:
         while doc.get("state") not in _TERMINAL:
-            if doc:
+            if doc or unanswered:
                 await asyncio.sleep(interval)
-            doc = await ctl.job_status(store, keys, job)
+            try:
+                doc = await ctl.job_status(store, keys, job)
+            except StoreUnavailable as exc:
+                # the fleet rides through an etcd pause or restart; so does whoever watches it
+                # (watch exited 1 after 5 s, the code of a failed job, while the job trained on)
+                if not unanswered:
+                    unanswered = time.monotonic()
+                    print(f"{_CLEAR if shown.tty else ''}etcd does not answer ({str(exc).splitlines()[0][:200]}); "
+                          "still watching (Ctrl-C to stop)", file=sys.stderr, flush=True)
+                continue
+            if unanswered:
+                print(f"etcd answers again after {time.monotonic() - unanswered:.0f}s", file=sys.stderr, flush=True)
+                unanswered = 0.0
             shown, text = advance(shown, doc, time.monotonic())
             note = await on_status(doc) if on_status else None
             if note:
