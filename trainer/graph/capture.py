@@ -34,6 +34,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from trainer.errors import ConfigError, PartitionError
 from trainer.graph import capture_cache
 from trainer.graph.cutpoint import CutPoint, capturing, cut_marker, is_marker, marker_name
+from trainer.graph.forward_effects import watching_forward
 from trainer.graph.host_random import watching_host_random
 from trainer.graph.keyed_random import key_random_ops
 from trainer.graph.written import batch_statistics
@@ -273,8 +274,9 @@ def _dynamic(inputs: Mapping[str, torch.Tensor], fixed: Mapping[str, object], *,
 def _export(model: nn.Module, inputs, fixed, blocks):
     hooks = [model.get_submodule(b).register_forward_hook(_mark_block_output(b)) for b in blocks]
     host: list[str] = []
+    effects: list[str] = []
     try:
-        with capturing(), watching_host_random(host):
+        with capturing(), watching_host_random(host), watching_forward(model, effects):
             try:
                 ep = torch.export.export(model, (), {**inputs, **fixed},
                                          dynamic_shapes=_dynamic(inputs, fixed, every_dim=True), strict=False)
@@ -287,6 +289,8 @@ def _export(model: nn.Module, inputs, fixed, blocks):
                 ep = torch.export.export(model, (), {**inputs, **fixed},
                                          dynamic_shapes=_dynamic(inputs, fixed, every_dim=False), strict=False)
         _warn_of_host_random(host)
+        for effect in dict.fromkeys(effects):
+            log.warning("capture: %s", effect)
         return ep
     except (PartitionError, ConfigError):
         raise

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["watching_host_random"]
+__all__ = ["watching_host_random", "user_line"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ _NUMPY = ("rand", "randn", "random", "random_sample", "randint", "uniform", "nor
           "permutation", "binomial", "poisson", "beta")
 
 
-def _user_line() -> str:
+def user_line() -> str:
     """file:line of the innermost frame of the user's code on the stack, or ""."""
     for f in reversed(traceback.extract_stack()[:-2]):
         if not f.filename.startswith((_TORCH_DIR, _HERE, "<")) and "/random.py" not in f.filename:
@@ -51,7 +51,7 @@ def watching_host_random(found: list[str]) -> Iterator[None]:
             return
 
         def watched(*args, **kwargs):
-            found.append(f"{label} at {_user_line() or 'an unknown place'}")
+            found.append(f"{label} at {user_line() or 'an unknown place'}")
             return original(*args, **kwargs)
 
         setattr(owner, name, watched)
