@@ -63,7 +63,8 @@ class Block(nn.Module):
 
 class HandGPT(nn.Module):
     """Position ids from the input's shape, CutPoints between blocks, and a head tied to the
-    embedding either as one Parameter (`tie="same"`) or as two named in shared_weights."""
+    embedding either as one Parameter (`tie="same"`) or as two named in shared_weights (which
+    also writes in place on each cut's output)."""
 
     def __init__(self, tie: str, d: int = 32, layers: int = 4, heads: int = 4) -> None:
         super().__init__()
@@ -72,6 +73,7 @@ class HandGPT(nn.Module):
         self.cuts = nn.ModuleList(CutPoint() for _ in range(layers - 1))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.writes_after_cut = tie == "two"
         if tie == "same":
             self.lm_head.weight = self.wte.weight
         else:
@@ -83,7 +85,11 @@ class HandGPT(nn.Module):
         pos = torch.arange(0, t, dtype=torch.long, device=input_ids.device).unsqueeze(0)
         x = self.wte(input_ids) + self.wpe(pos)
         for i, block in enumerate(self.blocks):
-            x = block(self.cuts[i - 1](x) if i else x)
+            if i:
+                x = self.cuts[i - 1](x)
+                if self.writes_after_cut:   # in place, on what a later stage receives (failed at P > 1)
+                    x[:, :1] *= 0.5
+            x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.view(b * t, -1), labels.view(-1))
 

@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from trainer.engine.comm import PeerChannel
 from trainer.engine.precision import Precision, autocast
@@ -20,7 +20,7 @@ from trainer.graph.evaluation import evaluation_module
 from trainer.graph.keyed_random import draws_unkeyed
 from trainer.graph.keyed_rng import Draws, drawing
 from trainer.graph.partition import ACTIVATION
-from trainer.graph.written import BufferSnapshot, written_buffers
+from trainer.graph.written import BufferSnapshot, writes_input, written_buffers
 from trainer.planning.schedule import Action, Kind
 
 __all__ = ["StageExecutor"]
@@ -51,6 +51,11 @@ class StageExecutor:
         # Buffers the forward writes (BatchNorm's statistics): a recompute must not write them a
         # second time, nor an evaluation at all.
         self._written = written_buffers(module)
+        # A stage that writes what it receives in place (`h.mul_(2)` after a CutPoint) gets a copy:
+        # the received tensor is a leaf autograd refuses to see written, and without grad (the
+        # forward of a stage that recomputes) the write reached the activation kept for the recompute.
+        self._copies_activation = takes_activation and isinstance(module, fx.GraphModule) and writes_input(
+            module, ACTIVATION)
         self._running = module
         self._evaluating: tuple[tuple[int, ...], nn.Module] | None = None   # (its tensors' ids, the module)
 
@@ -121,7 +126,7 @@ class StageExecutor:
             x = self._act[m]
             if grad and x.is_floating_point():
                 x = x.detach().requires_grad_(True)
-            kwargs[ACTIVATION] = x
+            kwargs[ACTIVATION] = x.clone() if self._copies_activation else x
         with torch.set_grad_enabled(grad), autocast(self.precision, self.device), drawing(self._draws[m]):
             out = self._running(**kwargs)
         return x, out

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 
-__all__ = ["written_buffers", "writes", "norm_in_training", "batch_statistics", "BufferSnapshot"]
+__all__ = ["written_buffers", "writes", "writes_input", "norm_in_training", "batch_statistics", "BufferSnapshot"]
 
 
 # Norm ops that update their running statistics (arguments 3 and 4) in place when argument 5
@@ -57,6 +57,35 @@ def writes(node: fx.Node) -> list[fx.Node]:
         if isinstance(value, fx.Node):
             out.append(value)
     return out
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether `node`'s result shares its first argument's storage without writing it (a slice,
+    a view, a transpose)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    out = schema.returns[0].alias_info if schema.returns else None
+    return first is not None and not first.is_write and out is not None
+
+
+def writes_input(gm: fx.GraphModule, name: str) -> bool:
+    """Whether `gm` writes its input `name` in place, or a view of it (`h.mul_(2)`, `h[:, 0] += 1`
+    on what a stage receives), or hands it to a region export keeps as one op (which may)."""
+    start = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == name), None)
+    if start is None:
+        return False
+    aliases, todo = {start}, [start]
+    while todo:
+        for user in todo.pop().users:
+            if isinstance(user.target, torch._ops.HigherOrderOperator) or any(a in aliases for a in writes(user)):
+                return True
+            if _is_view(user) and user.args[0] in aliases and user not in aliases:
+                aliases.add(user)
+                todo.append(user)
+    return False
 
 
 def _written(node: fx.Node) -> list[fx.Node]:
