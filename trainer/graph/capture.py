@@ -37,7 +37,7 @@ from trainer.graph.cutpoint import CutPoint, capturing, cut_marker, is_marker, m
 from trainer.graph.forward_effects import watching_forward
 from trainer.graph.host_random import watching_host_random
 from trainer.graph.keyed_random import key_random_ops
-from trainer.graph.written import batch_statistics
+from trainer.graph.written import batch_statistics, region_writes
 
 __all__ = ["TracedModel", "capture_model", "auto_blocks"]
 
@@ -420,6 +420,8 @@ def _to_graph_module(model: nn.Module, ep, *, from_model: bool = False):
                   and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
                   and n not in mutations]
     gm = fx.GraphModule(root, graph, class_name=f"Captured{type(model).__name__}")
+    # ... and those made in a region export keeps as one op (an EMA updated under torch.no_grad())
+    mutations += [n for n in gm.graph.nodes if not n.users and n not in mutations and region_writes(n)]
     return gm, tuple(users.values()), tuple(mutations)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 
-__all__ = ["written_buffers", "writes", "writes_input", "norm_in_training", "batch_statistics", "BufferSnapshot"]
+__all__ = ["written_buffers", "writes", "writes_input", "region_writes", "norm_in_training", "batch_statistics", "BufferSnapshot"]
 
 
 # Norm ops that update their running statistics (arguments 3 and 4) in place when argument 5
@@ -88,9 +88,33 @@ def writes_input(gm: fx.GraphModule, name: str) -> bool:
     return False
 
 
+def region_writes(node: fx.Node) -> list[fx.Node]:
+    """The operands that a region export keeps as one op (`torch.no_grad()` in forward becomes a
+    `wrap_with_set_grad_enabled` of a subgraph) writes in place: an EMA or a counter a model
+    updates under no_grad. Unseen, such an update was dropped from every stage (nothing reads
+    its result) or applied again by a recompute (an outside probe)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return []
+    owner = node.graph.owning_module
+    at = next((i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"
+               and isinstance(_attr(owner, a.target), fx.GraphModule)), None)
+    if at is None:
+        return []
+    sub = _attr(owner, node.args[at].target)
+    inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    return [arg for arg, ph in zip(node.args[at + 1:], inputs) if isinstance(arg, fx.Node)
+            and writes_input(sub, ph.target)]
+
+
+def _attr(owner: object, target: str) -> object:
+    for part in target.split("."):
+        owner = getattr(owner, part, None)
+    return owner
+
+
 def _written(node: fx.Node) -> list[fx.Node]:
     running = [a for a in node.args[3:5] if isinstance(a, fx.Node)] if norm_in_training(node) else []
-    return running + [a for a in writes(node) if a not in running]
+    return running + [a for a in writes(node) + region_writes(node) if a not in running]
 
 
 def written_buffers(module: nn.Module) -> tuple[str, ...]:
