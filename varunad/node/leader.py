@@ -275,7 +275,10 @@ class Leader(LeaderPlanning, LeaderPace):
             if not await self._wait_stopped(plan.stop_epoch):
                 log.warning("leader: workers of epoch %d did not all stop in time; planning without waiting",
                             plan.stop_epoch)
-            return await self._start(d.job, d.reason)
+            # why the epoch stopped is the stop plan's reason ("vm1 was lost ..."): a leader that
+            # took over mid-morph (etcd restarted) recorded the morph, and said for the rest of the
+            # job, "workers of epoch 10 still run on vm1"
+            return await self._start(d.job, plan.reason or d.reason)
         if d.action == "start":
             return await self._start(d.job, d.reason)
         if d.action == "consider":

@@ -244,8 +244,10 @@ class LeaderPlanning:
         morphs = state.morphs
         info = self.memory.morph.pop(job, None)
         if info is not None or state.epochs:
-            stopped = info or dict(reason=reason, from_shape="-", from_epoch=state.epoch, noticed_at=planned_at,
-                                   stopped_at=planned_at, checkpoint=False)
+            shape = state.plan or {}
+            stopped = info or dict(reason=reason, from_epoch=state.epoch, noticed_at=planned_at, stopped_at=planned_at,
+                                   checkpoint=False, from_shape=f"{shape['P']}x{shape['D']}"
+                                   if all(type(shape.get(k)) is int for k in "PD") else "-")
             morphs = morphs + (MorphEvent(**stopped, to_shape=doc.shape, to_epoch=epoch, planned_at=planned_at),)
             if not stopped.get("restart"):
                 self.metrics.morphs.inc()
