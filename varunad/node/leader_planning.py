@@ -259,6 +259,8 @@ class LeaderPlanning:
             now = f"running as {doc.shape} on {', '.join(doc.members)}, calibrated on {reason.split()[4]}"
         if info is not None and info.get("cause"):
             now = f"resumed as {doc.shape} on {', '.join(doc.members)} after {info['cause']}"
+        elif info is None and state.epochs:   # a morph this leader did not stop (it took over mid-way)
+            now = f"resumed as {doc.shape} on {', '.join(doc.members)}: {reason}"
         await self._put_state(state.but(state="running", change="", reason=now, epoch=epoch,
                                         epochs=state.epochs + (epoch,),
                                         plan={**describe(doc, epoch), **_report_facts(doc, planned, snap, slowdowns)},
