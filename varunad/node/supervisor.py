@@ -439,9 +439,12 @@ class Supervisor(WorkerStopping):
         await self.spares.fill(range(member.usable_slots), base,
                                script=self._spare_for[1] if self._spare_for is not None else None)
         if member.warming:   # a VM that just joined: the leader waits for this before taking it in
+            began = time.monotonic()
             if not await self.spares.wait_ready(_WARM_TIMEOUT):
-                log.warning("%s: spare workers not ready after %.0fs; telling the leader not to wait for them",
-                            self.name, _WARM_TIMEOUT)
+                # the wait ends early when the spares failed (their directory gone): say which
+                log.warning("%s: spare workers not ready after %.0fs (%s); telling the leader not to wait for them",
+                            self.name, time.monotonic() - began,
+                            "timed out" if time.monotonic() - began >= _WARM_TIMEOUT else "they failed to start")
             try:
                 await self.membership.update(dataclasses.replace(self.membership.member, warming=False))
             except StoreError as exc:   # the leader's own bound on the wait covers this
