@@ -101,3 +101,37 @@ def test_a_batch_of_a_size_the_model_fixes_is_refused_with_what_to_do():
         assert v.iteration == 2
     finally:
         v.close()
+
+
+class Branchy(TinyLM):
+    """forward branches on the sequence length: the capture keeps the sample's branch."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(input_ids, labels)
+        return loss * 0.5 if input_ids.size(1) < 4 else loss
+
+
+def test_a_batch_outside_the_sizes_the_capture_traced_is_warned_of(caplog):
+    # the sample is 6 long: the branch not taken (8, the mask's whole length, would fix the length)
+    v = Varuna(Branchy(), {0: [0]}, lambda size, device: batch(size, device, seq=6), 8, 4)
+    try:
+        v.set_optimizer(torch.optim.SGD(v.parameters(), lr=0.0))
+        with caplog.at_level(logging.WARNING, logger="varuna"):
+            v.step(batch(8, seq=7))
+            v.step(batch(8, seq=3))
+            v.step(batch(8, seq=2))
+        said = [r.getMessage() for r in caplog.records if "outside the sizes" in r.getMessage()]
+        assert len(said) == 1 and "input_ids dimension 1: 3 < 4" in said[0], said   # once per input
+    finally:
+        v.close()
+
+
+def test_a_sample_one_long_says_that_the_capture_fixed_it():
+    v = Varuna(TinyLM(), {0: [0]}, lambda size, device: batch(size, device, seq=1), 8, 4)
+    try:
+        v.set_optimizer(torch.optim.SGD(v.parameters(), lr=0.1))
+        with pytest.raises(ConfigError, match=r"captured with \[batch, 1\]") as err:
+            v.step(batch(8, seq=5))
+        assert "a size of 1 there, which the capture always fixes" in err.value.hint
+    finally:
+        v.close()

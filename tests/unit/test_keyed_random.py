@@ -303,3 +303,27 @@ def test_the_executor_keys_each_micro_batch_and_saves_no_generator_state():
     assert got == pytest.approx(want, rel=1e-5)
     for name, g in grads.items():
         torch.testing.assert_close(engine_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_plain_loops_reference_weighs_micro_batches_by_the_scripts_loss_count():
+    """keyed_model took no loss_count: a script's own counter, which Varuna(loss_count=) uses,
+    was left out, and train_step weighed micro-batches by examples (a probe: 2.0e-2 off)."""
+    from trainer.graph.reference import keyed_model, train_step
+
+    class TokenMean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            per_token = self.lin(x).pow(2).mean(-1)
+            return (per_token * mask).sum() / mask.sum()
+
+    torch.manual_seed(0)
+    model = TokenMean()
+    x, mask = torch.randn(4, 5, 4), torch.tensor([[1.0] * 5, [1.0] + [0.0] * 4, [1.0] * 3 + [0.0] * 2, [1.0] * 5])
+    whole = model(x, mask).item()
+    keyed = keyed_model(model, {"x": x[:2], "mask": mask[:2]}, loss_count=lambda m: m["mask"].sum())
+    assert train_step(keyed, {"x": x, "mask": mask}, 0, micro_batch_size=2) == pytest.approx(whole, rel=1e-6)
+    by_examples = keyed_model(model, {"x": x[:2], "mask": mask[:2]})
+    assert train_step(by_examples, {"x": x, "mask": mask}, 0, micro_batch_size=2) != pytest.approx(whole, rel=1e-3)

@@ -196,42 +196,75 @@ def shard_size(inputs: Mapping[str, torch.Tensor]) -> int:
     return next(iter(sizes.values()))
 
 
-def captured_shapes(gm) -> dict[str, tuple[int | None, ...]]:
-    """Each batch input's shape after the batch dimension as the capture fixed it (None where a
-    dimension stayed symbolic), from the graph's placeholders; empty where they carry none."""
+# A symbolic size's range as the capture traced it: (lowest, highest or None for no bound)
+Span = tuple[int, "int | None"]
+
+
+def _span(size) -> Span | None:
+    """The range torch.export recorded for a symbolic size (None: not a plain symbol of its own)."""
+    node = getattr(size, "node", None)
+    expr = getattr(node, "expr", None)
+    ranges = getattr(getattr(node, "shape_env", None), "var_to_range", {})
+    vr = ranges.get(expr) if expr is not None and expr.is_Symbol else None
+    if vr is None:
+        return None
+    return (_bound(vr.lower) or 0, _bound(vr.upper))
+
+
+def _bound(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError, AttributeError):   # an infinity of sympy's or torch's
+        return None
+
+
+def captured_shapes(gm) -> dict[str, tuple[int | Span | None, ...]]:
+    """Each batch input's shape after the batch dimension as the capture left it: an int where
+    it fixed the size, the range it traced a symbolic size for, None where neither is known;
+    from the graph's placeholders, empty where they carry none."""
     out = {}
     for node in gm.graph.nodes:
         val = node.meta.get("val") if node.op == "placeholder" else None
         if isinstance(val, torch.Tensor) and val.dim() > 0:
             # a size the capture fixed may be a SymInt that is a number: fixed all the same
-            out[node.target] = tuple(int(d) if is_concrete_int(d) else None for d in val.shape[1:])
+            out[node.target] = tuple(int(d) if is_concrete_int(d) else _span(d) for d in val.shape[1:])
     return out
 
 
-def check_shapes(inputs: Mapping[str, torch.Tensor], captured: Mapping[str, tuple[int | None, ...]],
-                 sample: Mapping[str, tuple[int, ...]]) -> list[str]:
+def check_shapes(inputs: Mapping[str, torch.Tensor], captured: Mapping[str, tuple[int | Span | None, ...]],
+                 sample: Mapping[str, tuple[int, ...]]) -> tuple[list[str], list[str]]:
     """ConfigError for a batch tensor whose shape after the batch dimension differs from the one
     the model was captured with where the model's code fixed it (a Linear over flattened tokens):
     the captured graph holds those sizes, and it would fail deep inside with an index error.
-    Returns what is larger than get_batch_fn's sample, by which the plan's memory was measured
-    ("input_ids dimension 1: 14 > 13"), for a warning."""
-    larger = []
+    Returns (what is larger than get_batch_fn's sample, by which the plan's memory was measured:
+    "input_ids dimension 1: 14 > 13"; what lies outside the range the capture traced a size for,
+    where forward may branch on it: "input_ids dimension 1: 4 < 8"), for warnings. Export's own
+    floor of 2 (it fixes sizes 0 and 1) is no branch of the model's."""
+    larger, outside = [], []
     for name, fixed in captured.items():
         t = inputs.get(name)
         if not isinstance(t, torch.Tensor):
             continue
         got = tuple(t.shape[1:])
-        if len(got) != len(fixed) or any(f is not None and f != g for f, g in zip(fixed, got)):
-            want = "[batch, " + ", ".join("*" if f is None else str(f) for f in fixed) + "]"
+        if len(got) != len(fixed) or any(type(f) is int and f != g for f, g in zip(fixed, got)):
+            want = "[batch, " + ", ".join(str(f) if type(f) is int else "*" for f in fixed) + "]"
+            one = any(type(f) is int and f == 1 and g != 1 for f, g in zip(fixed, got)) and \
+                any(w == 1 for w in sample.get(name, ()))
             raise ConfigError(
                 f"the batch's {name} has shape {list(t.shape)}, but the model was captured with {want}: "
                 "the model's code fixes the sizes shown as numbers (those shown as * may vary from batch "
                 "to batch)",
-                hint="pad every batch to those sizes (a tokenizer's padding='max_length' with max_length=), or "
-                     "compute them in forward from the input (x.size(1)) rather than from constants")
-        larger += [f"{name} dimension {d + 1}: {g} > {w}" for d, (g, w) in enumerate(zip(got, sample.get(name, got)))
-                   if g > w]
-    return larger
+                hint=("get_batch_fn's sample has a size of 1 there, which the capture always fixes: return a "
+                      "sample at least 2 long in every dimension" if one else
+                      "pad every batch to those sizes (a tokenizer's padding='max_length' with max_length=), or "
+                      "compute them in forward from the input (x.size(1)) rather than from constants"))
+        for d, (g, f, w) in enumerate(zip(got, fixed, sample.get(name, got))):
+            where = f"{name} dimension {d + 1}"
+            if g > w:
+                larger.append(f"{where}: {g} > {w}")
+            if type(f) is tuple and ((f[1] is not None and g > f[1]) or (g < f[0] and f[0] > 2)):
+                outside.append(f"{where}: {g} {'<' if g < f[0] else '>'} {f[0] if g < f[0] else f[1]}")
+    return larger, outside
 
 
 def uncompiled(model: nn.Module) -> nn.Module:

@@ -145,6 +145,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         # the sizes the plan's memory and time were measured at: a longer batch is warned of
         self._sample_shapes = {k: tuple(v.shape[1:]) for k, v in sample.items() if isinstance(v, torch.Tensor)}
         self._warned_larger = False
+        self._warned_outside: set[str] = set()
         traced = capture_model(model, sample, cache_dir=a.capture_cache)
         del sample
         log.info("rank %d: model %s in %.2f s", self.rank,
@@ -533,13 +534,23 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         if missing:
             raise ConfigError(f"the batch lacks {sorted(missing)}, which forward takes (it takes "
                               f"{', '.join(self.model_inputs)}; stage {self.stage} reads {sorted(missing)})")
-        larger = setup.check_shapes(wanted, self._shapes, self._sample_shapes)
+        # every captured input, not only this stage's: a batch one stage refused and another ran
+        # put the pipeline out of step (the next batch's activations met this one's labels)
+        larger, outside = setup.check_shapes(inputs, self._shapes, self._sample_shapes)
         if larger and not self._warned_larger:
             self._warned_larger = True
             log.warning("rank %d: step %d's batch is larger than get_batch_fn's sample (%s): the plan's memory "
                         "and step time were measured with the sample, so a worker may run out of memory; make "
                         "the sample as large as the largest batch (said once)", self.rank, self.iteration,
                         "; ".join(larger))
+        for where in outside:
+            if where.split(":")[0] not in self._warned_outside:
+                self._warned_outside.add(where.split(":")[0])
+                log.warning("rank %d: step %d's batch has %s, outside the sizes the captured model was traced "
+                            "for: forward took its branches for the sample's size (an `if x.size(1) < n:` is "
+                            "captured as the sample took it), so this batch may be computed differently from "
+                            "the plain model; give get_batch_fn a sample on the other side, or pad to it (said "
+                            "once per input)", self.rank, self.iteration, where)
         micro, sizes = [], []
         for start in range(0, shard, self.micro_batch_size):
             micro.append({k: v[start:start + self.micro_batch_size].to(self.device, non_blocking=True)

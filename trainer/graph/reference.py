@@ -23,17 +23,20 @@ from torch import fx, nn
 from trainer.errors import ConfigError
 from trainer.graph.capture import capture_model
 from trainer.graph.keyed_rng import keyed_randomness
-from trainer.graph.loss_weights import counter_for, counts, token_weights
+from trainer.graph.loss_weights import Counter, counter_for, counts, token_weights
 
 __all__ = ["keyed_model", "train_step", "keyed_randomness"]
 
 
-def keyed_model(model: nn.Module, sample: Mapping[str, torch.Tensor]) -> fx.GraphModule:
+def keyed_model(model: nn.Module, sample: Mapping[str, torch.Tensor], *,
+                loss_count: Counter | str | None = "auto") -> fx.GraphModule:
     """`model` captured as the engine captures it (on `sample`, a batch from get_batch_fn),
     random ops keyed; it trains the model's own parameters. Call it with the batch's tensors
-    by name inside `keyed_randomness(seed, step, example_offset)`."""
+    by name inside `keyed_randomness(seed, step, example_offset, examples=n)`. `loss_count`: as
+    given to `Varuna` (a script's own counter of the tokens its loss averages over)."""
     gm = capture_model(model, sample).graph_module
-    gm.varuna_loss_count = counter_for(model, "auto")   # what train_step weighs micro-batches by, as the engine does
+    # what train_step weighs micro-batches by, as the engine does
+    gm.varuna_loss_count = counter_for(model, loss_count)
     return gm
 
 
