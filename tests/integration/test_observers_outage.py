@@ -26,10 +26,10 @@ async def test_watch_and_logs_follow_wait_out_an_etcd_pause(etcd_fault, etcd_roo
         watched, logged = io.StringIO(), io.StringIO()
         watching = asyncio.create_task(progress.watch(store, keys, "w", watched, interval=0.2, tty=False))
         following = asyncio.create_task(ctl.logs(store, keys, "w", follow=True, out=logged))
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.5)
         etcd_fault.pause()
         try:
-            await asyncio.sleep(4.0)   # four request timeouts
+            await asyncio.sleep(3.0)   # three request timeouts
             assert not watching.done() and not following.done()
         finally:
             etcd_fault.resume()

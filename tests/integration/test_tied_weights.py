@@ -32,8 +32,8 @@ TIED = ("wte.weight", "lm_head.weight")
 # the head on the last, so from P = 2 on the tied copies live on different stages.
 CUTS = {1: None, 2: [2], 4: [1, 2, 3]}
 # Each launch trains both styles under each of its schedules (one process start per worker).
-LAUNCHES = {(1, 1): ["varuna"], (1, 2): ["varuna"], (2, 1): ["varuna"], (2, 2): ["varuna", "1f1b"],
-            (4, 1): ["varuna"]}
+# (1 x 1 and 4 x 1 are the model zoo's: its hand GPT ties its head both ways at every P x D.)
+LAUNCHES = {(1, 2): ["varuna"], (2, 1): ["varuna"], (2, 2): ["varuna", "1f1b"]}
 CONFIGS = [(stages, replicas, schedule) for (stages, replicas), schedules in LAUNCHES.items()
            for schedule in schedules]
 # The 2 x 2 run also checkpoints after step 3 (each tied copy on its own stage, in its own

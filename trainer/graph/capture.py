@@ -266,8 +266,11 @@ def _warn_of_hidden_markers(gm: fx.GraphModule) -> None:
 def _dynamic(inputs: Mapping[str, torch.Tensor], fixed: Mapping[str, object], *, every_dim: bool):
     """export's dynamic_shapes: the batch dimension, and with ``every_dim`` every other one too
     (AUTO: a size the model's code needs fixed, a Linear's features, is fixed and the rest stay
-    symbolic), so batches padded to their own longest sequence run on one capture."""
-    dims = {k: {d: torch.export.Dim.AUTO for d in range(v.dim() if every_dim else 1)} for k, v in inputs.items()}
+    symbolic), so batches padded to their own longest sequence run on one capture. An input of 4
+    or more dimensions (images, video) keeps its other sizes: symbolic heights and widths tripled
+    a ResNet's capture time for sizes a dataset seldom varies."""
+    dims = {k: {d: torch.export.Dim.AUTO for d in range(v.dim() if every_dim and v.dim() < 4 else 1)}
+            for k, v in inputs.items()}
     return {**dims, **dict.fromkeys(fixed)}
 
 
