@@ -20,6 +20,7 @@ throughput.png), and stops everything
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import sys
 import time
@@ -132,17 +133,20 @@ def save_metrics(ring: local.Ring) -> None:
     print(f"metrics: {out} (what each daemon's --metrics-port endpoint served at the end)", flush=True)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (a `timeout`, a kill, a closed terminal): stop the ring as Ctrl-C does.
-    Python's default for them ends the process without `finally`, and the ring trained on."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.code = 128 + signum
+_TERMINATED: list[int] = []   # the signal that ended the run, when it was SIGTERM or SIGHUP
 
 
 def _terminated(signum: int, frame: object) -> None:
-    raise _Terminated(signum)
+    """SIGTERM or SIGHUP (a `timeout`, a kill, a closed terminal) stops the ring as Ctrl-C does.
+    Python's default for them ends the process without `finally`, and the ring trained on; an
+    exception raised here, mid-way through the etcd client's calls, crashed the interpreter
+    ("corrupted double-linked list"). SIGINT is Ctrl-C's way: asyncio cancels its task."""
+    _TERMINATED.append(signum)
+    signal.raise_signal(signal.SIGINT)
+
+
+def _interrupted_code() -> int:
+    return 128 + _TERMINATED[0] if _TERMINATED else 130
 
 
 def _stop_ring(state_dir: Path | None) -> None:
@@ -164,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     except ctl.CtlError as exc:
         print(f"local_ring: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as exc:   # while the ring started: what did start stops
+    except (KeyboardInterrupt, asyncio.CancelledError):   # while the ring started: what did start stops
+        if not _TERMINATED and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            raise
         _stop_ring(args.dir)
-        return getattr(exc, "code", 130)
+        return _interrupted_code()
     try:
         ports = [f"{d.name}:{d.metrics_port}" for d in ring.daemons if d.metrics_port]
         print(f"etcd on {ring.etcd}; {len(ring.daemons)} daemons ({', '.join(d.name for d in ring.daemons)}); "
@@ -178,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         if doc["state"] == "done":
             report(ring)
         return 0 if doc["state"] == "done" else 1
-    except KeyboardInterrupt as exc:
-        return getattr(exc, "code", 130)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        # asyncio turns Ctrl-C into its task's cancellation: a signal that came as the task was
+        # being set up or torn down surfaces as the CancelledError itself
+        if not _TERMINATED and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            raise
+        return _interrupted_code()
     finally:
         _stop_ring(ring.dir)
 
