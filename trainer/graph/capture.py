@@ -35,7 +35,7 @@ from trainer.errors import ConfigError, PartitionError
 from trainer.graph import capture_cache
 from trainer.graph.cutpoint import CutPoint, capturing, cut_marker, is_marker, marker_name
 from trainer.graph.forward_effects import watching_forward
-from trainer.graph.host_random import watching_host_random
+from trainer.graph.host_random import innermost_user_frame, watching_host_random
 from trainer.graph.keyed_random import key_random_ops
 from trainer.graph.written import batch_statistics, region_writes
 
@@ -43,8 +43,6 @@ __all__ = ["TracedModel", "capture_model", "auto_blocks"]
 
 log = logging.getLogger("varuna")
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(frozen=True)
@@ -127,13 +125,7 @@ def _forward_inputs(model: nn.Module, sample: Mapping[str, object]) -> dict[str,
 
 def _user_frame(exc: BaseException) -> str:
     """file:line and code of the innermost frame of the user's code in the traceback."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_HERE)
-              and not f.filename.startswith("<")]
-    if not frames:
-        return ""
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno} `{(f.line or '').strip()}`"
+    return innermost_user_frame(traceback.extract_tb(exc.__traceback__))
 
 
 def _why(exc: BaseException) -> tuple[str, str]:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["watching_host_random", "user_line"]
+__all__ = ["watching_host_random", "user_line", "innermost_user_frame"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,12 +31,18 @@ _NUMPY = ("rand", "randn", "random", "random_sample", "randint", "uniform", "nor
           "permutation", "binomial", "poisson", "beta")
 
 
-def user_line() -> str:
-    """file:line of the innermost frame of the user's code on the stack, or ""."""
-    for f in reversed(traceback.extract_stack()[:-2]):
+def innermost_user_frame(frames: list[traceback.FrameSummary]) -> str:
+    """file:line and code of the innermost of `frames` in the user's code (not torch's, not this
+    package's, not the random module's), or ""."""
+    for f in reversed(frames):
         if not f.filename.startswith((_TORCH_DIR, _HERE, "<")) and "/random.py" not in f.filename:
             return f"{f.filename}:{f.lineno} `{(f.line or '').strip()}`"
     return ""
+
+
+def user_line() -> str:
+    """file:line of the innermost frame of the user's code on the stack, or ""."""
+    return innermost_user_frame(traceback.extract_stack()[:-2])
 
 
 @contextlib.contextmanager
