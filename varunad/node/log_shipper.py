@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -53,7 +54,8 @@ class LogShipper:
         self.store = store
         self.keys = keys
         self._seq = time.time_ns() // 1000
-        self._chunks: dict[str, list[tuple[str, int]]] = {}  # job -> (chunk key, bytes) written here, oldest first
+        self._chunks: dict[str, deque[tuple[str, int]]] = {}  # job -> (chunk key, bytes) written here, oldest first
+        self._kept: dict[str, int] = {}   # job -> bytes of its chunks in etcd (a small chunk a tick: many)
         self._dropped: dict[str, int] = {}   # job -> bytes of its oldest chunks deleted
         self._notes: dict[str, list[str]] = {}  # job -> checkpoint refusals its workers logged here
 
@@ -89,13 +91,15 @@ class LogShipper:
         key = self.keys.log_chunk(w.job, self.name, self._seq)
         await self.store.put(key, text, timeout=timeout)
         w.log_offset += len(data)
-        chunks = self._chunks.setdefault(w.job, [])
+        chunks = self._chunks.setdefault(w.job, deque())
         chunks.append((key, len(text)))
+        self._kept[w.job] = self._kept.get(w.job, 0) + len(text)
         dropped = 0
-        while sum(n for _, n in chunks) > _KEPT_BYTES:
+        while self._kept[w.job] > _KEPT_BYTES:
             old, n = chunks[0]
             await self.store.delete(old, timeout=timeout)
-            chunks.pop(0)
+            chunks.popleft()
+            self._kept[w.job] -= n
             dropped += n
         if dropped:
             self._dropped[w.job] = self._dropped.get(w.job, 0) + dropped
