@@ -319,3 +319,45 @@ def test_a_skip_across_automatic_cuts_says_nobody_placed_them_and_what_to_do():
     assert traced.auto
     with pytest.raises(PartitionError, match=r"placed automatically.*CutPoint\(\)s where one tensor.*\(P=1\)"):
         slice_stages(traced, [0])
+
+
+class _NanoBlock(nn.Module):
+    """A block as nanoGPT-style code writes it: the MLP is a four-long nn.Sequential."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(0.0))
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+class _NanoLM(nn.Module):
+    def __init__(self, d=8, layers=3, vocab=11):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(vocab, d),
+                                              h=nn.ModuleList(_NanoBlock(d) for _ in range(layers))))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        x = self.transformer.wte(idx)
+        for block in self.transformer.h:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_automatic_cuts_fall_between_the_blocks_not_inside_a_longer_mlp():
+    """A 3-layer model whose MLP is a 4-long Sequential was cut inside the first block's MLP."""
+    from trainer.graph.capture import auto_blocks
+
+    model = _NanoLM()
+    assert auto_blocks(model) == ("transformer.h.0", "transformer.h.1")
+    # an outer (body, head) pair offers one cut with nearly every weight on one side: the blocks win
+    wrapped = nn.Sequential(model, nn.Identity())
+    assert auto_blocks(wrapped) == ("0.transformer.h.0", "0.transformer.h.1")
+    idx = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(0))
+    batch = {"idx": idx, "targets": torch.roll(idx, -1, 1)}
+    traced = capture_model(model, batch)
+    assert traced.marker_names == ["transformer.h.0:out", "transformer.h.1:out"]
+    torch.testing.assert_close(run_slices(slice_stages(traced, [0, 1]), batch), model(**batch))

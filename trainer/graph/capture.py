@@ -63,12 +63,18 @@ class TracedModel:
 
 
 def auto_blocks(model: nn.Module) -> tuple[str, ...]:
-    """The blocks after which a model without CutPoints may be cut: all but the last of its
-    largest nn.Sequential/nn.ModuleList (by length, then parameters)."""
-    best, best_key = None, (1, 0)
+    """The blocks after which a model without CutPoints may be cut: all but the last child of the
+    nn.Sequential/nn.ModuleList that spreads the most parameters over its children.
+
+    A container is scored by the parameters outside its largest child, so a transformer's list of
+    blocks wins over the four-long Sequential inside each block's MLP (by length alone it would lose),
+    and over an outer (body, head) pair, which has one cut to offer and keeps nearly all the weights
+    on one side of it. Ties go to the longer container (more cuts), then the earlier one."""
+    best, best_key = None, (0, 1)
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.Sequential, nn.ModuleList)) and len(mod) >= 2:
-            key = (len(mod), sum(p.numel() for p in mod.parameters()))
+            sizes = [sum(p.numel() for p in child.parameters()) for child in mod]
+            key = (sum(sizes) - max(sizes), len(mod))
             if key > best_key:
                 best, best_key = name, key
     if best is None:
