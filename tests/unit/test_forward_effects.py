@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 
+from trainer.errors import ConfigError
 from trainer.graph.capture import capture_model
+from trainer.graph.partition import slice_stages
 
 
 class RoundThrough(torch.autograd.Function):
@@ -67,3 +70,29 @@ def test_models_that_keep_their_state_as_captured_get_no_such_warning(caplog):
 
     said = _warnings(Loss(), caplog)
     assert "autograd.Function" not in said and "forward changes" not in said and "replaces" not in said, said
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inp, self.block, self.reentrant = nn.Linear(4, 4), nn.Linear(4, 4), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.block, self.inp(x), use_reentrant=self.reentrant)
+        return h.pow(2).sum() + self.inp.weight.sum()
+
+
+def test_a_reentrant_checkpoint_is_refused_and_the_non_reentrant_one_trains_its_layers():
+    """The reentrant checkpoint was captured as a region without gradients: its layers got no
+    gradient (or backward failed with 'does not require grad'), with a warning about cut points."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match=r"use_reentrant=True at .*test_forward_effects.py.*use_reentrant=False"):
+        capture_model(Checkpointed(reentrant=True), {"x": x})
+    model = Checkpointed(reentrant=False)
+    stage = slice_stages(capture_model(model, {"x": x}), [])[0]
+    stage.module(x=x).backward()
+    got = model.block.weight.grad.clone()
+    model.zero_grad()
+    model(x).backward()
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got, model.block.weight.grad)

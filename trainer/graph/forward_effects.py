@@ -11,8 +11,9 @@
   (`self.ema.mul_(0.9).add_(...)`): the replacement never reaches the module's buffer.
 
 `watching_forward` records each of these, with the line of the user's code where it can, for
-the capture's warning. Torch's own Functions (the reentrant checkpoint's) are left out: their
-backward is their forward's gradient.
+the capture's warning. Torch's own Functions are left out: their backward is their forward's
+gradient. The reentrant checkpoint's is refused: it runs its function under no_grad, so the
+captured graph holds those layers without gradients.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from trainer.errors import ConfigError
 from trainer.graph.host_random import user_line
 
 __all__ = ["watching_forward"]
 
 _PLAIN = (bool, int, float, str)
+_REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 
 
 def _state(model: nn.Module) -> dict[tuple[str, str], object]:
@@ -51,6 +54,14 @@ def watching_forward(model: nn.Module, found: list[str]) -> Iterator[None]:
     original = function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
+        if cls is _REENTRANT_CHECKPOINT:
+            raise ConfigError(
+                f"torch.utils.checkpoint with use_reentrant=True at {user_line() or 'an unknown place'}: it runs its "
+                "function without gradients and differentiates it again in backward, which a captured graph "
+                "cannot do (the checkpointed layers would get no gradient)",
+                hint="pass use_reentrant=False to torch.utils.checkpoint (Hugging Face: "
+                     "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), "
+                     "or drop it: Varuna already recomputes each stage's activations in backward")
         if not cls.__module__.startswith(("torch.", "trainer.")):
             found.append(f"the custom autograd.Function {cls.__qualname__} at {user_line() or 'an unknown place'}: "
                          "the capture differentiates its forward, so its own backward never runs")
