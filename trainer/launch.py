@@ -125,6 +125,7 @@ def plan_assignments(
     device: str | None = None,
     checkpoint_every: int | None = None,
     checkpoint_tmpdir: str | None = None,
+    capture_cache: str | None = None,
 ) -> list[WorkerAssignment]:
     """One WorkerAssignment per rank (rank = replica * stages + stage), with fresh loopback ports.
     `recompute` is one flag per stage, as the daemon's planner sets them (None: the script's).
@@ -188,6 +189,7 @@ def plan_assignments(
             checkpoint_every=checkpoint_every,
             checkpoint_tmpdir=checkpoint_tmpdir,
             resume="latest" if store else None,
+            capture_cache=capture_cache,
         )
         for rank in range(world)
     ]
@@ -354,13 +356,17 @@ def launch(
     grace: float = 5.0,
     echo: bool = False,
     capture: bool = True,
+    capture_cache: str | os.PathLike[str] | None = None,
 ) -> LaunchResult:
     """Run `script` as stages x replicas workers and wait for them.
 
     `env` is added to every worker's environment (the assignment's variables win). `timeout`
     stops everything after that many seconds (return code 124). `grace` is how long stopped
     workers get between SIGTERM (or the forwarded signal) and SIGKILL. `echo` prints the
-    prefixed output as it comes; `capture` keeps it in the result. When called from the main
+    prefixed output as it comes; `capture` keeps it in the result. `capture_cache` is a directory
+    where workers keep the exported model and load it from (trainer.graph.capture_cache), as a
+    daemon's workers do: a script that builds Varuna again, or a later launch of the same script
+    and arguments, skips torch.export. When called from the main
     thread, SIGINT/SIGTERM are forwarded to the workers for the duration of the call.
     """
     script = os.fspath(script)
@@ -373,6 +379,7 @@ def launch(
         store=None if store is None else os.fspath(store), device=device,
         checkpoint_every=checkpoint_every,
         checkpoint_tmpdir=None if checkpoint_tmpdir is None else os.fspath(checkpoint_tmpdir),
+        capture_cache=None if capture_cache is None else os.fspath(capture_cache),
     )
     launcher = _Launcher(echo=echo, capture=capture, grace=grace)
     handlers = {}
@@ -450,6 +457,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-tmpdir", metavar="DIR",
                    help="write each periodic checkpoint to this local directory first and copy it to --store "
                         "in the background, while training goes on (it counts once rank 0 commits it)")
+    p.add_argument("--capture-cache", metavar="DIR",
+                   help="keep the exported model here and load it from here on the next launch of the same script, "
+                        "arguments and libraries, skipping torch.export (default: export every time)")
     p.add_argument("--job", default="local", help="job id (default: local)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: cores // (P*D))")
     p.add_argument("--device", choices=["cpu", "cuda"],
@@ -473,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             job=ns.job, schedule=ns.schedule, cuts=ns.cuts, shares=ns.shares, threads=ns.threads,
             trace_dir=ns.trace_dir, store=ns.store, device=ns.device, grace=ns.grace, echo=True, capture=False,
             checkpoint_every=ns.checkpoint_every, checkpoint_tmpdir=ns.checkpoint_tmpdir,
+            capture_cache=ns.capture_cache,
         )
     except ConfigError as exc:
         parser.error(str(exc))

@@ -29,7 +29,10 @@ def run(out: Path, stages: int, replicas: int, models: list[str], *args: str) ->
                     stages=stages, replicas=replicas, timeout=400,
                     # the plain loop runs on one thread: conv backward sums in an order set by the thread
                     # count, and the parameters BatchNorm normalises (ResNet's) amplify that to 1e-2
-                    threads=1)
+                    threads=1,
+                    # each worker trains every model in turn, GPT once per schedule: a capture kept
+                    # by the first run of a model is loaded by the next (as a daemon's next worker does)
+                    capture_cache=out.parent / "captures")
     assert result.ok, f"launch failed ({result.reason}):\n" + "\n".join(result.errors)
     return out
 
@@ -87,6 +90,9 @@ def test_zoo_matches_a_plain_loop(tmp_path, references, stages, replicas):
                 failures.append(f"{spec}: {pname} off by {err:.2e} relative")
                 break
     assert not failures, "\n".join(failures)
+    # one program per model whatever its schedule: every later run of a model trained on a loaded one
+    kept = list((tmp_path / "captures").glob("capture-*.pt2"))
+    assert len(kept) == len({spec.split("@")[0] for spec in specs}), sorted(p.name for p in kept)
 
 
 def test_hf_checkpoint_from_4x1_continues_in_1x2(tmp_path, references):
