@@ -469,10 +469,26 @@ def test_a_worker_that_fails_the_same_way_twice_fails_the_job(healthy):
     assert r.returncode == 0 and "failing on purpose" in r.stdout
 
 
-def test_cancel_stops_a_running_job(healthy):
+def test_values_a_hand_wrote_do_not_end_or_stall_a_running_job_and_cancel_stops_it(healthy):
+    """A probe's hand-written values each broke a running job: a "done" state ended it, a progress
+    record of step 1e9 restarted it as stuck, a history chunk of step 1e999 crashed `varunactl status`."""
     ring = healthy
     ring.submit("cancel-me", steps=500, script_args=SLEEP)
-    ring.wait_step("cancel-me", 1)
+    st = ring.wait_step("cancel-me", 1)
+    put = lambda key, value: ring.call(ring.store.put(key, value))   # noqa: E731
+    put(ring.keys.progress_of("cancel-me") + "zz", json.dumps({
+        "job": "cancel-me", "epoch": st["epoch"], "rank": 0, "step": 10**9, "loss": 1.0, "samples_per_s": 1.0,
+        "busy_fraction": 0.5}))
+    put(ring.keys.history_entry("cancel-me", st["epoch"], "d9", 0), '{"steps": [[1e999, 0.0]]}')
+    put(ring.keys.state("cancel-me"), json.dumps({"job": "cancel-me", "state": "done"}))
+    # the leader writes its own state back, and the job trains on in the same epoch
+    ring.poll(lambda: (s := ring.status("cancel-me"))["state"] == "running" and s["step"] >= st["step"] + 3,
+              timeout=60, what="cancel-me running on past the hand-written values")
+    assert "was changed by someone other than the leader" in ring.daemons[ring.leader()].log_text()
+    r = ring.varunactl("status", "cancel-me")
+    assert r.returncode == 0 and "of 500" in r.stdout, r.stdout + r.stderr
+    st2 = ring.status("cancel-me")
+    assert st2["epoch"] == st["epoch"] and st2["restarts"] == 0 and st2["step"] < 500, st2
     r = ring.varunactl("cancel", "cancel-me", "--wait", "30")
     assert r.returncode == 0 and "cancel-me is cancelled" in r.stdout, r.stdout + r.stderr
     st = ring.status("cancel-me")

@@ -83,3 +83,38 @@ async def test_a_submit_with_no_daemon_up_is_taken_and_says_that_it_waits(etcd, 
         await store.put(keys.members + "vm1", b"{}")
         assert await ctl.submit(store, keys, dataclasses.replace(SPEC, job="f2"), b"bundle", io.StringIO()) == 0
         assert "no daemon is up" not in capsys.readouterr().err
+
+
+async def test_a_state_changed_after_the_leaders_own_write_is_not_the_jobs(etcd, etcd_root):
+    """A hand-written "done" ended a running job (the probe's); now the leader's own value stands."""
+    keys = Keys(etcd_root)
+    async with EtcdStore(etcd.endpoint) as store:
+        await store.put(keys.job("f1"), SPEC.encode())
+        mine = JobState(job="f1", state="running", epoch=7, epochs=(7,))
+        revision = await store.put(keys.state("f1"), mine.encode())
+        snap = await read_fleet(store, keys, timeout=5, own_states={"f1": (revision, mine)})
+        assert snap.states["f1"] == mine and not snap.overwritten
+        await store.put(keys.state("f1"), JobState(job="f1", state="done").encode())
+        snap = await read_fleet(store, keys, timeout=5, own_states={"f1": (revision, mine)})
+        assert snap.states["f1"] == mine and snap.overwritten == {"f1"}
+        assert (await read_fleet(store, keys, timeout=5)).states["f1"].state == "done"   # a reader with no writes
+        await store.delete(keys.state("f1"))
+        snap = await read_fleet(store, keys, timeout=5, own_states={"f1": (revision, mine)})
+        assert snap.states["f1"] == mine and snap.overwritten == {"f1"}
+
+
+async def test_progress_and_links_kept_at_another_key_are_skipped(etcd, etcd_root):
+    from varunad.control.fleet import read_progress
+    from varunad.control.links import LinkMeasurement, read_links
+
+    keys = Keys(etcd_root)
+    async with EtcdStore(etcd.endpoint) as store:
+        record = Progress(job="f1", epoch=9, rank=0, step=3, loss=1.0, samples_per_s=1.0, busy_fraction=0.5)
+        await store.put(keys.progress_of("f1") + "0", record.encode())
+        await store.put(keys.progress_of("f1") + "zz", dataclasses.replace(record, step=10**9).encode())
+        assert await read_progress(store, keys, "f1") == [record]
+        link = LinkMeasurement(members=("vm1", "vm2"), hosts=("a", "b"), latency_s=1e-4, bandwidth_Bps=1e9,
+                               allreduce_latency_s=1e-3, allreduce_Bps=1e9)
+        await store.put(keys.link_pair("vm1", "vm2"), link.encode())
+        await store.put(keys.link_pairs + "x/y", dataclasses.replace(link, bandwidth_Bps=1.0).encode())
+        assert list((await read_links(store, keys, timeout=5)).values()) == [link]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 from support.decisions import BAD_PLANS
@@ -14,8 +15,9 @@ from support.fleet import make_member
 
 from varunad.cluster.membership import Member
 from varunad.control.jobs import JobSpecError, JobState
+from varunad.control.links import LinkMeasurement
 from varunad.control.plans import PlanDoc
-from varunad.control.records import Progress, WorkerReport
+from varunad.control.records import Progress, WorkerReport, decode_history
 from varunad.store import schemas
 
 # The values the chaos run wrote (issue 17, item 1), and more of the same kind.
@@ -50,6 +52,44 @@ def test_every_document_kind_checks_types():
     with pytest.raises(ValueError, match="'started_at': expected a number"):
         Member.decode(json.dumps(doc).encode())
     assert Member.decode(good.encode()) == good
+
+
+def _progress(**changes) -> bytes:
+    return json.dumps({"job": "j", "epoch": 1, "rank": 0, "step": 1, "loss": 1.0, "samples_per_s": 1.0,
+                       "busy_fraction": 0.5, **changes}).encode()
+
+
+@pytest.mark.parametrize("changes", [{"step": -1}, {"rank": -2}, {"busy_fraction": -5}, {"busy_fraction": 1.5},
+                                     {"samples_per_s": float("inf")}, {"compute_s": float("nan")},
+                                     {"peak_bytes": -1}])
+def test_progress_a_worker_cannot_report_is_refused(changes):
+    """A probe's hand-written record (busy -500%, infinite samples/s) was shown by status as it was."""
+    with pytest.raises(ValueError, match="progress out of range"):
+        Progress.decode(_progress(**changes))
+
+
+def test_progress_of_a_diverged_run_is_kept():
+    assert math.isnan(Progress.decode(_progress(loss=float("nan"))).loss)
+
+
+@pytest.mark.parametrize("steps", ['[[1e999, 0.0]]', '[[1.5, 0.0]]', '[["7", 0.0]]', '[[-1, 0.0]]', '[[1, "x"]]',
+                                   '[[1]]', '{"1": 0.0}'])
+def test_a_history_chunk_of_steps_no_worker_writes_is_a_value_error(steps):
+    """1e999 raised OverflowError, which crashed `varunactl status` and lost the job's report."""
+    with pytest.raises(ValueError, match="history is malformed"):
+        decode_history(f'{{"steps": {steps}}}'.encode())
+
+
+@pytest.mark.parametrize("changes", [{"latency_s": -1.0}, {"allreduce_latency_s": float("nan")},
+                                     {"bandwidth_Bps": float("inf")}, {"allreduce_Bps": 0.0},
+                                     {"members": ["a", "a"]}])
+def test_a_link_measurement_the_planner_cannot_use_is_refused(changes):
+    """A latency of -1 failed every plan in LinkCost: the leader restarted its loop once a second."""
+    good = {"members": ["a", "b"], "hosts": ["h1", "h2"], "latency_s": 1e-4, "bandwidth_Bps": 1e9,
+            "allreduce_latency_s": 1e-3, "allreduce_Bps": 1e9}
+    assert LinkMeasurement.decode(json.dumps(good).encode()).latency_s == 1e-4
+    with pytest.raises(ValueError):
+        LinkMeasurement.decode(json.dumps({**good, **changes}).encode())
 
 
 def test_good_documents_still_round_trip():

@@ -8,7 +8,7 @@ spec that is wrong fails that job; a garbled member or report is logged and left
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -51,6 +51,9 @@ class FleetSnapshot:
     cancels: frozenset[str]
     reports: dict[str, WorkerReport]
     notes: tuple[str, ...] = field(default=())
+    # jobs whose state key someone other than the reader changed after the reader's own newest
+    # write of it (read_fleet's `own_states`): `states` holds the reader's value, to write back
+    overwritten: frozenset[str] = field(default=frozenset())
 
     def entry(self, job: str) -> JobEntry | None:
         return next((e for e in self.jobs if e.job == job), None)
@@ -90,7 +93,14 @@ async def usable_spec(store: Store, kv: KeyValue, job: str, *, timeout: float | 
     return spec, first.value
 
 
-async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:
+async def read_fleet(store: Store, keys: Keys, *, timeout: float,
+                     own_states: Mapping[str, tuple[int, JobState]] | None = None) -> FleetSnapshot:
+    """Everything the leader decides from, read at once.
+
+    ``own_states``: job -> (revision, state) of the reader's own newest write of that job's state
+    in its term (the leader's). Only the leader writes states, so a key changed or deleted since
+    was a hand's or a tool's (a hand-written "done" ended a running job): it is reported, and the
+    leader's own value is the job's state, as a forged plan is not the plan (read_plan)."""
     notes: list[str] = []
     members = await _read_members(store, keys, timeout=timeout)
     plan, epoch = await read_plan(store, keys, timeout=timeout)
@@ -108,16 +118,25 @@ async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapsh
             jobs.append(JobEntry(job, None, str(exc), kv.create_revision))
     jobs.sort(key=lambda e: e.revision)
 
-    states = {}
+    states, overwritten = {}, set()
+    own_states = own_states or {}
     for kv in await store.get_prefix(keys.states, timeout=timeout):
         try:
             job = keys.state_job(kv.key)
         except ValueError as exc:
             schemas.reject("state", kv.key, exc)
             continue
+        if job in own_states and kv.mod_revision != own_states[job][0]:
+            schemas.reject("state", f"{kv.key}@{kv.mod_revision}",
+                           f"the leader last wrote it at revision {own_states[job][0]}: this value is not a leader's")
+            continue
         state, _ = await read_newest(store, kv.key, JobState.decode, "state", timeout=timeout, kv=kv)
         if state is not None:
             states[job] = state
+    for job, (_, mine) in own_states.items():
+        if job not in states:   # changed by a hand (above), or deleted
+            states[job] = mine
+            overwritten.add(job)
 
     cancels = set()
     for kv in await store.get_prefix(keys.cancels, timeout=timeout):
@@ -128,7 +147,7 @@ async def read_fleet(store: Store, keys: Keys, *, timeout: float) -> FleetSnapsh
 
     revision, reports = await _read_reports(store, keys, timeout=timeout)
     return FleetSnapshot(revision, members, plan, epoch, tuple(jobs), states, frozenset(cancels), reports,
-                         tuple(notes))
+                         tuple(notes), frozenset(overwritten))
 
 
 async def read_members_and_reports(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:
@@ -263,9 +282,13 @@ async def read_progress(store: Store, keys: Keys, job: str, *, timeout: float | 
     out = []
     for kv in await store.get_prefix(keys.progress_of(job), timeout=timeout):
         try:
-            out.append(schemas.decoded(kv.key, kv.value, Progress.decode))
-        except ValueError:
+            p = schemas.decoded(kv.key, kv.value, Progress.decode)
+            if kv.key != keys.progress_of(job) + str(p.rank):   # each rank's record at its own key
+                raise ValueError(f"rank {p.rank}'s progress is not kept here")
+        except ValueError as exc:
+            schemas.reject("progress", kv.key, exc)
             continue
+        out.append(p)
     return out
 
 

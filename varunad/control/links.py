@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -107,8 +108,15 @@ class LinkMeasurement:
 
     def __post_init__(self) -> None:
         _as_tuples(self, "members", "hosts", "started")
-        if self.bandwidth_Bps <= 0 or self.allreduce_Bps <= 0:
-            raise ValueError(f"a link measurement needs positive bandwidths: {self}")
+        if len(self.members) != 2 or self.members[0] == self.members[1]:
+            raise ValueError(f"a link measurement is between two members, not {list(self.members)}")
+        # a latency of -1 or a NaN bandwidth here made every plan fail in LinkCost: the leader
+        # restarted its loop once a second and no job started again
+        times = {"latency_s": self.latency_s, "allreduce_latency_s": self.allreduce_latency_s}
+        rates = {"bandwidth_Bps": self.bandwidth_Bps, "allreduce_Bps": self.allreduce_Bps}
+        if not all(math.isfinite(v) and v >= 0 for v in times.values()) or \
+                not all(math.isfinite(v) and v > 0 for v in rates.values()):
+            raise ValueError(f"a link measurement needs finite latencies >= 0 and bandwidths > 0: {times | rates}")
 
     def encode(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
@@ -169,8 +177,10 @@ async def read_links(store: Store, keys: Keys, *, timeout: float) -> dict[tuple[
     for kv in await store.get_prefix(keys.link_pairs, timeout=timeout):
         try:
             m = schemas.decoded(kv.key, kv.value, LinkMeasurement.decode)
+            if kv.key != keys.link_pair(*m.members):   # a pair is kept at its own key, nowhere else
+                raise ValueError(f"it measures {' and '.join(m.members)}, whose key is another")
         except ValueError as exc:
-            log.warning("ignoring link measurement %s: %s", kv.key, exc)
+            schemas.reject("link measurement", kv.key, exc)
             continue
         out[tuple(sorted(m.members))] = m
     return out

@@ -20,6 +20,7 @@ Outcomes of a worker: ``running``; ``done`` (exit 0); ``stopped`` (exit 75, aske
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -132,7 +133,16 @@ class Progress:
 
     @classmethod
     def decode(cls, data: bytes) -> Progress:
-        return schemas.decode(cls, data, "progress")
+        """A record as read from etcd, where a hand may have written it: the numbers a worker can
+        report, or ValueError (a step of 1e9 made the leader restart a healthy epoch as stuck, and
+        status print it). The loss may be anything: a diverged run's is NaN."""
+        p = schemas.decode(cls, data, "progress")
+        counts = {"epoch": p.epoch, "rank": p.rank, "step": p.step, "peak_bytes": p.peak_bytes}
+        rates = {"samples_per_s": p.samples_per_s, "compute_s": p.compute_s, "at": p.at}
+        if any(v < 0 for v in counts.values()) or not all(math.isfinite(v) and v >= 0 for v in rates.values()) \
+                or not 0.0 <= p.busy_fraction <= 1.0:
+            raise ValueError(f"progress out of range: {counts | rates | {'busy_fraction': p.busy_fraction}}")
+        return p
 
 
 Span = tuple[float, float]   # wall-clock seconds of an epoch's first and newest reported step
@@ -150,10 +160,14 @@ def decode_history(data: bytes) -> tuple[list[tuple[int, float]], Span | None]:
     doc = schemas.load_json(data)
     if not isinstance(doc, dict):
         raise ValueError("history is not a JSON object")
-    try:
-        pairs = [(int(s), float(v)) for s, v in doc.get("steps", [])]
-    except TypeError as exc:
-        raise ValueError(f"history is malformed: {exc}") from None
+    steps = doc.get("steps", [])
+    # steps as written (whole numbers from 0): a float step was cut, and 1e999 raised OverflowError,
+    # which crashed `varunactl status` and lost the job's report
+    if not isinstance(steps, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0
+            and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool) for pair in steps):
+        raise ValueError("history is malformed: its steps are not [[step, loss], ...] with whole steps >= 0")
+    pairs = [(s, float(v)) for s, v in steps]
     span = doc.get("span")
     if span is None:
         return pairs, None

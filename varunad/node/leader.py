@@ -92,6 +92,9 @@ class Leader(LeaderPlanning, LeaderPace):
         self._last_sentence = ""
         self._unreadable_since: float | None = None   # when reading the fleet began to fail (one warning per outage)
         self._reports: set[asyncio.Task[None]] = set()  # end-of-job reports being written
+        # job -> (revision, state) of this term's newest write of its state: a later value is not a
+        # leader's (read_fleet), and this one is written back
+        self._own_states: dict[str, tuple[int, JobState]] = {}
         self._ahead: asyncio.Task[None] | None = None   # the next epoch planned while the old one stops
         self._ahead_for: tuple[str, frozenset[str] | None] | None = None   # (job, the members it planned on)
         self.speeds = SlotSpeeds(threshold=config.straggler_threshold, window=config.straggler_window,
@@ -162,7 +165,7 @@ class Leader(LeaderPlanning, LeaderPace):
             raise _Deposed("this daemon no longer leads")
         self.metrics.leader_cycles.inc()
         try:
-            snap = await read_fleet(self.store, self.keys, timeout=self.t)
+            snap = await read_fleet(self.store, self.keys, timeout=self.t, own_states=self._own_states)
         except StoreError as exc:
             first = self._unreadable_since is None
             self._unreadable_since = self._unreadable_since or self.clock()
@@ -173,6 +176,7 @@ class Leader(LeaderPlanning, LeaderPace):
         if self._unreadable_since is not None:
             log.warning("leader: etcd answers again after %.1fs", self.clock() - self._unreadable_since)
             self._unreadable_since = None
+        await self._restore_states(snap)
         await self._survey_links(snap)
         now = self.clock()
         if snap.plan is not None and snap.plan.kind in ("run", "profile"):
@@ -288,11 +292,34 @@ class Leader(LeaderPlanning, LeaderPace):
     # -- job state ----------------------------------------------------------------------------------------
 
     async def _state(self, job: str) -> JobState:
-        state, _ = await read_newest(self.store, self.keys.state(job), JobState.decode, "state", timeout=self.t)
+        state, revision = await read_newest(self.store, self.keys.state(job), JobState.decode, "state",
+                                            timeout=self.t)
+        mine = self._own_states.get(job)
+        if mine is not None and revision != mine[0]:   # changed by a hand since: read_fleet says so
+            return mine[1]
         return state if state is not None else JobState(job=job)
 
     async def _put_state(self, state: JobState) -> None:
-        await self.election.write_as_leader(self.keys.state(state.job), state.encode())
+        try:
+            revision = await self.election.write_as_leader(self.keys.state(state.job), state.encode())
+        except StoreError:
+            # written or not, etcd did not say: the next cycle takes what etcd holds
+            self._own_states.pop(state.job, None)
+            raise
+        self._own_states[state.job] = (revision, state)
+
+    async def _restore_states(self, snap: FleetSnapshot) -> None:
+        """Write back this term's states that a hand or a tool changed or deleted since (read_fleet):
+        the job went on as the leader's state says, and status says so again."""
+        for job in sorted(snap.overwritten):
+            log.warning("leader: state/%s was changed by someone other than the leader; writing back the "
+                        "leader's (%s)", job, snap.states[job].state)
+            try:
+                await self._put_state(snap.states[job])
+            except NotLeader as exc:
+                raise _Deposed(str(exc)) from None
+            except StoreError as exc:
+                log.warning("leader: could not write back state/%s (%s); will try again", job, exc)
 
     async def _finish(self, snap: FleetSnapshot, job: str, outcome: str, reason: str, *, error: str | None = None) -> None:
         if self._ahead_for is not None and self._ahead_for[0] == job:   # no next epoch to plan ahead
