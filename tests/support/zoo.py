@@ -91,7 +91,8 @@ class HandGPT(nn.Module):
                     x[:, :1] *= 0.5
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(b * t, -1), labels.view(-1))
+        # nanoGPT's loss: targets padded with -1 past each row's end are no tokens of the mean
+        return F.cross_entropy(logits.view(b * t, -1), labels.view(-1), ignore_index=-1)
 
 
 def build(name: str) -> nn.Module:
@@ -139,8 +140,11 @@ def global_batch(name: str, step: int, size: int = BATCH) -> dict[str, torch.Ten
         # padded to the batch's longest, as a collator pads: the length changes from step to step
         longest = int(end.max())
         return {"input_ids": x[:, :longest], "labels": torch.where((at >= prompt) & (at < end), x, -100)[:, :longest]}
+    if name in GPT:   # next-token targets, padded with -1 past each row's end (4 to SEQ tokens)
+        ends = torch.randint(4, SEQ + 1, (size, 1), generator=g)
+        return {"input_ids": x, "labels": torch.where(torch.arange(SEQ) < ends, torch.roll(x, -1, 1), -1)}
     # labels everywhere (no -100): every micro-batch's mean is over the same number of tokens
-    return {"input_ids": x, "labels": torch.roll(x, -1, 1) if name in GPT else x}
+    return {"input_ids": x, "labels": x}
 
 
 def sample_batch_fn(name: str):
@@ -156,7 +160,7 @@ def optimizer(params, name: str = "") -> torch.optim.Optimizer:
 def reference(name: str, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The plain loop: micro-batches of CHUNK consecutive examples (BatchNorm sees what each
     stage sees), gradients accumulated, one optimizer step per global batch; for a loss averaged
-    over tokens (TOKEN_MEAN), the whole global batch at once."""
+    over tokens (TOKEN_MEAN, and the hand GPTs' padded targets), the whole global batch at once."""
     model = build(name)
     model.train()
     opt = optimizer(model.parameters(), name)
@@ -164,11 +168,13 @@ def reference(name: str, steps: int = STEPS) -> tuple[list[float], dict[str, tor
     for step in range(steps):
         opt.zero_grad()
         batch, total = global_batch(name, step), 0.0
-        if name in TOKEN_MEAN:   # the global batch's token mean, as one process computes it
-            loss = model(**batch).loss
+        whole = name in TOKEN_MEAN or name in GPT
+        if whole:   # the global batch's token mean, as one process computes it
+            out = model(**batch)
+            loss = getattr(out, "loss", out)
             loss.backward()
             total = loss.item()
-        for start in range(0, BATCH, CHUNK) if name not in TOKEN_MEAN else ():
+        for start in range(0, BATCH, CHUNK) if not whole else ():
             out = model(**{k: v[start:start + CHUNK] for k, v in batch.items()})
             loss = getattr(out, "loss", out) * (CHUNK / BATCH)
             loss.backward()

@@ -3,11 +3,13 @@ full-batch loop is the zoo's gpt2_sft in tests/integration/test_model_zoo.py."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from support import zoo
 from torch import nn
 
 from trainer import keyed_model, train_step
 from trainer.errors import ConfigError
+from trainer.graph.capture import capture_model
 from trainer.graph.loss_weights import counter_for, counts, token_weights
 
 
@@ -93,3 +95,74 @@ def test_a_micro_batch_with_no_token_to_average_adds_nothing_not_nan():
     got = executor.run(actions, micro, token_weights(counted, sum(counted)))
     assert got == pytest.approx(want, rel=1e-5)
     assert all(torch.isfinite(p.grad).all() for p in keyed.parameters() if p.grad is not None)
+
+
+class _Tokens(nn.Module):
+    """A language model's loss as scripts write it, in several forms."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.emb, self.head, self.form = nn.Embedding(11, 8), nn.Linear(8, 11), form
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(idx)).flatten(0, 1)
+        flat = targets.flatten()
+        if self.form == "ignore":
+            return F.cross_entropy(logits, flat, ignore_index=-1) * 2.0
+        if self.form == "sum":
+            return F.cross_entropy(logits, flat.clamp(min=0), reduction="sum")
+        if self.form == "nll":
+            return F.nll_loss(F.log_softmax(logits, -1), flat, ignore_index=-1)
+        if self.form == "none":
+            return F.cross_entropy(logits, flat, ignore_index=-1, reduction="none").mean()
+        if self.form == "weighted":
+            return F.cross_entropy(logits, flat, weight=torch.ones(11), ignore_index=-1)
+        return F.cross_entropy(logits, flat, ignore_index=-1) + 1e-3 * self.head.weight.pow(2).sum()   # "aux"
+
+
+def _padded(n=8):
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 11, (n, 6), generator=g)
+    ends = torch.randint(1, 7, (n, 1), generator=g)
+    return {"idx": idx, "targets": torch.where(torch.arange(6) < ends, torch.roll(idx, -1, 1), -1)}
+
+
+@pytest.mark.parametrize("form", ["ignore", "sum", "nll"])
+def test_a_scripts_own_token_loss_is_read_from_its_graph_and_trains_as_the_full_batch(form):
+    """A hand-written GPT padding its targets with -1 was weighed by examples (a probe: 2.6e-2 off
+    the plain loop at 2x2), and a summed loss came out a quarter of the batch's in micro-batches
+    of 2 of 8, with its gradients a quarter too."""
+    batch = _padded()
+    model = _Tokens(form)
+    model(**batch).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    want_loss = model(**batch).detach().item()
+    keyed = keyed_model(model, {k: v[:2] for k, v in batch.items()})
+    assert keyed.varuna_loss_count is not None
+    for size in (1, 2, 3):
+        model.zero_grad()
+        assert train_step(keyed, batch, 0, micro_batch_size=size) == pytest.approx(want_loss, rel=1e-5)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["none", "weighted", "aux"])
+def test_a_loss_the_graph_does_not_show_as_one_token_mean_stays_weighed_by_examples(form):
+    keyed = keyed_model(_Tokens(form), {k: v[:2] for k, v in _padded().items()})
+    assert keyed.varuna_loss_count is None
+
+
+def test_a_wrapped_hugging_face_lm_is_counted_from_its_graph_as_its_own_loss_counts():
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.lm = inner
+
+        def forward(self, input_ids, labels):
+            return self.lm(input_ids=input_ids, labels=labels).loss
+
+    labels = torch.tensor([[5, 6, -100, -100], [-100, 7, 8, 9]])
+    micro = {"input_ids": labels.clamp(min=0), "labels": labels}
+    model = Wrapper(_hf("causal"))
+    counter = counter_for(model, "auto", capture_model(model, micro).graph_module)
+    assert int(counter(micro)) == 4   # shifted by one, as its own loss function counts

@@ -92,8 +92,9 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
                  loss_count: loss_weights.Counter | str | None = "auto") -> None:
         model = setup.uncompiled(model)
         self.assignment = assignment or setup.assignment_for(stage_to_rank_map)
-        # what a micro-batch's loss weighs: its examples, or the tokens its loss averages (trainer.graph.loss_weights)
-        self._counter = loss_weights.counter_for(model, loss_count)
+        # what a micro-batch's loss weighs: its examples, or the tokens its loss averages (trainer.graph.loss_weights);
+        # "auto" reads the captured graph's loss, below
+        self._counter = loss_weights.counter_for(model, loss_count) if loss_count != "auto" else None
         a = self.assignment
         if a.profile:
             # the whole model passes through host memory while it is calibrated
@@ -150,6 +151,8 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         del sample
         log.info("rank %d: model %s in %.2f s", self.rank,
                  "loaded from the capture cache" if traced.reused else "captured", time.perf_counter() - started)
+        if loss_count == "auto":
+            self._counter = loss_weights.counter_for(model, loss_count, traced.graph_module)
         cuts = self._agree_on_cuts(traced, get_batch_fn)
         slices = slice_stages(traced, cuts)
         aliases = setup.aliases(model, traced.canonical)
@@ -562,15 +565,16 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         """The micro-batches' weights: `weights` (by examples), or on the last stage, where a counter
         counts the tokens each loss averages, by tokens over the global batch's, which the stage's
         replicas add up (only the last stage weighs its losses; the others back-propagate them)."""
-        if self._counter is None or self.stage != self.plan.P - 1:
+        if self.stage != self.plan.P - 1:
             return weights
-        counted = loss_weights.counts(self._counter, micro)
-        if counted is None:
-            return weights
-        total = torch.tensor([float(sum(counted))], dtype=torch.float64)
-        if self.plan.D > 1:
-            dist.all_reduce(total, group=self.stage_group)
-        return loss_weights.token_weights(counted, int(total[0]))
+
+        def global_count(mine: int) -> int:
+            total = torch.tensor([float(mine)], dtype=torch.float64)
+            if self.plan.D > 1:
+                dist.all_reduce(total, group=self.stage_group)
+            return int(total[0])
+
+        return loss_weights.step_weights(self._counter, micro, weights, global_count)
 
     def _this_share(self, wanted: dict[str, torch.Tensor], shard: int) -> tuple[dict[str, torch.Tensor], int]:
         """This replica's examples of the step's global batch, from the `shard` of them the script

@@ -23,7 +23,7 @@ from torch import fx, nn
 from trainer.errors import ConfigError
 from trainer.graph.capture import capture_model
 from trainer.graph.keyed_rng import keyed_randomness
-from trainer.graph.loss_weights import Counter, counter_for, counts, token_weights
+from trainer.graph.loss_weights import Counter, counter_for, step_weights
 
 __all__ = ["keyed_model", "train_step", "keyed_randomness"]
 
@@ -36,7 +36,7 @@ def keyed_model(model: nn.Module, sample: Mapping[str, torch.Tensor], *,
     given to `Varuna` (a script's own counter of the tokens its loss averages over)."""
     gm = capture_model(model, sample).graph_module
     # what train_step weighs micro-batches by, as the engine does
-    gm.varuna_loss_count = counter_for(model, loss_count)
+    gm.varuna_loss_count = counter_for(model, loss_count, gm)
     return gm
 
 
@@ -54,10 +54,8 @@ def train_step(keyed: fx.GraphModule, batch: Mapping[str, torch.Tensor], step: i
     size = micro_batch_size or total
     micro = [{k: v[start:start + size] for k, v in batch.items()} for start in range(0, total, size)]
     weights = [min(size, total - start) / total for start in range(0, total, size)]
-    counter = getattr(keyed, "varuna_loss_count", None)
-    counted = counts(counter, micro) if counter is not None else None
-    if counted is not None:   # a loss averaged over tokens: each micro-batch weighs its tokens
-        weights = token_weights(counted, sum(counted))
+    # by examples, by the tokens a loss averages, or 1 each for a summed loss
+    weights = step_weights(getattr(keyed, "varuna_loss_count", None), micro, weights, lambda mine: mine)
     loss = 0.0
     for start, m, w in zip(range(0, total, size), micro, weights):
         if not w:   # no token its loss averages (0/0): no loss and no gradient, as in the full batch
