@@ -361,3 +361,20 @@ def test_automatic_cuts_fall_between_the_blocks_not_inside_a_longer_mlp():
     traced = capture_model(model, batch)
     assert traced.marker_names == ["transformer.h.0:out", "transformer.h.1:out"]
     torch.testing.assert_close(run_slices(slice_stages(traced, [0, 1]), batch), model(**batch))
+
+
+def test_the_users_model_after_its_other_stages_were_freed_says_so_when_called():
+    """nanoGPT's estimate_loss calls model(X, Y): at P > 1 it failed deep in a layer on the freed
+    tensors ("'weight' must be 2-D")."""
+    from trainer.engine.setup import free_other_stages
+
+    cfg = GPTConfig.preset("tiny")
+    model, batch = GPT(cfg, seed=0), gpt_batch(cfg)
+    traced = capture_model(model, batch)
+    everything = set(traced.canonical.values())
+    free_other_stages(model, traced.canonical, everything)   # P = 1: nothing freed, the model runs
+    model(**batch)
+    first = {name for name, _ in model.named_parameters() if name.startswith("wte")}
+    free_other_stages(model, traced.canonical, first)
+    with pytest.raises(ConfigError, match=r"split into pipeline stages.*varuna.evaluate"):
+        model(**batch)

@@ -157,11 +157,26 @@ def move_in_place(tensors, device: torch.device) -> None:
 
 def free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
     """Release the storage of tensors other stages own (per-stage memory ~ 1/P); the user's
-    model object keeps empty placeholders for them. Meta tensors have no storage to release."""
+    model object keeps empty placeholders for them, and calling it says so. Meta tensors have no
+    storage to release."""
+    freed = False
     for t in (*model.parameters(), *model.buffers()):
         if canonical.get(id(t)) not in keep and not t.is_meta:
             t.data = torch.empty(0, dtype=t.dtype)
+            freed = True
+    if freed:
+        model.register_forward_pre_hook(_freed_model_called)
     _return_freed_memory()
+
+
+def _freed_model_called(module: nn.Module, args) -> None:
+    # an evaluation or a sample written as `model(x)` failed in some layer on the empty tensors
+    # ("'weight' must be 2-D"), at P > 1 only
+    raise ConfigError(
+        f"this {type(module).__name__} was split into pipeline stages when Varuna took it: this worker holds "
+        "one stage's weights, and the model object the others' as empty placeholders, so it cannot run forward",
+        hint="evaluate through Varuna (varuna.evaluate(batch) runs the pipeline, in eval mode), and sample or "
+             "generate from a model loaded from a checkpoint (varunactl export)")
 
 
 def _return_freed_memory() -> None:
