@@ -64,9 +64,22 @@ def test_a_script_that_also_steps_the_scheduler_is_told_to_stop(tmp_path):
     try:
         v.step(normed_batch(8))
         sched.step()   # the habit of plain PyTorch loops: here it would skip a step of the schedule
-        with pytest.raises(ConfigError, match="stepped outside Varuna") as err:
+        with pytest.raises(ConfigError, match="last_epoch moved outside Varuna") as err:
             v.step(normed_batch(8))
         assert "remove the script's own scheduler.step()" in str(err.value.hint)
+    finally:
+        v.close()
+
+
+def test_a_scheduler_state_loaded_after_set_optimizer_is_named_with_where_to_load_it():
+    """A probe's resume loaded its own scheduler state after set_optimizer and was told to remove
+    a scheduler.step() it never called."""
+    v, opt, sched = _worker(_decay)
+    try:
+        sched.load_state_dict({**sched.state_dict(), "last_epoch": 3})
+        with pytest.raises(ConfigError, match=r"load_state_dict\(\) after set_optimizer") as err:
+            v.step(normed_batch(8))
+        assert "before set_optimizer" in str(err.value.hint)
     finally:
         v.close()
 

@@ -104,7 +104,9 @@ class StepAgreement:
         if sched is None or self._scheduler_steps is None:
             return
         if getattr(sched, "last_epoch", None) != self._scheduler_steps:
-            raise ConfigError(f"the learning-rate scheduler was stepped outside Varuna (last_epoch "
-                              f"{sched.last_epoch}, {self._scheduler_steps} expected)",
-                              hint="step() steps the scheduler given to set_optimizer: remove the script's "
-                                   "own scheduler.step()")
+            raise ConfigError(f"the learning-rate scheduler's last_epoch moved outside Varuna ({sched.last_epoch}, "
+                              f"{self._scheduler_steps} expected): a scheduler.step() of the script's own, or a "
+                              "scheduler.load_state_dict() after set_optimizer",
+                              hint="step() steps the scheduler given to set_optimizer: remove the script's own "
+                                   "scheduler.step(); load a saved scheduler state before set_optimizer (Varuna's "
+                                   "checkpoints keep it and restore it by themselves)")
