@@ -92,6 +92,14 @@ def test_a_link_measurement_the_planner_cannot_use_is_refused(changes):
         LinkMeasurement.decode(json.dumps({**good, **changes}).encode())
 
 
+@pytest.mark.parametrize("doc", [{"member": "a", "started_at": float("nan")},
+                                 {"member": "a", "workers": [{"rank": -1, "slot": 0}]},
+                                 {"member": "a", "workers": [{"rank": 0, "slot": 0, "started_at": float("inf")}]}])
+def test_a_worker_report_no_daemon_writes_is_refused(doc):
+    with pytest.raises(ValueError):
+        WorkerReport.decode(json.dumps(doc).encode())
+
+
 def test_good_documents_still_round_trip():
     for doc in (PlanDoc.idle("x"), PlanDoc.stop("j", 5, checkpoint=True, reason="r")):
         assert PlanDoc.decode(doc.encode()) == doc

@@ -64,6 +64,9 @@ class WorkerRecord:
             raise ValueError(f"worker outcome {self.outcome!r} is not one of {OUTCOMES}")
         if self.store_failing_since < -1:
             raise ValueError(f"store_failing_since is a step or -1, got {self.store_failing_since}")
+        if self.rank < 0 or self.slot < 0 or not math.isfinite(self.started_at):
+            raise ValueError(f"a worker's rank and slot are >= 0 and its start a time, got rank {self.rank}, "
+                             f"slot {self.slot}, started_at {self.started_at}")
 
     @property
     def store_failing(self) -> str:
@@ -89,6 +92,8 @@ class WorkerReport:
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(
             w if isinstance(w, WorkerRecord) else schemas.build(WorkerRecord, w) for w in self.workers))
+        if not (math.isfinite(self.first_step_at) and math.isfinite(self.started_at)):
+            raise ValueError(f"a worker report's times must be finite, got {self.first_step_at}, {self.started_at}")
 
     def alive(self, up_to_epoch: int | None = None) -> bool:
         """Whether workers (of ``up_to_epoch`` or older, when given) still run here."""
