@@ -31,7 +31,7 @@ from torch import fx
 
 from trainer.graph.keyed_rng import UNKEYED, current_draws, keyed_keep, keyed_normal, keyed_uniform
 
-__all__ = ["key_random_ops", "draws_unkeyed", "RANDOM_OPS"]
+__all__ = ["key_random_ops", "draws", "draws_unkeyed", "RANDOM_OPS"]
 
 log = logging.getLogger("varuna")
 
@@ -238,6 +238,7 @@ RANDOM_OPS = {
     _aten.normal_.default: normal_,
     _aten.scaled_dot_product_attention.default: attention,
 }
+_KEYED = frozenset(RANDOM_OPS.values())
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -247,6 +248,11 @@ def _is_random(node: fx.Node) -> bool:
         p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
         return not (isinstance(p, (int, float)) and p == 0)
     return torch.Tag.nondeterministic_seeded in node.target.tags
+
+
+def draws(node: fx.Node) -> bool:
+    """Whether `node` draws at random: a random op, or the keyed op that replaced one."""
+    return _is_random(node) or (node.op == "call_function" and node.target in _KEYED)
 
 
 def _batch_symbols(graph: fx.Graph) -> set:

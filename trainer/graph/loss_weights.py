@@ -8,27 +8,26 @@ trains a model that depends on the micro-batch size, so on the plan. Weighted by
 the global batch's (counted on the last stage's replicas, which hold the labels), the step's loss
 is the global batch's token mean at any micro-batch size and P x D. [Note: the global batch defines the math]
 
-A Hugging Face model given its `labels` is counted as its own loss function counts (`loss_type`:
-a causal LM shifts its labels by one, the default a Hugging Face model falls back to; masked LMs,
-token classification and sequence-to-sequence models do not). Any other model is read from its
-captured graph (`counter_from_graph`): a loss that is one `cross_entropy`/`nll_loss` (times a
-constant) averaging over targets computed from the batch alone is counted as torch counts it, the
-targets that are not its `ignore_index` (a hand-written GPT padding its targets with -1 was
-weighed by examples, 2.6e-2 off the plain loop at 2x2); one with `reduction="sum"` weighs 1 per
-micro-batch, so the step's loss is the global batch's sum (it was a quarter of it in micro-batches
-of 2 of 8). A script passes `loss_count=` for a loss the graph does not show so plainly.
+"auto" reads the captured graph's loss (trainer.graph.loss_form): a cross-entropy mean is
+counted as torch counts it, its targets that are not `ignore_index` (a hand-written GPT padding
+its targets with -1 was weighed by examples, 2.6e-2 off the plain loop at 2x2), and a summed loss
+weighs 1 per micro-batch, so the step's loss is the global batch's sum (it was a quarter of it in
+micro-batches of 2 of 8). A Hugging Face model whose graph does not show its loss so plainly is
+counted as its loss type says (a causal LM shifts its labels by one; masked LMs, token
+classification and sequence-to-sequence models do not). Anything else weighs by examples, with a
+warning where a cross-entropy over tokens hides in a larger loss; a script passes `loss_count=`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import fx, nn
 
 from trainer.errors import ConfigError
-from trainer.graph.cutpoint import is_marker
+from trainer.graph.loss_form import SUM, read_loss, token_losses
 
 __all__ = ["Counter", "SUMMED", "counter_for", "counter_from_graph", "counts", "step_weights", "token_weights"]
 
@@ -37,33 +36,12 @@ Counter = Callable[[Mapping[str, torch.Tensor]], "int | torch.Tensor | None"]
 log = logging.getLogger("varuna")
 
 IGNORE_INDEX = -100   # torch's cross_entropy default and Hugging Face's label for "no loss here"
-_SHIFTED = (None, "ForCausalLM")   # None: what Hugging Face's loss_function falls back to
 _ALIGNED = ("ForMaskedLM", "ForTokenClassification", "ForConditionalGeneration")
 
 
 def _is_hugging_face(model: nn.Module) -> bool:
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
                for c in type(model).__mro__)
-
-
-def _warn_of_wrapped(model: nn.Module) -> None:
-    """A Hugging Face model inside the script's own module is not counted by itself: its loss
-    (when the wrapper returns it) averages over tokens, weighed here by examples, so the model
-    trained would depend on the micro-batch size the planner picks. Said once, at start-up."""
-    inner = next(((name, m) for name, m in model.named_modules() if name and _is_hugging_face(m)), None)
-    if inner is None:
-        return
-    name, m = inner
-    loss_type = getattr(m, "loss_type", None)
-    if loss_type not in _SHIFTED and loss_type not in _ALIGNED:
-        return
-    shift = loss_type in _SHIFTED
-    log.warning("%s wraps the Hugging Face %s (as '%s'), whose loss averages over the tokens whose label is not "
-                "-100; with loss_count='auto' Varuna counts only a Hugging Face model given as it is, so it "
-                "weighs each micro-batch by its examples, and where labels hold -100 (padding, prompts) the "
-                "model trained depends on the micro-batch size. If forward returns that loss, pass "
-                "loss_count=lambda m: (m['labels']%s != -100).sum() (or loss_count=None to silence this)",
-                type(model).__name__, type(m).__name__, name, "[:, 1:]" if shift else "")
 
 
 def _labels_counter(shift: bool) -> Counter:
@@ -89,111 +67,51 @@ class _Summed:
 
 SUMMED = _Summed()
 
-_aten = torch.ops.aten
-# losses whose arguments are (input, target, weight, reduction, ignore_index, ...)
-_TOKEN_LOSSES = {_aten.cross_entropy_loss.default, _aten.nll_loss.default, _aten.nll_loss_nd.default,
-                 _aten.nll_loss2d.default}
-_SCALINGS = {_aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar}
-_MEAN, _SUM = 1, 2   # torch's reduction enum
-
-
-def _argument(node: fx.Node, index: int, name: str, default: object) -> object:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def _loss_node(gm: fx.GraphModule) -> fx.Node | None:
-    """The node of the graph's loss, past multiplications and divisions by constants."""
-    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    while isinstance(out, (tuple, list)) and len(out) == 1:
-        out = out[0]
-    node = out
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _SCALINGS:
-        a, b = node.args[:2]
-        if isinstance(a, fx.Node) and isinstance(b, (int, float)):
-            node = a
-        elif node.target in (_aten.mul.Tensor, _aten.mul.Scalar) and isinstance(a, (int, float)) \
-                and isinstance(b, fx.Node):
-            node = b
-        else:
-            return None
-    return node if isinstance(node, fx.Node) else None
-
-
-def _from_batch(gm: fx.GraphModule, target: fx.Node) -> tuple[fx.GraphModule, list[str]] | None:
-    """`target`'s computation as a graph of its own, with the batch inputs it reads; None where
-    it reads a weight or crosses a cut (it is no function of the batch alone)."""
-    needed, todo = set(), [target]
-    while todo:
-        n = todo.pop()
-        if n in needed:
-            continue
-        if n.op == "get_attr" or (n.op == "call_function" and is_marker(n)):
-            return None
-        needed.add(n)
-        todo.extend(n.all_input_nodes)
-    graph, env = fx.Graph(), {}
-    names = []
-    for n in gm.graph.nodes:
-        if n in needed:
-            env[n] = graph.node_copy(n, lambda x: env[x])
-            if n.op == "placeholder":
-                names.append(str(n.target))
-    graph.output(env[target])
-    return fx.GraphModule(torch.nn.Module(), graph), names
-
-
-class _TargetCounter:
-    """Counts a micro-batch's targets that are not the loss's ignore_index, as torch's mean does."""
-
-    def __init__(self, targets: fx.GraphModule, names: Sequence[str], ignore_index: int) -> None:
-        self.targets, self.names, self.ignore_index = targets, tuple(names), ignore_index
-
-    def __call__(self, micro: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-        if any(n not in micro for n in self.names):
-            return None
-        with torch.no_grad():
-            return (self.targets(*[micro[n] for n in self.names]) != self.ignore_index).sum()
-
 
 def counter_from_graph(gm: fx.GraphModule) -> Counter | None:
-    """The counter the captured graph's loss implies (see the module's docstring), or None: a loss
-    averaged over examples, or one the graph does not show as one token loss of the batch."""
-    node = _loss_node(gm)
-    if node is None or node.op != "call_function" or node.target not in _TOKEN_LOSSES:
-        return None
-    reduction = _argument(node, 3, "reduction", _MEAN)
-    if reduction == _SUM:
-        return SUMMED
-    if reduction != _MEAN or _argument(node, 2, "weight", None) is not None:
-        return None   # per-element (the script reduces), or class weights: its mean is not a count
-    target = node.args[1]
-    found = _from_batch(gm, target) if isinstance(target, fx.Node) else None
-    if found is None or target.meta.get("val") is not None and target.meta["val"].is_floating_point():
-        return None   # probabilities as targets: the mean is over examples
-    return _TargetCounter(*found, int(_argument(node, 4, "ignore_index", IGNORE_INDEX)))
+    """The counter the captured graph's loss implies (trainer.graph.loss_form): one of its target
+    count, SUMMED for a summed loss, or None (by examples)."""
+    form = read_loss(gm)
+    return SUMMED if form == SUM else form
+
+
+def _warn_of_token_losses(model: nn.Module, gm: fx.GraphModule) -> None:
+    """A token mean Varuna cannot count (inside a larger loss, with class weights, of targets drawn
+    at random) is weighed by examples: where its targets hold ignore_index (padding), the model
+    trained depends on the micro-batch size."""
+    found = token_losses(gm)
+    if found:
+        log.warning("the loss of %s holds a cross-entropy averaged over its targets that are not ignore_index "
+                    "(%s), which Varuna cannot count from the graph (a loss added to it, class weights, targets "
+                    "drawn at random): it weighs each micro-batch by its examples, which is the full batch's "
+                    "loss only where no target is ignored. If targets hold ignore_index (padding), pass "
+                    "loss_count=lambda m: (<the targets> != <ignore_index>).sum() (or loss_count=None to "
+                    "silence this)", type(model).__name__, found[0].name)
 
 
 def counter_for(model: nn.Module, loss_count: Counter | str | None,
                 graph: fx.GraphModule | None = None) -> Counter | None:
-    """The counter of `loss_count` ("auto": a Hugging Face model's own, else the one its captured
-    `graph` implies; None: weigh by examples; or the script's callable, a micro-batch's tensors by
-    name -> its count)."""
+    """The counter of `loss_count`: "auto" reads the model's captured `graph` (trainer.graph.loss_form),
+    else a Hugging Face model's own loss type; None weighs by examples; or the script's callable,
+    a micro-batch's tensors by name -> its count."""
     if loss_count is None or callable(loss_count):
         return loss_count
     if loss_count != "auto":
         raise ConfigError(f"loss_count must be 'auto', None or a callable, got {loss_count!r}")
-    if not _is_hugging_face(model):
-        found = None if graph is None else counter_from_graph(graph)
-        if found is None:
-            _warn_of_wrapped(model)
+    found = None if graph is None else counter_from_graph(graph)
+    if found is not None:
         return found
-    loss_type = getattr(model, "loss_type", None)
-    if loss_type in _SHIFTED:
-        return _labels_counter(shift=True)
-    if loss_type in _ALIGNED:
-        return _labels_counter(shift=False)
+    if _is_hugging_face(model):
+        loss_type = getattr(model, "loss_type", None)
+        # None is what Hugging Face's loss_function falls back to a causal LM's from, but also what
+        # a model computing its own loss says (XLNet's aligned labels, BertForPreTraining's two
+        # losses): that guess only where there is no graph to read
+        if loss_type == "ForCausalLM" or (loss_type is None and graph is None):
+            return _labels_counter(shift=True)
+        if loss_type in _ALIGNED:
+            return _labels_counter(shift=False)
+    if graph is not None:
+        _warn_of_token_losses(model, graph)
     return None
 
 
