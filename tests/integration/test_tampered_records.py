@@ -118,3 +118,27 @@ async def test_progress_and_links_kept_at_another_key_are_skipped(etcd, etcd_roo
         await store.put(keys.link_pair("vm1", "vm2"), link.encode())
         await store.put(keys.link_pairs + "x/y", dataclasses.replace(link, bandwidth_Bps=1.0).encode())
         assert list((await read_links(store, keys, timeout=5)).values()) == [link]
+
+
+async def test_status_names_trained_steps_whose_losses_no_daemon_wrote(etcd, etcd_root):
+    """A probe killed the daemon holding rank 0 right after checkpoint 20: the next epoch resumed
+    there, and the losses of steps 17-19 were in no history, with nothing said (the report said
+    0 redone steps)."""
+    from varunad.control.records import encode_history
+
+    keys = Keys(etcd_root)
+    async with EtcdStore(etcd.endpoint) as store:
+        await store.put(keys.job("f1"), SPEC.encode())
+        await store.put(keys.state("f1"), JobState(job="f1", state="running", epoch=12, epochs=(9, 12),
+                                                   plan={"P": 1, "D": 1}).encode())
+        await store.put(keys.history_entry("f1", 9, "vm1", 0), encode_history((s, 1.0) for s in range(17)))
+        await store.put(keys.history_entry("f1", 12, "vm2", 0), encode_history((s, 1.0) for s in range(20, 24)))
+        doc = await ctl.job_status(store, keys, "f1")
+        assert doc["unrecorded"] == [[17, 19]]
+        out = io.StringIO()
+        ctl.print_job(doc, out)
+        assert "not recorded for steps 17-19" in out.getvalue()
+        # a job whose first epoch resumed at step 5 from another job's store never trained 0-4
+        await store.delete(keys.history_entry("f1", 9, "vm1", 0))
+        await store.put(keys.history_entry("f1", 9, "vm1", 0), encode_history((s, 1.0) for s in range(5, 20)))
+        assert (await ctl.job_status(store, keys, "f1"))["unrecorded"] == []

@@ -154,7 +154,28 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
                    for m in state.morphs],
         "last_morph": None if last is None else f"{last.from_shape} -> {last.to_shape} because {last.reason}",
         "loss_history": [[s, v] for s, v in history],
+        # a job resumed from another's store starts past 0: those steps were never this job's
+        "unrecorded": unrecorded(history, min((a for a, _ in ranges.values()), default=0),
+                                 total if state.state == "done" else ranges.get(state.epoch, (None,))[0]),
     }
+
+
+def unrecorded(history: list[tuple[int, float]], start: int, until: int | None) -> list[list[int]]:
+    """[first, last] of each run of steps from `start` to before `until` with no loss in the
+    (sorted) history: trained, but the daemon holding their losses was lost before it wrote them
+    (the checkpoint after them came first, so nobody trained them again)."""
+    if not until:
+        return []
+    gaps, expected = [], start
+    for step, _ in history:
+        if step >= until:
+            break
+        if step > expected:
+            gaps.append([expected, step - 1])
+        expected = max(expected, step + 1)
+    if expected < until:
+        gaps.append([expected, until - 1])
+    return gaps
 
 
 async def job_queue(store: Store, keys: Keys) -> list[dict[str, Any]]:

@@ -272,6 +272,10 @@ def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
         f"morphs    {len(moves) or 'none'}" + "".join(f"\n  {m['from']} -> {m['to']}: {m['reason'].splitlines()[0]}"
                                                        for m in moves[-5:]),
     ] + [f"{'noted' if doc['state'] in _ENDED else 'warning':9s} {w}" for w in doc.get("warnings", [])]
+    if doc.get("unrecorded"):
+        lines.append("losses    not recorded for steps " + ", ".join(
+            f"{a}-{b}" if b > a else str(a) for a, b in doc["unrecorded"][:5])
+            + ": trained once, but the daemon holding their losses was lost before it wrote them")
     if doc.get("daemons") == 0:
         lines.append("fleet     no daemon is up (no live member key): nothing trains until one starts; the job goes "
                      "on from its newest checkpoint then (varunactl nodes)")
