@@ -283,6 +283,10 @@ def test_losing_both_replicas_of_a_stage_falls_back_to_the_store(healthy, refere
         lost = next(m for m in st["morphs"] if m["from_epoch"] == epoch)
         assert lost["source"] == "checkpoint" and lost["resumed_from"] >= 6, lost
         assert f"stage {stage} had no live replica ({', '.join(victims)})" in lost["source_why"], lost
+        # the checkpoint carried the losses before it into the history of the epoch that trained
+        # them (a daemon lost right after it would have taken them along), and no step is missing
+        kept = ring.call(ring.store.get(ring.keys.history_entry("both", epoch, "checkpoint", lost["resumed_from"])))
+        assert kept is not None and st["unrecorded"] == [], (kept, st["unrecorded"])
 
 
 @contextlib.contextmanager

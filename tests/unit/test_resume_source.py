@@ -60,3 +60,25 @@ def test_no_checkpoint_yet_is_from_scratch_and_an_object_store_is_not_read(tmp_p
     with open(os.path.join(reading.checkpoint_dir(str(tmp_path), 9), "manifest.json"), "w") as f:
         f.write("{not json")
     assert resume_source(str(tmp_path), _plan(), []).step == 5
+
+
+def test_a_checkpoint_carries_the_losses_before_it_and_the_epoch_that_trained_them(tmp_path):
+    """A probe killed the daemon holding rank 0 right after checkpoint 20: the losses of steps
+    17-19 were in its memory only, and the next epoch resumed past them."""
+    import collections
+    from types import SimpleNamespace
+
+    from trainer.checkpoint.contents import LOSSES, manifest_meta
+
+    worker = SimpleNamespace(plan=ParallelPlan(P=1, D=1), cuts=[], layout=SimpleNamespace(files={}),
+                             assignment=SimpleNamespace(epoch=7), iteration=3,
+                             recent_losses=collections.deque([(1, 0.5), (2, 0.25)]))
+    meta = manifest_meta(worker)
+    assert meta[LOSSES] == {"epoch": 7, "steps": [[1, 0.5], [2, 0.25]]}
+    assert LOSSES not in manifest_meta(SimpleNamespace(**{**vars(worker), "assignment": SimpleNamespace(epoch=0)}))
+    store = str(tmp_path)
+    _commit(store, 3, losses=meta[LOSSES])
+    found = resume_source(store, _plan(), ["vm1"])
+    assert (found.step, found.losses, found.losses_epoch) == (3, ((1, 0.5), (2, 0.25)), 7)
+    _commit(store, 5, losses={"epoch": 7, "steps": [[1.5, 0.5], [9, 1.0], ["x", 1]]})   # not a worker's: none
+    assert resume_source(store, _plan(), ["vm1"]).losses == ()

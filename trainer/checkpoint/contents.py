@@ -46,11 +46,12 @@ from trainer.errors import CheckpointError, StoreOutage
 from trainer.planning.parallel import ParallelPlan
 
 __all__ = ["save", "load", "agree", "resume_point", "Upload", "Checkpointed", "stage_files", "meta_of",
-           "manifest_meta", "epoch_of", "META"]
+           "manifest_meta", "epoch_of", "META", "LOSSES"]
 
 log = logging.getLogger("varuna.checkpoint")
 
 META = "meta.pt"
+LOSSES = "losses"   # manifest meta: the epoch that trained the steps before the checkpoint, and their losses
 
 
 class _Placement(Protocol):
@@ -234,6 +235,11 @@ def manifest_meta(v: Checkpointed) -> dict:
     record = getattr(v, "model_record", None)
     if record is not None:
         meta[MODEL_RECORD] = record.to_dict()
+    # the losses of the steps before it: where the daemon holding them dies before it writes them
+    # into the loss history, nobody trains them again (varunad.control.resume gives them back)
+    recent, epoch = getattr(v, "recent_losses", ()), epoch_of(v)
+    if recent and epoch is not None:
+        meta[LOSSES] = {"epoch": epoch, "steps": [[step, loss] for step, loss in recent if step < v.iteration]}
     return meta
 
 

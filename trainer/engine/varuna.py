@@ -26,6 +26,7 @@ executor, comm, reduction, precision, checkpoint contents.
 from __future__ import annotations
 
 import atexit
+import collections
 import gc
 import inspect
 import logging
@@ -70,6 +71,7 @@ __all__ = ["Varuna"]
 
 log = logging.getLogger("varuna")
 
+RECENT_LOSSES = 256   # steps whose losses each checkpoint's manifest carries
 _TRACE_STEPS = 10   # unless the assignment says how many (WorkerAssignment.trace_steps)
 
 # What a lost peer looks like from inside a step: a failed collective (gloo, NCCL), a peer that
@@ -119,6 +121,9 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         self.recompute: bool | tuple[bool, ...] = (
             recompute if recompute is not None else a.plan.recompute if a.plan.recompute is not None else True)
         self.iteration = 0
+        # the newest steps' losses, written into each checkpoint's manifest: a daemon that dies right
+        # after a checkpoint may not have written them into the loss history yet (varunad.control.resume)
+        self.recent_losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=RECENT_LOSSES)
         self.seed = seed   # keys the model's random ops with the step and example (trainer.graph.keyed_rng)
         setup.check_sizes(self.batch_size, self.micro_batch_size, self.plan.D, self.precision, self.schedule,
                           self.plan.shares)
@@ -314,6 +319,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         finally:
             self.control.abandonable = False
         computed_s = clock.computed_s()
+        self.recent_losses.append((self.iteration, float(result["loss"])))
         self.iteration += 1
         self._applied = False
         if self.recorder.enabled:

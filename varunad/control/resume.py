@@ -31,6 +31,10 @@ class ResumeSource:
     source: str            # "replicas" | "checkpoint" | "scratch" | "" (a store the leader cannot read)
     step: int | None       # the step the next epoch starts at
     why: str               # for a fallback: what the replicas could not provide
+    # (step, loss) of the steps before that one, from its manifest: a daemon that died right after
+    # the checkpoint may not have written them into the loss history, and nobody trains them again
+    losses: tuple[tuple[int, float], ...] = ()
+    losses_epoch: int = 0   # the epoch that trained them
 
     @property
     def words(self) -> str:
@@ -91,7 +95,19 @@ def resume_source(store: str, plan: PlanDoc | None, lost: Collection[str]) -> Re
         return ResumeSource("scratch", 0, _orphaned_stages(plan, lost) or "no complete checkpoint yet")
     step, doc = newest
     meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
+    epoch, losses = _losses(meta.get("losses"), step)
     if meta.get("source") == "replicas":
-        return ResumeSource("replicas", step, "")
+        return ResumeSource("replicas", step, "", losses, epoch)
     why = _orphaned_stages(plan, lost) or ("the survivors held no common step newer than it" if lost else "")
-    return ResumeSource("checkpoint", step, why)
+    return ResumeSource("checkpoint", step, why, losses, epoch)
+
+
+def _losses(value: object, before: int) -> tuple[int, tuple[tuple[int, float], ...]]:
+    """A manifest's {"epoch": e, "steps": [[step, loss], ...]} as trainer.checkpoint.contents
+    writes it; what is not that (an older worker's manifest has none) is no losses."""
+    if not isinstance(value, dict) or type(value.get("epoch")) is not int or not isinstance(value.get("steps"), list):
+        return 0, ()
+    return value["epoch"], tuple(
+        (pair[0], float(pair[1])) for pair in value["steps"]
+        if isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and 0 <= pair[0] < before
+        and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool))

@@ -45,6 +45,7 @@ from varunad.control.fleet import FleetSnapshot, read_fleet, read_members_and_re
 from varunad.control.jobs import JobState, job_store
 from varunad.control.links import LinkSurvey
 from varunad.control.plans import PlanDoc, describe
+from varunad.control.records import encode_history
 from varunad.control.resume import ResumeSource, complete_manifest, resume_source
 from varunad.control.speeds import SlotSpeeds
 from varunad.node.config import DaemonConfig
@@ -58,6 +59,9 @@ from varunad.store.keys import Keys
 __all__ = ["Leader"]
 
 log = logging.getLogger(__name__)
+
+# the member part of a history key that holds losses a checkpoint carried, not a daemon's
+CHECKPOINT_HISTORY = "checkpoint"
 
 
 def _final_checkpoint(store: str, steps: int) -> bool | None:
@@ -523,6 +527,7 @@ class Leader(LeaderPlanning, LeaderPace):
         # from here until it runs again, status and watch call it what it is: a restart or a morph
         await self._put_state((await self._state(job)).but(change="restart" if restart else "morph", reason=reason))
         resumed = await self._resume_source(after, job, plan, lost, checkpointed=d.checkpoint)
+        await self._keep_losses(job, resumed)
         self.memory.morph[job] = dict(reason=reason, from_shape=plan.shape, from_epoch=epoch, noticed_at=noticed,
                                       stopped_at=stopped, checkpoint=d.checkpoint, restart=restart, cause=cause,
                                       source=resumed.source, resumed_from=-1 if resumed.step is None else resumed.step,
@@ -530,6 +535,20 @@ class Leader(LeaderPlanning, LeaderPace):
         if resumed.words:
             log.info("leader: %s resumes %s", job, resumed.words)
         return await self._start(job, reason)
+
+    async def _keep_losses(self, job: str, resumed: ResumeSource) -> None:
+        """The losses the checkpoint the next epoch resumes from carries, into the loss history of
+        the epoch that trained them: where the daemon that held them died before writing them,
+        they are nowhere else (status names what is still missing)."""
+        if not resumed.losses or resumed.losses_epoch <= 0:
+            return
+        try:
+            await self.store.put(self.keys.history_entry(job, resumed.losses_epoch, CHECKPOINT_HISTORY,
+                                                         resumed.step or 0),
+                                 encode_history(resumed.losses), timeout=self.t)
+        except StoreError as exc:
+            log.warning("leader: could not keep the losses of %s's checkpoint %s in its history (%s)",
+                        job, resumed.step, exc)
 
     async def _peaks(self, job: str, epoch: int) -> dict[int, int]:
         """rank -> the memory peak each worker of ``epoch`` last reported (none that did not)."""
