@@ -574,11 +574,11 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         if self.stage != self.plan.P - 1:
             return weights
 
-        def global_count(mine: int) -> int:
-            total = torch.tensor([float(mine)], dtype=torch.float64)
+        def global_count(mine: float) -> float:
+            total = torch.tensor([mine], dtype=torch.float64)
             if self.plan.D > 1:
                 dist.all_reduce(total, group=self.stage_group)
-            return int(total[0])
+            return float(total[0])
 
         return loss_weights.step_weights(self._counter, micro, weights, global_count)
 

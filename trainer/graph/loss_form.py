@@ -7,6 +7,9 @@ micro-batch by it).
   from the batch alone: no weight, no cut, no random draw (an MLM mask drawn in forward would be
   counted with another draw than forward's). Its counter runs that computation on a micro-batch
   and counts the targets that are not its `ignore_index`, as torch's mean does.
+* A masked mean: a sum as below divided by a scalar computed from the batch alone (`(loss *
+  mask).sum() / mask.sum()`, a summed cross-entropy over `(t != -100).sum()`): its counter is
+  that divisor.
 * A sum: every term of the loss (added or subtracted, times constants) is a loss op with the sum
   reduction, or a `.sum()` to a scalar, and reads the batch (a VAE's summed BCE plus its KL term).
   A term of the weights alone (a penalty) would count once per micro-batch, so it is neither.
@@ -37,6 +40,7 @@ _SAME_VALUE = {_aten.to.dtype, _aten._to_copy.default, _aten.clone.default, _ate
                _aten.neg.default, _aten.contiguous.default}
 _SCALE = {_aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar}
 _TERMS = {_aten.add.Tensor, _aten.sub.Tensor}
+_FLOORS = {_aten.clamp.default, _aten.clamp_min.default, _aten.clip.default}
 _COPIES = {_aten.lift_fresh_copy.default, _aten.detach.default, _aten.detach_.default, _aten.clone.default,
            _aten._to_copy.default, _aten.to.dtype}
 
@@ -140,9 +144,10 @@ def _from_batch(gm: fx.GraphModule, target: fx.Node) -> tuple[fx.GraphModule, li
 
 
 class TargetCounter:
-    """Counts a micro-batch's targets that are not the loss's ignore_index, as torch's mean does."""
+    """Counts a micro-batch's targets that are not the loss's ignore_index, as torch's mean does
+    (`ignore_index` None: the computed value is the count, a masked mean's divisor)."""
 
-    def __init__(self, targets: fx.GraphModule, names: Sequence[str], ignore_index: int) -> None:
+    def __init__(self, targets: fx.GraphModule, names: Sequence[str], ignore_index: int | None) -> None:
         self.targets, self.names, self.ignore_index = targets, tuple(names), ignore_index
         self._device: torch.device | None = None
 
@@ -169,7 +174,8 @@ class TargetCounter:
         if inputs:
             self._on(inputs[0].device)
         with torch.no_grad():
-            return (self.targets(*inputs) != self.ignore_index).sum()
+            value = self.targets(*inputs)
+            return value if self.ignore_index is None else (value != self.ignore_index).sum()
 
 
 def _token_mean(gm: fx.GraphModule, node: fx.Node) -> TargetCounter | None:
@@ -199,6 +205,15 @@ def read_loss(gm: fx.GraphModule) -> TargetCounter | str | None:
         return None
     if _summed(gm, node):
         return SUM
+    if node.target is _aten.div.Tensor and isinstance(node.args[1], fx.Node) and _scalar_val(node.args[1]) \
+            and _summed(gm, node.args[0]):
+        divisor = node.args[1]
+        # `.clamp(min=1)` keeps a micro-batch of no token at 0/1: counted as 1, it would take a
+        # token's share from the others; its loss is 0 either way
+        while divisor.op == "call_function" and divisor.target in _FLOORS and isinstance(divisor.args[0], fx.Node):
+            divisor = divisor.args[0]
+        found = _from_batch(gm, divisor)
+        return None if found is None else TargetCounter(*found, None)
     return _token_mean(gm, node)
 
 

@@ -116,7 +116,7 @@ def counter_for(model: nn.Module, loss_count: Counter | str | None,
 
 
 def step_weights(counter: Counter | None, micro: list[Mapping[str, torch.Tensor]], by_examples: list[float],
-                 global_count: Callable[[int], int]) -> list[float]:
+                 global_count: Callable[[float], float]) -> list[float]:
     """Each micro-batch's weight: by its examples (`by_examples`), 1 for a summed loss, or by its
     count over the global batch's (`global_count` adds up every replica's)."""
     if counter is None:
@@ -129,8 +129,9 @@ def step_weights(counter: Counter | None, micro: list[Mapping[str, torch.Tensor]
     return token_weights(counted, global_count(sum(counted)))
 
 
-def counts(counter: Counter, micro: list[Mapping[str, torch.Tensor]]) -> list[int] | None:
-    """Each micro-batch's count, or None where any has none (the step then weighs by examples)."""
+def counts(counter: Counter, micro: list[Mapping[str, torch.Tensor]]) -> list[float] | None:
+    """Each micro-batch's count (a number of tokens, or a sum of weights a mean divides by), or
+    None where any has none (the step then weighs by examples)."""
     out = []
     for m in micro:
         try:
@@ -140,11 +141,11 @@ def counts(counter: Counter, micro: list[Mapping[str, torch.Tensor]]) -> list[in
                               hint="count from the inputs the loss reads (the last stage holds them)") from None
         if c is None:
             return None
-        out.append(int(c))
+        out.append(float(c))
     return out
 
 
-def token_weights(counted: list[int], total: int) -> list[float]:
+def token_weights(counted: list[float], total: float) -> list[float]:
     """Each micro-batch's weight: its count over the global batch's (0 where nothing counts: a
     batch whose labels are all ignored has no loss, where a plain loop would give 0/0)."""
     return [c / total if total else 0.0 for c in counted]
