@@ -301,7 +301,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             # under uneven shares the stage's replicas trade inputs first: a peer lost there breaks
             # the epoch like one lost mid-schedule
             micro, sizes = self._micro_batches(inputs)
-            weights = self._loss_weights(micro, [n / self.batch_size for n in sizes])
+            weights = self._loss_weights(micro, [n / self.batch_size for n in sizes], clock)
             table = self._table(self.schedule, len(micro), self.recompute)
             draws = self._draws(sizes, self.shard_offset)
             self.executor.run(
@@ -567,7 +567,8 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             sizes.append(min(self.micro_batch_size, shard - start))
         return micro, sizes
 
-    def _loss_weights(self, micro: list[dict[str, torch.Tensor]], weights: list[float]) -> list[float]:
+    def _loss_weights(self, micro: list[dict[str, torch.Tensor]], weights: list[float],
+                      clock: ComputeClock | None = None) -> list[float]:
         """The micro-batches' weights: `weights` (by examples), or on the last stage, where a counter
         counts the tokens each loss averages, by tokens over the global batch's, which the stage's
         replicas add up (only the last stage weighs its losses; the others back-propagate them)."""
@@ -576,8 +577,14 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
 
         def global_count(mine: float) -> float:
             total = torch.tensor([mine], dtype=torch.float64)
-            if self.plan.D > 1:
+
+            def add_up() -> None:
                 dist.all_reduce(total, group=self.stage_group)
+
+            if self.plan.D > 1:
+                # a wait for a slower replica, not this stage's compute: counted as compute, it made
+                # every replica as slow as the slowest, and no straggler was ever named
+                (clock.apart(add_up) if clock is not None else add_up)()
             return float(total[0])
 
         return loss_weights.step_weights(self._counter, micro, weights, global_count)
