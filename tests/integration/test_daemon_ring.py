@@ -339,7 +339,7 @@ def test_scale_up_then_a_preemption_notice(healthy, reference):
     ring = healthy
     # slower steps: the leader takes d4 in once its spare has imported torch (seconds on this host),
     # and the job must still run then, and through the notice after
-    ring.submit("scale", steps=STEPS, script_args=("--step-sleep", "1.0"))
+    ring.submit("scale", steps=STEPS, script_args=("--step-sleep", "0.7"))
     st = ring.wait_step("scale", 3)
     first = st["epoch"]
     d4 = ring.start("d4", "--scale-up-threshold", "0")

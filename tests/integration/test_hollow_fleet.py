@@ -125,13 +125,17 @@ def _as_planned(plan: dict) -> dict:
             for k in ("P", "D", "micro_batch_size", "estimated_s", "members")}
 
 
-@pytest.mark.slow   # five VM processes through a job of 150 steps and two morphs: about 40 s
+# 0.2 s a step: long enough for a kill's morph, then a join's, before the job ends
+STEPS = 120
+
+
+@pytest.mark.slow   # five VM processes through a job of STEPS steps and two morphs: about 30 s
 def test_hollow_vms_plan_morph_and_finish_as_real_daemons_do(vms):
     for i in range(1, 5):
         vms.start(f"h{i}", f"127.3.0.{i}")
     # idle VMs measure their links (hollow probes, the leader's real survey): all 6 pairs of 4
     vms.poll(lambda: len(vms.call(vms.store.get_prefix(vms.keys.link_pairs))) == 6, "the links measured")
-    _submit(vms, "hj", steps=150, every=10)
+    _submit(vms, "hj", steps=STEPS, every=10)
     st = vms.poll(lambda: (s := vms.status("hj"))["state"] == "running" and s["step"] >= 12 and s, "hj training")
     plan = st["plan"]
     # the hollow calibration went the real way: a calibration run on one VM, stored, then planned
@@ -166,5 +170,5 @@ def test_hollow_vms_plan_morph_and_finish_as_real_daemons_do(vms):
         for m in st["morphs"]))
     assert st["state"] == "done" and st["restarts"] == 0, st
     history = dict(st["loss_history"])
-    assert set(history) == set(range(150)), sorted(set(range(150)) - set(history))
+    assert set(history) == set(range(STEPS)), sorted(set(range(STEPS)) - set(history))
     assert all(abs(loss - hollow_loss(step)) < 1e-9 for step, loss in history.items())

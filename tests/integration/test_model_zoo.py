@@ -63,8 +63,8 @@ def _specs(stages: int, replicas: int) -> list[str]:
     # 2x1 runs every schedule, the other pipelines two each (every schedule at P > 1 twice).
     schedules = {1: ("varuna",), 2: ("varuna", "gpipe", "1f1b", "zb-h1") if replicas == 1 else ("gpipe", "1f1b"),
                  4: ("varuna", "zb-h1")}[stages]
-    # two Hugging Face models also with split backwards (the others' graphs hold nothing new)
-    split = ("llama@zb-h1", "gpt2@zb-h1") if stages > 1 and replicas == 1 else ()
+    # two Hugging Face models also with split backwards at 2x1 (the others' graphs hold nothing new)
+    split = ("llama@zb-h1", "gpt2@zb-h1") if (stages, replicas) == (2, 1) else ()
     return [*zoo.HF, *split, *(f"{g}@{s}" for g in zoo.GPT for s in schedules)]
 
 
