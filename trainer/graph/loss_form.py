@@ -27,9 +27,20 @@ from torch import fx, nn
 from trainer.graph.cutpoint import is_marker
 from trainer.graph.keyed_random import draws
 
-__all__ = ["SUM", "TargetCounter", "read_loss", "token_losses"]
+__all__ = ["SUMMED", "TargetCounter", "read_loss", "token_losses"]
 
-SUM = "sum"   # read_loss's answer for a summed loss
+
+class _Summed:
+    """read_loss's answer for a summed loss: a counter by which every micro-batch weighs 1."""
+
+    def __call__(self, micro: Mapping[str, torch.Tensor]) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "SUMMED"
+
+
+SUMMED = _Summed()
 
 _aten = torch.ops.aten
 # the losses whose mean is over their targets that are not ignore_index (torch's enum: 1 mean, 2 sum)
@@ -195,8 +206,8 @@ def _token_mean(gm: fx.GraphModule, node: fx.Node) -> TargetCounter | None:
     return TargetCounter(*found, int(ignore))
 
 
-def read_loss(gm: fx.GraphModule) -> TargetCounter | str | None:
-    """A counter for a token mean, SUM for a summed loss, or None (see the module's docstring)."""
+def read_loss(gm: fx.GraphModule) -> TargetCounter | _Summed | None:
+    """A counter for a token mean, SUMMED for a summed loss, or None (see the module's docstring)."""
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     while isinstance(out, (tuple, list)) and len(out) == 1:
         out = out[0]
@@ -204,7 +215,7 @@ def read_loss(gm: fx.GraphModule) -> TargetCounter | str | None:
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
     if _summed(gm, node):
-        return SUM
+        return SUMMED
     if node.target is _aten.div.Tensor and isinstance(node.args[1], fx.Node) and _scalar_val(node.args[1]) \
             and _summed(gm, node.args[0]):
         divisor = node.args[1]

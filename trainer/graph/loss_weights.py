@@ -27,9 +27,9 @@ import torch
 from torch import fx, nn
 
 from trainer.errors import ConfigError
-from trainer.graph.loss_form import SUM, read_loss, token_losses
+from trainer.graph.loss_form import SUMMED, read_loss, token_losses
 
-__all__ = ["Counter", "SUMMED", "counter_for", "counter_from_graph", "counts", "step_weights", "token_weights"]
+__all__ = ["Counter", "SUMMED", "counter_for", "counts", "step_weights", "token_weights"]
 
 Counter = Callable[[Mapping[str, torch.Tensor]], "int | torch.Tensor | None"]
 
@@ -55,26 +55,6 @@ def _labels_counter(shift: bool) -> Counter:
     return count
 
 
-class _Summed:
-    """The counter of a loss that sums over its examples or tokens: every micro-batch weighs 1."""
-
-    def __call__(self, micro: Mapping[str, torch.Tensor]) -> None:
-        return None
-
-    def __repr__(self) -> str:
-        return "SUMMED"
-
-
-SUMMED = _Summed()
-
-
-def counter_from_graph(gm: fx.GraphModule) -> Counter | None:
-    """The counter the captured graph's loss implies (trainer.graph.loss_form): one of its target
-    count, SUMMED for a summed loss, or None (by examples)."""
-    form = read_loss(gm)
-    return SUMMED if form == SUM else form
-
-
 def _warn_of_token_losses(model: nn.Module, gm: fx.GraphModule) -> None:
     """A token mean Varuna cannot count (inside a larger loss, with class weights, of targets drawn
     at random) is weighed by examples: where its targets hold ignore_index (padding), the model
@@ -98,7 +78,7 @@ def counter_for(model: nn.Module, loss_count: Counter | str | None,
         return loss_count
     if loss_count != "auto":
         raise ConfigError(f"loss_count must be 'auto', None or a callable, got {loss_count!r}")
-    found = None if graph is None else counter_from_graph(graph)
+    found = None if graph is None else read_loss(graph)
     if found is not None:
         return found
     if _is_hugging_face(model):
