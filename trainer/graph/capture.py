@@ -44,7 +44,6 @@ __all__ = ["TracedModel", "capture_model", "auto_blocks"]
 log = logging.getLogger("varuna")
 
 
-
 @dataclass(frozen=True)
 class TracedModel:
     """The whole model as one graph, with its potential cut points in execution order."""

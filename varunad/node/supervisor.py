@@ -442,9 +442,9 @@ class Supervisor(WorkerStopping):
             began = time.monotonic()
             if not await self.spares.wait_ready(_WARM_TIMEOUT):
                 # the wait ends early when the spares failed (their directory gone): say which
+                waited = time.monotonic() - began
                 log.warning("%s: spare workers not ready after %.0fs (%s); telling the leader not to wait for them",
-                            self.name, time.monotonic() - began,
-                            "timed out" if time.monotonic() - began >= _WARM_TIMEOUT else "they failed to start")
+                            self.name, waited, "timed out" if waited >= _WARM_TIMEOUT else "they failed to start")
             try:
                 await self.membership.update(dataclasses.replace(self.membership.member, warming=False))
             except StoreError as exc:   # the leader's own bound on the wait covers this
