@@ -113,6 +113,10 @@ async def test_progress_and_links_kept_at_another_key_are_skipped(etcd, etcd_roo
         await store.put(keys.progress_of("f1") + "0", record.encode())
         await store.put(keys.progress_of("f1") + "zz", dataclasses.replace(record, step=10**9).encode())
         assert await read_progress(store, keys, "f1") == [record]
+        # the plan's ranks and the job's steps only: what the leader's stall check and status read
+        await store.put(keys.progress_of("f1") + "1", dataclasses.replace(record, rank=1).encode())
+        assert await read_progress(store, keys, "f1", world=1) == [record]
+        assert await read_progress(store, keys, "f1", world=2, steps=3) == []
         link = LinkMeasurement(members=("vm1", "vm2"), hosts=("a", "b"), latency_s=1e-4, bandwidth_Bps=1e9,
                                allreduce_latency_s=1e-3, allreduce_Bps=1e9)
         await store.put(keys.link_pair("vm1", "vm2"), link.encode())

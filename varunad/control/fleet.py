@@ -276,9 +276,13 @@ async def read_newest(store: Store, key: str, decode: Callable[[bytes], T], kind
     return None, 0
 
 
-async def read_progress(store: Store, keys: Keys, job: str, *, timeout: float | None = None) -> list[Progress]:
+async def read_progress(store: Store, keys: Keys, job: str, *, timeout: float | None = None,
+                        world: int | None = None, steps: int | None = None) -> list[Progress]:
     """Every rank's newest progress record of ``job``; one that does not parse is left out (its
-    writer, a daemon of another release or a hand, is no reason to stop reading the others)."""
+    writer, a daemon of another release or a hand, is no reason to stop reading the others), and
+    so is one of a rank >= ``world`` or a step >= ``steps`` (the plan's ranks, the job's steps):
+    a hand's record of rank 7 or step 1e9 is no worker's (one made a healthy epoch look stuck to
+    the leader, and restarted it; status showed it as the step)."""
     out = []
     for kv in await store.get_prefix(keys.progress_of(job), timeout=timeout):
         try:
@@ -288,7 +292,8 @@ async def read_progress(store: Store, keys: Keys, job: str, *, timeout: float | 
         except ValueError as exc:
             schemas.reject("progress", kv.key, exc)
             continue
-        out.append(p)
+        if (world is None or p.rank < world) and (steps is None or p.step < steps):
+            out.append(p)
     return out
 
 

@@ -78,10 +78,6 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
         total = (await usable_spec(store, spec_kv, job, timeout=None))[0].steps
     except (JobSpecError, StoreError):
         total = None
-    # a step past the job's last is no worker's (a hand's record of step 1e9 was shown as the step)
-    def trained(step: int) -> bool:
-        return total is None or step < total
-
     per_epoch: dict[int, dict[int, float]] = {}
     spans: dict[int, list[tuple[float, float]]] = {}
     for kv in await store.get_prefix(keys.history_of(job)):
@@ -90,15 +86,15 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
             pairs, span = decode_history(kv.value)
         except ValueError:
             continue
-        per_epoch.setdefault(epoch, {}).update((s, loss) for s, loss in pairs if trained(s))
+        # a step past the job's last is no worker's (a hand's record of step 1e9 was shown as the step)
+        per_epoch.setdefault(epoch, {}).update((s, loss) for s, loss in pairs if total is None or s < total)
         if span is not None:
             spans.setdefault(epoch, []).append(span)
     history = merge_history({e: list(v.items()) for e, v in per_epoch.items()})
     # only the ranks the epoch's plan has: a record of another (a hand's, garbage) is no step of it
     shape = state.plan or {}
     world = shape.get("P", 0) * shape.get("D", 0) if all(type(shape.get(k)) is int for k in "PD") else None
-    current = [p for p in await read_progress(store, keys, job)
-               if p.epoch == state.epoch and (world is None or p.rank < world) and trained(p.step)]
+    current = [p for p in await read_progress(store, keys, job, world=world, steps=total) if p.epoch == state.epoch]
     now = [s + 1 for s in per_epoch.get(state.epoch, {})] + [p.step + 1 for p in current]
     # where the running epoch is, once it has reported: after a resume from an older checkpoint
     # it redoes steps an earlier epoch had reached, and says so rather than the highest step

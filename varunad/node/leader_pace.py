@@ -98,11 +98,8 @@ class LeaderPace:
             return False
         self._adopt_stragglers(state)
         entry = snap.entry(plan.job)
-        last = entry.spec.steps if entry is not None and entry.spec is not None else None
-        # the plan's ranks, at steps the job has: a hand's record of rank 7 or step 1e9 is no
-        # worker's (one made a healthy epoch look stuck, and restarted it)
-        progress = [p for p in await read_progress(self.store, self.keys, plan.job, timeout=self.t)
-                    if p.rank < plan.plan.world_size and (last is None or p.step < last)]
+        progress = await read_progress(self.store, self.keys, plan.job, timeout=self.t, world=plan.plan.world_size,
+                                       steps=entry.spec.steps if entry is not None and entry.spec is not None else None)
         # the epoch's newest step: an epoch that stops stepping is stuck (varunad.control.stall)
         self.memory.steps.see(snap.plan_epoch, max((p.step for p in progress if p.epoch == snap.plan_epoch),
                                                    default=-1), now)
