@@ -145,7 +145,12 @@ def _terminated(signum: int, frame: object) -> None:
     signal.raise_signal(signal.SIGINT)
 
 
-def _interrupted_code() -> int:
+def _interrupted_code(exc: BaseException) -> int:
+    """The exit code of a run Ctrl-C or _terminated stopped. asyncio turns Ctrl-C into its task's
+    cancellation: a signal that came as the task was being set up or torn down surfaces as the
+    CancelledError itself. Any other cancellation is no stop of ours: raised again."""
+    if not _TERMINATED and not isinstance(exc, KeyboardInterrupt):
+        raise exc
     return 128 + _TERMINATED[0] if _TERMINATED else 130
 
 
@@ -168,11 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     except ctl.CtlError as exc:
         print(f"local_ring: {exc}", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, asyncio.CancelledError):   # while the ring started: what did start stops
-        if not _TERMINATED and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
-            raise
+    except (KeyboardInterrupt, asyncio.CancelledError) as exc:   # while the ring started: what did start stops
+        code = _interrupted_code(exc)
         _stop_ring(args.dir)
-        return _interrupted_code()
+        return code
     try:
         ports = [f"{d.name}:{d.metrics_port}" for d in ring.daemons if d.metrics_port]
         print(f"etcd on {ring.etcd}; {len(ring.daemons)} daemons ({', '.join(d.name for d in ring.daemons)}); "
@@ -184,12 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         if doc["state"] == "done":
             report(ring)
         return 0 if doc["state"] == "done" else 1
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        # asyncio turns Ctrl-C into its task's cancellation: a signal that came as the task was
-        # being set up or torn down surfaces as the CancelledError itself
-        if not _TERMINATED and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
-            raise
-        return _interrupted_code()
+    except (KeyboardInterrupt, asyncio.CancelledError) as exc:
+        return _interrupted_code(exc)
     finally:
         _stop_ring(ring.dir)
 
