@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from trainer.checkpoint import reading
 from trainer.checkpoint import store as ckpt_store
+from trainer.errors import CheckpointError
 from trainer.planning.parallel import ParallelPlan
 from varunad.control.plans import PlanDoc, PlanSlot
 from varunad.control.resume import resume_source
@@ -60,6 +63,26 @@ def test_no_checkpoint_yet_is_from_scratch_and_an_object_store_is_not_read(tmp_p
     with open(os.path.join(reading.checkpoint_dir(str(tmp_path), 9), "manifest.json"), "w") as f:
         f.write("{not json")
     assert resume_source(str(tmp_path), _plan(), []).step == 5
+
+
+def test_a_checkpoint_whose_file_is_truncated_or_missing_is_not_named_as_the_source(tmp_path):
+    """A probe halved a layer file of checkpoint 8 by hand: the workers skipped it and resumed
+    from 4, while the morph's record said checkpoint 8 and status showed the step go back."""
+    store = str(tmp_path)
+    for step in (4, 8, 12):
+        _commit(store, step)
+    layer = os.path.join(reading.checkpoint_dir(store, 12), "layer_000.pt")
+    os.remove(layer)
+    layer = os.path.join(reading.checkpoint_dir(store, 8), "layer_000.pt")
+    with open(layer, "r+b") as f:
+        f.truncate(os.path.getsize(layer) // 2)
+    found = resume_source(store, _plan(), [])
+    assert (found.source, found.step) == ("checkpoint", 4)
+    # the workers' own reading agrees on each of the three
+    reading.verify(reading.checkpoint_dir(store, 4), checksums=False)
+    for step in (8, 12):
+        with pytest.raises(CheckpointError):
+            reading.verify(reading.checkpoint_dir(store, step), checksums=False)
 
 
 def test_a_checkpoint_carries_the_losses_before_it_and_the_epoch_that_trained_them(tmp_path):

@@ -49,15 +49,32 @@ class ResumeSource:
 
 def complete_manifest(store: str, step: int) -> dict | None:
     """The manifest of checkpoint `step` in `store` if it is committed (the manifest is written
-    last), else None. Plain JSON: the control plane does not import torch."""
+    last) and every file it lists has the size it says, else None: the workers skip a checkpoint
+    with a truncated or missing file (trainer.checkpoint.reading.verify), so the morph's record
+    must not name it. Checksums are the workers' to read. Plain JSON: the control plane does not
+    import torch."""
+    where = os.path.join(store, f"varuna_ckpt_{step}")
     try:
-        with open(os.path.join(store, f"varuna_ckpt_{step}", "manifest.json"), encoding="utf-8") as f:
+        with open(os.path.join(where, "manifest.json"), encoding="utf-8") as f:
             doc = json.load(f)
     except (OSError, ValueError):
         return None   # not committed (yet), or damaged: the workers skip it too
-    if isinstance(doc, dict) and doc.get("complete") is True and doc.get("iteration") == step:
-        return doc
-    return None
+    if not (isinstance(doc, dict) and doc.get("complete") is True and doc.get("iteration") == step):
+        return None
+    files = doc.get("files")
+    if not isinstance(files, list):
+        return None
+    for entry in files:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        # a flat name only: one with a separator is refused by the workers too
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+            return None
+        try:
+            if os.stat(os.path.join(where, name)).st_size != entry.get("size"):
+                return None
+        except OSError:
+            return None
+    return doc
 
 
 def _newest_complete(store: str) -> tuple[int, dict] | None:
