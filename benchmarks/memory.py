@@ -115,7 +115,7 @@ def run_launch(args) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         prof = Profiler(model, batch, device=device, out_folder=folder, repeats=3, warmup=1)
         prof.set_optimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
-        meter = PeakMemory(device, 0)
+        meter = PeakMemory(device)
         cal = prof.profile_all(profile_sizes(args.batch, 4))
         calibration_peak = meter.peak_bytes()
     slots = [Slot(f"s{i}", "local", cal.device_kind, args.memory) for i in range(4)]

@@ -3,10 +3,13 @@
 The model's build is left out (the whole model may pass through host memory while it is built,
 and the capture's machinery stays resident): the meter starts once the stage is built. On CUDA
 the peak is `torch.cuda.max_memory_allocated`, reset there, which counts the stage's weights
-already on the device. On a CPU the device is the host: the peak is the stage's weights plus
-how far the resident set's high-water mark rose above the resident size at the start, the mark
-reset there when the kernel allows it (/proc/self/clear_refs), so what the build touched and
-freed is not counted.
+already on the device. On a CPU the device is the host, and the slot's memory holds the whole
+worker process: the interpreter, torch, the script's libraries and data, beside the stage's
+tensors (about 250-350 MB on this project's hosts, more than a small stage). The peak is then
+the process's resident high-water mark, reset once the stage is built when the kernel allows
+it (/proc/self/clear_refs), so what the build touched and freed is not counted; and the
+calibration measures the process's part (`process_bytes`), which the planner promises every
+CPU stage beside its tensors (the calibration's `worker_bytes`).
 
 An allocator keeps memory it freed (glibc under the workers' malloc settings, CUDA's cache), so
 the measured peak is what the process held, the number a slot's budget must cover.
@@ -38,7 +41,14 @@ import torch
 from trainer.errors import VarunaError
 from trainer.worker_env import env_name
 
-__all__ = ["OUT_OF_MEMORY", "PeakMemory", "StageOutOfMemoryError", "resident_bytes", "return_freed_blocks"]
+__all__ = [
+    "OUT_OF_MEMORY",
+    "PeakMemory",
+    "StageOutOfMemoryError",
+    "process_bytes",
+    "resident_bytes",
+    "return_freed_blocks",
+]
 
 log = logging.getLogger("varuna")
 
@@ -73,6 +83,26 @@ def resident_bytes(field: str = "VmRSS") -> int | None:
     except OSError:
         return None
     return None
+
+
+def process_bytes(model: torch.nn.Module) -> int:
+    """What this process holds in host memory beyond `model`'s tensors: its resident size less
+    the bytes of the model's parameters and buffers in host memory (each storage once; tensors
+    on a GPU or the meta device hold none of it). 0 where /proc is not there."""
+    rss = resident_bytes()
+    if rss is None:
+        return 0
+    seen: set[int] = set()
+    held = 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "cpu":
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        held += storage.nbytes()
+    return max(0, rss - held)
 
 
 _M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter (malloc.h)
@@ -115,25 +145,26 @@ def _reset_high_water() -> bool:
 
 
 class PeakMemory:
-    """Started when the stage is built; `peak_bytes()` is the most the stage has held since,
-    in the planner's terms (its weights included). 0 where nothing can be measured."""
+    """Started when the stage is built; `peak_bytes()` is the most the worker has held since,
+    in the planner's terms: on a GPU its tensors, the stage's weights included; on a CPU the
+    whole process. 0 where nothing can be measured."""
 
-    def __init__(self, device: torch.device, stage_bytes: int) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        self.stage_bytes = int(stage_bytes)
         self._base: int | None = None
+        self._mark: int | None = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         if self.device.type != "cpu":
             return
-        reset = _reset_high_water()
-        self._base = resident_bytes()
-        if not reset:
-            # the mark still holds the build's peak: measure from it, an under-estimate rather than the build
-            self._base = resident_bytes("VmHWM")
+        if not _reset_high_water():
+            # the mark still holds the build's peak: only how far it rises from here counts, on
+            # top of the resident size now, an under-estimate rather than the build
             log.info("cannot reset the resident high-water mark here: the measured peak leaves out "
-                     "what the stage held below the build's peak")
+                     "what the process held below the build's peak")
+        self._base = resident_bytes()
+        self._mark = resident_bytes("VmHWM")
 
     def out_of_memory(self, stage: int, stages: int, exc: BaseException) -> StageOutOfMemoryError:
         return StageOutOfMemoryError(stage, stages, self.device, self.peak_bytes(), str(exc))
@@ -141,7 +172,8 @@ class PeakMemory:
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        hwm = resident_bytes("VmHWM") if self._base is not None else None
+        hwm = resident_bytes("VmHWM") if self._base is not None and self._mark is not None else None
         if hwm is None:
             return 0
-        return self.stage_bytes + max(0, hwm - self._base)
+        # the whole process, as the estimate counts it on a CPU (module docstring)
+        return self._base + max(0, hwm - self._mark)

@@ -191,7 +191,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
             gc.collect()
             gc.freeze()
         # from here on the stage trains: its peak is measured beside the planner's estimate
-        self.memory = PeakMemory(self.device, self.parameter_bytes())
+        self.memory = PeakMemory(self.device)
         self._build_groups()
         # Where this worker sends its step statistics and whose it gathers (see `_agree`).
         self._stats_parent, self._stats_children = setup.stats_tree(a.plan, self.stage, self.replica)

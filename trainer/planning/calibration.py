@@ -20,9 +20,12 @@ Memory model (shared by the simulator and the planner):
     The step runs once the stage's activations are freed: a stage holds its static bytes plus
     the larger of its activations and its step's temporaries;
   * `worker_bytes` is what every worker holds on the device beyond its tensors, whatever its
-    stage: the math library's workspaces (cuBLAS keeps one per thread that runs a matrix product,
-    the worker's own and autograd's backward thread: 2 x 33.6 MB on an H100), measured; 0 on a CPU
-    ([Note: memory is a budget] in ARCHITECTURE.md).
+    stage, measured: on a GPU the math library's workspaces (cuBLAS keeps one per thread that
+    runs a matrix product, the worker's own and autograd's backward thread: 2 x 33.6 MB on an
+    H100); on a CPU, whose device is the host, the process itself (the interpreter, torch, the
+    script's libraries and data), measured by a daemon's calibration run, which is such a
+    process; 0 where a script calibrates in its own process ([Note: memory is a budget] in
+    ARCHITECTURE.md).
 
 Links: a send of n bytes takes ``latency_s + n / bandwidth_Bps``. All-reduce of n bytes over a
 ring of D replicas takes ``2 (D-1)/D * n / bandwidth_Bps + 2 (D-1) * latency_s`` (reduce-scatter

@@ -587,11 +587,13 @@ def _refuse_too_large(kinds: Sequence[_Kind], sizes: Sequence[int], allow_recomp
             _, need, k = min(needs, key=lambda x: x[0])
             static = k.static[i + 1] - k.static[i]
             where = "the first" if i == 0 else "the last" if i == n - 1 else f"segment {i + 1}"
+            # on a CPU the worker process itself is most of a small stage (trainer.engine.memory)
+            worker = f", the worker beyond its tensors {k.cal.worker_bytes / 2**20:.1f} MiB" if k.cal.worker_bytes else ""
             raise ModelTooLarge(
                 f"the model cannot fit any number of these slots: {where} of its {n} segments (the parts "
                 f"between cut points) needs {need / 2**20:.1f} MiB on a {k.name} slot even alone on a stage "
-                f"at micro-batch {mbs} (its weights and training state {static / 2**20:.1f} MiB), and a slot "
-                f"has {k.capacity / 2**20:.1f} MiB usable",
+                f"at micro-batch {mbs} (its weights and training state {static / 2**20:.1f} MiB{worker}), and "
+                f"a slot has {k.capacity / 2**20:.1f} MiB usable",
                 hint="give each slot more memory (larger VMs, or the daemons' --memory), or add CutPoints inside "
                      "that part of the model so that it can be split over more stages")
 

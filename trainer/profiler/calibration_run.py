@@ -12,6 +12,7 @@ package root `trainer` (above both) sets to build a `CalibrationRun`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -19,7 +20,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from trainer.engine.memory import PeakMemory
+from trainer.engine.memory import PeakMemory, process_bytes
 from trainer.engine.precision import Precision
 from trainer.graph.written import batch_statistics
 from trainer.profiler.calibrate import Profiler
@@ -70,7 +71,10 @@ class CalibrationRun:
         profiler.global_batch = self.batch_size
         if optimizer is not None:
             profiler.set_optimizer(optimizer)
-        meter = PeakMemory(self.device, 0)   # from the captured model: what a worker holds before it trains
+        meter = PeakMemory(self.device)   # from the captured model: what a worker holds before it trains
+        # a worker on a CPU holds this process's like beside its stage's tensors: the same script,
+        # libraries and data, and the capture's machinery (trainer.engine.memory)
+        process = process_bytes(self.model) if self.device.type == "cpu" else 0
         sizes = self.sizes
         if not self.fixed and batch_statistics(profiler.traced.graph_module):
             # BatchNorm trains a model that depends on the micro-batch: calibrated at one size, the
@@ -79,11 +83,15 @@ class CalibrationRun:
             log.warning("calibrating micro-batch size %d only (from the script's chunk_size): the model's "
                         "BatchNorm makes what it trains depend on the micro-batch size", self.one_size)
         calibration = profiler.profile_all(sizes)
+        if process:
+            calibration = dataclasses.replace(calibration, worker_bytes=calibration.worker_bytes + process)
         calibration.save(a.profile)
         # the whole model passes through host memory; the device holds one segment at a time
-        log.warning("calibration memory: peak %.1f MB above the built model (%s), the model's weights %.1f MB",
-                    meter.peak_bytes() / 1e6, "largest allocated" if self.device.type == "cuda" else "resident growth",
-                    sum(p.numel() * p.element_size() for p in self.model.parameters()) / 1e6)
+        log.warning("calibration memory: peak %.1f MB (%s), the model's weights %.1f MB, a worker's process "
+                    "beyond its tensors %.1f MB", meter.peak_bytes() / 1e6,
+                    "largest allocated" if self.device.type == "cuda" else "the process's resident size",
+                    sum(p.numel() * p.element_size() for p in self.model.parameters()) / 1e6,
+                    calibration.worker_bytes / 1e6)
         log.warning("calibration of %s (optimizer %s) written to %s; exiting (VARUNA_PROFILE run)",
                     profiler.fingerprint, type(optimizer).__name__ if optimizer is not None else "default",
                     a.profile)
