@@ -93,12 +93,16 @@ class PlanFollowing:
                 if epoch < self.applied_epoch and epoch not in went_back:
                     # plan epochs are etcd revisions, which never go back unless etcd lost its
                     # data or was restored from an older copy: this daemon's workers then run an
-                    # epoch the fleet no longer knows (not handled yet: said, not hidden)
+                    # epoch the fleet no longer knows, and the store's epoch fences refuse the
+                    # checkpoints of every lower epoch (not handled yet: said, not hidden; the
+                    # restore that keeps revisions going forward is in ARCHITECTURE.md)
                     went_back.add(epoch)
                     log.error("%s: the plan's epoch %d is older than epoch %d, which this daemon applied: etcd's "
                               "history went back (its data was lost or restored from an older copy); this "
-                              "daemon ignores plans older than epoch %d until it is restarted", self.name, epoch,
-                              self.applied_epoch, self.applied_epoch)
+                              "daemon ignores plans older than epoch %d until it is restarted. Restore etcd with "
+                              "its revisions moved past every epoch the fleet ran ('etcdutl snapshot restore "
+                              "--bump-revision N --mark-compacted' of etcd 3.5's later releases and 3.6), then restart the "
+                              "daemons", self.name, epoch, self.applied_epoch, self.applied_epoch)
                 return
             self.applied_epoch = epoch
             log.info("%s: plan epoch %d: %s %s (%s)", self.name, epoch, doc.kind, doc.job or "", doc.reason)
