@@ -350,7 +350,11 @@ def _examples_repeat(node: fx.Node, d: int, batch: set) -> bool:
             repeats = list(x.args[1])
             return not _same(_expr(repeats[len(repeats) - len(shape) + d]), 1)
         src = source.meta.get("val") if source is not None else None
-        if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(val.shape):
+        # compared as expressions: a SymInt comparison is a guard, and a sample whose batch size
+        # equals another dimension (16 examples of 16 tokens) would then make the two one symbol
+        # for every later op, or fix the batch size at 16
+        if not isinstance(src, torch.Tensor) or len(src.shape) != len(val.shape) or not all(
+                _same(_expr(a), _expr(b)) for a, b in zip(src.shape, val.shape)):
             return False
         x = source
     return False
