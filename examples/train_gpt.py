@@ -45,7 +45,6 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    torch.manual_seed(args.seed)  # dropout masks; the weights come from GPT(seed=...)
     cfg = GPTConfig.preset(args.preset, dropout=args.dropout)
     ds = TextDataset(cfg.seq_len, args.examples, seed=args.seed,
                      text=source_corpus() if args.corpus == "source" else None)
@@ -55,7 +54,9 @@ def main() -> None:
         # Real examples for the dry run that measures the cut points.
         return ds.sample_batch(size, device)
 
-    varuna = Varuna(model, None, get_batch_fn, batch_size=args.batch_size, chunk_size=args.chunk_size)
+    # seed= keys the dropout masks by (seed, step, example): torch.manual_seed does not reach them
+    varuna = Varuna(model, None, get_batch_fn, batch_size=args.batch_size, chunk_size=args.chunk_size,
+                    seed=args.seed)
     opt = torch.optim.AdamW(varuna.parameters(), lr=args.lr)
     varuna.set_optimizer(opt)
     if varuna.iteration and varuna.rank == 0:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.graph.capture import capture_model
-from trainer.graph.keyed_random import draws_unkeyed
+from trainer.graph.keyed_random import draws_in_evaluation, draws_unkeyed
 from trainer.graph.keyed_rng import Draws, keyed_keep, keyed_normal, keyed_randomness, keyed_uniform, keyed_words
 from trainer.graph.reference import keyed_model, train_step
 
@@ -256,6 +256,28 @@ def test_a_random_op_without_a_batch_dimension_is_keyed_by_the_op_alone():
             draws[step, offset] = gm(x=torch.ones(2, 3)).item()
     assert draws[1, 0] == draws[1, 2]   # every micro-batch of a step draws the same vector
     assert draws[1, 0] != draws[2, 0]
+
+
+def test_random_ops_that_draw_in_an_evaluation_as_in_training_are_named():
+    """A probe's timm-style drop-path and added noise, each under `if self.training`: the capture
+    is of the training forward, so an evaluation drew them (2e-2 off model.eval(), no word);
+    dropout alone is off in an evaluation and is not named."""
+    class DropPath(nn.Module):
+        def __init__(self, noisy: bool):
+            super().__init__()
+            self.lin, self.noisy = nn.Linear(4, 4), noisy
+
+        def forward(self, x):
+            h = F.dropout(self.lin(x), 0.1, self.training)
+            if self.training and self.noisy:
+                keep = x.new_empty(x.shape[0], 1).bernoulli_(0.7)
+                h = h / 0.7 * keep + torch.randn_like(h) * 0.1
+            return h.pow(2).mean()
+
+    x = torch.randn(4, 4)
+    assert draws_in_evaluation(capture_model(DropPath(True).train(), {"x": x}).graph_module) == [
+        "bernoulli_", "randn_like"]
+    assert draws_in_evaluation(capture_model(DropPath(False).train(), {"x": x}).graph_module) == []
 
 
 def test_outside_training_dropout_is_the_identity():

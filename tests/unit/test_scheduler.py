@@ -98,3 +98,31 @@ def test_a_scheduler_that_steps_on_a_metric_is_refused_at_set_optimizer():
         plateau.step(1.0)
     finally:
         v.close()
+
+
+def test_a_scheduler_the_script_steps_itself_is_said_at_the_first_step_and_refused_after_a_resume(tmp_path, caplog):
+    """A probe's port stepped a warmup LambdaLR itself, as every PyTorch loop does: a resumed run
+    started the warmup over (lr 2.9e-4 where the uninterrupted run had 4.8e-4), with no word."""
+    def worker():
+        v = Varuna(Normed(), {0: [0]}, normed_batch, 8, 4)
+        opt = torch.optim.SGD(v.parameters(), lr=0.05)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _decay)
+        v.set_optimizer(opt)
+        return v, sched
+
+    v, sched = worker()
+    try:
+        with caplog.at_level("WARNING", logger="varuna"):
+            v.step(normed_batch(8))
+            sched.step()
+        assert "not given to set_optimizer" in caplog.text and "lr_scheduler=sched" in caplog.text
+        v.checkpoint(str(tmp_path))
+    finally:
+        v.close()
+    v, sched = worker()
+    try:
+        assert v.load_checkpoint(str(tmp_path)) == 1
+        with pytest.raises(ConfigError, match=r"resumed at step 1, would start its schedule over"):
+            v.step(normed_batch(8))
+    finally:
+        v.close()

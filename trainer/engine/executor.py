@@ -7,6 +7,7 @@ must not reorder or add work: every action in the list is executed, in order, an
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -17,11 +18,13 @@ from trainer.engine.precision import Precision, autocast
 from trainer.engine.split_backward import WeightPass, backward_input, backward_weight
 from trainer.errors import ConfigError
 from trainer.graph.evaluation import evaluation_module
-from trainer.graph.keyed_random import draws_unkeyed
+from trainer.graph.keyed_random import draws_in_evaluation, draws_unkeyed
 from trainer.graph.keyed_rng import Draws, drawing
 from trainer.graph.partition import ACTIVATION
 from trainer.graph.written import BufferSnapshot, writes_input, written_buffers
 from trainer.planning.schedule import Action, Kind
+
+log = logging.getLogger("varuna")
 
 __all__ = ["StageExecutor"]
 
@@ -223,6 +226,12 @@ class StageExecutor:
         """The stage's graph as `model.eval()` would run it (trainer.graph.evaluation), built again
         when a weight load replaced the stage's tensors."""
         ids = tuple(id(t) for t in (*self.module.parameters(), *self.module.buffers()))
+        if self._evaluating is None and (drawn := draws_in_evaluation(self.module)):
+            # a probe's drop-path model evaluated 2e-2 off model.eval(), with no word
+            log.warning("evaluate runs the captured training forward: its random ops %s draw as in training, "
+                        "where model.eval() would skip a branch the model takes only when self.training "
+                        "(drop-path, added noise); dropout is off. Evaluate such a model from an exported "
+                        "checkpoint (varunactl export) to match model.eval()", ", ".join(drawn))
         if self._evaluating is None or self._evaluating[0] != ids:
             self._evaluating = (ids, evaluation_module(self.module))
         return self._evaluating[1]

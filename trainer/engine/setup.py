@@ -166,6 +166,7 @@ def free_other_stages(model: nn.Module, canonical, keep: set[str]) -> None:
             freed = True
     if freed:
         model.register_forward_pre_hook(_freed_model_called)
+        model.register_state_dict_pre_hook(_freed_model_saved)
     _return_freed_memory()
 
 
@@ -177,6 +178,17 @@ def _freed_model_called(module: nn.Module, args) -> None:
         "one stage's weights, and the model object the others' as empty placeholders, so it cannot run forward",
         hint="evaluate through Varuna (varuna.evaluate(batch) runs the pipeline, in eval mode), and sample or "
              "generate from a model loaded from a checkpoint (varunactl export)")
+
+
+def _freed_model_saved(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    # torch.save(model.state_dict()) and save_pretrained wrote the other stages' tensors as empty
+    # ones, and the file failed only when loaded (a probe's GPT-2 at P = 2)
+    raise ConfigError(
+        f"this {type(module).__name__} was split into pipeline stages when Varuna took it: its state_dict "
+        "would hold the other stages' weights as empty tensors, and a file saved from it would not load",
+        hint="write the whole trained model from the job's newest checkpoint with `varunactl export JOB --out DIR` "
+             "(`--store DIR` for a trainer.launch run), which also writes a Hugging Face model's "
+             "save_pretrained directory")
 
 
 def _return_freed_memory() -> None:

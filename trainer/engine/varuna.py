@@ -220,6 +220,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         self._applying = self._applied = False
         self._held_since = 0              # the iteration the state came from (init or a checkpoint)
         self._scheduler_steps: int | None = None   # the scheduler's last_epoch as this engine left it
+        self._scheduler_checked = False   # whether the first step looked for a scheduler it was not given
         log.info("rank %d: stage %d/%d replica %d/%d, %d parameters (%.1f MB), cuts %s",
                  self.rank, self.stage, self.plan.P, self.replica, self.plan.D,
                  sum(p.numel() for p in self.parameters()), self.parameter_bytes() / 2**20, cuts)
@@ -270,6 +271,7 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
                 log.info("rank %d: resumed from checkpoint %d", self.rank, newest)
         self._held_since = self.iteration
         self._scheduler_steps = getattr(lr_scheduler, "last_epoch", None)
+        self._scheduler_checked = False
         self.control.idle_rescue = self._rescue_if_asked
 
     def step(self, inputs: Mapping[str, torch.Tensor], clip_grad_max_norm: float | None = None
@@ -290,6 +292,9 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
                               f"({', '.join(self.model_inputs)}), got a {type(inputs).__name__}",
                               hint="pass {name: tensor}, e.g. dict(zip(%r, batch))" % (tuple(self.model_inputs),))
         self._rescue_if_asked()
+        if not self._scheduler_checked:
+            self._scheduler_checked = True
+            _check_unregistered_scheduler(self.optimizer, self.lr_scheduler, self.iteration)
         self.recorder.set_step(self.iteration)
         start = time.perf_counter()
         waited = self.channel.wait_s if self.channel is not None else 0.0
@@ -617,6 +622,26 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
 
     def _allreduce(self) -> None:
         self.reducer.reduce()
+
+
+def _check_unregistered_scheduler(optimizer: torch.optim.Optimizer, lr_scheduler, iteration: int) -> None:
+    """A learning-rate scheduler built on `optimizer` (torch's schedulers mark its param groups
+    with their `initial_lr`) but not given to set_optimizer is stepped by the script and saved by
+    no checkpoint: a resumed run starts its schedule over (a probe's warmup restarted at step 5,
+    and the losses went another way). Said at a fresh run's first step; refused at a resumed
+    run's, which would train another model than the uninterrupted run."""
+    if lr_scheduler is not None or not any("initial_lr" in g for g in optimizer.param_groups):
+        return
+    what = ("a learning-rate scheduler was built on this optimizer but not given to set_optimizer: no "
+            "checkpoint holds its state")
+    hint = ("pass it as set_optimizer(opt, lr_scheduler=sched) and drop the loop's sched.step(): Varuna then steps "
+            "it after each applied step, checkpoints it and restores it; or set the learning rate from "
+            "varuna.iteration yourself")
+    if iteration > 0:
+        raise ConfigError(f"{what}, so this run, resumed at step {iteration}, would start its schedule over and "
+                          "train another model than the uninterrupted run", hint=hint)
+    log.warning("%s, so a resumed run (every morph under varunad) would start its schedule over and be "
+                "refused; %s", what, hint)
 
 
 def _check_scheduler(lr_scheduler) -> None:

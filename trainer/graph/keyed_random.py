@@ -31,7 +31,7 @@ from torch import fx
 
 from trainer.graph.keyed_rng import UNKEYED, current_draws, keyed_keep, keyed_normal, keyed_uniform
 
-__all__ = ["key_random_ops", "draws", "draws_unkeyed", "RANDOM_OPS"]
+__all__ = ["key_random_ops", "draws", "draws_in_evaluation", "draws_unkeyed", "RANDOM_OPS"]
 
 log = logging.getLogger("varuna")
 
@@ -239,6 +239,20 @@ RANDOM_OPS = {
     _aten.scaled_dot_product_attention.default: attention,
 }
 _KEYED = frozenset(RANDOM_OPS.values())
+# the ones that read the executor's training flag: dropout is the identity in an evaluation
+_OFF_IN_EVALUATION = frozenset(fn for op, fn in RANDOM_OPS.items()
+                               if "dropout" in op.name() or op is _aten.scaled_dot_product_attention.default)
+
+
+def draws_in_evaluation(gm: fx.GraphModule) -> list[str]:
+    """The keyed ops of `gm` that draw in an evaluation as in training: the capture is of the
+    training forward, so a random op a model runs only under `if self.training` (drop-path,
+    added noise) is in the graph unconditionally, and only dropout knows it is evaluating."""
+    graph = getattr(gm, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return []
+    return sorted({n.target.__name__ for n in graph.nodes if n.op == "call_function"
+                   and n.target in _KEYED and n.target not in _OFF_IN_EVALUATION})
 
 
 def _is_random(node: fx.Node) -> bool:
