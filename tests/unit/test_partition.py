@@ -166,6 +166,20 @@ def test_untraceable_model_says_why():
     assert "torch.where" in message                                       # what to change
 
 
+def test_hugging_face_layerdrop_is_refused_with_the_config_setting_to_change():
+    """A probe's OPT with layerdrop 0.2: the advice was to rewrite transformers' code with torch.where."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.OPTConfig(vocab_size=50, hidden_size=16, ffn_dim=32, num_hidden_layers=2, num_attention_heads=2,
+                                 max_position_embeddings=16, word_embed_proj_dim=16, layerdrop=0.2, use_cache=False)
+    model = transformers.OPTForCausalLM(cfg).train()
+    ids = torch.randint(0, 50, (2, 8))
+    with pytest.raises(PartitionError, match="cannot capture") as err:
+        capture_model(model, {"input_ids": ids, "labels": ids})
+    message = str(err.value)
+    assert "LayerDrop skips layers at random" in message and "modeling_opt.py" in message
+    assert "set the model's LayerDrop to 0 in its config" in message
+
+
 def test_unknown_shared_weight_name_is_refused():
     cfg = GPTConfig.preset("tiny")
     model = GPT(cfg, seed=0)

@@ -139,6 +139,12 @@ def _why(exc: BaseException) -> tuple[str, str]:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     data_dependent = "data-dependent" in str(exc) or type(exc).__name__ in (
         "GuardOnDataDependentSymNode", "PendingUnbackedSymbolNotFound")
+    if data_dependent and "layerdrop" in where.lower():
+        # transformers' LayerDrop (BART, OPT, Wav2Vec2...): a draw decides in Python which layers run
+        return (f"Python control flow depends on a tensor's value at {where}: LayerDrop skips layers at random "
+                "per step",
+                "set the model's LayerDrop to 0 in its config (layerdrop, encoder_layerdrop, decoder_layerdrop) "
+                "before building it; dropout inside the layers is kept by sample and needs no change")
     if data_dependent:
         return (f"Python control flow depends on a tensor's value at {where or 'an unknown place'}",
                 "compute both branches and pick with torch.where (or use torch.cond), or move the "
