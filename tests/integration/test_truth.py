@@ -65,7 +65,8 @@ def test_a_script_that_does_not_compile_or_import_is_refused_at_submit(ring, tmp
     (tmp_path / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
     r = ring.varunactl("submit", "--name", "broken", "--batch-size", "8", "--steps", "4", "--checkpoint-every", "2",
                        str(tmp_path / "passwd"))
-    assert r.returncode == 1 and "passwd line 1: SyntaxError" in r.stderr, r.stderr
+    assert r.returncode == 1 and "passwd is not a Python script (line 1: " in r.stderr, r.stderr
+    assert "pass its data files as the script's arguments after --" in r.stderr
     assert ring.call(ring.store.get(ring.keys.job("broken"))) is None
 
 

@@ -146,6 +146,11 @@ def check_bundle(data: bytes, script: str, *, imports: bool = True) -> None:
                 trees[name] = ast.parse(source, filename=name)
                 compile(trees[name], name, "exec", dont_inherit=True)
             except SyntaxError as exc:
+                if name == script and not name.endswith(".py"):
+                    # a data file given where the script goes (`submit ... input.txt`)
+                    raise BundleError(f"{name} is not a Python script (line {exc.lineno}: {exc.msg}): submit the "
+                                      "training script, and pass its data files as the script's arguments after "
+                                      "--") from None
                 raise BundleError(f"{name} line {exc.lineno}: {type(exc).__name__}: {exc.msg}; fix it and submit "
                                   "again (the job would fail on every VM)") from None
             except ValueError as exc:   # null bytes
