@@ -126,3 +126,20 @@ def test_a_scheduler_the_script_steps_itself_is_said_at_the_first_step_and_refus
             v.step(normed_batch(8))
     finally:
         v.close()
+
+
+def test_a_step_past_the_jobs_last_one_is_refused():
+    """A probe's script looped to its own --steps 300 under a job of 10: status said "step 10 of
+    10" while it trained on, and the job failed for want of checkpoint 10."""
+    import dataclasses
+
+    v = Varuna(Normed(), {0: [0]}, normed_batch, 8, 4)
+    try:
+        v.set_optimizer(torch.optim.SGD(v.parameters(), lr=0.05))
+        v.assignment = dataclasses.replace(v.assignment, steps=2)
+        v.step(normed_batch(8))
+        v.step(normed_batch(8))
+        with pytest.raises(ConfigError, match=r"step\(\) called for step 2, past the job's last step \(1: the job has 2"):
+            v.step(normed_batch(8))
+    finally:
+        v.close()

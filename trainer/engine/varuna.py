@@ -292,6 +292,14 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
                               f"({', '.join(self.model_inputs)}), got a {type(inputs).__name__}",
                               hint="pass {name: tensor}, e.g. dict(zip(%r, batch))" % (tuple(self.model_inputs),))
         self._rescue_if_asked()
+        last = self.assignment.steps
+        if last is not None and self.iteration >= last:
+            # the daemon's job ends at its last step: a loop of the script's own count trained on,
+            # unseen, and the job failed afterwards for want of the last step's checkpoint
+            raise ConfigError(f"step() called for step {self.iteration}, past the job's last step ({last - 1}: "
+                              f"the job has {last} steps)",
+                              hint="loop `while varuna.iteration < job_setting('steps', N)` "
+                                   "(trainer.worker_env.job_setting), so the job's --steps decides")
         if not self._scheduler_checked:
             self._scheduler_checked = True
             _check_unregistered_scheduler(self.optimizer, self.lr_scheduler, self.iteration)
