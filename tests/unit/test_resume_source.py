@@ -105,3 +105,16 @@ def test_a_checkpoint_carries_the_losses_before_it_and_the_epoch_that_trained_th
     assert (found.step, found.losses, found.losses_epoch) == (3, ((1, 0.5), (2, 0.25)), 7)
     _commit(store, 5, losses={"epoch": 7, "steps": [[1.5, 0.5], [9, 1.0], ["x", 1]]})   # not a worker's: none
     assert resume_source(store, _plan(), ["vm1"]).losses == ()
+
+
+def test_a_failed_jobs_hint_promises_its_checkpoints_only_where_the_store_holds_one(tmp_path):
+    """A probe's jobs that failed before any checkpoint were told "with --store ... it resumes from
+    this one's checkpoints"; their stores held none."""
+    from varunad.node.leader import _resume_hint
+
+    store = str(tmp_path)
+    assert _resume_hint(store) == " (its store holds no complete checkpoint: a new job starts from scratch)"
+    _commit(store, 4)
+    assert _resume_hint(store) == f" (with --store {store} it resumes from this one's checkpoints (newest: step 4))"
+    assert _resume_hint("s3://bucket/j") == " (with --store s3://bucket/j it resumes from this one's checkpoints)"
+    assert _resume_hint(None) == ""

@@ -100,7 +100,8 @@ class ControlClient:
         self.rescue_requested = True
         if self.abandonable:
             self.abandonable = False   # raised once: the rescue itself must not be interrupted
-            raise StepAbandoned("the daemon says this epoch is broken (a peer was lost)")
+            raise StepAbandoned("the daemon ends this epoch (a peer was lost, or the job is cancelled or "
+                                "re-planned): this worker saves the step it holds and stops")
         if not self.in_step and self.idle_rescue is not None:
             rescue, self.idle_rescue = self.idle_rescue, None   # once: it must not be interrupted either
             rescue()

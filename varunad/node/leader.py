@@ -501,8 +501,7 @@ class Leader(LeaderPlanning, LeaderPace):
                     await self._finish(snap, job, "failed",
                                        f"{what} ({who}{again}): not retried, starting again would fail the same "
                                        f"way; fix the script or the job and submit it again under a new --name"
-                                       + (f" (with --store {state.store} it resumes from this one's checkpoints)"
-                                          if state.store else ""), error=d.reason)
+                                       + _resume_hint(state.store), error=d.reason)
                     return True
                 if restarts > self.config.max_restarts:
                     await self._finish(snap, job, "failed", f"gave up after {state.restarts} restarts: {what} ({who})",
@@ -567,3 +566,16 @@ class Leader(LeaderPlanning, LeaderPace):
         if not store:
             return ResumeSource("", None, "")
         return await asyncio.to_thread(resume_source, store, plan, gone)
+
+
+def _resume_hint(store: str | None) -> str:
+    """What a failed job's next submission can resume from: its store's checkpoints, only where it
+    holds a complete one (a probe's failed jobs were promised checkpoints their stores never had)."""
+    if not store:
+        return ""
+    found = resume_source(store, None, ())
+    if found.source == "scratch":
+        return " (its store holds no complete checkpoint: a new job starts from scratch)"
+    at = f" (newest: step {found.step})" if found.step is not None and found.source else ""
+    return f" (with --store {store} it resumes from this one's checkpoints{at})"
+
