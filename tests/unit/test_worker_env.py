@@ -202,3 +202,20 @@ def test_every_varuna_variable_the_code_spells_is_derived_or_owned_elsewhere():
                for m in re.findall(r"[\"'](VARUNA_[A-Z0-9_]+)[\"']", f.read_text())}
     derived = {env_name(f.name) for f, _ in env_fields(WorkerAssignment)}
     assert spelled - derived - OWNED_ELSEWHERE == set()
+
+
+def test_a_script_asking_for_a_gpu_on_a_cpu_slot_is_told_where_it_trains(caplog):
+    """A probe's script passed device="cuda": under the daemon of a GPU-less ring it trained on the
+    CPU with no word, as it would on a fleet whose GPU driver failed."""
+    import torch
+
+    from trainer.engine.setup import choose_device
+
+    slot = WorkerAssignment(rank=0, plan=ParallelPlan(P=1, D=1), endpoints=[""], dist_url="", device="cpu")
+    with caplog.at_level("WARNING", logger="varuna"):
+        assert choose_device(slot, 0, "cuda") == torch.device("cpu")
+    assert "asks for device 'cuda', but this worker's slot is the CPU" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="varuna"):
+        assert choose_device(slot, 0, -1) == torch.device("cpu")   # no choice of the script's: nothing to say
+    assert not caplog.text
