@@ -174,3 +174,26 @@ async def test_a_stop_kills_a_calibration_run_at_once_and_asks_a_training_worker
                 await proc.wait()
         sup.close()
         ctx.term()
+
+
+async def test_an_earlier_epochs_unshipped_log_lines_are_still_shipped_after_a_new_epoch_begins(tmp_path):
+    """A probe's job printed thousands of lines and raised: its retry began at once, and the first
+    attempt's last lines, the traceback among them, never reached `varunactl logs`."""
+    ctx = zmq.asyncio.Context()
+    sup = _supervisor(tmp_path, ctx)
+    try:
+        done = tmp_path / "e5-r0.log"
+        done.write_bytes(b"shipped\n")
+        old = _running(sup, 0, "t0")
+        old.log_path, old.log_offset = done, done.stat().st_size
+        with open(done, "ab") as f:
+            f.write(b"Traceback (most recent call last):\nValueError: at step 3\n")
+        sup._begin("j", 6)
+        new = _running(sup, 0, "t1")
+        shipping = sup.reporter._workers()
+        assert shipping == [old, new]
+        old.log_offset = done.stat().st_size   # what the shipper does once it wrote the chunk
+        assert sup.reporter._workers() == [new]
+    finally:
+        sup.close()
+        ctx.term()

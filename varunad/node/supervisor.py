@@ -236,8 +236,11 @@ class Supervisor(WorkerStopping):
         self.epoch_started_at = 0.0
         self.first_step_at = 0.0
         self._spares_after: int | None = None   # the step after which this epoch's spares start importing
+        # an earlier epoch's workers whose logs are not all in etcd yet: a retry began at once and
+        # the first attempt's last lines, its traceback among them, were never shipped (a probe)
+        self._log_tails: list[_SupervisedWorker] = []
         self.reporter = Reporter(config=config, store=store, keys=keys, membership=membership, report=self.report,
-                                 workers=lambda: list(self.workers.values()))
+                                 workers=lambda: [*self._unshipped(), *self.workers.values()])
         self._exited = asyncio.Event()
         self._exited.set()
         self._on_exit: list[Callable[[_SupervisedWorker], Any]] = []
@@ -378,7 +381,18 @@ class Supervisor(WorkerStopping):
     def _log_path(self, job: str, epoch: int, rank: int) -> Path:
         return job_dir(self.config.state_dir, LOGS, job) / f"e{epoch}-r{rank}.log"
 
+    def _unshipped(self) -> list[_SupervisedWorker]:
+        """The earlier epochs' workers whose logs hold lines not shipped yet."""
+        def left(w: _SupervisedWorker) -> bool:
+            try:
+                return w.log_offset < w.log_path.stat().st_size
+            except OSError:
+                return False   # its directory was removed (the job's files pruned): nothing to ship
+        self._log_tails = [w for w in self._log_tails if left(w)]
+        return self._log_tails
+
     def _begin(self, job: str, epoch: int) -> None:
+        self._log_tails += self.workers.values()
         self.workers = {}
         self.job, self.epoch = job, epoch
         self.epoch_started_at = time.time()
