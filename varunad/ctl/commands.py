@@ -12,11 +12,13 @@ import asyncio
 import importlib.util
 import io
 import json
+import os
 import sys
 import time
 import zipfile
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from varunad.cluster.facts import parse_member
@@ -34,7 +36,7 @@ from varunad.store.contract import (
 from varunad.store.etcd import EtcdStore
 from varunad.store.keys import Keys
 
-__all__ = ["CtlError", "run", "check_bundle", "build_spec", "submit", "plan_lines", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
+__all__ = ["CtlError", "run", "check_bundle", "build_spec", "misplaced_paths", "submit", "plan_lines", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
            "print_job", "print_fleet", "dumps"]
 
 
@@ -191,6 +193,22 @@ def build_spec(*, name: str, script: str, args: list[str], batch_size: int, chun
     spec = JobSpec(**{**probe, "script": rel, "bundle_digest": bundle_digest(data), "bundle_bytes": len(data),
                       "submitted_at": time.time()})
     return spec, data
+
+
+def misplaced_paths(script: str | os.PathLike[str], args: Sequence[str], cwd: str | None = None) -> list[str]:
+    """The script's arguments (or `--flag=value` values) that name a file or directory from here
+    by a relative path that does not exist from the script's directory, where its workers run:
+    a probe's `-- --data port2/input.txt` failed at calibration with FileNotFoundError."""
+    here = Path(cwd or os.getcwd())
+    home = (here / script).resolve().parent
+    out = []
+    for arg in args:
+        value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
+        if not value or value.startswith("-") or os.path.isabs(value):
+            continue
+        if (here / value).exists() and not (home / value).exists():
+            out.append(value)
+    return out
 
 
 async def submit(store: Store, keys: Keys, spec: JobSpec, bundle: bytes, out: TextIO = sys.stdout, *,
