@@ -125,6 +125,13 @@ def test_restarts_are_told_apart_from_morphs_and_a_run_that_trained_nothing_clai
     trained = cost_lines(cost_report(intervals, {"NVIDIA A100-SXM4-80GB": 2}, prices, steps=10, batch_size=8,
                                       downtime_s=20.0, redone_steps=0))
     assert any(ln.startswith("morphs   2: ") for ln in trained) and any(ln.startswith("saving") for ln in trained)
+    # a run whose restarts cost more than spot saved blames them, not morphs it never had (a probe's report
+    # said "morphs none, 1 restart..." and then "the morphs lost more than spot's price saved")
+    dear = {"NVIDIA A100-SXM4-80GB": DevicePrice(3.9, 4.0, "test")}
+    restarted = cost_lines(cost_report(intervals, {"NVIDIA A100-SXM4-80GB": 2}, dear, steps=10, batch_size=8,
+                                       downtime_s=20.0, redone_steps=0, restarts=2))
+    saving = [ln for ln in restarted if ln.startswith("saving")]
+    assert saving and saving[0].endswith("the restarts lost more than spot's price saved"), restarted
 
 
 def test_a_job_state_written_by_a_newer_release_still_loads():

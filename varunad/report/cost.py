@@ -189,6 +189,10 @@ def _saving_lines(cost: dict[str, Any]) -> list[str]:
     if factor > 1:
         return [f"saving   the same work on dedicated on-demand VMs (no morphs) would cost {_usd(dedicated)}: "
                 f"spot is {factor:.1f}x cheaper"]
+    m = cost["morphs"]
+    # what lost the time, in the words of the "morphs" line above it (a failed job's restart is no morph)
+    lost = {(True, False): "the morphs", (False, True): "the restarts",
+            (True, True): "the morphs and restarts"}.get((bool(m["count"]), bool(m.get("restarts"))))
+    why = f"{lost} lost more than spot's price saved" if lost else "spot's price is not below on-demand's here"
     return [f"saving   none: the same work on dedicated on-demand VMs (no morphs) would cost {_usd(dedicated)}, "
-            f"{1 / factor:.1f}x less than at spot ({_usd(cost['spot_usd'])}): the morphs lost more than spot's "
-            "price saved"]
+            f"{1 / factor:.1f}x less than at spot ({_usd(cost['spot_usd'])}): {why}"]
