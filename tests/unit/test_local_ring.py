@@ -30,6 +30,12 @@ def test_bar_line_shows_step_loss_rate_plan_and_epoch():
     queued = status_doc(0, state="queued", P=None, loss=None, rate=None, reason="calibrating gpt on vm1")
     assert progress.bar_line(queued, 100) == "gpt [....................] 0/100 queued (calibrating gpt on vm1)"
     assert progress.plain_line(queued, 100) == "gpt 0/100 queued (calibrating gpt on vm1)"
+    # a log has room for the whole reason; the terminal's one redrawn line does not (a probe's CI log
+    # read "(then 2 slots of its machine busy at…)")
+    long = "calibrating gpt on vm1 (then 2 slots of its machine busy at once, to measure shared cores)"
+    queued = {**queued, "reason": long}
+    assert progress.plain_line(queued, 100) == f"gpt 0/100 queued ({long})"
+    assert progress.bar_line(queued, 100).endswith("…)") and long not in progress.bar_line(queued, 100)
 
 
 def test_terminal_output_redraws_one_line_and_prints_each_morph_once():

@@ -98,21 +98,22 @@ def _stragglers(doc: dict[str, Any]) -> str:
             if slow else "")
 
 
-def _state_word(doc: dict[str, Any]) -> str:
+def _state_word(doc: dict[str, Any], limit: int | None = 60) -> str:
     """Nothing while running; otherwise the state in status's words (restarting, stopping or
-    morphing for a job between plans) and why (e.g. queued while the model is calibrated)."""
+    morphing for a job between plans) and why (e.g. queued while the model is calibrated), cut
+    to `limit` characters on a terminal's bar."""
     state = doc.get("state", "?")
     if state == "running":
         return ""
     word = doc.get("activity") or state
-    reason = _one_line(doc.get("reason") or "", 60)
+    reason = _one_line(doc.get("reason") or "", limit)
     return f"{word} ({reason})" if reason and state in ("queued", "morphing") else str(word)
 
 
-def _one_line(text: str, limit: int) -> str:
+def _one_line(text: str, limit: int | None) -> str:
     # a reason may quote a worker's last output: its first line says enough
     first = (text.strip().splitlines() or [""])[0]
-    return first if len(first) <= limit else first[:limit - 1] + "…"
+    return first if limit is None or len(first) <= limit else first[:limit - 1] + "…"
 
 
 def bar_line(doc: dict[str, Any], steps: int, width: int = 20) -> str:
@@ -129,7 +130,8 @@ def plain_line(doc: dict[str, Any], steps: int) -> str:
     step = min(int(doc.get("step") or 0), steps)
     details = " ".join(p for p in (_numbers(doc), _shape(doc), _redoing(doc), _store_failing(doc), _stragglers(doc))
                        if p)
-    return f"{doc['job']} {step}/{steps} {_state_word(doc) or 'running'}" + (f": {details}" if details else "")
+    # a log has room for the whole reason (a probe's CI log read "re-planning on the …")
+    return f"{doc['job']} {step}/{steps} {_state_word(doc, None) or 'running'}" + (f": {details}" if details else "")
 
 
 def morph_line(morph: dict[str, Any]) -> str:
@@ -139,7 +141,7 @@ def morph_line(morph: dict[str, Any]) -> str:
             else f"morph {morph['from']} -> {morph['to']}")
     source = morph_source(morph)
     return (f"{what} (stopped, re-planned in {morph['duration_s']:.1f}s{', ' + source if source else ''}): "
-            f"{_one_line(morph['reason'], 100)}")
+            f"{_one_line(morph['reason'], None)}")   # printed once, above the bar: whole
 
 
 def morph_source(morph: dict[str, Any]) -> str:
