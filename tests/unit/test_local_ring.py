@@ -36,6 +36,16 @@ def test_bar_line_shows_step_loss_rate_plan_and_epoch():
     queued = {**queued, "reason": long}
     assert progress.plain_line(queued, 100) == f"gpt 0/100 queued ({long})"
     assert progress.bar_line(queued, 100).endswith("…)") and long not in progress.bar_line(queued, 100)
+    # a calibration says how long it has run on the redrawn bar; a log's line, written on change, does not
+    # (minutes of the same words read as stuck: a probe's loaded host calibrated for 5.5 minutes)
+    calibrating = status_doc(0, state="queued", P=None, loss=None, rate=None, reason="calibrating gpt on vm1")
+    assert progress.bar_line({**calibrating, "calibrating_s": 130.4}, 100).endswith("(calibrating gpt on vm1, 2m10s)")
+    assert progress.plain_line({**calibrating, "calibrating_s": 130.4}, 100) == progress.plain_line(calibrating, 100)
+    shown = progress.start("gpt", 100, tty=False)
+    shown, text = progress.advance(shown, {**calibrating, "calibrating_s": 5.0}, now=0.0)
+    assert text
+    shown, text = progress.advance(shown, {**calibrating, "calibrating_s": 6.0}, now=1.0)
+    assert text == ""
 
 
 def test_terminal_output_redraws_one_line_and_prints_each_morph_once():

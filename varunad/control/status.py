@@ -7,6 +7,7 @@ so it lives below both.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from varunad.control.fleet import read_newest, read_progress, usable_spec
@@ -24,7 +25,7 @@ from varunad.store import schemas
 from varunad.store.contract import Store, StoreError
 from varunad.store.keys import Keys
 
-__all__ = ["memory_lines", "stage_memory",
+__all__ = ["memory_lines", "stage_memory", "elapsed",
            "UnknownJob", "read_state", "job_status", "job_queue", "plan_lines", "activity"]
 
 
@@ -115,10 +116,14 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
     reason = state.reason
     if state.state == "queued" and reason == "submitted":
         reason = next((j["reason"] for j in await job_queue(store, keys) if j["job"] == job), reason)
+    # minutes of the same words read as stuck (a probe's loaded host calibrated for 5.5 min): how long so far
+    calibrating = (time.time() - state.calibration_started
+                   if state.state == "queued" and state.calibration_started and not state.calibration_ended else None)
     return {
         # `step`: steps done, which is the index (model.iteration) of the next step to train; the loss
         # history and the plots are indexed by step, so `loss` is that of step `step - 1`
         "job": job, "state": state.state, "reason": reason, "step": step, "steps": total, "epoch": state.epoch,
+        "calibrating_s": calibrating,
         "activity": activity(state.state, state.change),
         "plan": {"P": plan.get("P"), "D": plan.get("D"), "micro_batch_size": plan.get("micro_batch_size"),
                  "schedule": plan.get("schedule"), "members": plan.get("members", []),
@@ -284,3 +289,10 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
                      f"{alt['micro_batches']}: estimated {_secs(alt['estimated_s'])}")
     lines += [f"  not     {why}" for why in plan.get("ruled_out") or []]
     return lines
+
+
+
+def elapsed(seconds: float) -> str:
+    """'45s', '5m30s': a wait as a person reads it."""
+    whole = max(0, int(seconds))
+    return f"{whole}s" if whole < 60 else f"{whole // 60}m{whole % 60:02d}s"

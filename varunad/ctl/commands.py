@@ -24,7 +24,15 @@ from typing import Any, TextIO
 from varunad.cluster.facts import parse_member
 from varunad.control.fleet import read_plan
 from varunad.control.jobs import BundleError, JobSpec, JobSpecError, bundle_digest, pack_bundle
-from varunad.control.status import job_queue, job_status, memory_lines, plan_lines, read_state, speed_lines
+from varunad.control.status import (
+    elapsed,
+    job_queue,
+    job_status,
+    memory_lines,
+    plan_lines,
+    read_state,
+    speed_lines,
+)
 from varunad.store.contract import (
     HistoryCompacted,
     Store,
@@ -280,7 +288,8 @@ def print_job(doc: dict[str, Any], out: TextIO = sys.stdout) -> None:
     redo = doc.get("redoing")
     moves = [m for m in doc["morphs"] if not m.get("restart")]
     lines = [
-        f"job       {doc['job']}: {doc.get('activity') or doc['state']} ({doc['reason']})",
+        f"job       {doc['job']}: {doc.get('activity') or doc['state']} ({doc['reason']}"
+        + (f", for {elapsed(doc['calibrating_s'])} so far" if doc.get("calibrating_s") is not None else "") + ")",
         f"plan      epoch {doc['epoch']}: {shape} on {', '.join(plan['members']) or '-'}",
         *plan_lines(plan),
         *memory_lines(doc.get("stages") or []),

@@ -33,6 +33,7 @@ from typing import Any, TextIO
 
 from varunad.control.records import stall_before
 from varunad.control.resume import ResumeSource
+from varunad.control.status import elapsed
 
 __all__ = ["Shown", "start", "advance", "finish", "bar_line", "plain_line", "morph_line", "morph_source", "watch"]
 
@@ -107,6 +108,8 @@ def _state_word(doc: dict[str, Any], limit: int | None = 60) -> str:
         return ""
     word = doc.get("activity") or state
     reason = _one_line(doc.get("reason") or "", limit)
+    if limit is not None and doc.get("calibrating_s") is not None:   # the redrawn bar only: a log's line would change every second
+        reason += f", {elapsed(doc['calibrating_s'])}"
     return f"{word} ({reason})" if reason and state in ("queued", "morphing") else str(word)
 
 
@@ -194,7 +197,7 @@ def advance(shown: Shown, doc: dict[str, Any], now: float, wall: float | None = 
         # a morph line takes the bar's place, and the bar is drawn again below it
         return replace(shown, bar=bar), _CLEAR + "".join(new_morphs) + bar
     step = int(doc.get("step") or 0)
-    key = (_state_word(doc), _shape(doc), bool(doc.get("store_failing")))
+    key = (_state_word(doc, None), _shape(doc), bool(doc.get("store_failing")))
     due = step != shown.line_step and (step - shown.line_step >= shown.every_steps
                                        or now - shown.line_at >= shown.every_s)
     if key != shown.line_key or due:  # the end is a new state, so it always gets its line
