@@ -341,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="the machine this daemon runs on (default: the kernel's boot id, so daemons on one host, a local "
            "ring or network namespaces, know they share its cores); set it only to play separate VMs on one host")
     a("--memory", type=int, metavar="BYTES",
-      help="memory per slot (default: the GPU's, from nvidia-smi; on a CPU host its memory / slots)")
+      help="memory per slot (default: the GPU's, from nvidia-smi; on a CPU host its memory / slots). On a CPU "
+           "slot a worker's process itself (about 300 MB, measured by the calibration) counts against it; a spare "
+           "worker per slot (--spare-workers) holds about 230 MB more that the plans do not count yet")
     a("--threads", type=int, metavar="N", help="torch threads per worker (default: cores / slots)")
     a("--stop-grace", type=float, metavar="SECONDS",
       help="seconds workers get to checkpoint and stop before SIGKILL, also a broken epoch's workers "
