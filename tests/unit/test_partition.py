@@ -1,5 +1,7 @@
 """Slicing a model into stages: the slices compute the whole model, misuse gets a clear error."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,8 +168,9 @@ def test_untraceable_model_says_why():
     assert "torch.where" in message                                       # what to change
 
 
-def test_hugging_face_layerdrop_is_refused_with_the_config_setting_to_change():
-    """A probe's OPT with layerdrop 0.2: the advice was to rewrite transformers' code with torch.where."""
+def test_hugging_face_layerdrop_is_refused_with_the_config_setting_to_change(capfd):
+    """A probe's OPT with layerdrop 0.2: the advice was to rewrite transformers' code with torch.where,
+    after 300 lines of partial graphs torch printed to stderr."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.OPTConfig(vocab_size=50, hidden_size=16, ffn_dim=32, num_hidden_layers=2, num_attention_heads=2,
                                  max_position_embeddings=16, word_embed_proj_dim=16, layerdrop=0.2, use_cache=False)
@@ -178,6 +181,21 @@ def test_hugging_face_layerdrop_is_refused_with_the_config_setting_to_change():
     message = str(err.value)
     assert "LayerDrop skips layers at random" in message and "modeling_opt.py" in message
     assert "set the model's LayerDrop to 0 in its config" in message
+    assert "def forward(" not in capfd.readouterr().err
+
+
+def test_what_forward_writes_to_stderr_while_captured_still_reaches_stderr(capfd):
+    class Chatty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            print("in forward", file=sys.stderr)
+            return self.lin(x).sum()
+
+    capture_model(Chatty(), {"x": torch.randn(2, 4)})
+    assert "in forward" in capfd.readouterr().err
 
 
 def test_unknown_shared_weight_name_is_refused():

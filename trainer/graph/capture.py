@@ -20,9 +20,12 @@ buffers as eager mode does.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import logging
 import os
+import sys
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -281,19 +284,25 @@ def _export(model: nn.Module, inputs, fixed, blocks):
     hooks = [model.get_submodule(b).register_forward_hook(_mark_block_output(b)) for b in blocks]
     host: list[str] = []
     effects: list[str] = []
+    graphs: list[str] = []   # the partial graphs failed exports print
     try:
-        with capturing(), watching_host_random(host), watching_forward(model, effects):
+        with capturing(), watching_host_random(host), watching_forward(model, effects), _quiet_shape_solver(graphs):
             try:
                 ep = torch.export.export(model, (), {**inputs, **fixed},
                                          dynamic_shapes=_dynamic(inputs, fixed, every_dim=True), strict=False)
             except (PartitionError, ConfigError):
                 raise
             except Exception as exc:   # some code only captures with its sizes fixed: the batch's alone then
+                _printed_graph(exc, graphs)
                 log.info("capture: with every dimension symbolic export failed (%s: %s); capturing with the "
                          "batch dimension alone symbolic, so every batch must have the sample's other sizes",
                          type(exc).__name__, str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "")
-                ep = torch.export.export(model, (), {**inputs, **fixed},
-                                         dynamic_shapes=_dynamic(inputs, fixed, every_dim=False), strict=False)
+                try:
+                    ep = torch.export.export(model, (), {**inputs, **fixed},
+                                             dynamic_shapes=_dynamic(inputs, fixed, every_dim=False), strict=False)
+                except Exception as again:
+                    _printed_graph(again, graphs)
+                    raise
         _warn_of_host_random(host)
         for effect in dict.fromkeys(effects):
             log.warning("capture: %s", effect)
@@ -310,6 +319,38 @@ def _export(model: nn.Module, inputs, fixed, blocks):
     finally:
         for h in hooks:
             h.remove()
+
+
+@contextlib.contextmanager
+def _quiet_shape_solver(graphs: list[str]):
+    """A capture that meets control flow on a tensor's value has torch's shape solver log a warning
+    and export print the partial graph to stderr (300 lines for a 2-layer OPT), before the refusal
+    that says where and what to change. Both are kept out of the user's output: the warning by
+    the solver's log level, the graphs (`graphs`, filled by the caller from the failures'
+    `partial_fx_graph`) by taking them out of what forward wrote to stderr meanwhile."""
+    solver = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = solver.level
+    solver.setLevel(logging.ERROR)
+    written = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(written):
+            yield
+    finally:
+        solver.setLevel(level)
+        text = written.getvalue()
+        for graph in graphs:
+            text = text.replace(f"{graph}\n", "")   # each export wrapper prints it
+        sys.stderr.write(text)
+
+
+def _printed_graph(exc: BaseException | None, graphs: list[str]) -> None:
+    """The partial graph torch printed for a failed export, wherever in the exception's chain it is."""
+    seen = 0
+    while exc is not None and seen < 8:
+        graph = getattr(exc, "partial_fx_graph", None)
+        if graph is not None:
+            graphs.append(str(graph))
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
 
 
 def _warn_of_host_random(calls: list[str]) -> None:
