@@ -66,7 +66,9 @@ def _warn_of_token_losses(model: nn.Module, gm: fx.GraphModule) -> None:
                     "drawn at random): it weighs each micro-batch by its examples, which is the full batch's "
                     "loss only where no target is ignored. If targets hold ignore_index (padding), pass "
                     "loss_count=lambda m: (<the targets> != <ignore_index>).sum() (or loss_count=None to "
-                    "silence this)", type(model).__name__, found[0].name)
+                    "silence this); targets forward draws at random (a masked-LM mask) are in no micro-batch "
+                    "for loss_count to read: draw them with the batch, before step(), and pass them as an "
+                    "input", type(model).__name__, found[0].name)
 
 
 def counter_for(model: nn.Module, loss_count: Counter | str | None,
