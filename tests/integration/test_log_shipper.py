@@ -44,6 +44,15 @@ async def test_new_output_goes_to_etcd_once_with_a_prefix_and_refusals_become_no
 
         await shipper.ship([w], timeout=5.0)  # nothing new: nothing written
         assert len(await _chunks(store, keys, "j", "vm1")) == 1
+        # a resumed run whose learning-rate schedule started over trains another model: status shows it
+        with open(path, "ab") as f:
+            f.write(b"12:00:01 ERROR varuna: learning-rate schedule started over: LambdaLR, a scheduler not given "
+                    b"to set_optimizer, is at its start in this run, resumed at step 5\n")
+        await shipper.ship([w], timeout=5.0)
+        note = await store.get(keys.note_entry("j", "vm1"))
+        assert json.loads(note.value)[-1] == ("epoch 3 rank 1 on vm1: learning-rate schedule started over: LambdaLR, a "
+                                              "scheduler not given to set_optimizer, is at its start in this run, "
+                                              "resumed at step 5")
 
 
 

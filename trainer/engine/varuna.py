@@ -636,20 +636,27 @@ def _check_unregistered_scheduler(optimizer: torch.optim.Optimizer, lr_scheduler
     """A learning-rate scheduler built on `optimizer` (torch's schedulers mark its param groups
     with their `initial_lr`) but not given to set_optimizer is stepped by the script and saved by
     no checkpoint: a resumed run starts its schedule over (a probe's warmup restarted at step 5,
-    and the losses went another way). Said at a fresh run's first step; refused at a resumed
-    run's, which would train another model than the uninterrupted run."""
+    and the losses went another way, with no word). Said at a fresh run's first step, and at a
+    resumed run's where a scheduler of the optimizer is at its start: an error line, which the
+    daemon's log shipper turns into a warning of `varunactl status` (varunad.node.log_shipper).
+    Not refused: a scheduler stepped once per pass over the data is at its start, rightly, at
+    every step of the first pass."""
     if lr_scheduler is not None or not any("initial_lr" in g for g in optimizer.param_groups):
         return
-    what = ("a learning-rate scheduler was built on this optimizer but not given to set_optimizer: no "
-            "checkpoint holds its state")
-    hint = ("pass it as set_optimizer(opt, lr_scheduler=sched) and drop the loop's sched.step(): Varuna then steps "
-            "it after each applied step, checkpoints it and restores it; or set the learning rate from "
-            "varuna.iteration yourself")
-    if iteration > 0:
-        raise ConfigError(f"{what}, so this run, resumed at step {iteration}, would start its schedule over and "
-                          "train another model than the uninterrupted run", hint=hint)
-    log.warning("%s, so a resumed run (every morph under varunad) would start its schedule over and be "
-                "refused; %s", what, hint)
+    hint = ("pass it as set_optimizer(opt, lr_scheduler=sched) and drop the loop's sched.step(): Varuna then "
+            "steps it after each applied step, checkpoints it and restores it; or build it from varuna.iteration")
+    if iteration == 0:
+        log.warning("a learning-rate scheduler was built on this optimizer but not given to set_optimizer: no "
+                    "checkpoint holds its state, so a resumed run (every morph under varunad) would start its "
+                    "schedule over; %s", hint)
+        return
+    found = [o for o in gc.get_referrers(optimizer)
+             if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and getattr(o, "optimizer", None) is optimizer]
+    if found and all(getattr(o, "last_epoch", 0) > 0 for o in found):
+        return   # restored by the script itself
+    log.error("learning-rate schedule started over: %s, a scheduler not given to set_optimizer, is at its start "
+              "in this run, resumed at step %d, so its learning rates are not the uninterrupted run's; %s",
+              type(found[0]).__name__ if found else "the optimizer's", iteration, hint)
 
 
 def _check_scheduler(lr_scheduler) -> None:

@@ -1,4 +1,4 @@
-"""Copy this daemon's worker logs into etcd, and pick the checkpoint refusals out of them.
+"""Copy this daemon's worker logs into etcd, and pick what status must show out of them.
 
 Each worker writes ``STATE_DIR/logs/<job>/e<epoch>-r<rank>.log`` (varunad.node.supervisor). The
 shipper reads what was appended since its last call, whole lines only (a worker that has ended
@@ -6,8 +6,9 @@ also its last line without a newline), prefixes every line with
 ``[member e<epoch> r<rank>]`` and writes it in chunks of at most ``_CHUNK`` bytes under the job's
 log keys, where ``varunactl logs`` reads them. The newest ``_KEPT_BYTES`` per job and daemon are
 kept; once older chunks go, a marker first in the listing (sequence 0) says how much and where the
-whole logs are. A line saying a checkpoint was skipped (trainer.checkpoint.store) is also logged
-here and kept as a note.
+whole logs are. A line saying a checkpoint was skipped (trainer.checkpoint.store), or that a
+resumed run's learning-rate schedule started over (trainer.engine.varuna), is also logged here and
+kept as a note, which status shows.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ _CHUNK = 64 * 1024
 # per job and daemon: at one chunk a tick, a count of chunks kept a busy job's last 30 s only
 _KEPT_BYTES = 4 << 20
 _CHUNKS_PER_CALL = 16   # per worker: a burst of output reaches etcd within a few ticks
-_REFUSAL = b"skipping checkpoint"  # what trainer.checkpoint.store logs for a checkpoint that does not verify
+# what a worker logs that status must show, and where its words start in the line: a checkpoint that
+# does not verify (trainer.checkpoint.store), and a learning-rate schedule a resume started over
+# (trainer.engine.varuna's check of a scheduler not given to set_optimizer)
+_NOTED = (b"skipping checkpoint", b"learning-rate schedule started over")
 
 
 class ShippedLog(Protocol):
@@ -111,15 +115,16 @@ class LogShipper:
 
     async def _note_refusals(self, w: ShippedLog, data: bytes, timeout: float) -> None:
         """A worker that skipped a corrupt checkpoint (trainer.checkpoint.store: "skipping checkpoint N:
-        ...") resumed from an older one and redoes steps: say so in this daemon's log and in etcd
-        (``notes/<job>/<member>``, shown by status), not only in the worker's own output."""
-        found = [line.decode("utf-8", "replace").strip() for line in data.splitlines() if _REFUSAL in line]
+        ...") resumed from an older one and redoes steps; one whose learning-rate schedule started over
+        trains another model: say so in this daemon's log and in etcd (``notes/<job>/<member>``, shown by
+        status), not only in the worker's own output."""
+        found = [(line, marker) for line in data.splitlines() for marker in _NOTED if marker in line]
         if not found:
             return
         notes = self._notes.setdefault(w.job, [])
-        for line in found:
-            text = line[line.index(_REFUSAL.decode()):][:500]
-            log.warning("%s: rank %d of %s epoch %d refused a checkpoint: %s", self.name, w.rank, w.job, w.epoch, text)
+        for line, marker in found:
+            text = line[line.index(marker):].decode("utf-8", "replace").strip()[:500]
+            log.warning("%s: rank %d of %s epoch %d: %s", self.name, w.rank, w.job, w.epoch, text)
             notes.append(f"epoch {w.epoch} rank {w.rank} on {self.name}: {text}")
         del notes[:-10]
         await self.store.put(self.keys.note_entry(w.job, self.name), json.dumps(notes).encode(), timeout=timeout)
