@@ -3,7 +3,8 @@ trained within the slots' budgets, each stage's measured peak beside the planner
 
 The model is the issue's plain MLP (`tests/memory_job/mlp.py`): 8 layers of width 2048, a
 CutPoint after each but the last, Adam: 134 MB of weights, 537 MB with gradients and Adam's
-two moments, 2.7x a slot of `--memory 200000000`.
+two moments, 2.7x a slot of `--memory 200000000` (on a CPU ring, whose slots' memory holds each
+worker's process too, about 300 MB here, a slot of 500 MB).
 
 * default (`--device cpu`): a ring of four real varunad processes on loopback (one slot each,
   `--memory`, a private etcd, the daemons' calibration run); the job runs to its end. The
@@ -15,10 +16,10 @@ two moments, 2.7x a slot of `--memory 200000000`.
   (its cuts, micro-batch and D; every worker on the same device, one GPU standing for four
   slots); the workers print their peaks.
 
-A worker's peak is its stage's weights plus what it held beyond them since its stage was built
-(on CUDA `torch.cuda.max_memory_allocated`; on a CPU the resident high-water mark's rise, so the
-allocator's and libraries' buffers count too). The calibration's is its rise above the built
-model. The host copy of the weights (the whole model as the script builds it) is reported apart:
+A worker's peak is what it held since its stage was built (on CUDA `torch.cuda.max_memory_allocated`,
+its stage's weights included; on a CPU its process's resident high-water mark, so the interpreter,
+torch, the allocator's and libraries' buffers count too, as the planner's estimate does). The
+calibration's is its rise above the built model. The host copy of the weights (the whole model as the script builds it) is reported apart:
 the calibration and the workers leave it out.
 
 Run:  python benchmarks/memory.py [--quick] [--device cpu|cuda] [--launch]
@@ -117,7 +118,7 @@ def run_launch(args) -> dict:
         prof.set_optimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
         meter = PeakMemory(device)
         cal = prof.profile_all(profile_sizes(args.batch, 4))
-        calibration_peak = meter.peak_bytes()
+        calibration_peak = meter.growth_bytes()
     slots = [Slot(f"s{i}", "local", cal.device_kind, args.memory) for i in range(4)]
     try:
         chosen = plan(slots, args.batch, [cal], schedule=args.schedule)
@@ -151,7 +152,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps (under 3 minutes on 2 cores)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--launch", action="store_true", help="trainer.launch instead of a ring of daemons")
-    ap.add_argument("--memory", type=int, default=200_000_000, help="bytes per slot (default 200 MB)")
+    ap.add_argument("--memory", type=int, default=None,
+                    help="bytes per slot (default 200 MB; 500 MB for a CPU ring, whose slots hold the workers' "
+                         "processes too)")
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
@@ -162,6 +165,7 @@ def main() -> None:
     args = ap.parse_args()
     args.steps = args.steps or (3 if args.quick else 10)
     launch = args.launch or args.device == "cuda"
+    args.memory = args.memory or (200_000_000 if launch else 500_000_000)
     weights = args.width * (args.width + 1) * 4 * args.depth
     print(f"model: MLP {args.depth} x {args.width}, Adam: weights {weights / 1e6:.1f} MB, training state "
           f"{4 * weights / 1e6:.1f} MB = {4 * weights / args.memory:.2f}x a slot of {args.memory / 1e6:.0f} MB; "

@@ -166,6 +166,11 @@ class PeakMemory:
         self._base = resident_bytes()
         self._mark = resident_bytes("VmHWM")
 
+    def growth_bytes(self) -> int:
+        """How far the peak rose above what was held when the meter started (on a CPU the whole
+        process then, the built model among it; on a GPU nothing is subtracted)."""
+        return max(0, self.peak_bytes() - (self._base or 0))
+
     def out_of_memory(self, stage: int, stages: int, exc: BaseException) -> StageOutOfMemoryError:
         return StageOutOfMemoryError(stage, stages, self.device, self.peak_bytes(), str(exc))
 

@@ -87,9 +87,9 @@ class CalibrationRun:
             calibration = dataclasses.replace(calibration, worker_bytes=calibration.worker_bytes + process)
         calibration.save(a.profile)
         # the whole model passes through host memory; the device holds one segment at a time
-        log.warning("calibration memory: peak %.1f MB (%s), the model's weights %.1f MB, a worker's process "
-                    "beyond its tensors %.1f MB", meter.peak_bytes() / 1e6,
-                    "largest allocated" if self.device.type == "cuda" else "the process's resident size",
+        log.warning("calibration memory: peak %.1f MB above the built model (%s), the model's weights %.1f MB, "
+                    "a worker beyond its tensors %.1f MB", meter.growth_bytes() / 1e6,
+                    "largest allocated" if self.device.type == "cuda" else "resident growth",
                     sum(p.numel() * p.element_size() for p in self.model.parameters()) / 1e6,
                     calibration.worker_bytes / 1e6)
         log.warning("calibration of %s (optimizer %s) written to %s; exiting (VARUNA_PROFILE run)",
