@@ -135,3 +135,15 @@ def test_a_sample_one_long_says_that_the_capture_fixed_it():
         assert "a size of 1 there, which the capture always fixes" in err.value.hint
     finally:
         v.close()
+
+
+def test_a_batch_longer_than_the_models_position_table_is_named_with_its_shapes():
+    """A batch past the position embeddings failed with torch's bare "index out of range in self"."""
+    v = Varuna(TinyLM(), {0: [0]}, lambda size, device: batch(size, device, seq=6), 8, 4)
+    try:
+        v.set_optimizer(torch.optim.SGD(v.parameters(), lr=0.1))
+        with pytest.raises(ConfigError, match=r"indexed outside one of its tables on a micro-batch of "
+                                              r"input_ids \(4, 10\), labels \(4, 10\).*position embeddings"):
+            v.step(batch(8, seq=SEQ + 2))
+    finally:
+        v.close()

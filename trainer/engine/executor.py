@@ -131,7 +131,15 @@ class StageExecutor:
                 x = x.detach().requires_grad_(True)
             kwargs[ACTIVATION] = x.clone() if self._copies_activation else x
         with torch.set_grad_enabled(grad), autocast(self.precision, self.device), drawing(self._draws[m]):
-            out = self._running(**kwargs)
+            try:
+                out = self._running(**kwargs)
+            except IndexError as exc:   # torch's own words name no input: "index out of range in self"
+                shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in self._inputs[m].items()
+                                   if isinstance(v, torch.Tensor))
+                raise ConfigError(f"the model indexed outside one of its tables on a micro-batch of {shapes}: {exc}",
+                                  hint="a sequence longer than the model's position embeddings, or a token id "
+                                       "past its vocabulary: check the batch's lengths and ids against the "
+                                       "model's config") from exc
         return x, out
 
     def _forward(self, m: int) -> None:
