@@ -117,13 +117,18 @@ def test_a_scheduler_the_script_steps_itself_is_said_at_the_first_step_and_after
         with caplog.at_level("WARNING", logger="varuna"):
             v.step(normed_batch(8))
             sched.step()
-        assert "not given to set_optimizer" in caplog.text and "lr_scheduler=sched" in caplog.text
+        assert "scheduler LambdaLR was built on this optimizer but not given" in caplog.text
+        assert "lr_scheduler=sched" in caplog.text
         v.checkpoint(str(tmp_path))
     finally:
         v.close()
-    for last_epoch, said in ((-1, True), (0, False)):   # built afresh; built from the step it resumes at
+    # built afresh; built from the step it resumes at; restored by the script, to where it was and to its
+    # start (its attributes then live in a dict of their own, which is what refers to the optimizer)
+    for last_epoch, restore, said in ((-1, None, True), (0, None, False), (-1, 1, False), (-1, 0, True)):
         caplog.clear()
         v, sched = worker(last_epoch)
+        if restore is not None:
+            sched.load_state_dict({**sched.state_dict(), "last_epoch": restore})
         try:
             assert v.load_checkpoint(str(tmp_path)) == 1
             with caplog.at_level("WARNING", logger="varuna"):
@@ -134,10 +139,13 @@ def test_a_scheduler_the_script_steps_itself_is_said_at_the_first_step_and_after
             v.close()
 
 
-def test_a_step_past_the_jobs_last_one_is_refused():
+def test_a_step_past_the_jobs_last_one_ends_the_script_with_status_0(caplog):
     """A probe's script looped to its own --steps 300 under a job of 10: status said "step 10 of
-    10" while it trained on, and the job failed for want of checkpoint 10."""
+    10" while it trained on, and the job failed for want of checkpoint 10. Refused with an error,
+    a job whose steps were all trained would fail; ended with status 0, it is done."""
     import dataclasses
+
+    from trainer.engine.control import StepsDone
 
     v = Varuna(Normed(), {0: [0]}, normed_batch, 8, 4)
     try:
@@ -145,7 +153,9 @@ def test_a_step_past_the_jobs_last_one_is_refused():
         v.assignment = dataclasses.replace(v.assignment, steps=2)
         v.step(normed_batch(8))
         v.step(normed_batch(8))
-        with pytest.raises(ConfigError, match=r"step\(\) called for step 2, past the job's last step \(1: the job has 2"):
+        with caplog.at_level("ERROR", logger="varuna"), pytest.raises(StepsDone) as done:
             v.step(normed_batch(8))
+        assert done.value.code == 0 and v.iteration == 2
+        assert "step() called for step 2, past the last of the job's 2 steps" in caplog.text
     finally:
         v.close()

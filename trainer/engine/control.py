@@ -58,6 +58,17 @@ class StopRequested(SystemExit):
         self.step = step
 
 
+class StepsDone(SystemExit):
+    """Raised by Varuna.step called past the job's last step: the job's steps are trained and its
+    last checkpoint written, so the script ends with status 0 here rather than training on (a
+    probe's script looped to its own count, 290 steps past its job's, which then failed for want
+    of a checkpoint of its last step)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(0)
+        self.step = step
+
+
 class StepAbandoned(Exception):
     """Raised in the step in progress when the daemon signals that the epoch is broken."""
 

@@ -50,7 +50,7 @@ from trainer.engine import weights as stage_weights
 from trainer.engine.agreement import StepAgreement
 from trainer.engine.checkpoints import WorkerCheckpoints
 from trainer.engine.compute_clock import ComputeClock
-from trainer.engine.control import STOPPED_EXIT_CODE, ControlClient, StepAbandoned, StopRequested
+from trainer.engine.control import STOPPED_EXIT_CODE, ControlClient, StepAbandoned, StepsDone, StopRequested
 from trainer.engine.executor import StageExecutor
 from trainer.engine.groups import ProcessGroups
 from trainer.engine.memory import OUT_OF_MEMORY, PeakMemory
@@ -294,15 +294,14 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         self._rescue_if_asked()
         last = self.assignment.steps
         if last is not None and self.iteration >= last:
-            # the daemon's job ends at its last step: a loop of the script's own count trained on,
-            # unseen, and the job failed afterwards for want of the last step's checkpoint
-            raise ConfigError(f"step() called for step {self.iteration}, past the job's last step ({last - 1}: "
-                              f"the job has {last} steps)",
-                              hint="loop `while varuna.iteration < job_setting('steps', N)` "
-                                   "(trainer.worker_env.job_setting), so the job's --steps decides")
+            log.error("rank %d: step() called for step %d, past the last of the job's %d steps (its --steps, "
+                      "VARUNA_STEPS): the script ends here, as the job does; loop `while varuna.iteration < "
+                      "job_setting('steps', N)` (trainer.worker_env) so that the job's steps decide",
+                      self.rank, self.iteration, last)
+            raise StepsDone(self.iteration)
         if not self._scheduler_checked:
             self._scheduler_checked = True
-            _check_unregistered_scheduler(self.optimizer, self.lr_scheduler, self.iteration)
+            _check_unregistered_scheduler(self.optimizer, self.lr_scheduler, self.iteration, self.rank)
         self.recorder.set_step(self.iteration)
         start = time.perf_counter()
         waited = self.channel.wait_s if self.channel is not None else 0.0
@@ -632,31 +631,46 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         self.reducer.reduce()
 
 
-def _check_unregistered_scheduler(optimizer: torch.optim.Optimizer, lr_scheduler, iteration: int) -> None:
-    """A learning-rate scheduler built on `optimizer` (torch's schedulers mark its param groups
-    with their `initial_lr`) but not given to set_optimizer is stepped by the script and saved by
-    no checkpoint: a resumed run starts its schedule over (a probe's warmup restarted at step 5,
-    and the losses went another way, with no word). Said at a fresh run's first step, and at a
-    resumed run's where a scheduler of the optimizer is at its start: an error line, which the
-    daemon's log shipper turns into a warning of `varunactl status` (varunad.node.log_shipper).
-    Not refused: a scheduler stepped once per pass over the data is at its start, rightly, at
-    every step of the first pass."""
-    if lr_scheduler is not None or not any("initial_lr" in g for g in optimizer.param_groups):
+def _schedulers_of(optimizer: torch.optim.Optimizer) -> list:
+    """torch's learning-rate schedulers built on `optimizer`: found by what refers to it, the
+    scheduler itself or, once its attributes live in a dict of their own (a load_state_dict made
+    one), that dict, whose owner is the scheduler."""
+    kind = torch.optim.lr_scheduler.LRScheduler
+    found = []
+    for ref in gc.get_referrers(optimizer):
+        if isinstance(ref, kind) and getattr(ref, "optimizer", None) is optimizer:
+            found.append(ref)
+        elif isinstance(ref, dict) and ref.get("optimizer") is optimizer:
+            found += [o for o in gc.get_referrers(ref) if isinstance(o, kind) and getattr(o, "__dict__", None) is ref]
+    return list({id(o): o for o in found}.values())
+
+
+def _check_unregistered_scheduler(optimizer: torch.optim.Optimizer, lr_scheduler, iteration: int, rank: int) -> None:
+    """A torch learning-rate scheduler built on `optimizer` but not given to set_optimizer is
+    stepped by the script and saved by no checkpoint: a resumed run starts its schedule over (a
+    probe's warmup restarted at step 5, and the losses went another way, with no word). Said by
+    rank 0 at a fresh run's first step, and at a resumed run's where such a scheduler is at its
+    start: an error line, which the daemon's log shipper makes a warning of `varunactl status`
+    (varunad.node.log_shipper). Not refused: a scheduler stepped once per pass over the data is
+    rightly at its start during the first pass; and one that is no torch scheduler (timm's
+    computes its rate from the step it is given) is left alone."""
+    if lr_scheduler is not None or rank != 0 or not any("initial_lr" in g for g in optimizer.param_groups):
         return
-    hint = ("pass it as set_optimizer(opt, lr_scheduler=sched) and drop the loop's sched.step(): Varuna then "
-            "steps it after each applied step, checkpoints it and restores it; or build it from varuna.iteration")
+    found = _schedulers_of(optimizer)
+    if not found:
+        return
+    hint = ("one stepped after every step: pass it as set_optimizer(opt, lr_scheduler=sched) and drop the loop's "
+            "sched.step() (Varuna steps, checkpoints and restores it); one stepped once per pass over the data: "
+            "save its state_dict() with the script's own files and load it when varuna.iteration > 0")
+    name = type(found[0]).__name__
     if iteration == 0:
-        log.warning("a learning-rate scheduler was built on this optimizer but not given to set_optimizer: no "
+        log.warning("the learning-rate scheduler %s was built on this optimizer but not given to set_optimizer: no "
                     "checkpoint holds its state, so a resumed run (every morph under varunad) would start its "
-                    "schedule over; %s", hint)
-        return
-    found = [o for o in gc.get_referrers(optimizer)
-             if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and getattr(o, "optimizer", None) is optimizer]
-    if found and all(getattr(o, "last_epoch", 0) > 0 for o in found):
-        return   # restored by the script itself
-    log.error("learning-rate schedule started over: %s, a scheduler not given to set_optimizer, is at its start "
-              "in this run, resumed at step %d, so its learning rates are not the uninterrupted run's; %s",
-              type(found[0]).__name__ if found else "the optimizer's", iteration, hint)
+                    "schedule over; %s", name, hint)
+    elif any(getattr(o, "last_epoch", 0) == 0 for o in found):
+        log.error("learning-rate schedule started over: %s, a scheduler not given to set_optimizer, is at its start "
+                  "in this run, resumed at step %d, so its learning rates are not the uninterrupted run's (unless "
+                  "it is stepped once per pass over the data and this is the first); %s", name, iteration, hint)
 
 
 def _check_scheduler(lr_scheduler) -> None:

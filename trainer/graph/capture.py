@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import io
 import logging
 import os
 import sys
@@ -284,25 +283,19 @@ def _export(model: nn.Module, inputs, fixed, blocks):
     hooks = [model.get_submodule(b).register_forward_hook(_mark_block_output(b)) for b in blocks]
     host: list[str] = []
     effects: list[str] = []
-    graphs: list[str] = []   # the partial graphs failed exports print
     try:
-        with capturing(), watching_host_random(host), watching_forward(model, effects), _quiet_shape_solver(graphs):
+        with capturing(), watching_host_random(host), watching_forward(model, effects), _quiet_shape_solver():
             try:
                 ep = torch.export.export(model, (), {**inputs, **fixed},
                                          dynamic_shapes=_dynamic(inputs, fixed, every_dim=True), strict=False)
             except (PartitionError, ConfigError):
                 raise
             except Exception as exc:   # some code only captures with its sizes fixed: the batch's alone then
-                _printed_graph(exc, graphs)
                 log.info("capture: with every dimension symbolic export failed (%s: %s); capturing with the "
                          "batch dimension alone symbolic, so every batch must have the sample's other sizes",
                          type(exc).__name__, str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "")
-                try:
-                    ep = torch.export.export(model, (), {**inputs, **fixed},
-                                             dynamic_shapes=_dynamic(inputs, fixed, every_dim=False), strict=False)
-                except Exception as again:
-                    _printed_graph(again, graphs)
-                    raise
+                ep = torch.export.export(model, (), {**inputs, **fixed},
+                                         dynamic_shapes=_dynamic(inputs, fixed, every_dim=False), strict=False)
         _warn_of_host_random(host)
         for effect in dict.fromkeys(effects):
             log.warning("capture: %s", effect)
@@ -321,36 +314,44 @@ def _export(model: nn.Module, inputs, fixed, blocks):
             h.remove()
 
 
+_EXPORT_TRACE = os.path.join("torch", "export", "_trace.py")
+
+
+class _WithoutExportGraphs:
+    """stderr itself, each write passed on at once, less what torch's export prints itself
+    (`print(e.partial_fx_graph, file=sys.stderr)` when a capture fails): told by the Python frame
+    that wrote it. Anything else (fileno, buffer, isatty) is the real stream's."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def write(self, text: str) -> int:
+        if sys._getframe(1).f_code.co_filename.endswith(_EXPORT_TRACE):
+            return len(text)
+        return self._real.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
 @contextlib.contextmanager
-def _quiet_shape_solver(graphs: list[str]):
+def _quiet_shape_solver():
     """A capture that meets control flow on a tensor's value has torch's shape solver log a warning
     and export print the partial graph to stderr (300 lines for a 2-layer OPT), before the refusal
-    that says where and what to change. Both are kept out of the user's output: the warning by
-    the solver's log level, the graphs (`graphs`, filled by the caller from the failures'
-    `partial_fx_graph`) by taking them out of what forward wrote to stderr meanwhile."""
+    that says where and what to change: both kept out of the user's output (the warning unless
+    the user asked torch for its logs, TORCH_LOGS)."""
     solver = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     level = solver.level
-    solver.setLevel(logging.ERROR)
-    written = io.StringIO()
+    if solver.getEffectiveLevel() >= logging.WARNING:
+        solver.setLevel(logging.ERROR)
+    real = sys.stderr
+    sys.stderr = _WithoutExportGraphs(real)
     try:
-        with contextlib.redirect_stderr(written):
-            yield
+        yield
     finally:
+        if isinstance(sys.stderr, _WithoutExportGraphs):   # what forward set in its place stays
+            sys.stderr = real
         solver.setLevel(level)
-        text = written.getvalue()
-        for graph in graphs:
-            text = text.replace(f"{graph}\n", "")   # each export wrapper prints it
-        sys.stderr.write(text)
-
-
-def _printed_graph(exc: BaseException | None, graphs: list[str]) -> None:
-    """The partial graph torch printed for a failed export, wherever in the exception's chain it is."""
-    seen = 0
-    while exc is not None and seen < 8:
-        graph = getattr(exc, "partial_fx_graph", None)
-        if graph is not None:
-            graphs.append(str(graph))
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
 
 
 def _warn_of_host_random(calls: list[str]) -> None:
