@@ -20,6 +20,7 @@ class _Log:
     log_path: Path
     log_offset: int = 0
     alive: bool = False
+    log_end: int | None = None
 
 
 async def _chunks(store, keys, job, member) -> list[bytes]:
@@ -123,3 +124,19 @@ async def test_a_line_still_being_written_is_shipped_whole_with_one_prefix(etcd,
         assert (await _chunks(store, keys, "j", "vm1"))[-1] == b"[vm1 e34 r0] step 1 lo"
         assert w.log_offset == path.stat().st_size
 
+
+
+async def test_an_earlier_workers_log_is_shipped_up_to_where_it_ended(etcd, etcd_root, tmp_path):
+    """A later worker may append to the same file: the earlier one's record ships only its own lines."""
+    keys = Keys(etcd_root)
+    path = tmp_path / "e3-r0.log"
+    path.write_bytes(b"mine\nTraceback: mine too\n")
+    ended = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(b"the next worker's\n")
+    w = _Log(job="j", epoch=3, rank=0, log_path=path, log_end=ended)
+    async with EtcdStore(etcd.endpoint) as store:
+        shipper = LogShipper(name="vm1", store=store, keys=keys)
+        await shipper.ship([w], timeout=5.0)
+        assert await _chunks(store, keys, "j", "vm1") == [b"[vm1 e3 r0] mine\n[vm1 e3 r0] Traceback: mine too\n"]
+        assert w.log_offset == ended

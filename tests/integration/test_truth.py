@@ -67,6 +67,10 @@ def test_a_script_that_does_not_compile_or_import_is_refused_at_submit(ring, tmp
                        str(tmp_path / "passwd"))
     assert r.returncode == 1 and "passwd is not a Python script (line 1: " in r.stderr, r.stderr
     assert "pass its data files as the script's arguments after --" in r.stderr
+    (tmp_path / "weights.bin").write_bytes(b"\x00\x01binary")
+    r = ring.varunactl("submit", "--name", "broken", "--batch-size", "8", "--steps", "4", "--checkpoint-every", "2",
+                       str(tmp_path / "weights.bin"))
+    assert r.returncode == 1 and "weights.bin is not a Python script" in r.stderr, r.stderr
     assert ring.call(ring.store.get(ring.keys.job("broken"))) is None
 
 

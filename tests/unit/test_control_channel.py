@@ -191,8 +191,10 @@ async def test_an_earlier_epochs_unshipped_log_lines_are_still_shipped_after_a_n
         sup._begin("j", 6)
         new = _running(sup, 0, "t1")
         shipping = sup.reporter._workers()
-        assert shipping == [old, new]
-        old.log_offset = done.stat().st_size   # what the shipper does once it wrote the chunk
+        assert shipping == [old, new] and old.log_end == done.stat().st_size
+        with open(done, "ab") as f:
+            f.write(b"a later worker's line in the same file\n")   # not the earlier worker's to ship
+        old.log_offset = old.log_end   # what the shipper does once it wrote the chunk
         assert sup.reporter._workers() == [new]
     finally:
         sup.close()

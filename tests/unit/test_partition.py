@@ -415,4 +415,3 @@ def test_the_users_model_after_its_other_stages_were_freed_says_so_when_called()
     # the file failed only when loaded (a probe's GPT-2 at P = 2)
     with pytest.raises(ConfigError, match=r"state_dict would hold the other stages' weights as empty.*varunactl export"):
         model.state_dict()
-

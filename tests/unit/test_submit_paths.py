@@ -26,6 +26,8 @@ def test_a_path_from_here_that_the_scripts_directory_lacks_is_named(tmp_path):
     assert misplaced_paths("job/train.py", args, cwd=str(tmp_path)) == ["job/input.txt", "job/train.py"]
     # from inside the script's directory every one of them names what the workers will find
     assert misplaced_paths("train.py", ["--data", "input.txt"], cwd=str(tmp_path / "job")) == []
+    # an argument no path could be (a long prompt) is no path
+    assert misplaced_paths("job/train.py", ["--prompt", "x" * 300, "a\0b"], cwd=str(tmp_path)) == []
 
 
 def test_submit_prints_the_note_before_it_reaches_etcd(tmp_path, monkeypatch):
@@ -38,3 +40,4 @@ def test_submit_prints_the_note_before_it_reaches_etcd(tmp_path, monkeypatch):
                   "--steps", "3", "--checkpoint-every", "3", "job/train.py", "--", "--data", "job/input.txt"])
     assert "'job/input.txt' is a path from this directory, but the script runs in its own directory's copy" in (
         err.getvalue()), err.getvalue()
+    assert "give it as 'input.txt', relative to the script" in err.getvalue()

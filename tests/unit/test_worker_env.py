@@ -217,5 +217,12 @@ def test_a_script_asking_for_a_gpu_on_a_cpu_slot_is_told_where_it_trains(caplog)
     assert "asks for device 'cuda', but this worker's slot is the CPU" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="varuna"):
+        assert choose_device(slot, 0, torch.device("cuda", 0)) == torch.device("cpu")
+    assert "asks for device device(type='cuda', index=0)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="varuna"):
         assert choose_device(slot, 0, -1) == torch.device("cpu")   # no choice of the script's: nothing to say
+        assert choose_device(slot, 0, 0) == torch.device("cpu")    # a local rank, as Varuna's scripts pass it
     assert not caplog.text
+    free = WorkerAssignment(rank=0, plan=ParallelPlan(P=1, D=1), endpoints=[""], dist_url="")
+    assert choose_device(free, -1, torch.device("cpu")) == torch.device("cpu")   # a device object is taken as is

@@ -134,6 +134,8 @@ class StageExecutor:
             try:
                 out = self._running(**kwargs)
             except IndexError as exc:   # torch's own words name no input: "index out of range in self"
+                if "index out of range" not in str(exc):
+                    raise   # another IndexError ("Dimension out of range"): its own words say enough
                 shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in self._inputs[m].items()
                                    if isinstance(v, torch.Tensor))
                 raise ConfigError(f"the model indexed outside one of its tables on a micro-batch of {shapes}: {exc}",

@@ -95,7 +95,7 @@ def process_bytes(model: torch.nn.Module) -> int:
     seen: set[int] = set()
     held = 0
     for t in (*model.parameters(), *model.buffers()):
-        if t.device.type != "cpu":
+        if t.device.type != "cpu" or t.layout != torch.strided:   # a sparse tensor has no one storage
             continue
         storage = t.untyped_storage()
         if storage.data_ptr() in seen:

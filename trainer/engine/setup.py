@@ -110,9 +110,10 @@ def check_sizes(batch: int, chunk: int, D: int, precision: str, schedule: str,
         raise ConfigError(str(exc)) from None
 
 
-def choose_device(a: WorkerAssignment, local_rank: int, device: int | str) -> torch.device:
-    asked_gpu = (isinstance(device, int) and not isinstance(device, bool) and device >= 0) or (
-        isinstance(device, str) and (device.startswith("cuda") or device.isdigit()))
+def choose_device(a: WorkerAssignment, local_rank: int, device: int | str | torch.device) -> torch.device:
+    # a GPU by name, not a local rank (`device=local_rank`, as Varuna's scripts pass, runs anywhere)
+    asked_gpu = (isinstance(device, str) and device.startswith("cuda")) or (
+        isinstance(device, torch.device) and device.type == "cuda")
     if asked_gpu and a.device is not None and str(a.device) in ("cpu", "-1", ""):
         # the slot decides: a script that asks for a GPU on a fleet whose GPUs are gone (a failed
         # driver) trained on the CPU with no word (a probe)
@@ -120,6 +121,8 @@ def choose_device(a: WorkerAssignment, local_rank: int, device: int | str) -> to
                     "launcher's choice, which wins): training on the CPU. Where the VM has GPUs, check that "
                     "nvidia-smi sees them", device)
     choice = a.device if a.device is not None else device
+    if isinstance(choice, torch.device):
+        return choice
     if isinstance(choice, str) and choice not in ("-1", ""):
         return torch.device(choice if not choice.isdigit() else f"cuda:{choice}")
     if isinstance(choice, int) and choice >= 0:

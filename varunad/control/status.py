@@ -116,9 +116,11 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
     reason = state.reason
     if state.state == "queued" and reason == "submitted":
         reason = next((j["reason"] for j in await job_queue(store, keys) if j["job"] == job), reason)
-    # minutes of the same words read as stuck (a probe's loaded host calibrated for 5.5 min): how long so far
-    calibrating = (time.time() - state.calibration_started
-                   if state.state == "queued" and state.calibration_started and not state.calibration_ended else None)
+    # minutes of the same words read as stuck (a probe's loaded host calibrated for 5.5 min): how long the
+    # job has calibrated so far (its device kinds together), while its reason says it calibrates
+    # (calibration_ended is only set when the job first runs)
+    calibrating = (time.time() - state.calibration_started if state.state == "queued" and state.calibration_started
+                   and not state.calibration_ended and reason.startswith("calibrating") else None)
     return {
         # `step`: steps done, which is the index (model.iteration) of the next step to train; the loss
         # history and the plots are indexed by step, so `loss` is that of step `step - 1`
@@ -289,7 +291,6 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
                      f"{alt['micro_batches']}: estimated {_secs(alt['estimated_s'])}")
     lines += [f"  not     {why}" for why in plan.get("ruled_out") or []]
     return lines
-
 
 
 def elapsed(seconds: float) -> str:

@@ -164,6 +164,9 @@ def check_bundle(data: bytes, script: str, *, imports: bool = True) -> None:
                 raise BundleError(f"{name} line {exc.lineno}: {type(exc).__name__}: {exc.msg}; fix it and submit "
                                   "again (the job would fail on every VM)") from None
             except ValueError as exc:   # null bytes
+                if name == script and not name.endswith(".py"):
+                    raise BundleError(f"{name} is not a Python script ({exc}): submit the training script, and pass "
+                                      "its data files as the script's arguments after --") from None
                 raise BundleError(f"{name} cannot be compiled: {exc}") from None
     if not imports or script not in trees:
         return
@@ -209,12 +212,19 @@ def misplaced_paths(script: str | os.PathLike[str], args: Sequence[str], cwd: st
     a probe's `-- --data port2/input.txt` failed at calibration with FileNotFoundError."""
     here = Path(cwd or os.getcwd())
     home = (here / script).resolve().parent
+
+    def exists(path: Path) -> bool:
+        try:
+            return path.exists()
+        except (OSError, ValueError):   # a name too long, a NUL: an argument that is no path
+            return False
+
     out = []
     for arg in args:
         value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
         if not value or value.startswith("-") or os.path.isabs(value):
             continue
-        if (here / value).exists() and not (home / value).exists():
+        if exists(here / value) and not exists(home / value):
             out.append(value)
     return out
 

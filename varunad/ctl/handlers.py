@@ -75,10 +75,14 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size, steps=args.steps, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, store=args.store, schedule=args.schedule,
         import_check=not args.no_import_check)
+    home = os.path.dirname(os.path.abspath(args.script))
     for path in ctl.misplaced_paths(args.script, script_args):
+        inside = os.path.abspath(path).startswith(home + os.sep)
         print(f"varunactl submit: note: {path!r} is a path from this directory, but the script runs in its own "
-              f"directory's copy on each VM, where it names nothing: give it relative to "
-              f"{os.path.dirname(args.script) or '.'} or as an absolute path on the VMs", file=sys.stderr)
+              "directory's copy on each VM, where it names nothing: "
+              + (f"give it as {os.path.relpath(path, home)!r}, relative to the script" if inside else
+                 "it is outside the script's directory, so not in the job's bundle: give a path the VMs have, "
+                 "absolute"), file=sys.stderr)
     if spec.checkpoint_every > spec.steps:
         print(f"varunactl submit: note: --checkpoint-every {spec.checkpoint_every} is more than --steps {spec.steps}: "
               "no checkpoint before the end, so a lost VM restarts the job from step 0", file=sys.stderr)

@@ -438,7 +438,9 @@ class Leader(LeaderPlanning, LeaderPace):
         reports = [snap.reports.get(s.member) for s in snap.plan.slots] if snap.plan is not None else []
         reached = max((r.step + 1 for rep in reports if rep is not None
                        for r in rep.of(d.job, snap.plan_epoch).values()), default=0)
-        final = _final_checkpoint(state.store or job_store(entry.spec, self.config.store), steps)
+        # off the loop: the manifest and its files' sizes are read from the store, which may hang (NFS)
+        final = await asyncio.to_thread(_final_checkpoint, state.store or job_store(entry.spec, self.config.store),
+                                        steps)
         if final or (final is None and reached >= steps):
             await self._finish(snap, d.job, "done", f"trained all {steps} steps; the checkpoint of the last one "
                                                     "is complete")
@@ -501,7 +503,7 @@ class Leader(LeaderPlanning, LeaderPace):
                     await self._finish(snap, job, "failed",
                                        f"{what} ({who}{again}): not retried, starting again would fail the same "
                                        f"way; fix the script or the job and submit it again under a new --name"
-                                       + _resume_hint(state.store), error=d.reason)
+                                       + await asyncio.to_thread(_resume_hint, state.store), error=d.reason)
                     return True
                 if restarts > self.config.max_restarts:
                     await self._finish(snap, job, "failed", f"gave up after {state.restarts} restarts: {what} ({who})",
@@ -578,4 +580,3 @@ def _resume_hint(store: str | None) -> str:
         return " (its store holds no complete checkpoint: a new job starts from scratch)"
     at = f" (newest: step {found.step})" if found.step is not None and found.source else ""
     return f" (with --store {store} it resumes from this one's checkpoints{at})"
-

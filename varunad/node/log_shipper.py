@@ -47,6 +47,7 @@ class ShippedLog(Protocol):
     log_path: Path
     log_offset: int  # bytes of the log already shipped (or written before this worker started)
     alive: bool      # still running: a line without its newline yet is not shipped
+    log_end: int | None   # where its lines end (an earlier epoch's, whose log file a later one may append to)
 
 
 class LogShipper:
@@ -72,9 +73,12 @@ class LogShipper:
     async def _ship_chunk(self, w: ShippedLog, timeout: float) -> bool:
         """Ship the next chunk of `w`'s log; False when there is none yet."""
         try:
+            size = _CHUNK if w.log_end is None else min(_CHUNK, w.log_end - w.log_offset)
+            if size <= 0:
+                return False
             with open(w.log_path, "rb") as f:
                 f.seek(w.log_offset)
-                data = f.read(_CHUNK)
+                data = f.read(size)
         except OSError:
             return False
         if not data:

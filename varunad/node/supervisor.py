@@ -179,6 +179,7 @@ class _SupervisedWorker:
     oom_kills: int | None = None   # the kernel's OOM-kill count when it started (varunad.node.oom)
     ports: tuple[int, ...] = ()
     log_offset: int = 0
+    log_end: int | None = None   # the log's size once its epoch ended here: its shipping stops there
     token: str = ""  # the secret this worker names itself by on the control socket
     stop_request: bytes | None = None  # resent until the worker exits (a stop may be lost)
     rescuing: int | None = None  # the step it is saving from memory (WorkerRescuing)
@@ -383,16 +384,16 @@ class Supervisor(WorkerStopping):
 
     def _unshipped(self) -> list[_SupervisedWorker]:
         """The earlier epochs' workers whose logs hold lines not shipped yet."""
-        def left(w: _SupervisedWorker) -> bool:
-            try:
-                return w.log_offset < w.log_path.stat().st_size
-            except OSError:
-                return False   # its directory was removed (the job's files pruned): nothing to ship
-        self._log_tails = [w for w in self._log_tails if left(w)]
+        self._log_tails = [w for w in self._log_tails if w.log_end is not None and w.log_offset < w.log_end]
         return self._log_tails
 
     def _begin(self, job: str, epoch: int) -> None:
-        self._log_tails += self.workers.values()
+        for w in self.workers.values():
+            try:   # what it wrote ends here: a later worker of the same log file ships its own lines
+                w.log_end = w.log_path.stat().st_size
+            except OSError:
+                continue   # its directory was removed (the job's files pruned): nothing to ship
+            self._log_tails.append(w)
         self.workers = {}
         self.job, self.epoch = job, epoch
         self.epoch_started_at = time.time()
