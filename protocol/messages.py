@@ -384,7 +384,8 @@ class CheckpointNow(Message):
 class WorkerProgress(Message):
     """A worker finished `step`. `loss` is finite (a diverged worker sends WorkerFailed instead);
     `busy_fraction` is the share of wall time spent computing rather than waiting, in [0, 1];
-    `peak_bytes` the most memory its stage has held since it was built (0: not measured);
+    `peak_bytes` the most memory it has held since its stage was built, as the plan counts it (on a
+    GPU its tensors, on a CPU its whole process; 0: not measured);
     `compute_s` the seconds its stage computed per micro-batch in the step, waits on peers and the
     stage-wide all-reduce and optimizer step left out (0: not measured), which the leader compares
     across slots to find a slow one."""

@@ -144,26 +144,27 @@ def test_a_worker_the_oom_killer_ends_makes_the_leader_plan_with_less_memory(tmp
 
 @pytest.mark.slow
 def test_a_model_with_a_layer_no_slot_holds_fails_in_numbers_and_frees_the_queue(tmp_path, etcd, etcd_root):
-    """Two daemons whose slots promise 60 MB each (54 MB usable), a model whose every layer is a
-    2048 x 2048 Linear (17 MB of weights, 67 MB with its gradient and Adam's state): no number of
-    such slots holds one layer. The job waited "for a plan" for good, with no numbers, and the
-    job queued behind it never started. Now it fails, saying which segment needs how much; the
-    next job is taken up."""
+    """Two daemons whose slots promise 500 MB each (450 MB usable, about 300 MB of it the worker
+    process itself), a model whose every layer is a 4096 x 4096 Linear (67 MB of weights, 268 MB
+    with its gradient and Adam's state): no number of such slots holds one layer. The job waited
+    "for a plan" for good, with no numbers, and the job queued behind it never started. Now it
+    fails, saying which segment needs how much; the next job, which fits, is taken up."""
     from support.ring import Ring
 
     ring = Ring(tmp_path, etcd.endpoint, root=etcd_root, ttl=10.0)
     try:
         for name in ("m1", "m2"):
-            ring.start(name, "--memory", str(60_000_000), "--no-spare-workers")
+            ring.start(name, "--memory", str(500_000_000), "--no-spare-workers")
         ring.wait_members(["m1", "m2"])
-        for job, width in (("huge", "2048"), ("small", "64")):
+        for job, width in (("huge", "4096"), ("small", "64")):
             r = ring.varunactl("submit", "--name", job, "--batch-size", "4", "--steps", "1", "--checkpoint-every", "1",
                                str(JOB), "--", "--width", width, "--depth", "2")
             assert r.returncode == 0, r.stderr
         huge = ring.wait_state("huge", ("done", "failed"), timeout=300)
         assert huge["state"] == "failed", huge
         assert re.search(r"the model cannot fit any number of these slots: the (first|last|segment \d) of its \d+ "
-                         r"segments .* needs \d+\.\d MiB on a cpu slot .* and a slot has 51\.5 MiB usable",
+                         r"segments .* needs \d+\.\d MiB on a cpu slot .*, the worker beyond its tensors \d+\.\d MiB\), "
+                         r"and a slot has 429\.2 MiB usable",
                          huge["reason"]), huge["reason"]
         assert "CutPoints" in huge["reason"]
         # the queue moves on: the next job is calibrated (or already planned)

@@ -51,7 +51,7 @@ def test_a_process_holds_its_resident_size_beyond_the_models_tensors_each_storag
     if resident_bytes() is None:
         pytest.skip("needs Linux /proc")
     model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))
-    model[1].weight = model[0].weight   # tied: one storage
+    model[1].weight = torch.nn.Parameter(model[0].weight.data)   # two parameters, one storage
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(1.0)   # resident only once written

@@ -82,7 +82,7 @@ class StageCost:
     send_grad: Transfer = Transfer()  # the gradient of its input to stage s-1
     allreduce_s: float = 0.0  # its gradients over the D replicas (whole mini-batch)
     step_s: float = 0.0
-    static_bytes: int = 0  # parameters + gradients + optimizer state
+    static_bytes: int = 0  # parameters + gradients + optimizer state, and the worker's own (Calibration.worker_bytes)
     input_bytes: int = 0  # its input boundary, stashed per micro-batch in flight
     activation_bytes: int = 0  # what the autograd graph keeps for one micro-batch
     forward_graph_s: float | None = None  # a FORWARD that keeps its graph (None: forward_s)
@@ -223,7 +223,7 @@ def stage_costs(
                 send_grad=grad,
                 allreduce_s=cal.allreduce[allreduce_kinds[s]].allreduce_s(grad_bytes, replicas),
                 step_s=sum(seg.step_s for seg in segs),
-                static_bytes=sum(seg.static_bytes for seg in segs),
+                static_bytes=sum(seg.static_bytes for seg in segs) + cal.worker_bytes,
                 input_bytes=in_bytes,
                 activation_bytes=sum(c.peak_activation_bytes for c in costs),
             )

@@ -130,7 +130,8 @@ class Progress:
     busy_fraction: float
     member: str = ""
     at: float = 0.0
-    peak_bytes: int = 0   # the most memory the worker's stage held since it was built (0: not measured)
+    peak_bytes: int = 0   # the most memory the worker held since its stage was built, as the plan counts it: on a
+    # GPU its tensors, on a CPU its whole process (trainer.engine.memory; 0: not measured)
     compute_s: float = 0.0   # the stage's compute per micro-batch in this step, waits left out (0: not measured)
 
     def encode(self) -> bytes:

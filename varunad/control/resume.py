@@ -51,8 +51,8 @@ def complete_manifest(store: str, step: int) -> dict | None:
     """The manifest of checkpoint `step` in `store` if it is committed (the manifest is written
     last) and every file it lists has the size it says, else None: the workers skip a checkpoint
     with a truncated or missing file (trainer.checkpoint.reading.verify), so the morph's record
-    must not name it. Checksums are the workers' to read. Plain JSON: the control plane does not
-    import torch."""
+    must not name it. The checksums and the epoch fences (a late write of an older epoch) are the
+    workers' alone to read. Plain JSON: the control plane does not import torch."""
     where = os.path.join(store, f"varuna_ckpt_{step}")
     try:
         with open(os.path.join(where, "manifest.json"), encoding="utf-8") as f:

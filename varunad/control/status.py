@@ -43,7 +43,8 @@ async def read_state(store: Store, keys: Keys, job: str) -> JobState | None:
 
 
 async def _notes(store: Store, keys: Keys, job: str) -> list[str]:
-    """What the daemons noted about the job's workers (checkpoints they refused), oldest first."""
+    """What the daemons noted about the job's workers (checkpoints they refused, a learning-rate schedule a
+    resume started over: varunad.node.log_shipper), oldest first."""
     out: list[str] = []
     for kv in await store.get_prefix(keys.notes_of(job)):
         try:

@@ -62,7 +62,7 @@ class LogShipper:
         self._chunks: dict[str, deque[tuple[str, int]]] = {}  # job -> (chunk key, bytes) written here, oldest first
         self._kept: dict[str, int] = {}   # job -> bytes of its chunks in etcd (a small chunk a tick: many)
         self._dropped: dict[str, int] = {}   # job -> bytes of its oldest chunks deleted
-        self._notes: dict[str, list[str]] = {}  # job -> checkpoint refusals its workers logged here
+        self._notes: dict[str, list[str]] = {}  # job -> what its workers logged here that status shows (_NOTED)
 
     async def ship(self, workers: Iterable[ShippedLog], timeout: float) -> None:
         for w in list(workers):
@@ -92,7 +92,7 @@ class LogShipper:
                 data = data[: data.rindex(b"\n") + 1]
             elif len(data) < _CHUNK and w.alive:
                 return False
-        await self._note_refusals(w, data, timeout)
+        await self._note_lines(w, data, timeout)
         prefix = f"[{self.name} e{w.epoch} r{w.rank}] ".encode()
         text = b"".join(prefix + line for line in data.splitlines(keepends=True))
         self._seq = max(self._seq + 1, time.time_ns() // 1000)
@@ -117,7 +117,7 @@ class LogShipper:
                 f"{self.name})\n").encode(), timeout=timeout)
         return True
 
-    async def _note_refusals(self, w: ShippedLog, data: bytes, timeout: float) -> None:
+    async def _note_lines(self, w: ShippedLog, data: bytes, timeout: float) -> None:
         """A worker that skipped a corrupt checkpoint (trainer.checkpoint.store: "skipping checkpoint N:
         ...") resumed from an older one and redoes steps; one whose learning-rate schedule started over
         trains another model: say so in this daemon's log and in etcd (``notes/<job>/<member>``, shown by
