@@ -3,7 +3,7 @@ trained within the slots' budgets, each stage's measured peak beside the planner
 
 The model is the issue's plain MLP (`tests/memory_job/mlp.py`): 8 layers of width 2048, a
 CutPoint after each but the last, Adam: 134 MB of weights, 537 MB with gradients and Adam's
-two moments, 2.7x a slot of `--memory 200000000` (on a CPU ring, whose slots' memory holds each
+two moments, 2.7x a slot of `--memory 200000000` (on a CPU, whose slots' memory holds each
 worker's process too, about 300 MB here, a slot of 500 MB).
 
 * default (`--device cpu`): a ring of four real varunad processes on loopback (one slot each,
@@ -30,6 +30,7 @@ estimate_error=Z` (the largest of each over the stages; the error is |peak - est
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -102,7 +103,7 @@ def run_launch(args) -> dict:
     from mlp import MLP, regression_set
 
     from trainer import Profiler
-    from trainer.engine.memory import PeakMemory
+    from trainer.engine.memory import PeakMemory, process_bytes
     from trainer.planning.plan import PlanError, Slot
     from trainer.planning.planner import plan
     from trainer.profiler.calibration_run import profile_sizes
@@ -117,7 +118,10 @@ def run_launch(args) -> dict:
         prof = Profiler(model, batch, device=device, out_folder=folder, repeats=3, warmup=1)
         prof.set_optimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
         meter = PeakMemory(device)
+        # a CPU worker's slot holds its process too, as a daemon's calibration run measures it
+        process = process_bytes(model) if device.type == "cpu" else 0
         cal = prof.profile_all(profile_sizes(args.batch, 4))
+        cal = dataclasses.replace(cal, worker_bytes=cal.worker_bytes + process)
         calibration_peak = meter.growth_bytes()
     slots = [Slot(f"s{i}", "local", cal.device_kind, args.memory) for i in range(4)]
     try:
@@ -153,7 +157,7 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--launch", action="store_true", help="trainer.launch instead of a ring of daemons")
     ap.add_argument("--memory", type=int, default=None,
-                    help="bytes per slot (default 200 MB; 500 MB for a CPU ring, whose slots hold the workers' "
+                    help="bytes per slot (default 200 MB on CUDA; 500 MB on a CPU, whose slots hold the workers' "
                          "processes too)")
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--depth", type=int, default=8)
@@ -165,7 +169,7 @@ def main() -> None:
     args = ap.parse_args()
     args.steps = args.steps or (3 if args.quick else 10)
     launch = args.launch or args.device == "cuda"
-    args.memory = args.memory or (200_000_000 if launch else 500_000_000)
+    args.memory = args.memory or (200_000_000 if args.device == "cuda" else 500_000_000)
     weights = args.width * (args.width + 1) * 4 * args.depth
     print(f"model: MLP {args.depth} x {args.width}, Adam: weights {weights / 1e6:.1f} MB, training state "
           f"{4 * weights / 1e6:.1f} MB = {4 * weights / args.memory:.2f}x a slot of {args.memory / 1e6:.0f} MB; "

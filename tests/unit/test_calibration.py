@@ -115,7 +115,7 @@ def test_version_1_documents_migrate_with_no_overheads_and_no_tied_weights():
         for v in doc[table].values():
             del v["send_overhead_s"], v["recv_overhead_s"]
     cal = Calibration.from_dict(doc)
-    assert cal.version == SCHEMA_VERSION == 6 and cal.tied == ()
+    assert cal.version == SCHEMA_VERSION == 7 and cal.tied == ()
     assert cal.links == LINKS and cal.links["intra"].send_overhead_s == cal.links["intra"].recv_overhead_s == 0
     assert cal.segments == _cal().segments
     doc["links"]["intra"]["send_overhead_s"] = 0.1   # a version 1 document has none
@@ -318,3 +318,23 @@ def test_version_5_documents_migrate_with_no_split_backward_times():
         SegmentCost(1.0, 2.0, 1.0, 1, 1, input_grad_s=0.9, weight_grad_s=-1.0)
     with pytest.raises(CalibrationError, match="split_bytes"):
         SegmentCost(1.0, 2.0, 1.0, 1, 1, split_bytes=1.5)
+
+
+def test_a_stored_cpu_calibration_of_version_6_is_measured_again_a_gpus_is_kept():
+    """Version 6 left a CPU worker's process (about 300 MB) out of its worker bytes: a daemon that
+    planned from it would promise a slot what its worker cannot keep."""
+    import json
+
+    from varunad.control.jobs import JobSpec
+    from varunad.control.plans import calibrations_for
+
+    spec = JobSpec(job="j", script="t.py", batch_size=8, steps=2, checkpoint_every=2, bundle_digest="0" * 64,
+                   bundle_bytes=1)
+    stored = {}
+    for kind in ("cpu", "cpu-2slots", "NVIDIA H100"):
+        doc = json.loads(dataclasses.replace(_cal(), device_kind=kind).to_bytes())
+        stored[kind] = json.dumps({**doc, "version": 6}).encode()
+    found, missing = calibrations_for(spec, sorted(stored), stored)
+    assert sorted(missing) == ["cpu", "cpu-2slots"] and list(found) == ["NVIDIA H100"]
+    current = {k: dataclasses.replace(_cal(), device_kind=k).to_bytes() for k in stored}
+    assert calibrations_for(spec, sorted(current), current)[1] == []

@@ -43,7 +43,9 @@ Schema history: version 1 had no message overheads and no tied sets; such docume
 temporaries: they read as 0 (what the planner counted before them), adding up. Version 3 had no
 busy slowdown: it reads as 0 (unknown: a lone worker is taken to compute as calibrated).
 Version 4 had no worker bytes: they read as 0. Version 5 had no split backward times: they read
-as unknown (None), and the simulator takes a split backward as two halves.
+as unknown (None), and the simulator takes a split backward as two halves. Version 6's worker
+bytes on a CPU left out the worker's process: a daemon measures such a calibration again
+(`PROCESS_COUNTED_FROM`; varunad.control.plans.calibrations_for).
 """
 
 from __future__ import annotations
@@ -71,12 +73,13 @@ __all__ = [
 ]
 
 SCHEMA = "varunad.calibration"
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # older ones migrate: zero message overheads, no tied sets, no step temporaries, no busy slowdown,
-# no worker bytes, no split backward times
-_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# no worker bytes, no split backward times, a CPU worker's process not in its worker bytes
+_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 _SPLIT = ("input_grad_s", "weight_grad_s")   # measured together, or not at all
 _ADDED_IN_6 = (*_SPLIT, "split_bytes")
+PROCESS_COUNTED_FROM = 7   # the first version whose CPU worker bytes hold the worker's process
 LINK_KINDS = ("intra", "inter")  # same host, across hosts
 
 
@@ -332,15 +335,15 @@ class Calibration:
             raise CalibrationError(
                 f"calibration schema version {doc.get('version')!r} is not supported (this build reads "
                 f"{', '.join(map(str, _READABLE_VERSIONS))})", hint="re-run the profiler")
-        version = doc.get("version") if isinstance(doc, dict) else None
+        version = doc.get("version") if isinstance(doc, dict) and isinstance(doc.get("version"), int) else 0
         v1 = version == 1
         names = {"schema", "version", "model", "device_kind", "micro_batch_sizes", "input_bytes", "segments",
                  "links", "allreduce"}
         names |= set() if v1 else {"tied"}
-        names |= {"step_bytes_add"} if version in (3, 4, 5, 6) else set()
-        names |= {"busy_slowdown", "busy_load"} if version in (4, 5, 6) else set()
-        names |= {"worker_bytes"} if version in (5, 6) else set()
-        cost_fields = set(SegmentCost.__slots__) - (set() if version == 6 else set(_ADDED_IN_6))
+        names |= {"step_bytes_add"} if version >= 3 else set()
+        names |= {"busy_slowdown", "busy_load"} if version >= 4 else set()
+        names |= {"worker_bytes"} if version >= 5 else set()
+        cost_fields = set(SegmentCost.__slots__) - (set() if version >= 6 else set(_ADDED_IN_6))
         top = _fields(doc, "calibration", names)
         if top["schema"] != SCHEMA:
             raise CalibrationError(f"not a calibration document (schema {top['schema']!r})")
@@ -348,7 +351,7 @@ class Calibration:
         segs = []
         for k, s in enumerate(_list(top["segments"], "segments")):
             sd = _fields(s, f"segments[{k}]", {"param_bytes", "optimizer_bytes", "step_s", "costs"}
-                         | ({"step_bytes"} if version in (3, 4, 5, 6) else set()))
+                         | ({"step_bytes"} if version >= 3 else set()))
             costs = tuple(
                 SegmentCost(**_fields(c, f"segments[{k}].costs[{j}]", cost_fields))
                 for j, c in enumerate(_list(sd["costs"], f"segments[{k}].costs"))

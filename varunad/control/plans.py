@@ -35,7 +35,13 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from trainer.planning import planner
-from trainer.planning.calibration import Calibration, LinkCost, SegmentCost, SegmentProfile
+from trainer.planning.calibration import (
+    PROCESS_COUNTED_FROM,
+    Calibration,
+    LinkCost,
+    SegmentCost,
+    SegmentProfile,
+)
 from trainer.planning.parallel import MAX_WORKERS, ParallelPlan
 from trainer.planning.planner import Plan, PlanError, Slot
 from trainer.planning.schedule import DEFAULT_SCHEDULE
@@ -393,6 +399,15 @@ def calibrations_for(
             continue
         try:
             found[kind] = Calibration.from_bytes(data)
+            # a CPU kind as facts.detect_device_kind names it ("cpu", "cpu-<n>slots")
+            cpu = kind == "cpu" or kind.startswith("cpu-")
+            if cpu and _version(data) < PROCESS_COUNTED_FROM:
+                found.pop(kind)
+                if (spec.job, kind, data) not in _SAID:
+                    _SAID.add((spec.job, kind, data))
+                    log.warning("calibrating %s for %s again: its stored calibration is of a version that left "
+                                "the worker's process out of a CPU slot's memory", spec.job, kind)
+                missing.append(kind)
         except (ValueError, TypeError) as exc:
             if (spec.job, kind, data) not in _SAID:   # read every leader cycle: said once per value
                 _SAID.add((spec.job, kind, data))
@@ -408,3 +423,13 @@ def describe(doc: PlanDoc, epoch: int) -> dict[str, Any]:
         "members": list(doc.members),
         "estimated_s": doc.estimated_s, "calibrated": doc.calibrated,
     }
+
+
+def _version(data: bytes) -> int:
+    """The schema version a stored calibration was written in (0 where it says none)."""
+    try:
+        version = json.loads(data).get("version")
+    except (ValueError, AttributeError):
+        return 0
+    return version if isinstance(version, int) else 0
+
