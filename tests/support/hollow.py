@@ -103,11 +103,11 @@ def hollow_loss(step: int) -> float:
 
 def _write_manifest(store: str, step: int, source: str) -> None:
     """A committed checkpoint as the control plane reads one (varunad.control.resume): the
-    manifest alone, written last and atomically, as the trainer's commit does."""
+    manifest alone, listing no file, written last and atomically, as the trainer's commit does."""
     directory = Path(store) / f"varuna_ckpt_{step}"
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f"manifest.json.{uuid.uuid4().hex}.tmp"   # several survivors may commit at once
-    tmp.write_text(json.dumps({"complete": True, "iteration": step, "meta": {"source": source}}))
+    tmp.write_text(json.dumps({"complete": True, "iteration": step, "files": [], "meta": {"source": source}}))
     os.replace(tmp, directory / "manifest.json")
 
 
