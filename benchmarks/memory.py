@@ -4,7 +4,7 @@ trained within the slots' budgets, each stage's measured peak beside the planner
 The model is the issue's plain MLP (`tests/memory_job/mlp.py`): 8 layers of width 2048, a
 CutPoint after each but the last, Adam: 134 MB of weights, 537 MB with gradients and Adam's
 two moments, 2.7x a slot of `--memory 200000000` (on a CPU, whose slots' memory holds each
-worker's process too, about 300 MB here, a slot of 500 MB).
+worker's process too, about 330 MB here, a slot of 600 MB).
 
 * default (`--device cpu`): a ring of four real varunad processes on loopback (one slot each,
   `--memory`, a private etcd, the daemons' calibration run); the job runs to its end. The
@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--launch", action="store_true", help="trainer.launch instead of a ring of daemons")
     ap.add_argument("--memory", type=int, default=None,
-                    help="bytes per slot (default 200 MB on CUDA; 500 MB on a CPU, whose slots hold the workers' "
+                    help="bytes per slot (default 200 MB on CUDA; 600 MB on a CPU, whose slots hold the workers' "
                          "processes too)")
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--depth", type=int, default=8)
@@ -169,7 +169,7 @@ def main() -> None:
     args = ap.parse_args()
     args.steps = args.steps or (3 if args.quick else 10)
     launch = args.launch or args.device == "cuda"
-    args.memory = args.memory or (200_000_000 if args.device == "cuda" else 500_000_000)
+    args.memory = args.memory or (200_000_000 if args.device == "cuda" else 600_000_000)
     weights = args.width * (args.width + 1) * 4 * args.depth
     print(f"model: MLP {args.depth} x {args.width}, Adam: weights {weights / 1e6:.1f} MB, training state "
           f"{4 * weights / 1e6:.1f} MB = {4 * weights / args.memory:.2f}x a slot of {args.memory / 1e6:.0f} MB; "

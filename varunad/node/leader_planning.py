@@ -228,7 +228,7 @@ class LeaderPlanning:
             if not state.epochs:
                 # more slots of these kinds cannot help, and a job that waits blocks the queue
                 # behind it for good: it fails, in numbers, and the user resubmits on bigger VMs
-                await self._finish(snap, job, "failed", f"{exc} ({exc.hint})")
+                await self._finish(snap, job, "failed", str(exc))   # its hint is in its words already
                 return True
             return await self._no_plan(job, state, exc)
         except PlanError as exc:
