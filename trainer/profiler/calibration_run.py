@@ -72,8 +72,8 @@ class CalibrationRun:
         if optimizer is not None:
             profiler.set_optimizer(optimizer)
         meter = PeakMemory(self.device)   # from the captured model: what a worker holds before it trains
-        # a worker on a CPU holds this process's like beside its stage's tensors: the same script,
-        # libraries and data, and the capture's machinery (trainer.engine.memory)
+        # a worker on a CPU holds a process like this one beside its stage's tensors: the same
+        # script, libraries and data, and the capture's machinery (trainer.engine.memory)
         process = process_bytes(self.model) if self.device.type == "cpu" else 0
         sizes = self.sizes
         if not self.fixed and batch_statistics(profiler.traced.graph_module):
