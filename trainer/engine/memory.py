@@ -34,7 +34,7 @@ import ctypes
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -47,6 +47,7 @@ __all__ = [
     "StageOutOfMemoryError",
     "process_bytes",
     "resident_bytes",
+    "storage_bytes",
     "return_freed_blocks",
 ]
 
@@ -85,6 +86,19 @@ def resident_bytes(field: str = "VmRSS") -> int | None:
     return None
 
 
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages under `tensors`, each once (tied weights, views and gradients that
+    share one count once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 def process_bytes(model: torch.nn.Module) -> int:
     """What this process holds in host memory beyond `model`'s tensors: its resident size less
     the bytes of the model's parameters and buffers in host memory (each storage once; tensors
@@ -92,17 +106,9 @@ def process_bytes(model: torch.nn.Module) -> int:
     rss = resident_bytes()
     if rss is None:
         return 0
-    seen: set[int] = set()
-    held = 0
-    for t in (*model.parameters(), *model.buffers()):
-        if t.device.type != "cpu" or t.layout != torch.strided:   # a sparse tensor has no one storage
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        held += storage.nbytes()
-    return max(0, rss - held)
+    # a sparse tensor has no one storage
+    host = [t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu" and t.layout == torch.strided]
+    return max(0, rss - storage_bytes(host))
 
 
 _M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter (malloc.h)

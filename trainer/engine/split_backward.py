@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from trainer.engine.memory import storage_bytes
+
 __all__ = ["WeightPass", "backward_input", "backward_weight"]
 
 
@@ -56,15 +58,8 @@ class WeightPass:
     def held_bytes(self) -> int:
         """Bytes of the gradients recorded for the weight pass (each storage once): what a split
         backward holds beyond the activations until its weight pass."""
-        seen: set[int] = set()
-        total = 0
-        for group in self.groups:
-            for grads in group.grads.values():
-                for g in grads:
-                    if isinstance(g, torch.Tensor) and (ptr := g.untyped_storage().data_ptr()) not in seen:
-                        seen.add(ptr)
-                        total += g.untyped_storage().nbytes()
-        return total
+        return storage_bytes(g for group in self.groups for grads in group.grads.values() for g in grads
+                             if isinstance(g, torch.Tensor))
 
 
 def _consumers(root: Node) -> dict[Node, list[Node]]:
