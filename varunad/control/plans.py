@@ -397,17 +397,17 @@ def calibrations_for(
         if data is None:
             missing.append(kind)
             continue
+        # a CPU kind as facts.detect_device_kind names it ("cpu", "cpu-<n>slots")
+        version = _version(data)
+        if (kind == "cpu" or kind.startswith("cpu-")) and version is not None and version < PROCESS_COUNTED_FROM:
+            if (spec.job, kind, data) not in _SAID:
+                _SAID.add((spec.job, kind, data))
+                log.warning("calibrating %s for %s again: its stored calibration is of a version that left "
+                            "the worker's process out of a CPU slot's memory", spec.job, kind)
+            missing.append(kind)
+            continue
         try:
             found[kind] = Calibration.from_bytes(data)
-            # a CPU kind as facts.detect_device_kind names it ("cpu", "cpu-<n>slots")
-            cpu = kind == "cpu" or kind.startswith("cpu-")
-            if cpu and _version(data) < PROCESS_COUNTED_FROM:
-                found.pop(kind)
-                if (spec.job, kind, data) not in _SAID:
-                    _SAID.add((spec.job, kind, data))
-                    log.warning("calibrating %s for %s again: its stored calibration is of a version that left "
-                                "the worker's process out of a CPU slot's memory", spec.job, kind)
-                missing.append(kind)
         except (ValueError, TypeError) as exc:
             if (spec.job, kind, data) not in _SAID:   # read every leader cycle: said once per value
                 _SAID.add((spec.job, kind, data))
@@ -425,11 +425,12 @@ def describe(doc: PlanDoc, epoch: int) -> dict[str, Any]:
     }
 
 
-def _version(data: bytes) -> int:
-    """The schema version a stored calibration was written in (0 where it says none)."""
+def _version(data: bytes) -> int | None:
+    """The schema version a stored calibration was written in (None where it says none: what is
+    wrong with it is from_bytes's to say)."""
     try:
         version = json.loads(data).get("version")
     except (ValueError, AttributeError):
-        return 0
-    return version if isinstance(version, int) else 0
+        return None
+    return version if isinstance(version, int) else None
 

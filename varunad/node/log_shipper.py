@@ -32,8 +32,8 @@ _CHUNK = 64 * 1024
 # per job and daemon: at one chunk a tick, a count of chunks kept a busy job's last 30 s only
 _KEPT_BYTES = 4 << 20
 _CHUNKS_PER_CALL = 16   # per worker: a burst of output reaches etcd within a few ticks
-# what a worker logs that status must show, and where its words start in the line: a checkpoint that
-# does not verify (trainer.checkpoint.store), and a learning-rate schedule a resume started over
+# what a worker logs that status must show, each note from its marker on: a checkpoint that does not
+# verify (trainer.checkpoint.store), and a learning-rate schedule a resume started over
 # (trainer.engine.varuna's check of a scheduler not given to set_optimizer)
 _NOTED = (b"skipping checkpoint", b"learning-rate schedule started over")
 
