@@ -284,7 +284,7 @@ def _export(model: nn.Module, inputs, fixed, blocks):
     host: list[str] = []
     effects: list[str] = []
     try:
-        with capturing(), watching_host_random(host), watching_forward(model, effects), _quiet_shape_solver():
+        with capturing(), watching_host_random(host), watching_forward(model, effects), _quiet_failed_export():
             try:
                 ep = torch.export.export(model, (), {**inputs, **fixed},
                                          dynamic_shapes=_dynamic(inputs, fixed, every_dim=True), strict=False)
@@ -335,7 +335,7 @@ class _WithoutExportGraphs:
 
 
 @contextlib.contextmanager
-def _quiet_shape_solver():
+def _quiet_failed_export():
     """A capture that meets control flow on a tensor's value has torch's shape solver log a warning
     and export print the partial graph to stderr (300 lines for a 2-layer OPT), before the refusal
     that says where and what to change: both kept out of the user's output (the warning unless
