@@ -442,3 +442,35 @@ def test_a_peer_that_sends_and_closes_is_read_before_it_counts_as_dead(monkeypat
     finally:
         late.close(linger=0)
         waiting.close()
+
+
+_SEND_AND_EXIT = """
+import sys, torch
+from trainer.engine.comm import PeerChannel
+bind, peer = sys.argv[1], sys.argv[2]
+chan = PeerChannel(bind=bind, prev=None, nxt=None, job="job-1", epoch=0, stage=0, rank=0, timeout_s=30,
+                   stats_peers={2: peer})
+chan.send_stats(2, torch.arange(8 << 20, dtype=torch.float64))   # 64 MiB: many writes of the I/O thread
+chan.close()
+"""
+
+
+def test_what_a_worker_sends_before_it_closes_and_exits_arrives():
+    """A worker's last message (its step's statistics) goes out before its process ends, however
+    little time its I/O thread has had: pyzmq never terminates a context at interpreter exit."""
+    import subprocess
+    import sys
+
+    from trainer.engine.comm import PeerChannel
+    from trainer.launch import free_ports
+
+    eps = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+    waiting = PeerChannel(bind=eps[1], prev=None, nxt=None, job="job-1", epoch=0, stage=2, rank=2, timeout_s=60)
+    try:
+        sender = subprocess.run([sys.executable, "-c", _SEND_AND_EXIT, eps[0], eps[1]], capture_output=True,
+                                text=True, timeout=120)
+        assert sender.returncode == 0, sender.stderr
+        got = waiting.recv_stats(0)
+        assert got.numel() == 8 << 20 and got[-1].item() == (8 << 20) - 1
+    finally:
+        waiting.close()

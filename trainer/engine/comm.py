@@ -46,6 +46,9 @@ _WAKE_MS = 250    # longest single blocking recv: how often the peer timeout and
 # one this worker receives on: a broken connection counts once this long has passed without the
 # awaited message, and not before.
 _BROKEN_GRACE_S = 0.1
+# What a closing worker still owes is a step's statistics (a few bytes); a peer that is gone would
+# hold the close this long.
+_CLOSE_LINGER_MS = 500
 
 
 class PeerChannel:
@@ -54,7 +57,10 @@ class PeerChannel:
                  stats_peers: Mapping[int, str] | None = None) -> None:
         self.job, self.epoch, self.stage, self.rank = job, epoch, stage, rank
         self.timeout_s = timeout_s
-        self._ctx = zmq.Context.instance()
+        # A context of its own, terminated at close: pyzmq never terminates one at interpreter
+        # exit, so without it a worker's last messages (a step's statistics to its children) die
+        # in the queue with the process whenever its I/O thread has not run yet.
+        self._ctx = zmq.Context()
         self._security = security
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
@@ -194,7 +200,9 @@ class PeerChannel:
         for endpoint, sock in self._by_endpoint.items():
             sock.disable_monitor()
             self._monitors[endpoint].close(linger=0)
-        for sock in (*self._by_endpoint.values(), self._pull):
-            sock.close(linger=2000 if sock is not self._pull else 0)
+        for sock in self._by_endpoint.values():
+            sock.close(linger=_CLOSE_LINGER_MS)
+        self._pull.close(linger=0)
         if self._security is not None:
             self._security.close()
+        self._ctx.destroy(linger=0)   # waits for the closed senders' queues, each within its linger

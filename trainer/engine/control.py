@@ -86,8 +86,12 @@ class ControlClient:
         self.idle_rescue: Callable[[], None] | None = None
         self.in_step = False
         self._sock = None
+        self._ctx = None
         if endpoint:
-            self._sock = zmq.Context.instance().socket(zmq.DEALER)
+            # its own context, terminated at close: what the worker said last (its final
+            # checkpoint) reaches the daemon even when the process exits right after
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.IDENTITY, control_identity(rank, os.environ.get(TOKEN_ENV, "")))
             self._sock.setsockopt(zmq.LINGER, 1000)
             self._sock.connect(endpoint)
@@ -186,6 +190,7 @@ class ControlClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            self._ctx.destroy(linger=0)   # waits for the closed socket's queue, within its linger
             # Nothing is rescued any more. The interpreter's finalisation puts a Python-handled
             # signal back to its default, which for this one ends the process: a worker that
             # exits with its own status (a script's error) while the daemon stops the epoch
