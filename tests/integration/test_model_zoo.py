@@ -68,7 +68,9 @@ def _specs(stages: int, replicas: int) -> list[str]:
     return [*zoo.HF, *split, *(f"{g}@{s}" for g in zoo.GPT for s in schedules)]
 
 
-@pytest.mark.parametrize("stages,replicas", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)])
+# 1x1 is left out: the engine's lone worker is checked against the plain loop in test_correctness, and
+# every row here is compared with the plain loop itself
+@pytest.mark.parametrize("stages,replicas", [(2, 1), (1, 2), (2, 2), (4, 1)])
 def test_zoo_matches_a_plain_loop(tmp_path, references, stages, replicas):
     specs = _specs(stages, replicas)
     out = run(tmp_path / "out", stages, replicas, specs)
