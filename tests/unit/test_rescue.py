@@ -33,7 +33,7 @@ class _Layout:
         return STAGE_OF[name]
 
 
-def _worker(rank: int, stage: int, replica: int, *, iteration: int, epoch: int = 5, seed: int = 0):
+def _worker(rank: int, stage: int, replica: int, *, iteration: int, epoch: int = 5, seed: int = 0, keep: int = 3):
     """A worker of a 2 x 2 job after `iteration` steps: replicas of a stage hold equal tensors."""
     gen = torch.Generator().manual_seed(100 * stage + iteration)   # the same for both replicas
     named = {n: (nn.Parameter(torch.randn(4, 3, generator=gen)) if n.endswith("weight") else torch.randn(3, generator=gen))
@@ -44,7 +44,7 @@ def _worker(rank: int, stage: int, replica: int, *, iteration: int, epoch: int =
         opt.state[p] = {"momentum_buffer": p.detach() * 0.5}
     torch.manual_seed(seed)   # per-worker RNG: it differs between replicas, hence one meta file each
     return SimpleNamespace(rank=rank, stage=stage, replica=replica, plan=ParallelPlan(P=2, D=2), cuts=[1],
-                           layout=_Layout(), assignment=SimpleNamespace(epoch=epoch, world_size=4),
+                           layout=_Layout(), assignment=SimpleNamespace(epoch=epoch, world_size=4, keep_checkpoints=keep),
                            device=torch.device("cpu"), optimizer=opt, scaler=LossScaler(1.0, 1.0, 1.0),
                            lr_scheduler=None, iteration=iteration, named_tensors=lambda named=named: named)
 
@@ -83,6 +83,18 @@ def test_survivors_of_every_stage_complete_the_step_they_hold(tmp_path):
     # a later survivor of the same step finds it complete and writes nothing
     assert rescue.save_from_memory(_worker(1, 1, 0, iteration=9), store) == done
     assert 1 not in ckpt_store.read_writer_records(done, rescue.rescue_token(5))
+
+
+def test_the_survivor_that_commits_keeps_the_jobs_number_of_checkpoints(tmp_path):
+    """A job cancelled (or ended) right after a rescue writes no later checkpoint that would prune:
+    the commit itself leaves --keep-checkpoints complete ones; a step still incomplete prunes nothing."""
+    store = str(tmp_path)
+    for it in (2, 4, 6):
+        _periodic(store, it)
+    assert rescue.save_from_memory(_worker(0, 0, 0, iteration=9, keep=2), store) is None
+    assert reading.list_checkpoints(store) == [2, 4, 6, 9]
+    assert rescue.save_from_memory(_worker(3, 1, 1, iteration=9, keep=2), store) is not None
+    assert reading.list_checkpoints(store) == [6, 9]
 
 
 def test_a_stage_with_no_survivor_leaves_the_step_incomplete(tmp_path):

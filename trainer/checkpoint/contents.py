@@ -57,6 +57,7 @@ LOSSES = "losses"   # manifest meta: the epoch that trained the steps before the
 class _Placement(Protocol):
     epoch: int            # the plan epoch (0 outside the daemon)
     world_size: int
+    keep_checkpoints: int  # complete checkpoints a rescue's commit leaves in the store
 
 
 class _Layout(Protocol):

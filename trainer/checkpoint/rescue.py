@@ -70,7 +70,10 @@ def save_from_memory(v: contents.Checkpointed, store: str) -> str | None:
     ckpt_store.write_writer_record(ckpt_dir, token, v.rank, entries)
     log.info("rank %d: saved stage %d of step %d from memory into %s in %.2fs (%d files)", v.rank, v.stage,
              iteration, ckpt_dir, time.perf_counter() - start, len(entries))
-    return _commit_if_whole(v, ckpt_dir, token, iteration, epoch, mine)
+    committed = _commit_if_whole(v, ckpt_dir, token, iteration, epoch, mine)
+    if committed is not None:
+        _prune(v, store)
+    return committed
 
 
 def _commit_if_whole(v: contents.Checkpointed, ckpt_dir: str, token: str, iteration: int, epoch: int | None,
@@ -95,3 +98,13 @@ def _commit_if_whole(v: contents.Checkpointed, ckpt_dir: str, token: str, iterat
         log.warning("rank %d: could not commit step %d saved from memory: %s", v.rank, iteration, exc)
         return None
     return ckpt_dir
+
+
+def _prune(v: contents.Checkpointed, store: str) -> None:
+    """The job's --keep-checkpoints, kept by the survivor that committed: a job that ends here (a
+    cancel, its last step) writes no later checkpoint that would prune. Sizes only, no checksums:
+    the rescue is on the daemon's clock."""
+    try:
+        ckpt_store.prune(store, v.assignment.keep_checkpoints, verify_checksums=False)
+    except (CheckpointError, OSError) as exc:   # housekeeping: the next checkpoint prunes again
+        log.warning("rank %d: could not prune old checkpoints: %s", v.rank, exc)
