@@ -18,6 +18,10 @@ p.add_argument("--chunk-size", type=int, default=4)
 p.add_argument("--fail-at", type=int, default=None, help="exit 3 after this step (tests of failures)")
 p.add_argument("--stop-at", type=int, default=None, help="leave the loop before this step and exit 0 (a script "
                "that ignores the job's step count)")
+p.add_argument("--stop-rank", type=int, default=None, help="--stop-at holds for this rank only: the others train "
+               "on (a break on some ranks only, one replica's data running out)")
+p.add_argument("--linger-file", default=None, help="once its job is trained and closed, rank 0 writes its PID "
+               "here (unless the file exists) and sleeps, so that a test can kill it after the last checkpoint")
 p.add_argument("--save-at", type=int, default=None, help="after this many steps the script saves a checkpoint "
                "itself (Varuna.checkpoint into the job's store), as a Varuna script may")
 p.add_argument("--script-batch", type=int, default=None, help="pass this global batch to Varuna instead of the job's")
@@ -81,7 +85,8 @@ loaded = time.time()
 print(f"TIMING start={started:.6f} before_load={before_load:.6f} loaded={loaded:.6f} "
       f"resumed_at={varuna.iteration}", flush=True)
 batches = GlobalBatches(len(data), batch_size, seed=0)
-while varuna.iteration < (steps if args.stop_at is None else min(steps, args.stop_at)):
+stop_here = args.stop_at is not None and args.stop_rank in (None, varuna.rank)
+while varuna.iteration < (min(steps, args.stop_at) if stop_here else steps):
     idx = batches.shard(varuna.iteration, varuna.replica, varuna.data_depth)
     loss, _ = varuna.step(data.batch(idx))
     if varuna.rank == 0:
@@ -94,3 +99,8 @@ while varuna.iteration < (steps if args.stop_at is None else min(steps, args.sto
     if args.step_sleep:
         time.sleep(args.step_sleep)
 varuna.close()
+if args.linger_file and varuna.rank == 0 and not os.path.exists(args.linger_file):
+    with open(args.linger_file + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(args.linger_file + ".tmp", args.linger_file)
+    time.sleep(120)

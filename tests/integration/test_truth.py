@@ -93,3 +93,41 @@ def test_a_job_that_trains_every_step_is_done_and_its_plan_explained(ring):
     assert r.returncode == 0, r.stderr
     why = [ln for ln in r.stdout.splitlines() if ln.startswith("why ")]
     assert why and "1x1, micro-batch" in why[0] and "estimated" in why[0], r.stdout
+
+
+def test_a_worker_killed_after_the_last_checkpoint_leaves_the_job_done_not_restarted(ring, tmp_path):
+    """Its job was trained and its last checkpoint complete when the worker died (a VM lost as the
+    job ends): nothing is left to train, so no epoch starts to train 0 steps, counted as a restart."""
+    import os
+    import signal
+
+    marker = tmp_path / "lingering.pid"
+    ring.submit("lastgasp", steps=4, every=2, script_args=("--linger-file", str(marker)))
+    ring.poll(lambda: marker.exists(), timeout=120, what="the worker lingering after its job")
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    st = ring.wait_state("lastgasp", ("done", "failed"), timeout=120)
+    assert st["state"] == "done" and st["step"] == 4, st
+    assert "the checkpoint of the last one is complete" in st["reason"], st["reason"]
+    assert st["restarts"] == 0 and st["morphs"] == [], st
+
+
+def test_one_rank_whose_script_ends_early_fails_the_job_in_its_own_words_at_once(tmp_path):
+    """Rank 1 leaves its loop at step 3 of 6 and exits 0 while rank 0 trains on; rank 0 then fails
+    on a broken connection. The job fails at once, for rank 1's early end, not rank 0's connection:
+    starting again from the last checkpoint would end the same way."""
+    server = EtcdServer()
+    server.start()
+    two = Ring(tmp_path / "two", server.endpoint, root="/truth-two/", ttl=6.0,
+               extra=["--calibrate", "uniform", "--max-restarts", "3", "--abort-grace", "2",
+                      "--progress-interval", "0.5", "--debounce", "0.2", "--slots", "2"])
+    try:
+        two.start("u1")
+        two.wait_members(["u1"])
+        two.submit("onerank", steps=6, every=2, script_args=("--stop-at", "3", "--stop-rank", "1"))
+        st = two.wait_state("onerank", ("done", "failed"), timeout=180)
+        assert st["state"] == "failed", st
+        assert "the script ended at step 3 of 6" in st["reason"] and "rank 1 on u1" in st["reason"], st["reason"]
+        assert "not retried" in st["reason"] and st["restarts"] == 0, st
+    finally:
+        two.close()
+        server.close()

@@ -415,6 +415,29 @@ def test_the_failure_a_job_is_judged_by_is_the_raise_not_a_neighbours_broken_con
                          50) is None
 
 
+def test_a_worker_whose_script_ended_early_is_the_root_failure_and_is_not_retried():
+    """One rank's script exits 0 after step 4 of the job's 10 (a break on some ranks only, one
+    replica's data running out): its peers then fail on broken connections. Read after the stop, the early end is the cause (not a
+    transient one, never retried); a worker that exited 0 after the last step is no cause."""
+    from varunad.control.failures import classify
+    plan = run_plan()
+    reports = reports_for(plan, 50, overrides={0: "failed", 1: "done"})
+    gloo = "RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:8089: Connection reset by peer"
+    for m, rep in reports.items():
+        reports[m] = dataclasses.replace(rep, workers=tuple(
+            dataclasses.replace(w, error=f"rank 0 on {m} exited with code 1; last output:\n{gloo}")
+            if w.rank == 0 else w for w in rep.workers))
+    snap = snapshot(plan=plan, epoch=50, states=running(), reports=reports)
+    root = epoch_failure(snap, plan, "j", 50)
+    assert root is not None and root.startswith("rank 1 on ") and "the script ended at step 4 of 10" in root, root
+    assert classify(root, None) == "fail"
+    # every step trained: the exit was the end, and the broken connection is what is left
+    finished = {m: dataclasses.replace(rep, workers=tuple(dataclasses.replace(w, step=9) if w.rank == 1 else w
+                                                          for w in rep.workers)) for m, rep in reports.items()}
+    root = epoch_failure(snapshot(plan=plan, epoch=50, states=running(), reports=finished), plan, "j", 50)
+    assert root is not None and root.startswith("rank 0 on ") and "Connection reset" in root, root
+
+
 def test_decide_morphs_when_a_member_of_the_plan_leaves_or_is_noticed_leaving():
     plan = run_plan()
     members = {f"d{i}": (member(f"d{i}"), 100 + i) for i in (1, 3)}

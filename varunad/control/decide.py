@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from varunad.control.failures import cause as failure_cause
-from varunad.control.failures import is_out_of_memory, is_transient
+from varunad.control.failures import ended_early, is_out_of_memory, is_transient
 from varunad.control.fleet import FleetSnapshot, JobEntry
 from varunad.control.outage import judge_members
 from varunad.control.plans import PlanDoc
@@ -236,14 +236,20 @@ def was_lost(names: list[str]) -> str:
     return f"{', '.join(names)} {'was' if len(names) == 1 else 'were'} lost"
 
 
-def _root_failure(records: dict[int, tuple[str, WorkerRecord | None]]) -> str | None:
+def _root_failure(records: dict[int, tuple[str, WorkerRecord | None]], steps: int | None = None) -> str | None:
     """The summary of the failure that most likely caused the others among an epoch's records
     (rank -> (member, record)): when one worker raises, its peers fail next with broken
     connections, and a cause compared between attempts must be the raise, not whichever
-    neighbour's report came first. None when no worker failed."""
+    neighbour's report came first. With the job's ``steps``, a worker whose script ended (exit
+    code 0) before the last step is a cause too: its peers then fail waiting for it. None when
+    no worker failed."""
     failed = []
     for rank in sorted(records):
         m, r = records[rank]
+        if r is not None and r.outcome == "done" and steps is not None and r.step + 1 < steps:
+            failed.append(f"rank {r.rank} on {m} exited with code 0: {ended_early(r.step + 1, steps)}, while "
+                          "the other workers trained on")
+            continue
         if r is None or r.outcome != "failed":
             continue
         why = error_summary(r.error)
@@ -256,8 +262,10 @@ def _root_failure(records: dict[int, tuple[str, WorkerRecord | None]]) -> str | 
 def epoch_failure(snap: FleetSnapshot, plan: PlanDoc, job: str, epoch: int) -> str | None:
     """The root failure (``_root_failure``) among the records of ``job``'s ``epoch``, run by
     ``plan``, in ``snap``'s reports: read again once every worker has stopped (the snapshot's own
-    plan is the stop plan by then), when each has said why it ended."""
-    return _root_failure(_records(snap, job, epoch, plan))
+    plan is the stop plan by then), when each has said why it ended, its last step included (a
+    worker's exit can be seen before its last progress while it still runs)."""
+    entry = snap.entry(job)
+    return _root_failure(_records(snap, job, epoch, plan), entry.spec.steps if entry and entry.spec else None)
 
 
 def _records(snap: FleetSnapshot, job: str, epoch: int,

@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DETERMINISTIC", "MemoryBackoff", "cause", "classify", "is_out_of_memory", "is_store_outage",
-           "is_transient", "memory_backoff"]
+__all__ = ["DETERMINISTIC", "MemoryBackoff", "cause", "classify", "ended_early", "is_out_of_memory",
+           "is_store_outage", "is_transient", "memory_backoff"]
 
 # Exceptions that a fresh start on the same script, spec and fleet raises again.
 DETERMINISTIC = ("ConfigError", "PartitionError", "SyntaxError", "IndentationError", "ModuleNotFoundError",
@@ -52,6 +52,8 @@ _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 # a worker a signal ended (not the OOM killer, which is `memory`): someone or something outside the
 # script did it, however often; never "the same error again"
 _SIGNALLED = re.compile(r"^rank \d+ on \S+ killed by SIG[A-Z0-9]+\b")
+# `ended_early`'s words: a script that ended on its own before the job's last step does so again
+_ENDED_EARLY = re.compile(r"^the script ended at step \d+ of \d+,")
 _EXC_NAME = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception))\b")
 
 
@@ -62,6 +64,12 @@ def cause(summary: str) -> str:
     text = _RANK_PREFIX.sub("", text.strip())
     m = _EXC_NAME.match(text)
     return m.group(1) + text[m.end():] if m else text
+
+
+def ended_early(reached: int, steps: int) -> str:
+    """The cause of a job whose script ended (exit code 0) after ``reached`` of its ``steps``."""
+    return (f"the script ended at step {reached} of {steps}, before the job's last step "
+            "(loop `while model.iteration < job_setting('steps', ...)`)")
 
 
 def is_signalled(summary: str) -> bool:
@@ -95,7 +103,7 @@ def classify(summary: str, previous: str | None) -> str:
         return "memory"
     now = cause(summary)
     m = _EXC_NAME.match(now)
-    if m and m.group(1) in DETERMINISTIC:
+    if (m and m.group(1) in DETERMINISTIC) or _ENDED_EARLY.match(now):
         return "fail"
     if _TRANSIENT.search(now) or is_signalled(summary):
         return "retry"

@@ -40,7 +40,7 @@ from varunad.control.decide import (
     was_lost,
     who_and_cause,
 )
-from varunad.control.failures import classify, memory_backoff
+from varunad.control.failures import classify, ended_early, memory_backoff
 from varunad.control.fleet import FleetSnapshot, read_fleet, read_members_and_reports, read_newest, read_progress
 from varunad.control.jobs import JobState, job_store
 from varunad.control.links import LinkSurvey
@@ -430,7 +430,6 @@ class Leader(LeaderPlanning, LeaderPace):
         checkpoint is complete; a script that ended early fails the job, saying where."""
         assert d.job is not None
         entry = snap.entry(d.job)
-        state = snap.states[d.job]
         if entry is None or entry.spec is None:
             await self._finish(snap, d.job, "done", d.reason)
             return True
@@ -438,9 +437,7 @@ class Leader(LeaderPlanning, LeaderPace):
         reports = [snap.reports.get(s.member) for s in snap.plan.slots] if snap.plan is not None else []
         reached = max((r.step + 1 for rep in reports if rep is not None
                        for r in rep.of(d.job, snap.plan_epoch).values()), default=0)
-        # off the loop: the manifest and its files' sizes are read from the store, which may hang (NFS)
-        final = await asyncio.to_thread(_final_checkpoint, state.store or job_store(entry.spec, self.config.store),
-                                        steps)
+        final = await self._final_checkpoint_of(snap, d.job)
         if final or (final is None and reached >= steps):
             await self._finish(snap, d.job, "done", f"trained all {steps} steps; the checkpoint of the last one "
                                                     "is complete")
@@ -449,10 +446,18 @@ class Leader(LeaderPlanning, LeaderPace):
             why = (f"the workers trained all {steps} steps but the checkpoint of step {steps} is not complete "
                    f"in the store (see `varunactl logs {d.job}`)")
         else:
-            why = (f"the script ended at step {reached} of {steps}: its workers exited with code 0 before the "
-                   f"job's last step (loop `while model.iteration < job_setting('steps', ...)`)")
+            why = f"{ended_early(reached, steps)}: its workers exited with code 0"
         await self._finish(snap, d.job, "failed", why, error=why)
         return True
+
+    async def _final_checkpoint_of(self, snap: FleetSnapshot, job: str) -> bool | None:
+        """`_final_checkpoint` of ``job`` as ``snap`` records it (None without a spec or a path to look at)."""
+        entry, state = snap.entry(job), snap.states.get(job)
+        if entry is None or entry.spec is None:
+            return None
+        store = (state.store if state is not None else None) or job_store(entry.spec, self.config.store)
+        # off the loop: the manifest and its files' sizes are read from the store, which may hang (NFS)
+        return await asyncio.to_thread(_final_checkpoint, store, entry.spec.steps)
 
     async def _abort(self, snap: FleetSnapshot, d: Decision) -> bool:
         assert d.job is not None and snap.plan is not None
@@ -469,6 +474,14 @@ class Leader(LeaderPlanning, LeaderPace):
             log.warning("leader: not every worker of epoch %d reported stopping; planning without them", epoch)
         stopped = time.time()
         after = await read_fleet(self.store, self.keys, timeout=self.t)   # the fleet once the epoch stopped
+        if await self._final_checkpoint_of(after, job):
+            # The last step's checkpoint was complete before the loss, or a survivor's save from
+            # memory completed it: nothing is left to train, and a next epoch would train 0 steps
+            # (counted as a restart, one more towards giving up).
+            steps = after.entry(job).spec.steps   # type: ignore[union-attr]
+            await self._finish(after, job, "done", f"trained all {steps} steps; the checkpoint of the last one is "
+                                                   f"complete ({cause_of(reason)} after it: nothing left to re-plan)")
+            return True
         restart = False
         lost: list[str] = []
         if d.failure:
