@@ -445,19 +445,26 @@ def test_a_peer_that_sends_and_closes_is_read_before_it_counts_as_dead(monkeypat
 
 
 _SEND_AND_EXIT = """
-import sys, torch
+import signal, sys, torch
+from trainer.engine import comm
 from trainer.engine.comm import PeerChannel
+comm._CLOSE_LINGER_MS = 20_000   # the mechanism under test, not the production bound on a dead peer
 bind, peer = sys.argv[1], sys.argv[2]
 chan = PeerChannel(bind=bind, prev=None, nxt=None, job="job-1", epoch=0, stage=0, rank=0, timeout_s=30,
                    stats_peers={2: peer})
+rang = []
+signal.signal(signal.SIGALRM, lambda *_: rang.append(1))   # a handler of the script's own
 chan.send_stats(2, torch.arange(8 << 20, dtype=torch.float64))   # 64 MiB: many writes of the I/O thread
+signal.setitimer(signal.ITIMER_REAL, 0.002)   # a signal while the close waits for them
 chan.close()
+assert rang, "the signal was lost"
 """
 
 
 def test_what_a_worker_sends_before_it_closes_and_exits_arrives():
     """A worker's last message (its step's statistics) goes out before its process ends, however
-    little time its I/O thread has had: pyzmq never terminates a context at interpreter exit."""
+    little time its I/O thread has had (pyzmq never terminates a context at interpreter exit) and
+    though a signal the script handles comes while the close waits for it."""
     import subprocess
     import sys
 

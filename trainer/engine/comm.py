@@ -30,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from protocol.errors import ProtocolError
 from protocol.frames import recv_tensor, send_tensor
+from trainer.engine.zmq_exit import terminate
 from trainer.errors import WorkerError
 
 __all__ = ["PeerChannel"]
@@ -57,9 +58,8 @@ class PeerChannel:
                  stats_peers: Mapping[int, str] | None = None) -> None:
         self.job, self.epoch, self.stage, self.rank = job, epoch, stage, rank
         self.timeout_s = timeout_s
-        # A context of its own, terminated at close: pyzmq never terminates one at interpreter
-        # exit, so without it a worker's last messages (a step's statistics to its children) die
-        # in the queue with the process whenever its I/O thread has not run yet.
+        # a context of its own, terminated at close (trainer.engine.zmq_exit): a step's last
+        # statistics reach the children of a worker that exits right after
         self._ctx = zmq.Context()
         self._security = security
         self._pull = self._ctx.socket(zmq.PULL)
@@ -205,4 +205,4 @@ class PeerChannel:
         self._pull.close(linger=0)
         if self._security is not None:
             self._security.close()
-        self._ctx.destroy(linger=0)   # waits for the closed senders' queues, each within its linger
+        terminate(self._ctx)   # waits for the closed sockets' queues, each within its linger

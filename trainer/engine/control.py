@@ -29,6 +29,7 @@ from protocol.messages import (
     decode,
     encode,
 )
+from trainer.engine.zmq_exit import terminate
 
 __all__ = ["ControlClient", "StopRequested", "StepAbandoned", "RESCUE_SIGNAL", "STOPPED_EXIT_CODE", "TOKEN_ENV",
            "control_identity"]
@@ -88,8 +89,8 @@ class ControlClient:
         self._sock = None
         self._ctx = None
         if endpoint:
-            # its own context, terminated at close: what the worker said last (its final
-            # checkpoint) reaches the daemon even when the process exits right after
+            # a context of its own, terminated at close (trainer.engine.zmq_exit): what the worker
+            # said last (its final checkpoint) reaches the daemon when the process exits right after
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.IDENTITY, control_identity(rank, os.environ.get(TOKEN_ENV, "")))
@@ -190,7 +191,7 @@ class ControlClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-            self._ctx.destroy(linger=0)   # waits for the closed socket's queue, within its linger
+            terminate(self._ctx)   # waits for the closed sockets' queues, each within its linger
             # Nothing is rescued any more. The interpreter's finalisation puts a Python-handled
             # signal back to its default, which for this one ends the process: a worker that
             # exits with its own status (a script's error) while the daemon stops the epoch

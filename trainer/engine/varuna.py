@@ -478,13 +478,17 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
     def close(self) -> None:
         """Release sockets and the process group; also run at interpreter exit."""
         # getattr: a constructor that failed half-way registered this already
+        if getattr(self, "control", None) is not None:
+            # a rescue signal from here on saves nothing and raises nothing: this worker is done
+            # with its state, and a close cut short by it left its sockets' last messages unsent
+            self.control.idle_rescue = None
+            self.control.abandonable = False
         if getattr(self, "_upload", None) is not None:
             self._settle_upload()   # a staged checkpoint must not die with the process
         if getattr(self, "channel", None) is not None:
             self.channel.close()
             self.channel = None
         if getattr(self, "control", None) is not None:
-            self.control.idle_rescue = None
             self.control.close()
         # gloo's threads must be joined before the interpreter tears down, or C++ aborts
         # ("terminate called without an active exception") and the worker exits non-zero.
