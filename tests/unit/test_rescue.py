@@ -103,8 +103,14 @@ def test_a_stage_with_no_survivor_leaves_the_step_incomplete(tmp_path):
     for w in (_worker(0, 0, 0, iteration=9), _worker(2, 0, 1, iteration=9)):
         assert rescue.save_from_memory(w, store) is None
     assert ckpt_store.latest_complete(store) == 6
-    with pytest.raises(CheckpointError, match="incomplete|manifest"):
+    # said as what it is (the job's status shows the skip): no writer died
+    with pytest.raises(CheckpointError, match="saved it from memory, but no survivor held every stage"):
         reading.verify(reading.checkpoint_dir(store, 9))
+    # an ordinary checkpoint's writers that died before the manifest
+    ordinary = reading.checkpoint_dir(store, 12)
+    ckpt_store.write_writer_record(ordinary, "ab" * 16, 0, [])
+    with pytest.raises(CheckpointError, match="no manifest, the writer probably died"):
+        reading.verify(ordinary)
 
 
 def test_survivors_holding_different_steps_complete_neither(tmp_path):

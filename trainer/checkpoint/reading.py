@@ -22,12 +22,20 @@ from trainer.checkpoint.fences import is_count, superseded, superseded_why
 from trainer.checkpoint.storage import CHUNK, MOUNT_HINT, CheckpointStorage, names_in, storage_for
 from trainer.errors import CheckpointError
 
-__all__ = ["CKPT_PREFIX", "MANIFEST", "FORMAT", "FileEntry", "checkpoint_dir", "iteration_of", "check_name",
+__all__ = ["CKPT_PREFIX", "MANIFEST", "FORMAT", "FileEntry", "rescue_meta_file", "checkpoint_dir", "iteration_of", "check_name",
            "list_checkpoints", "read_manifest", "broken", "verify", "read_tensors"]
 
 CKPT_PREFIX = "varuna_ckpt_"
 MANIFEST = "manifest.json"
 FORMAT = 1
+_RESCUE_META = re.compile(r"meta-rank\d+\.pt")
+
+
+def rescue_meta_file(rank: int) -> str:
+    """The meta file a survivor of rank `rank` writes in a save from memory (trainer.checkpoint.rescue);
+    an ordinary checkpoint has one meta file for all."""
+    return f"meta-rank{rank}.pt"
+
 
 # Canonical decimal only, so that checkpoint_dir(store, n) and this pattern agree one to one.
 _DIR_RE = re.compile(rf"^{re.escape(CKPT_PREFIX)}(0|[1-9][0-9]*)$")
@@ -127,6 +135,18 @@ def broken(ckpt_dir: str, what: str) -> CheckpointError:
     return CheckpointError(f"{label} is {what}", hint=_resume_hint(ckpt_dir))
 
 
+def _why_no_manifest(storage: CheckpointStorage, ckpt_dir: str) -> str:
+    """A survivors' save from memory that lacked a stage is no writer's death: it stays without a
+    manifest by design (the next epoch resumes from an older checkpoint)."""
+    try:
+        rescued = any(_RESCUE_META.fullmatch(n) for n in names_in(storage, ckpt_dir))
+    except CheckpointError:   # what the store says of the listing is not this checkpoint's story
+        rescued = False
+    if rescued:
+        return "incomplete: the survivors saved it from memory, but no survivor held every stage"
+    return "incomplete: no manifest, the writer probably died"
+
+
 def read_manifest(storage: CheckpointStorage, ckpt_dir: str) -> dict:
     """Parse and check the manifest's shape; raise CheckpointError saying what is wrong."""
     if not storage.isdir(ckpt_dir):
@@ -138,7 +158,7 @@ def read_manifest(storage: CheckpointStorage, ckpt_dir: str) -> dict:
         with storage.open_read(posixpath.join(ckpt_dir, MANIFEST)) as f:
             raw = f.read()
     except FileNotFoundError:
-        raise broken(ckpt_dir, "incomplete: no manifest, the writer probably died") from None
+        raise broken(ckpt_dir, _why_no_manifest(storage, ckpt_dir)) from None
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

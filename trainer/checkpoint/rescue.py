@@ -65,7 +65,7 @@ def save_from_memory(v: contents.Checkpointed, store: str) -> str | None:
     done = {e.name for es in ckpt_store.read_writer_records(ckpt_dir, token).values() for e in es}
     entries = [ckpt_store.write_tensors(ckpt_dir, name, content)
                for name, content in sorted(contents.stage_files(v, any_replica=True).items()) if name not in done]
-    mine = f"meta-rank{v.rank}.pt"
+    mine = reading.rescue_meta_file(v.rank)
     entries.append(ckpt_store.write_tensors(ckpt_dir, mine, contents.meta_of(v, iteration)))
     ckpt_store.write_writer_record(ckpt_dir, token, v.rank, entries)
     log.info("rank %d: saved stage %d of step %d from memory into %s in %.2fs (%d files)", v.rank, v.stage,

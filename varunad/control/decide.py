@@ -246,7 +246,8 @@ def _root_failure(records: dict[int, tuple[str, WorkerRecord | None]], steps: in
     failed = []
     for rank in sorted(records):
         m, r = records[rank]
-        if r is not None and r.outcome == "done" and steps is not None and r.step + 1 < steps:
+        # a worker that trained no step of its own (an epoch resumed at its last step) ended nothing early
+        if r is not None and r.outcome == "done" and steps is not None and 0 <= r.step < steps - 1:
             failed.append(f"rank {r.rank} on {m} exited with code 0: {ended_early(r.step + 1, steps)}, while "
                           "the other workers trained on")
             continue

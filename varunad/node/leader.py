@@ -474,14 +474,6 @@ class Leader(LeaderPlanning, LeaderPace):
             log.warning("leader: not every worker of epoch %d reported stopping; planning without them", epoch)
         stopped = time.time()
         after = await read_fleet(self.store, self.keys, timeout=self.t)   # the fleet once the epoch stopped
-        if await self._final_checkpoint_of(after, job):
-            # The last step's checkpoint was complete before the loss, or a survivor's save from
-            # memory completed it: nothing is left to train, and a next epoch would train 0 steps
-            # (counted as a restart, one more towards giving up).
-            steps = after.entry(job).spec.steps   # type: ignore[union-attr]
-            await self._finish(after, job, "done", f"trained all {steps} steps; the checkpoint of the last one is "
-                                                   f"complete ({cause_of(reason)} after it: nothing left to re-plan)")
-            return True
         restart = False
         lost: list[str] = []
         if d.failure:
@@ -493,6 +485,15 @@ class Leader(LeaderPlanning, LeaderPace):
                 d = replace(d, reason=root)
                 who, what = who_and_cause(root)
         cause = cause_of(reason)
+        if await self._final_checkpoint_of(after, job):
+            # The last step's checkpoint was complete before the loss (or a survivor's save from
+            # memory completed it): nothing is left to train, and a next epoch would train 0 steps,
+            # counted as a restart. A script's own failure after its loop (an evaluation, an
+            # export) does not fail a job whose training is whole either; its words stay in the logs.
+            steps = after.entry(job).spec.steps   # type: ignore[union-attr]
+            await self._finish(after, job, "done", f"trained all {steps} steps; the checkpoint of the last one is "
+                                                   f"complete ({cause} after it: nothing left to re-plan)")
+            return True
         if d.failure:
             answered = await self.silent.answering(after, plan.members, mark=True)
             lost = sorted(set(plan.members) - answered)
