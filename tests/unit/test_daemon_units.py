@@ -436,6 +436,11 @@ def test_a_worker_whose_script_ended_early_is_the_root_failure_and_is_not_retrie
                                                           for w in rep.workers)) for m, rep in reports.items()}
     root = epoch_failure(snapshot(plan=plan, epoch=50, states=running(), reports=finished), plan, "j", 50)
     assert root is not None and root.startswith("rank 0 on ") and "Connection reset" in root, root
+    # nor is one that trained no step of its epoch (resumed at the last step: nothing was left)
+    idle = {m: dataclasses.replace(rep, workers=tuple(dataclasses.replace(w, step=-1) if w.rank == 1 else w
+                                                      for w in rep.workers)) for m, rep in reports.items()}
+    root = epoch_failure(snapshot(plan=plan, epoch=50, states=running(), reports=idle), plan, "j", 50)
+    assert root is not None and root.startswith("rank 0 on "), root
 
 
 def test_decide_morphs_when_a_member_of_the_plan_leaves_or_is_noticed_leaving():
