@@ -41,7 +41,14 @@ from varunad.control.decide import (
     who_and_cause,
 )
 from varunad.control.failures import classify, ended_early, memory_backoff
-from varunad.control.fleet import FleetSnapshot, read_fleet, read_members_and_reports, read_newest, read_progress
+from varunad.control.fleet import (
+    FleetSnapshot,
+    JobEntry,
+    read_fleet,
+    read_members_and_reports,
+    read_newest,
+    read_progress,
+)
 from varunad.control.jobs import JobState, job_store
 from varunad.control.links import LinkSurvey
 from varunad.control.plans import PlanDoc, describe
@@ -335,7 +342,7 @@ class Leader(LeaderPlanning, LeaderPace):
         log.info("leader: job %s is %s: %s", job, outcome, reason)
         entry = snap.entry(job)
         if state.epochs and entry is not None and entry.spec is not None:
-            self._write_report(job, state.store or job_store(entry.spec, self.config.store))
+            self._write_report(job, self._store_of(state, entry))
 
     def _write_report(self, job: str, store_dir: str) -> None:
         """Record the job's report data (losses, morphs, traces, cost) into its store, in the
@@ -450,12 +457,18 @@ class Leader(LeaderPlanning, LeaderPace):
         await self._finish(snap, d.job, "failed", why, error=why)
         return True
 
+    def _store_of(self, state: JobState | None, entry: JobEntry | None) -> str:
+        """Where the job's checkpoints are: the store its state records, else its spec's ("" without either)."""
+        if state is not None and state.store:
+            return state.store
+        return job_store(entry.spec, self.config.store) if entry is not None and entry.spec is not None else ""
+
     async def _final_checkpoint_of(self, snap: FleetSnapshot, job: str) -> bool | None:
         """`_final_checkpoint` of ``job`` as ``snap`` records it (None without a spec or a path to look at)."""
-        entry, state = snap.entry(job), snap.states.get(job)
+        entry = snap.entry(job)
         if entry is None or entry.spec is None:
             return None
-        store = (state.store if state is not None else None) or job_store(entry.spec, self.config.store)
+        store = self._store_of(snap.states.get(job), entry)
         # off the loop: the manifest and its files' sizes are read from the store, which may hang (NFS)
         return await asyncio.to_thread(_final_checkpoint, store, entry.spec.steps)
 
@@ -575,10 +588,7 @@ class Leader(LeaderPlanning, LeaderPace):
         """Where the next epoch will resume, read from the store once the old workers are gone
         (after a checkpoint at the step boundary, no VM was lost: a member that left, left)."""
         gone = [] if checkpointed else sorted(set(lost) | {m for m in plan.members if m not in snap.members})
-        entry = snap.entry(job)
-        state = snap.states.get(job)
-        store = (state.store if state is not None and state.store else
-                 job_store(entry.spec, self.config.store) if entry is not None and entry.spec is not None else "")
+        store = self._store_of(snap.states.get(job), snap.entry(job))
         if not store:
             return ResumeSource("", None, "")
         return await asyncio.to_thread(resume_source, store, plan, gone)
