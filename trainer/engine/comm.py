@@ -87,8 +87,7 @@ class PeerChannel:
         sock = self._by_endpoint.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 2000)
+            sock.setsockopt(zmq.SNDHWM, 0)   # its linger is set at close
             if self._security is not None:
                 self._security.apply_stream_client(sock, endpoint)
             # watched before it connects: a peer already listening completes the handshake at
