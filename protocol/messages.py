@@ -111,8 +111,8 @@ class _Int(_Kind):
 
 
 class _Float(_Kind):
-    def __init__(self, lo: float = -math.inf, hi: float = math.inf) -> None:
-        self.lo, self.hi = lo, hi
+    def __init__(self, lo: float = -math.inf, hi: float = math.inf, *, finite: bool = True) -> None:
+        self.lo, self.hi, self.finite = lo, hi, finite
 
     def check(self, where: str, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -122,6 +122,8 @@ class _Float(_Kind):
         except OverflowError:
             raise MessageValueError(f"{where} is too large for a float") from None
         if not math.isfinite(number):
+            if not self.finite:
+                return number
             raise MessageValueError(f"{where} must be finite, got {number}")
         if not self.lo <= number <= self.hi:
             raise MessageValueError(f"{where} must be in [{self.lo}, {self.hi}], got {number}")
@@ -382,7 +384,9 @@ class CheckpointNow(Message):
 @_register
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerProgress(Message):
-    """A worker finished `step`. `loss` is finite (a diverged worker sends WorkerFailed instead);
+    """A worker finished `step`. `loss` may be NaN or infinite: a diverged step, which the workers
+    agreed to skip, is still a step the job took (unreported, the daemon saw no progress and the
+    leader restarted a diverged job as stuck);
     `busy_fraction` is the share of wall time spent computing rather than waiting, in [0, 1];
     `peak_bytes` the most memory it has held since its stage was built, as the plan counts it (on a
     GPU its tensors, on a CPU its whole process; 0: not measured);
@@ -395,7 +399,7 @@ class WorkerProgress(Message):
     epoch: int = _f(_EPOCH)
     rank: int = _f(_RANK)
     step: int = _f(_STEP)
-    loss: float = _f(_Float())
+    loss: float = _f(_Float(finite=False))
     samples_per_s: float = _f(_Float(0.0))
     busy_fraction: float = _f(_Float(0.0, 1.0))
     peak_bytes: int = field(default=0, metadata={"kind": _Int(0, _U64_MAX)})

@@ -27,6 +27,8 @@ p.add_argument("--save-at", type=int, default=None, help="after this many steps 
 p.add_argument("--script-batch", type=int, default=None, help="pass this global batch to Varuna instead of the job's")
 p.add_argument("--dropout", type=float, default=0.0, help="the GPT's dropout (tests/support/reference.py's "
                "keyed_reference_run predicts the losses)")
+p.add_argument("--lr", type=float, default=0.1, help="SGD's learning rate (1e30: the loss is NaN from the second "
+               "step on, a diverged run)")
 p.add_argument("--cheap-allreduce", action="store_true", help="calibrate all-reduces as nearly free: the planner "
                "then runs 4 slots as 2x2 (replicas to recover from) instead of 4x1")
 p.add_argument("--timed-calibration", action="store_true", help="scale the synthetic calibration's times by how long "
@@ -78,7 +80,7 @@ cfg = GPTConfig.preset("tiny", dropout=args.dropout)
 model = GPT(cfg, seed=0)
 data = TextDataset(cfg.seq_len, num_examples=256, seed=0)
 varuna = Varuna(model, None, data.sample_batch, args.script_batch or batch_size, args.chunk_size)
-opt = torch.optim.SGD(varuna.parameters(), lr=0.1, momentum=0.9)
+opt = torch.optim.SGD(varuna.parameters(), lr=args.lr, momentum=0.9)
 before_load = time.time()
 varuna.set_optimizer(opt)
 loaded = time.time()

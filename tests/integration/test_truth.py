@@ -22,7 +22,7 @@ def ring(tmp_path_factory):
     server.start()
     r = Ring(tmp_path_factory.mktemp("truth"), server.endpoint, root="/truth/", ttl=6.0,
              extra=["--calibrate", "uniform", "--max-restarts", "3", "--abort-grace", "2",
-                    "--progress-interval", "0.5", "--debounce", "0.2"])
+                    "--progress-interval", "0.5", "--debounce", "0.2", "--stall-timeout", "12"])
     try:
         r.start("t1")
         r.wait_members(["t1"])
@@ -109,6 +109,22 @@ def test_a_worker_killed_after_the_last_checkpoint_leaves_the_job_done_not_resta
     assert st["state"] == "done" and st["step"] == 4, st
     assert "the checkpoint of the last one is complete" in st["reason"], st["reason"]
     assert st["restarts"] == 0 and st["morphs"] == [], st
+
+
+def test_a_job_whose_loss_diverged_reports_every_step_and_is_not_taken_for_stuck(ring):
+    """From its second step the loss is NaN and every step is skipped by agreement, as a plain loop
+    would go on: its workers dropped those steps' progress, so after --stall-timeout (12 s here)
+    the leader restarted the epoch as stuck, every time, and gave up after 3 restarts."""
+    import math
+
+    ring.submit("diverged", steps=8, every=4, script_args=("--lr", "1e30", "--step-sleep", "2.5"))
+    st = ring.wait_state("diverged", ("done", "failed"), timeout=240)
+    assert st["state"] == "done" and st["step"] == 8 and st["restarts"] == 0, st
+    losses = dict(st["loss_history"])
+    assert sorted(losses) == list(range(8)) and math.isfinite(losses[0]), losses
+    assert all(math.isnan(losses[s]) for s in range(2, 8)), losses
+    r = ring.varunactl("status", "diverged", "--json")
+    assert r.returncode == 0 and "NaN" not in r.stdout, r.stdout   # JSON every parser reads
 
 
 def test_one_rank_whose_script_ends_early_fails_the_job_in_its_own_words_at_once(tmp_path):

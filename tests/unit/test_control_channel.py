@@ -113,6 +113,41 @@ async def test_only_the_current_workers_identity_is_heard(tmp_path, monkeypatch)
         ctx.term()
 
 
+async def test_a_diverged_steps_progress_reaches_the_daemon_and_its_record(tmp_path, monkeypatch):
+    """A step whose loss is NaN (the workers agreed to skip it) was dropped by the worker's client:
+    a job whose every step diverged reported none, and its leader restarted it as stuck."""
+    import math
+
+    from varunad.control.records import Progress
+
+    ctx = zmq.asyncio.Context()
+    sup = _supervisor(tmp_path, ctx)
+    serving = asyncio.create_task(sup.serve())
+    try:
+        w = _running(sup, 0, "tok")
+        monkeypatch.setenv(TOKEN_ENV, "tok")
+        client = ControlClient(sup.control_endpoint, job="j", epoch=5, rank=0)
+        try:
+            client.progress(3, 2.0, 10.0, 0.5)
+            client.progress(4, math.nan, math.inf, math.nan, compute_s=math.nan)   # and a timing of zero length
+            await until_async(lambda: w.step == 4, "the diverged step's progress", timeout=5.0, interval=0.01)
+            kept = sup.reporter.progress[0]
+            assert kept.step == 4 and math.isnan(kept.loss)
+            assert kept.samples_per_s == 0.0 and kept.busy_fraction == 0.0 and kept.compute_s == 0.0
+            again = Progress.decode(kept.encode())   # as etcd keeps it and the leader reads it
+            assert again.step == 4 and math.isnan(again.loss)
+            history = sup.reporter.history("j", 5)
+            assert history[3] == 2.0 and math.isnan(history[4])
+        finally:
+            client.close()
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        sup.close()
+        ctx.term()
+
+
 async def test_a_stop_is_delivered_even_after_a_failed_send(tmp_path, monkeypatch):
     """A send to a worker that is not connected fails inside the asyncio future; the stop must
     still reach the worker when it next speaks, and is repeated until it exits."""

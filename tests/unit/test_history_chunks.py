@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from varunad.control.records import Progress, decode_history
 from varunad.node.config import load_config
 from varunad.node.reporter import HISTORY_CHUNK, Reporter
@@ -77,5 +79,29 @@ def test_the_history_is_written_before_the_report_that_may_end_the_job():
         r.mark()
         await r.flush(periodic=False)
         assert [k for k, _ in store.puts] == [KEYS.history_entry("j", 3, "vm1", 0), KEYS.workers_of("vm1")]
+
+    asyncio.run(main())
+
+
+def test_a_diverged_steps_nan_loss_is_kept_in_the_history_and_shown_as_null_in_json():
+    import json
+    import math
+
+    from varunad.ctl.commands import dumps
+
+    async def main():
+        store = _Store()
+        r = _reporter(store)
+        _step(r, 0)
+        r.record_progress(Progress(job="j", epoch=3, rank=0, step=1, loss=math.nan, samples_per_s=1.0,
+                                   busy_fraction=1.0, at=1001.0), keeps_history=True)
+        await r.flush(periodic=False)
+        (value,) = store.data.values()
+        pairs, _ = decode_history(value)
+        assert pairs[0] == (0, 10.0) and pairs[1][0] == 1 and math.isnan(pairs[1][1])
+        # `varunactl status` prints JSON that jq and JSON.parse take: null where Python wrote NaN
+        shown = dumps({"loss": pairs[1][1], "loss_history": [list(p) for p in pairs], "rate": math.inf})
+        assert json.loads(shown, parse_constant=lambda c: pytest.fail(f"{c} in the JSON")) == {
+            "loss": None, "loss_history": [[0, 10.0], [1, None]], "rate": None}
 
     asyncio.run(main())

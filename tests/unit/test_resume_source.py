@@ -107,6 +107,24 @@ def test_a_checkpoint_carries_the_losses_before_it_and_the_epoch_that_trained_th
     assert resume_source(store, _plan(), ["vm1"]).losses == ()
 
 
+def test_a_diverged_steps_nan_loss_goes_into_the_checkpoint_and_comes_back(tmp_path):
+    """A job whose loss went NaN (its steps skipped by agreement) failed its every checkpoint: the
+    manifest is strict JSON, and the NaN among the recent losses made its write raise TypeError."""
+    import collections
+    import math
+    from types import SimpleNamespace
+
+    from trainer.checkpoint.contents import LOSSES, manifest_meta
+
+    worker = SimpleNamespace(plan=ParallelPlan(P=1, D=1), cuts=[], layout=SimpleNamespace(files={}),
+                             assignment=SimpleNamespace(epoch=7), iteration=4,
+                             recent_losses=collections.deque([(1, 0.5), (2, math.nan), (3, math.inf)]))
+    store = str(tmp_path)
+    _commit(store, 4, losses=manifest_meta(worker)[LOSSES])
+    (one, a), (two, b), (three, c) = resume_source(store, _plan(), ["vm1"]).losses
+    assert (one, a, two, three) == (1, 0.5, 2, 3) and math.isnan(b) and math.isnan(c)
+
+
 def test_a_failed_jobs_hint_promises_its_checkpoints_only_where_the_store_holds_one(tmp_path):
     """A probe's jobs that failed before any checkpoint were told "with --store ... it resumes from
     this one's checkpoints"; their stores held none."""

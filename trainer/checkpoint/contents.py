@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import posixpath
 import shutil
@@ -240,7 +241,10 @@ def manifest_meta(v: Checkpointed) -> dict:
     # into the loss history, nobody trains them again (varunad.control.resume gives them back)
     recent, epoch = getattr(v, "recent_losses", ()), epoch_of(v)
     if recent and epoch is not None:
-        meta[LOSSES] = {"epoch": epoch, "steps": [[step, loss] for step, loss in recent if step < v.iteration]}
+        # a diverged step's NaN as null: the manifest is strict JSON, and a NaN in it failed every
+        # checkpoint of a diverged job (varunad.control.resume reads null back as NaN)
+        meta[LOSSES] = {"epoch": epoch, "steps": [[step, loss if math.isfinite(loss) else None]
+                                                  for step, loss in recent if step < v.iteration]}
     return meta
 
 

@@ -154,12 +154,14 @@ class ControlClient:
 
     def progress(self, step: int, loss: float, samples_per_s: float, busy_fraction: float,
                  peak_bytes: int = 0, compute_s: float = 0.0) -> None:
-        if not all(math.isfinite(x) for x in (loss, samples_per_s, busy_fraction, compute_s)):
-            return   # an overflowed fp16 step or a zero-length timing: nothing worth reporting
-        self._send(WorkerProgress(job=self.job, epoch=self.epoch, rank=self.rank, step=step, loss=loss,
-                                  samples_per_s=max(0.0, samples_per_s),
-                                  busy_fraction=min(1.0, max(0.0, busy_fraction)), peak_bytes=max(0, peak_bytes),
-                                  compute_s=max(0.0, compute_s)))
+        # A non-finite loss is reported as it is: the step was taken (skipped by agreement), and a
+        # job whose every step diverged once reported none, so the leader restarted it as stuck.
+        # A zero-length timing (inf, nan) is a measurement missing: 0, which every reader reads so.
+        def rate(x: float) -> float:
+            return max(0.0, x) if math.isfinite(x) else 0.0
+        self._send(WorkerProgress(job=self.job, epoch=self.epoch, rank=self.rank, step=step, loss=float(loss),
+                                  samples_per_s=rate(samples_per_s), busy_fraction=min(1.0, rate(busy_fraction)),
+                                  peak_bytes=max(0, peak_bytes), compute_s=rate(compute_s)))
 
     def checkpointed(self, step: int, path: str, stalled_s: float) -> None:
         self._send(WorkerCheckpointed(job=self.job, epoch=self.epoch, rank=self.rank, step=step, path=path,

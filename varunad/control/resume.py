@@ -14,6 +14,7 @@ epoch actually trained) say so.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Collection
@@ -121,10 +122,10 @@ def resume_source(store: str, plan: PlanDoc | None, lost: Collection[str]) -> Re
 
 def _losses(value: object, before: int) -> tuple[int, tuple[tuple[int, float], ...]]:
     """A manifest's {"epoch": e, "steps": [[step, loss], ...]} as trainer.checkpoint.contents
-    writes it; what is not that (an older worker's manifest has none) is no losses."""
+    writes it (a diverged step's loss null: NaN); what is not that (an older worker's manifest has none) is no losses."""
     if not isinstance(value, dict) or type(value.get("epoch")) is not int or not isinstance(value.get("steps"), list):
         return 0, ()
     return value["epoch"], tuple(
-        (pair[0], float(pair[1])) for pair in value["steps"]
+        (pair[0], math.nan if pair[1] is None else float(pair[1])) for pair in value["steps"]
         if isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and 0 <= pair[0] < before
-        and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool))
+        and (pair[1] is None or isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool)))

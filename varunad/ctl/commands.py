@@ -12,6 +12,7 @@ import asyncio
 import importlib.util
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -432,7 +433,19 @@ async def cancel(store: Store, keys: Keys, job: str, *, wait: float, out: TextIO
 
 
 def dumps(doc: Any) -> str:
-    return json.dumps(doc, indent=2, sort_keys=False)
+    """JSON as every parser takes it: a diverged step's loss (NaN, inf) is null, where Python's
+    json would write the NaN that jq and JSON.parse refuse."""
+    return json.dumps(_finite(doc), indent=2, sort_keys=False, allow_nan=False)
+
+
+def _finite(doc: Any) -> Any:
+    if isinstance(doc, float):
+        return doc if math.isfinite(doc) else None
+    if isinstance(doc, dict):
+        return {k: _finite(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [_finite(v) for v in doc]
+    return doc
 
 
 async def nodes(store: Store, keys: Keys) -> list[dict[str, Any]]:
