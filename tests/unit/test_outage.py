@@ -79,3 +79,24 @@ def test_a_member_key_gone_while_its_lease_lives_is_awaited_for_a_while_then_los
     assert dec.action == "wait" and "d2 is missing or unreadable but its lease lives" in dec.reason, dec.sentence
     dec = decide(snap, memory, now=105.0, start_timeout=60.0)
     assert dec.action == "abort" and "d2 was lost" in dec.reason, dec.sentence
+
+
+def test_the_words_of_a_loss_say_what_is_left_to_plan_on():
+    """A probe lost a whole fleet at once: the morph said "vm1, vm2, vm3, vm4 were lost (its lease
+    ended): re-planning on the VMs left", with no VM left."""
+    plan = run_plan()
+    reports = {"d1": reports_for(plan, 50)["d1"]}
+    some = snapshot(plan=plan, epoch=50, states=running(), members={"d1": (member("d1"), 101)}, reports=reports)
+    dec = d(some, now=106.0, outage_until=105.0)
+    assert dec.reason == "d2, d3 were lost (their leases ended): re-planning on the VMs left", dec.reason
+    none = snapshot(plan=plan, epoch=50, states=running(), members={}, reports={})
+    dec = d(none, now=106.0)
+    assert dec.action == "abort" and dec.reason == (
+        "d1, d2, d3 were lost (their leases ended): no VM is left: the job resumes from its newest checkpoint "
+        "once VMs register"), dec.reason
+    back = snapshot(plan=plan, epoch=50, states=running(), members=reincarnated(), reports={})
+    dec = d(back, now=106.0)
+    assert dec.action == "abort" and dec.reason.endswith("re-planning on the VMs registered again since"), dec.reason
+    # back under their names, they are still the VMs the next epoch cannot resume from (a probe's
+    # morph after a whole fleet and etcd came back said "checkpoint" with no reason)
+    assert dec.lost == ("d1", "d2", "d3")

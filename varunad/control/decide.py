@@ -6,6 +6,7 @@ says what and why. Pure: no store, no clock of its own, no I/O; ``varunad.node.l
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from varunad.control.failures import cause as failure_cause
@@ -16,7 +17,8 @@ from varunad.control.plans import PlanDoc
 from varunad.control.records import WorkerRecord
 from varunad.control.stall import StepWatch
 
-__all__ = ["Decision", "LeaderMemory", "calibration_failed", "decide", "epoch_failure", "error_summary", "was_lost", "who_and_cause",
+__all__ = ["Decision", "LeaderMemory", "calibration_failed", "decide", "epoch_failure", "error_summary", "lease_ended", "replanning_on",
+           "was_lost", "who_and_cause",
            "cause_of", "store_failing"]
 
 
@@ -27,6 +29,9 @@ class Decision:
     job: str | None = None
     checkpoint: bool = False  # abort: ask the workers to checkpoint first
     failure: bool = False  # abort: a worker failed (counts as a restart unless a member was lost)
+    # abort: the plan's members whose lease ended. Named here, since they may have registered again
+    # (under the same names) by the time the leader asks where the next epoch resumes
+    lost: tuple[str, ...] = ()
 
     @property
     def sentence(self) -> str:
@@ -186,7 +191,8 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     verdict = judge_members(plan, epoch, snap.members, snap.reports, now=now, outage_until=outage_until,
                             restoring_until=memory.restoring_until)
     if verdict.gone:
-        return Decision("abort", f"{was_lost(verdict.gone)} (its lease ended): re-planning on the VMs left", job)
+        return Decision("abort", f"{was_lost(verdict.gone)} ({lease_ended(verdict.gone)}): "
+                                 f"{replanning_on(snap.members, verdict.gone)}", job, lost=tuple(verdict.gone))
     if verdict.awaited:
         return Decision("wait", f"etcd was unavailable: waiting up to {outage_until - now:.0f}s for "
                                 f"{', '.join(verdict.awaited)} to register again before counting it lost", job)
@@ -234,6 +240,21 @@ def store_failing(snap: FleetSnapshot) -> bool:
 
 def was_lost(names: list[str]) -> str:
     return f"{', '.join(names)} {'was' if len(names) == 1 else 'were'} lost"
+
+
+def lease_ended(names: list[str]) -> str:
+    return "its lease ended" if len(names) == 1 else "their leases ended"
+
+
+def replanning_on(members: Mapping[str, object], lost: Collection[str]) -> str:
+    """What the job does next, in the fleet as it is: a whole fleet lost at once (spot VMs
+    preempted together) leaves no VM to re-plan on, and the VMs that register later under the
+    lost ones' names are new registrations, not survivors."""
+    if any(m not in lost for m in members):
+        return "re-planning on the VMs left"
+    if members:
+        return "re-planning on the VMs registered again since"
+    return "no VM is left: the job resumes from its newest checkpoint once VMs register"
 
 
 def _root_failure(records: dict[int, tuple[str, WorkerRecord | None]], steps: int | None = None) -> str | None:

@@ -36,6 +36,7 @@ from varunad.control.decide import (
     cause_of,
     decide,
     epoch_failure,
+    replanning_on,
     store_failing,
     was_lost,
     who_and_cause,
@@ -488,7 +489,7 @@ class Leader(LeaderPlanning, LeaderPace):
         stopped = time.time()
         after = await read_fleet(self.store, self.keys, timeout=self.t)   # the fleet once the epoch stopped
         restart = False
-        lost: list[str] = []
+        lost: list[str] = list(d.lost)
         if d.failure:
             # every worker has said why it ended by now: the raise, not a neighbour's broken connection
             root = epoch_failure(after, plan, job, epoch)
@@ -519,7 +520,7 @@ class Leader(LeaderPlanning, LeaderPace):
                 # A vanished VM breaks its neighbours' workers before its lease expires: name the cause.
                 cause = was_lost(lost)
                 they = "it stopped answering; its" if len(lost) == 1 else "they stopped answering; their"
-                reason = f"{cause} ({they} peer {who}): re-planning on the VMs left"
+                reason = f"{cause} ({they} peer {who}): {replanning_on(after.members, lost)}"
             else:
                 verdict = classify(d.reason, state.error if state.restarts else None)
                 # a full or read-only store can outlast any budget of restarts: not counted
