@@ -46,6 +46,34 @@ async def test_a_resumed_epoch_shows_the_step_it_is_at_not_the_highest_reached(e
         assert "morphs    1\n  2x1 -> 1x1: vm4 was lost (its lease ended)" in out.getvalue()
 
 
+async def test_a_fleet_lost_at_once_shows_no_rate_and_a_cancel_it_cannot_confirm_exits_1(etcd, etcd_root):
+    """A probe SIGKILLed every daemon: status went on showing the dead workers' last samples/s and busy
+    share as the job's, and `cancel --wait` returned 0 though nothing could confirm it."""
+    from varunad.control.records import Progress
+
+    keys = Keys(etcd_root)
+    spec = JobSpec(job="j", script="t.py", batch_size=8, steps=40, checkpoint_every=5, bundle_digest="0" * 64,
+                   bundle_bytes=1)
+    async with EtcdStore(etcd.endpoint) as store:
+        await store.put(keys.job("j"), spec.encode())
+        await store.put(keys.state("j"), JobState(job="j", state="running", epoch=9, epochs=(9,)).encode())
+        await store.put(keys.history_entry("j", 9, "vm1", 0), encode_history([(s, 3.0) for s in range(20)]))
+        await store.put(keys.progress_of("j") + "0", Progress(job="j", epoch=9, rank=0, step=19, loss=3.0,
+                                                               samples_per_s=29.2, busy_fraction=0.88).encode())
+        doc = await ctl.job_status(store, keys, "j")
+        assert doc["daemons"] == 0 and doc["step"] == 20
+        assert doc["samples_per_s"] is None and doc["busy_fraction"] is None, doc
+        out = io.StringIO()
+        ctl.print_job(doc, out)
+        assert "samples/s" not in out.getvalue() and "no daemon is up" in out.getvalue(), out.getvalue()
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert await ctl.cancel(store, keys, "j", wait=0.5, out=io.StringIO()) == 1
+        assert "not cancelled yet: no daemon is up" in err.getvalue(), err.getvalue()
+        assert await store.get(keys.cancel("j")) is not None   # the request stands
+        assert await ctl.cancel(store, keys, "j", wait=0, out=io.StringIO()) == 0   # asked, not waited for
+
+
 def test_output_cut_short_by_a_pipe_is_not_an_error():
     """`varunactl status | head`: the reader closing the pipe early ends varunactl quietly."""
     code = ("import sys\n"

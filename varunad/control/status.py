@@ -97,6 +97,10 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
     shape = state.plan or {}
     world = shape.get("P", 0) * shape.get("D", 0) if all(type(shape.get(k)) is int for k in "PD") else None
     current = [p for p in await read_progress(store, keys, job, world=world, steps=total) if p.epoch == state.epoch]
+    # a live member key is a daemon whose lease holds: none, and nothing trains, whatever the state says
+    daemons = len(await store.get_prefix(keys.members)) if state.state in _LIVE else None
+    # the progress records outlive a fleet lost at once: their rates are the dead workers' last, not now's
+    rates = current if daemons != 0 else []
     now = [s + 1 for s in per_epoch.get(state.epoch, {})] + [p.step + 1 for p in current]
     # where the running epoch is, once it has reported: after a resume from an older checkpoint
     # it redoes steps an earlier epoch had reached, and says so rather than the highest step
@@ -136,13 +140,12 @@ async def job_status(store: Store, keys: Keys, job: str) -> dict[str, Any]:
                  "ruled_out": plan.get("ruled_out", [])},
         "redoing": redoing,
         "loss": dict(history).get(step - 1, history[-1][1]) if history else None,
-        "samples_per_s": sum(p.samples_per_s for p in current) / len(current) if current else None,
-        "busy_fraction": min((p.busy_fraction for p in current), default=None),
+        "samples_per_s": sum(p.samples_per_s for p in rates) / len(rates) if rates else None,
+        "busy_fraction": min((p.busy_fraction for p in rates), default=None),
         "stages": stage_memory(plan, current),
         "restarts": state.restarts, "error": state.error,
         "store_failing": await _store_failing(store, keys, job, state.epoch) if state.state in _LIVE else None,
-        # a live member key is a daemon whose lease holds: none, and nothing trains, whatever the state says
-        "daemons": len(await store.get_prefix(keys.members)) if state.state in _LIVE else None,
+        "daemons": daemons,
         # slot -> how many times slower than the fastest of its kind it computes; the stragglers
         # among them are the slots the plan works around (varunad.control.speeds)
         "paces": dict(state.paces), "stragglers": dict(state.stragglers),

@@ -139,10 +139,12 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends (Ctrl-C stops)")
     p.set_defaults(handler=_cmd_logs)
 
-    p = sub.add_parser("cancel", help="cancel a job", description="Stop JOB's workers and mark it cancelled.")
+    p = sub.add_parser("cancel", help="cancel a job", description="Stop JOB's workers and mark it cancelled. "
+                       "Exits 0 once the leader confirms it, 1 when it did not within --wait (the request stands: "
+                       "the leader cancels the job when it next runs).")
     p.add_argument("job", metavar="JOB")
     p.add_argument("--wait", type=_seconds_or_zero, default=10.0, metavar="SECONDS",
-                   help="how long to wait for the leader to confirm (default 10)")
+                   help="how long to wait for the leader to confirm (default 10; 0: ask and return 0 at once)")
     p.set_defaults(handler=_cmd_cancel)
 
 

@@ -60,6 +60,14 @@ def _unreachable(etcd: str, exc: Exception, timeout: float) -> CtlError:
            f"no answer within {timeout:g}s" if "deadline" in text.lower() or "timed out" in text.lower() else
            text.splitlines()[0][:300] if text else type(exc).__name__)
     if why == "connection refused":
+        from varunad.ctl.local import stopped_ring  # local imports this module
+
+        ring = stopped_ring()
+        if ring is not None:
+            # a probe restarted the ring's etcd by hand and was pointed at 2379, with no word of the ring
+            return CtlError(f"cannot reach etcd at {etcd} ({why}): the local ring of {ring.dir} is down (its etcd "
+                            f"at {ring.etcd} stopped): `varunactl up N` starts one again, `varunactl down` clears "
+                            f"it; an etcd you started there yourself: --etcd {ring.etcd}")
         return CtlError(f"cannot reach etcd at {etcd} ({why}): no ring is up here? start one with `varunactl up N`, "
                         f"or point --etcd HOST:PORT (or $VARUNAD_ETCD) at your fleet's etcd")
     # something listens (or the network drops packets): a stopped, overloaded or partitioned etcd
@@ -428,8 +436,15 @@ async def cancel(store: Store, keys: Keys, job: str, *, wait: float, out: TextIO
             print(f"{job} is {state.state}", file=out)
             return 0
         await asyncio.sleep(0.2)
-    print(f"asked to cancel {job}; the leader has not confirmed yet (see `varunactl status {job}`)", file=out)
-    return 0
+    if not wait:
+        print(f"asked to cancel {job} (see `varunactl status {job}`)", file=out)
+        return 0
+    # the request stands in etcd, but a script that waited for the cancel must not read a success
+    # (a probe's fleet was down: nothing could confirm, and the cancel returned 0)
+    why = ("no daemon is up: the leader cancels it once one starts" if not await store.get_prefix(keys.members)
+           else f"the leader has not confirmed it within {wait:g}s")
+    print(f"asked to cancel {job}, not cancelled yet: {why} (see `varunactl status {job}`)", file=sys.stderr)
+    return 1
 
 
 def dumps(doc: Any) -> str:
