@@ -172,3 +172,26 @@ def test_a_ring_larger_than_one_machine_should_run_is_refused_before_anything_st
     err = capsys.readouterr().err
     assert f"at most {local.MAX_LOCAL_DAEMONS}" in err and err.count("\n") == 1
     assert not (tmp_path / "ring").exists()
+
+
+def test_a_ring_whose_etcd_stopped_is_named_where_etcd_cannot_be_reached(tmp_path, monkeypatch):
+    """A probe restarted its ring's etcd by hand: varunactl then fell back to 127.0.0.1:2379 and
+    said "no ring is up here?", with no word of the ring recorded in its directory."""
+    import subprocess
+    import sys
+
+    from varunad.ctl.commands import _unreachable
+    from varunad.ctl.local import Ring, RingProc, _write_ring, default_etcd
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()   # a pid that ran and is gone: the ring's etcd, stopped
+    monkeypatch.setenv("VARUNAD_LOCAL_DIR", str(tmp_path))
+    monkeypatch.delenv("VARUNAD_ETCD", raising=False)
+    _write_ring(Ring(dir=str(tmp_path), etcd="127.0.0.1:19512", root="/r/", store=str(tmp_path / "store"), ttl=5.0,
+                     etcd_proc=RingProc(name="etcd", pid=done.pid, create_time=0.0, log=str(tmp_path / "etcd.log"))))
+    assert default_etcd() == "127.0.0.1:2379"
+    words = str(_unreachable(default_etcd(), Exception("failed to connect: Connection refused"), 5.0))
+    assert f"the local ring of {tmp_path} is down (its etcd at 127.0.0.1:19512 stopped)" in words, words
+    assert "--etcd 127.0.0.1:19512" in words
+    (tmp_path / "ring.json").unlink()
+    assert "no ring is up here?" in str(_unreachable("127.0.0.1:2379", Exception("Connection refused"), 5.0))

@@ -129,6 +129,16 @@ def default_etcd() -> str:
     return "127.0.0.1:2379"
 
 
+def stopped_ring() -> Ring | None:
+    """The local ring recorded in the default directory whose etcd no longer runs (None: no ring
+    recorded there, or a live one): `default_etcd` passes it over, and an error must say so."""
+    try:
+        ring = read_ring()
+    except LocalRingError:
+        return None
+    return ring if ring is not None and not alive(ring.etcd_proc) else None
+
+
 def _write_ring(ring: Ring) -> None:
     path = Path(ring.dir) / RING_FILE
     tmp = path.with_suffix(".tmp")
