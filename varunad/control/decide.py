@@ -14,7 +14,7 @@ from varunad.control.failures import ended_early, is_out_of_memory, is_transient
 from varunad.control.fleet import FleetSnapshot, JobEntry
 from varunad.control.outage import judge_members
 from varunad.control.plans import PlanDoc
-from varunad.control.records import WorkerRecord
+from varunad.control.records import WorkerRecord, WorkerReport
 from varunad.control.stall import StepWatch
 
 __all__ = ["Decision", "LeaderMemory", "calibration_failed", "decide", "epoch_failure", "error_summary", "lease_ended", "replanning_on",
@@ -32,6 +32,9 @@ class Decision:
     # abort: the plan's members whose lease ended. Named here, since they may have registered again
     # (under the same names) by the time the leader asks where the next epoch resumes
     lost: tuple[str, ...] = ()
+    # abort: the newest epoch whose workers to stop, where it is newer than the plan's (etcd's
+    # history went back: `_history_went_back`)
+    stop_epoch: int = 0
 
     @property
     def sentence(self) -> str:
@@ -155,6 +158,9 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
 
     plan, epoch = snap.plan, snap.plan_epoch
     cur = _current(snap)
+    past = _epoch_past_plan(snap)
+    if past is not None:
+        return _history_went_back(snap, cur, *past)
     if cur is None:
         nxt = _queued(snap)
         if nxt is None:
@@ -226,6 +232,38 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
     if newcomers and memory.considered != (epoch, usable):
         return Decision("consider", f"{', '.join(newcomers)} could join {job}", job)
     return Decision("nothing", f"{job} runs epoch {epoch} as {plan.shape}", job)
+
+
+def _epoch_past_plan(snap: FleetSnapshot) -> tuple[str, WorkerReport] | None:
+    """The member whose workers ran the newest epoch newer than the plan's, and its report; None
+    when none did. An epoch is the revision of its plan, and the plan and the reports are read
+    together, so a newer one means etcd's history went back (restored from an older copy). Only a
+    live member's report on its own lease counts: a hand's value is no epoch the fleet ran."""
+    found = None
+    for name, report in snap.reports.items():
+        held = snap.members.get(name)
+        if held is None or not held[1] or snap.report_leases.get(name) != held[1]:
+            continue
+        if report.epoch > snap.plan_epoch and (found is None or report.epoch > found[1].epoch):
+            found = (name, report)
+    return found
+
+
+def _history_went_back(snap: FleetSnapshot, cur: JobEntry | None, member: str, report: WorkerReport) -> Decision:
+    """Workers ran an epoch etcd no longer holds. Its daemons move etcd's revision past it
+    (varunad.cluster.revision_floor); once past, the workers of the lost epochs are stopped by
+    a plan newer than theirs: the running job's with a checkpoint, as a morph, then planned again."""
+    theirs = report.epoch
+    what = (f"etcd's history went back ({member} ran epoch {theirs}, newer than the plan's "
+            f"{snap.plan_epoch}: etcd was restored from an older copy or lost its data)")
+    if snap.revision <= theirs:
+        return Decision("wait", f"{what}: waiting for the daemons to move etcd's revision (now {snap.revision}) "
+                                f"past {theirs}", cur.job if cur else None)
+    plan = snap.plan
+    if (cur is not None and plan is not None and plan.kind == "run" and plan.job == cur.job == report.job):
+        return Decision("abort", f"{what}: stopping the workers of the epochs etcd lost, with a checkpoint, then "
+                                 "planning again", cur.job, checkpoint=True, stop_epoch=theirs)
+    return Decision("idle", f"{what}: stopping the workers of the epochs etcd lost")
 
 
 def store_failing(snap: FleetSnapshot) -> bool:

@@ -54,6 +54,8 @@ class FleetSnapshot:
     # jobs whose state key someone other than the reader changed after the reader's own newest
     # write of it (read_fleet's `own_states`): `states` holds the reader's value, to write back
     overwritten: frozenset[str] = field(default=frozenset())
+    # member -> the lease its report was written under (a daemon writes it on its own: 0, a hand's)
+    report_leases: dict[str, int] = field(default_factory=dict)
 
     def entry(self, job: str) -> JobEntry | None:
         return next((e for e in self.jobs if e.job == job), None)
@@ -145,17 +147,17 @@ async def read_fleet(store: Store, keys: Keys, *, timeout: float,
         except ValueError:
             continue
 
-    revision, reports = await _read_reports(store, keys, timeout=timeout)
+    revision, reports, leases = await _read_reports(store, keys, timeout=timeout)
     return FleetSnapshot(revision, members, plan, epoch, tuple(jobs), states, frozenset(cancels), reports,
-                         tuple(notes), frozenset(overwritten))
+                         tuple(notes), frozenset(overwritten), leases)
 
 
 async def read_members_and_reports(store: Store, keys: Keys, *, timeout: float) -> FleetSnapshot:
     """A snapshot of the members and their worker reports only (no plan, jobs or states): what
     the leader's wait for a stop reads, many times a second, where the whole fleet is 7 reads."""
     members = await _read_members(store, keys, timeout=timeout)
-    revision, reports = await _read_reports(store, keys, timeout=timeout)
-    return FleetSnapshot(revision, members, None, 0, (), {}, frozenset(), reports, ())
+    revision, reports, leases = await _read_reports(store, keys, timeout=timeout)
+    return FleetSnapshot(revision, members, None, 0, (), {}, frozenset(), reports, (), report_leases=leases)
 
 
 async def _read_members(store: Store, keys: Keys, *, timeout: float) -> dict[str, tuple[DaemonMember, int]]:
@@ -173,15 +175,18 @@ async def _read_members(store: Store, keys: Keys, *, timeout: float) -> dict[str
     return members
 
 
-async def _read_reports(store: Store, keys: Keys, *, timeout: float) -> tuple[int, dict[str, WorkerReport]]:
-    reports = {}
+async def _read_reports(store: Store, keys: Keys, *,
+                        timeout: float) -> tuple[int, dict[str, WorkerReport], dict[str, int]]:
+    reports, leases = {}, {}
     last = await store.get_prefix(keys.workers, timeout=timeout)
     for kv in last:
         try:
-            reports[keys.workers_member(kv.key)] = schemas.decoded(kv.key, kv.value, WorkerReport.decode)
+            name = keys.workers_member(kv.key)
+            reports[name] = schemas.decoded(kv.key, kv.value, WorkerReport.decode)
+            leases[name] = kv.lease or 0
         except ValueError as exc:
             schemas.reject("report", kv.key, exc)
-    return last.revision, reports
+    return last.revision, reports, leases
 
 
 async def read_plan(store: Store, keys: Keys, *, timeout: float | None) -> tuple[PlanDoc | None, int]:

@@ -22,6 +22,7 @@ import random
 from pathlib import Path
 
 from trainer.planning.calibration import Calibration
+from varunad.cluster.revision_floor import raise_revision_past
 from varunad.control.fleet import read_plan, usable_spec
 from varunad.control.jobs import BundleError, JobSpec, JobSpecError, script_fingerprint, unpack_bundle
 from varunad.control.plans import PlanDoc
@@ -89,20 +90,8 @@ class PlanFollowing:
     async def _apply(self, doc: PlanDoc, epoch: int) -> None:
         async with self._apply_lock:
             if epoch <= self.applied_epoch:
-                went_back = self.__dict__.setdefault("_went_back", set())   # said once per epoch
-                if epoch < self.applied_epoch and epoch not in went_back:
-                    # plan epochs are etcd revisions, which never go back unless etcd lost its
-                    # data or was restored from an older copy: this daemon's workers then run an
-                    # epoch the fleet no longer knows, and the store's epoch fences refuse the
-                    # checkpoints of every lower epoch (not handled yet: said, not hidden; the
-                    # restore that keeps revisions going forward is in ARCHITECTURE.md)
-                    went_back.add(epoch)
-                    log.error("%s: the plan's epoch %d is older than epoch %d, which this daemon applied: etcd's "
-                              "history went back (its data was lost or restored from an older copy); this "
-                              "daemon ignores plans older than epoch %d until it is restarted. Restore etcd with "
-                              "its revisions moved past every epoch the fleet ran ('etcdutl snapshot restore "
-                              "--bump-revision N --mark-compacted' of etcd 3.5's later releases and 3.6), then restart the "
-                              "daemons", self.name, epoch, self.applied_epoch, self.applied_epoch)
+                if epoch < self.applied_epoch:
+                    self._history_went_back(epoch)
                 return
             self.applied_epoch = epoch
             log.info("%s: plan epoch %d: %s %s (%s)", self.name, epoch, doc.kind, doc.job or "", doc.reason)
@@ -118,6 +107,39 @@ class PlanFollowing:
                 await self._start_run(doc, epoch)
             elif doc.kind == "profile" and doc.profile_member == self.name:
                 await self._start_profile(doc, epoch)
+
+    def _history_went_back(self, epoch: int) -> None:
+        """A leader's plan older than the epoch this daemon applied: plan epochs are etcd revisions,
+        which go back only when etcd lost its data or was restored from an older copy. Move etcd's
+        revision past the epoch applied (varunad.cluster.revision_floor), once: the leader's next
+        plan is then newer than it, and the leader re-plans the workers of an epoch etcd no
+        longer holds. Meanwhile the older plans are not applied: they would start workers of an
+        epoch the store's fences refuse."""
+        applied = self.applied_epoch
+        if self.__dict__.get("_raised_for") == applied:   # once per epoch applied; the leader re-plans next
+            return
+        self._raised_for = applied
+        self.supervisor.reporter.mark()   # the report etcd restored may name an older epoch: the leader reads this one
+        log.error("%s: the plan's epoch %d is older than epoch %d, which this daemon applied: etcd's history went "
+                  "back (its data was lost or it was restored from an older copy); moving etcd's revision past %d, "
+                  "so that the leader's next plan is newer than every epoch this daemon ran (a restore with "
+                  "'etcdutl snapshot restore --bump-revision N --mark-compacted' avoids this)",
+                  self.name, epoch, applied, applied)
+
+        async def raise_floor() -> None:
+            while True:
+                try:
+                    await raise_revision_past(self.store, self.keys, applied, who=self.name,
+                                              timeout=self.config.retry_timeout)
+                    break
+                except StoreError as exc:   # etcd down again: try again, it is the fleet's only way on
+                    log.warning("%s: moving etcd's revision forward: %s; trying again", self.name, exc)
+                    await asyncio.sleep(1.0)
+            await self._read_plan("etcd's revision moved forward")
+
+        self._raising = asyncio.get_running_loop().create_task(raise_floor(), name="revision-floor")
+        self._background.add(self._raising)
+        self._raising.add_done_callback(self._background.discard)
 
     def _planned_for_me(self, doc: PlanDoc) -> bool:
         lease = self.membership.lease

@@ -475,7 +475,7 @@ class Leader(LeaderPlanning, LeaderPace):
 
     async def _abort(self, snap: FleetSnapshot, d: Decision) -> bool:
         assert d.job is not None and snap.plan is not None
-        job, plan, epoch, reason = d.job, snap.plan, snap.plan_epoch, d.reason
+        job, plan, epoch, reason = d.job, snap.plan, max(snap.plan_epoch, d.stop_epoch), d.reason
         noticed = time.time()
         state = snap.states[job]
         who, what = who_and_cause(d.reason) if d.failure else ("", "")

@@ -6,6 +6,8 @@ Layout under a root prefix (default ``/varunad/``)::
     leader                                  name of the leader, attached to the leader's lease
     plan                                    the current plan; its mod revision is the plan epoch
     plan-writer                             who wrote it (leader, term, lease), in the plan's transaction
+    revision-floor                          written over and over to move etcd's revision past the fleet's
+                                            epochs after etcd's history went back (varunad.cluster.revision_floor)
     config                                  cluster-wide settings (optional)
     jobs/<id>                               job specs submitted by varunactl
     calibration/<fingerprint>/<device kind> calibrated cut-point costs
@@ -34,6 +36,7 @@ __all__ = [
     "LEADER",
     "PLAN",
     "PLAN_WRITER",
+    "REVISION_FLOOR",
     "CONFIG",
     "JOBS",
     "CALIBRATION",
@@ -59,6 +62,7 @@ MEMBERS = "members/"
 LEADER = "leader"
 PLAN = "plan"
 PLAN_WRITER = "plan-writer"
+REVISION_FLOOR = "revision-floor"
 CONFIG = "config"
 JOBS = "jobs/"
 CALIBRATION = "calibration/"
@@ -132,6 +136,10 @@ class Keys:
     @property
     def plan_writer(self) -> str:
         return self.root + PLAN_WRITER
+
+    @property
+    def revision_floor(self) -> str:
+        return self.root + REVISION_FLOOR
 
     @property
     def config(self) -> str:
