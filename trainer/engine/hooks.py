@@ -14,10 +14,10 @@ __all__ = ["CalibrationRunHook", "calibration_run"]
 
 
 class CalibrationRunHook(Protocol):
-    """A calibration run in progress: `run(optimizer)` profiles and ends the script (SystemExit);
-    `check_done()`, at exit, says why nothing was written if `run` never started."""
+    """A calibration run in progress: `run(optimizer, dynamic_loss_scale=)` profiles and ends the
+    script (SystemExit); `check_done()`, at exit, says why nothing was written if `run` never started."""
 
-    def run(self, optimizer: Any) -> None: ...
+    def run(self, optimizer: Any, *, dynamic_loss_scale: bool = False) -> None: ...
 
     def check_done(self) -> None: ...
 

@@ -243,8 +243,8 @@ class Varuna(ProcessGroups, StepAgreement, WorkerCheckpoints):
         """`lr_scheduler`, if given, is stepped by `step()` after each optimizer step it applies
         (an fp16 step skipped for overflow does not advance it), and checkpointed with it, so a
         resumed job uses the learning rate the uninterrupted one would have."""
-        if self._calibration_run is not None:
-            self._calibration_run.run(optimizer)   # profiles with this optimizer and ends the script
+        if self._calibration_run is not None:   # profiles with this optimizer and ends the script
+            self._calibration_run.run(optimizer, dynamic_loss_scale=self.precision == "fp16" and loss_scale == "dynamic")
         mine = {id(p) for p in self.parameters()}
         foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
         if foreign:
