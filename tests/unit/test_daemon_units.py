@@ -537,6 +537,9 @@ def test_failures_that_cannot_go_away_fail_at_once_transient_ones_are_retried():
     assert classify(boom, None) == "retry"          # new: one fresh start shows whether it repeats
     assert classify(boom, boom.replace("vm1", "vm2")) == "fail"   # the same words again, on any VM
     assert classify(boom, "rank 0 on vm1 exited with code 3: something else") == "retry"
+    # the same failure at another epoch or step is the same failure
+    store = "rank 0 on vm1 exited with code 1: CheckpointError: could not write /proc/nope/epochs/{}.json: [Errno 2]"
+    assert classify(store.format(67), store.format(55)) == "fail"
     # a worker killed from outside, twice in the same words: not the script's doing
     killed = error_summary("rank 1 on vm2 killed by SIGKILL; last output:\nstep 17855 loss 2.1\n")
     assert killed == "rank 1 on vm2 killed by SIGKILL: killed by SIGKILL after printing: step 17855 loss 2.1"
