@@ -131,6 +131,8 @@ def test_housekeeping_keeps_the_most_recently_used_jobs(tmp_path):
     ({"args": ("--x", "a\x00b")}, "an argument holds a NUL character"),
     ({"steps": 10**30}, "steps must be at most 9007199254740992"),
     ({"batch_size": 16, "chunk_size": 32}, "micro-batch size 32 is larger than the global batch 16"),
+    # a 5000-character name was echoed whole
+    ({"job": "x" * 5000}, r"^job name 'x{60}'\.\.\. \(5000 characters\) must be 1\.\.128"),
 ])
 def test_job_spec_refuses(kw, message):
     with pytest.raises(JobSpecError, match=message):

@@ -113,7 +113,9 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.job, str) or not _ID_RE.fullmatch(self.job):
-            raise JobSpecError(f"job name {self.job!r} must be 1..128 letters, digits or . _ - : @")
+            shown = repr(self.job) if not isinstance(self.job, str) or len(self.job) <= 80 else \
+                f"{self.job[:60]!r}... ({len(self.job)} characters)"   # a 5000-character name filled the terminal
+            raise JobSpecError(f"job name {shown} must be 1..128 letters, digits or . _ - : @")
         if not isinstance(self.script, str) or not self.script:
             raise JobSpecError("the spec names no script")
         path = PurePosixPath(self.script)
