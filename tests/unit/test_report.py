@@ -437,3 +437,15 @@ def test_a_report_from_before_slot_speeds_draws_everything_else(morphed, tmp_pat
     assert all(png_size(old / name) for name in drawn)
     text = format_report(before)
     assert "straggler" not in text and "speed " not in text and text.startswith("job      gpt: done")
+
+
+def test_a_report_file_of_a_diverged_job_is_json_every_parser_reads(tmp_path):
+    import json
+    import math
+
+    from varunad.report.record import _write_json
+
+    _write_json(tmp_path / "loss.json", {"history": [[0, 4.5], [1, math.nan]], "last_loss": math.inf})
+    text = (tmp_path / "loss.json").read_text()
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text}")) == {
+        "history": [[0, 4.5], [1, None]], "last_loss": None}

@@ -12,7 +12,6 @@ import asyncio
 import importlib.util
 import io
 import json
-import math
 import os
 import sys
 import time
@@ -44,6 +43,7 @@ from varunad.store.contract import (
 )
 from varunad.store.etcd import EtcdStore
 from varunad.store.keys import Keys
+from varunad.store.schemas import strict_json
 
 __all__ = ["CtlError", "run", "check_bundle", "build_spec", "misplaced_paths", "submit", "plan_lines", "job_status", "fleet_status", "nodes", "jobs", "logs", "cancel",
            "print_job", "print_fleet", "dumps"]
@@ -448,19 +448,7 @@ async def cancel(store: Store, keys: Keys, job: str, *, wait: float, out: TextIO
 
 
 def dumps(doc: Any) -> str:
-    """JSON as every parser takes it: a diverged step's loss (NaN, inf) is null, where Python's
-    json would write the NaN that jq and JSON.parse refuse."""
-    return json.dumps(_finite(doc), indent=2, sort_keys=False, allow_nan=False)
-
-
-def _finite(doc: Any) -> Any:
-    if isinstance(doc, float):
-        return doc if math.isfinite(doc) else None
-    if isinstance(doc, dict):
-        return {k: _finite(v) for k, v in doc.items()}
-    if isinstance(doc, (list, tuple)):
-        return [_finite(v) for v in doc]
-    return doc
+    return strict_json(doc, indent=2, sort_keys=False)
 
 
 async def nodes(store: Store, keys: Keys) -> list[dict[str, Any]]:

@@ -24,7 +24,6 @@ becomes a note in the report, never an error.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -40,6 +39,7 @@ from varunad.report.prices import DevicePrice, load_prices
 from varunad.report.traces import MeasuredStep, Missing, chrome_trace, pick_measured_step, predict, stage_meta
 from varunad.store.contract import Store
 from varunad.store.keys import Keys
+from varunad.store.schemas import strict_json
 
 __all__ = ["DATA_FILES", "PICTURES", "ReportInputs", "collect", "build_report", "format_report",
            "write_end_of_job_report"]
@@ -76,7 +76,7 @@ async def collect(store: Store, keys: Keys, job: str, *, store_dir: str | None =
 
 def _write_json(path: Path, doc: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.write_text(strict_json(doc, indent=1))   # a diverged step's loss is null
     os.replace(tmp, path)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 import types
@@ -27,7 +28,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, Union
 
-__all__ = ["DOCUMENTS", "load_json", "check", "build", "decode", "decoded", "reject", "rejected", "on_reject",
+__all__ = ["DOCUMENTS", "strict_json", "load_json", "check", "build", "decode", "decoded", "reject", "rejected", "on_reject",
            "Throttle"]
 
 log = logging.getLogger("varunad.store.schemas")
@@ -125,6 +126,22 @@ def _problem(value: Any, tp: Any) -> str | None:
             return str(exc)
         return None
     return None  # a type this checker does not know: the dataclass's own checks decide
+
+
+def strict_json(doc: Any, **dumps: Any) -> str:
+    """``doc`` as JSON every parser takes: a non-finite float (a diverged step's NaN loss) is null,
+    where Python's json would write the NaN that jq and JSON.parse refuse."""
+    return json.dumps(_finite(doc), allow_nan=False, **dumps)
+
+
+def _finite(doc: Any) -> Any:
+    if isinstance(doc, float):
+        return doc if math.isfinite(doc) else None
+    if isinstance(doc, Mapping):
+        return {k: _finite(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [_finite(v) for v in doc]
+    return doc
 
 
 def load_json(data: bytes | str) -> Any:
