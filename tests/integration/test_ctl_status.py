@@ -67,8 +67,7 @@ async def test_a_fleet_lost_at_once_shows_no_rate_and_a_cancel_it_cannot_confirm
         ctl.print_job(doc, out)
         assert "samples/s" not in out.getvalue() and "no daemon is up" in out.getvalue(), out.getvalue()
         err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            assert await ctl.cancel(store, keys, "j", wait=0.5, out=io.StringIO()) == 1
+        assert await ctl.cancel(store, keys, "j", wait=0.5, out=io.StringIO(), err=err) == 1
         assert "not cancelled yet: no daemon is up" in err.getvalue(), err.getvalue()
         assert await store.get(keys.cancel("j")) is not None   # the request stands
         assert await ctl.cancel(store, keys, "j", wait=0, out=io.StringIO()) == 0   # asked, not waited for

@@ -539,9 +539,13 @@ def test_failures_that_cannot_go_away_fail_at_once_transient_ones_are_retried():
     assert classify(boom, None) == "retry"          # new: one fresh start shows whether it repeats
     assert classify(boom, boom.replace("vm1", "vm2")) == "fail"   # the same words again, on any VM
     assert classify(boom, "rank 0 on vm1 exited with code 3: something else") == "retry"
-    # the same failure at another epoch or step is the same failure
+    # the same store failure at another epoch or checkpoint is the same failure; other numbers tell apart
     store = "rank 0 on vm1 exited with code 1: CheckpointError: could not write /proc/nope/epochs/{}.json: [Errno 2]"
     assert classify(store.format(67), store.format(55)) == "fail"
+    ckpt = "rank 0 on vm1 exited with code 1: CheckpointError: could not write /s/j/varuna_ckpt_{}/x.pt: [Errno 2]"
+    assert classify(ckpt.format(30), ckpt.format(20)) == "fail"
+    loader = "rank 0 on vm1 exited with code 1: RuntimeError: DataLoader worker (pid {}) is killed by signal: Killed."
+    assert classify(loader.format(12345), loader.format(23456)) == "retry"
     # a worker killed from outside, twice in the same words: not the script's doing
     killed = error_summary("rank 1 on vm2 killed by SIGKILL; last output:\nstep 17855 loss 2.1\n")
     assert killed == "rank 1 on vm2 killed by SIGKILL: killed by SIGKILL after printing: step 17855 loss 2.1"

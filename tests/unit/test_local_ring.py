@@ -193,5 +193,7 @@ def test_a_ring_whose_etcd_stopped_is_named_where_etcd_cannot_be_reached(tmp_pat
     words = str(_unreachable(default_etcd(), Exception("failed to connect: Connection refused"), 5.0))
     assert f"the local ring of {tmp_path} is down (its etcd at 127.0.0.1:19512 stopped)" in words, words
     assert "--etcd 127.0.0.1:19512" in words
+    # an etcd someone named elsewhere is not the local ring's
+    assert "no ring is up here?" in str(_unreachable("10.0.0.5:2379", Exception("Connection refused"), 5.0))
     (tmp_path / "ring.json").unlink()
     assert "no ring is up here?" in str(_unreachable("127.0.0.1:2379", Exception("Connection refused"), 5.0))

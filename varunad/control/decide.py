@@ -236,9 +236,15 @@ def decide(snap: FleetSnapshot, memory: LeaderMemory, *, now: float, start_timeo
 
 def _epoch_past_plan(snap: FleetSnapshot) -> tuple[str, WorkerReport] | None:
     """The member whose workers ran the newest epoch newer than the plan's, and its report; None
-    when none did. An epoch is the revision of its plan, and the plan and the reports are read
-    together, so a newer one means etcd's history went back (restored from an older copy). Only a
-    live member's report on its own lease counts: a hand's value is no epoch the fleet ran."""
+    when none did. An epoch is the revision of its plan; `read_fleet` reads the plan before the
+    reports, and only the leader writes plans, in the same cycle as its read (a newer leader's plan
+    between the two reads leaves this one's writes refused), so a newer epoch means etcd's history
+    went back (restored from an older copy). Only a live member's report on its own lease counts: a
+    hand's value is no epoch the fleet ran. Without a plan (etcd lost all its data, a plan key
+    deleted) there is nothing to be newer than: the leader plans as usual, and a daemon that
+    applied a newer epoch moves etcd's revision past it when it sees that plan."""
+    if snap.plan is None:
+        return None
     found = None
     for name, report in snap.reports.items():
         held = snap.members.get(name)
@@ -252,13 +258,15 @@ def _epoch_past_plan(snap: FleetSnapshot) -> tuple[str, WorkerReport] | None:
 def _history_went_back(snap: FleetSnapshot, cur: JobEntry | None, member: str, report: WorkerReport) -> Decision:
     """Workers ran an epoch etcd no longer holds. Its daemons move etcd's revision past it
     (varunad.cluster.revision_floor); once past, the workers of the lost epochs are stopped by
-    a plan newer than theirs: the running job's with a checkpoint, as a morph, then planned again."""
+    a plan newer than theirs: where etcd's plan runs their job, with a checkpoint, as a morph, then
+    planned again; otherwise (etcd restored mid-morph or mid-calibration) at once, and the job goes
+    on from its newest checkpoint."""
     theirs = report.epoch
     what = (f"etcd's history went back ({member} ran epoch {theirs}, newer than the plan's "
             f"{snap.plan_epoch}: etcd was restored from an older copy or lost its data)")
-    if snap.revision <= theirs:
-        return Decision("wait", f"{what}: waiting for the daemons to move etcd's revision (now {snap.revision}) "
-                                f"past {theirs}", cur.job if cur else None)
+    if snap.revision <= theirs:   # the words do not change with the revision: said once, not every cycle
+        return Decision("wait", f"{what}: waiting for the daemons to move etcd's revision past {theirs}",
+                        cur.job if cur else None)
     plan = snap.plan
     if (cur is not None and plan is not None and plan.kind == "run" and plan.job == cur.job == report.job):
         return Decision("abort", f"{what}: stopping the workers of the epochs etcd lost, with a checkpoint, then "

@@ -40,10 +40,11 @@ _TRANSIENT = re.compile(
     r"closed by peer|connection (reset|refused|closed)|broken pipe|timed? ?out|timeout|host unreachable|"
     r"no route to host|did not reach a first step|ZMQError|WorkerError|got no \w+ for micro-batch|gloo|NCCL|"
     r"ECONNRESET|EPIPE", re.IGNORECASE)
-# numbers aside: the same failure names the epoch or step it struck in (a probe's store that could
-# not be created failed "could not write <store>/epochs/55.json" then ".../67.json", and used up
-# every restart instead of failing at the second)
-_NUMBERS = re.compile(r"\d+")
+# the numbers of a store's paths aside: the same failure names the epoch or checkpoint it struck (a
+# probe's store that could not be created failed "could not write <store>/epochs/55.json", then
+# ".../67.json", and used up every restart instead of failing at the second). Other numbers stay:
+# an exit code, a pid, an errno or a stalled epoch's step tell two failures apart.
+_STORE_NUMBERS = re.compile(r"(?<=/epochs/)\d+(?=\.json)|(?<=varuna_ckpt_)\d+")
 # trainer.errors.StoreOutage, or an older worker's checkpoint error with the store's own words
 _OUTAGE = re.compile(r"^((?:[A-Za-z_]\w*\.)*StoreOutage\b|(CheckpointError|OSError)\b.*(No space left on device|Disk quota exceeded|"
                      r"Read-only file system|Input/output error))")
@@ -112,7 +113,7 @@ def classify(summary: str, previous: str | None) -> str:
         return "fail"
     if _TRANSIENT.search(now) or is_signalled(summary):
         return "retry"
-    if previous is not None and _NUMBERS.sub("N", cause(previous)) == _NUMBERS.sub("N", now):
+    if previous is not None and _STORE_NUMBERS.sub("N", cause(previous)) == _STORE_NUMBERS.sub("N", now):
         return "fail"
     return "retry"
 

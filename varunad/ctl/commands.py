@@ -63,7 +63,7 @@ def _unreachable(etcd: str, exc: Exception, timeout: float) -> CtlError:
         from varunad.ctl.local import stopped_ring  # local imports this module
 
         ring = stopped_ring()
-        if ring is not None:
+        if ring is not None and etcd in (ring.etcd, "127.0.0.1:2379"):   # not a remote etcd someone named
             # a probe restarted the ring's etcd by hand and was pointed at 2379, with no word of the ring
             return CtlError(f"cannot reach etcd at {etcd} ({why}): the local ring of {ring.dir} is down (its etcd "
                             f"at {ring.etcd} stopped): `varunactl up N` starts one again, `varunactl down` clears "
@@ -422,7 +422,8 @@ async def logs(store: Store, keys: Keys, job: str, *, follow: bool, out: TextIO 
     return 0
 
 
-async def cancel(store: Store, keys: Keys, job: str, *, wait: float, out: TextIO = sys.stdout) -> int:
+async def cancel(store: Store, keys: Keys, job: str, *, wait: float, out: TextIO = sys.stdout,
+                 err: TextIO = sys.stderr) -> int:
     if await store.get(keys.job(job)) is None:
         raise CtlError(f"no job named {job} (see `varunactl jobs`)")
     state = await read_state(store, keys, job)
@@ -443,7 +444,7 @@ async def cancel(store: Store, keys: Keys, job: str, *, wait: float, out: TextIO
     # (a probe's fleet was down: nothing could confirm, and the cancel returned 0)
     why = ("no daemon is up: the leader cancels it once one starts" if not await store.get_prefix(keys.members)
            else f"the leader has not confirmed it within {wait:g}s")
-    print(f"asked to cancel {job}, not cancelled yet: {why} (see `varunactl status {job}`)", file=sys.stderr)
+    print(f"asked to cancel {job}, not cancelled yet: {why} (see `varunactl status {job}`)", file=err)
     return 1
 
 

@@ -207,6 +207,8 @@ class Leader(LeaderPlanning, LeaderPace):
         # One line per decision; a decision repeated cycle after cycle (waiting for slots, say) once.
         log.log(logging.DEBUG if sentence == self._last_sentence else logging.INFO, "%s", sentence)
         self._last_sentence = sentence
+        if decision.action == "wait":
+            self._pacing = False   # nothing to measure while waiting: the loop waits loop_wait, not 50 ms
         try:
             acted = await self._execute(decision, snap)
             if not acted and decision.action == "nothing":
