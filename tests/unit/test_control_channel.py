@@ -42,6 +42,22 @@ def _supervisor(tmp_path: Path, ctx: zmq.asyncio.Context) -> Supervisor:
                       ports=PortReservation("127.0.0.1"), ctx=ctx, security_env={}, peer_keys=lambda doc: {})
 
 
+@contextlib.asynccontextmanager
+async def _serving(tmp_path: Path):
+    """A supervisor serving its control socket, and its context; both ended on the way out."""
+    ctx = zmq.asyncio.Context()
+    sup = _supervisor(tmp_path, ctx)
+    serving = asyncio.create_task(sup.serve())
+    try:
+        yield sup, ctx
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        sup.close()
+        ctx.term()
+
+
 def _running(sup: Supervisor, rank: int, token: str) -> _SupervisedWorker:
     w = _SupervisedWorker(job="j", epoch=5, rank=rank, slot=0, log_path=Path(os.devnull), token=token, outcome="running")
     sup.workers[rank] = w
@@ -70,47 +86,40 @@ async def test_the_socket_is_a_unix_socket_in_a_private_directory(tmp_path):
 
 
 async def test_only_the_current_workers_identity_is_heard(tmp_path, monkeypatch):
-    ctx = zmq.asyncio.Context()
-    sup = _supervisor(tmp_path, ctx)
-    serving = asyncio.create_task(sup.serve())
-    forger = ctx.socket(zmq.DEALER)
-    hijacker = ctx.socket(zmq.DEALER)
-    try:
-        w = _running(sup, 0, "s3cret")
-        # a forger that knows job, epoch and rank but not the secret: the old 'rank-0' identity
-        forger.setsockopt(zmq.IDENTITY, b"rank-0")
-        forger.setsockopt(zmq.LINGER, 0)
-        forger.connect(sup.control_endpoint)
-        await forger.send(_progress(10000, 123.456))
-        # the real worker, through the trainer's own client
-        monkeypatch.setenv(TOKEN_ENV, "s3cret")
-        client = ControlClient(sup.control_endpoint, job="j", epoch=5, rank=0)
+    async with _serving(tmp_path) as (sup, ctx):
+        forger = ctx.socket(zmq.DEALER)
+        hijacker = ctx.socket(zmq.DEALER)
         try:
-            client.progress(3, 1.5, 10.0, 0.5)
-            await until_async(lambda: w.step == 3, "the worker's own progress", timeout=5.0, interval=0.01)
-            # a second connection claiming the worker's identity is refused (no ROUTER_HANDOVER)
-            hijacker.setsockopt(zmq.IDENTITY, w.identity)
-            hijacker.setsockopt(zmq.LINGER, 0)
-            hijacker.connect(sup.control_endpoint)
-            await hijacker.send(_progress(9999, 99.0))
-            # a stale epoch with the right identity is no report of this epoch either
-            await forger.send(_progress(5000, 7.0, epoch=4))
-            client.progress(4, 1.25, 10.0, 0.5)
-            await until_async(lambda: w.step == 4, "the worker's next progress", timeout=5.0, interval=0.01)
-            await until_async(lambda: sup.line.dropped >= 2, "the forgeries dropped", timeout=5.0, interval=0.01)
-            assert sup.reporter.progress[0].step == 4 and sup.reporter.progress[0].loss == 1.25
-            assert sup.reporter.history("j", 5) == {3: 1.5, 4: 1.25}
-            assert sup.metrics.dropped_messages._value.get() >= 2
+            w = _running(sup, 0, "s3cret")
+            # a forger that knows job, epoch and rank but not the secret: the old 'rank-0' identity
+            forger.setsockopt(zmq.IDENTITY, b"rank-0")
+            forger.setsockopt(zmq.LINGER, 0)
+            forger.connect(sup.control_endpoint)
+            await forger.send(_progress(10000, 123.456))
+            # the real worker, through the trainer's own client
+            monkeypatch.setenv(TOKEN_ENV, "s3cret")
+            client = ControlClient(sup.control_endpoint, job="j", epoch=5, rank=0)
+            try:
+                client.progress(3, 1.5, 10.0, 0.5)
+                await until_async(lambda: w.step == 3, "the worker's own progress", timeout=5.0, interval=0.01)
+                # a second connection claiming the worker's identity is refused (no ROUTER_HANDOVER)
+                hijacker.setsockopt(zmq.IDENTITY, w.identity)
+                hijacker.setsockopt(zmq.LINGER, 0)
+                hijacker.connect(sup.control_endpoint)
+                await hijacker.send(_progress(9999, 99.0))
+                # a stale epoch with the right identity is no report of this epoch either
+                await forger.send(_progress(5000, 7.0, epoch=4))
+                client.progress(4, 1.25, 10.0, 0.5)
+                await until_async(lambda: w.step == 4, "the worker's next progress", timeout=5.0, interval=0.01)
+                await until_async(lambda: sup.line.dropped >= 2, "the forgeries dropped", timeout=5.0, interval=0.01)
+                assert sup.reporter.progress[0].step == 4 and sup.reporter.progress[0].loss == 1.25
+                assert sup.reporter.history("j", 5) == {3: 1.5, 4: 1.25}
+                assert sup.metrics.dropped_messages._value.get() >= 2
+            finally:
+                client.close()
         finally:
-            client.close()
-    finally:
-        serving.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await serving
-        forger.close(0)
-        hijacker.close(0)
-        sup.close()
-        ctx.term()
+            forger.close(0)
+            hijacker.close(0)
 
 
 async def test_a_diverged_steps_progress_reaches_the_daemon_and_its_record(tmp_path, monkeypatch):
@@ -120,10 +129,7 @@ async def test_a_diverged_steps_progress_reaches_the_daemon_and_its_record(tmp_p
 
     from varunad.control.records import Progress
 
-    ctx = zmq.asyncio.Context()
-    sup = _supervisor(tmp_path, ctx)
-    serving = asyncio.create_task(sup.serve())
-    try:
+    async with _serving(tmp_path) as (sup, _ctx):
         w = _running(sup, 0, "tok")
         monkeypatch.setenv(TOKEN_ENV, "tok")
         client = ControlClient(sup.control_endpoint, job="j", epoch=5, rank=0)
@@ -140,12 +146,6 @@ async def test_a_diverged_steps_progress_reaches_the_daemon_and_its_record(tmp_p
             assert history[3] == 2.0 and math.isnan(history[4])
         finally:
             client.close()
-    finally:
-        serving.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await serving
-        sup.close()
-        ctx.term()
 
 
 async def test_a_stop_is_delivered_even_after_a_failed_send(tmp_path, monkeypatch):
