@@ -290,15 +290,16 @@ class Leader(LeaderPlanning, LeaderPace):
         if d.action == "await_stop":
             plan = snap.plan
             assert plan is not None
+            taken_over = time.time()
             if not await self._wait_stopped(plan.stop_epoch):
                 log.warning("leader: workers of epoch %d did not all stop in time; planning without waiting",
                             plan.stop_epoch)
             # why the epoch stopped is the stop plan's reason ("vm1 was lost ..."): a leader that
             # took over mid-morph (etcd restarted) recorded the morph, and said for the rest of the
             # job, "workers of epoch 10 still run on vm1"
-            return await self._start(d.job, plan.reason or d.reason)
+            return await self._start(d.job, await self._finishing(snap, d.job, plan.reason or d.reason, taken_over))
         if d.action == "start":
-            return await self._start(d.job, d.reason)
+            return await self._start(d.job, await self._finishing(snap, d.job, d.reason, time.time()))
         if d.action == "consider":
             return await self._consider(snap, d)
         raise ValueError(f"unknown decision {d.action}")
@@ -566,6 +567,37 @@ class Leader(LeaderPlanning, LeaderPace):
         if resumed.words:
             log.info("leader: %s resumes %s", job, resumed.words)
         return await self._start(job, reason)
+
+    async def _finishing(self, snap: FleetSnapshot, job: str, reason: str, since: float) -> str:
+        """The reason to start ``job`` with: a stop plan of the job that this leader did not write
+        (the leader before it was lost mid-morph) is a morph to finish, recorded by `_took_over`."""
+        stop = snap.plan
+        if stop is None or stop.kind != "stop" or stop.job != job or job in self.memory.morph:
+            return reason
+        return await self._took_over(snap, job, stop, stop.reason or reason, since)
+
+    async def _took_over(self, snap: FleetSnapshot, job: str, stop: PlanDoc, reason: str, since: float) -> str:
+        """The morph record of a stop the previous leader wrote (it left, or lost its lease, mid-morph):
+        where the next epoch resumes and which of the stopped epoch's VMs left meanwhile (a probe's
+        leader got a notice during a join's morph: the record said neither, and 'resumed from -1').
+        Its start is when this leader took it over: the previous leader's moment went with it."""
+        after = await read_fleet(self.store, self.keys, timeout=self.t)
+        state = after.states.get(job) or snap.states.get(job)
+        shape = (state.plan or {}) if state is not None else {}
+        members = shape.get("members") if isinstance(shape.get("members"), list) else []
+        gone = sorted(m for m in members if isinstance(m, str) and m not in after.members)
+        if gone:
+            reason = f"{reason}; {', '.join(gone)} left meanwhile"
+        store = self._store_of(state, after.entry(job))
+        resumed = (await asyncio.to_thread(resume_source, store, None, () if stop.checkpoint else gone)
+                   if store else ResumeSource("", None, ""))
+        await self._keep_losses(job, resumed)
+        self.memory.morph[job] = dict(
+            reason=reason, from_shape=f"{shape['P']}x{shape['D']}" if all(type(shape.get(k)) is int for k in "PD")
+            else "-", from_epoch=stop.stop_epoch, noticed_at=since, stopped_at=time.time(), checkpoint=stop.checkpoint,
+            restart=False, cause=cause_of(reason), source=resumed.source,
+            resumed_from=-1 if resumed.step is None else resumed.step, source_why=resumed.why)
+        return reason
 
     async def _keep_losses(self, job: str, resumed: ResumeSource) -> None:
         """The losses the checkpoint the next epoch resumes from carries, into the loss history of
