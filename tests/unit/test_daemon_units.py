@@ -635,3 +635,29 @@ def test_a_morph_that_waits_for_a_calibration_waits_for_it_and_does_not_start_it
     hung = decide(snapshot(plan=plan, epoch=41, states=states, reports=calibrating), memory, now=1801.0,
                   start_timeout=60.0, stall_timeout=1800.0)
     assert hung.action == "fail", hung   # bounded by --stall-timeout, as a start's calibration is
+
+
+def test_a_leaving_daemon_waits_for_the_leader_to_see_it_leave_but_not_for_ever():
+    """A notice's workers stop at a step boundary by themselves: a probe's daemon was gone 0.5 s after
+    SIGTERM, before the leader read it draining, and the morph said the VM was lost."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from varunad.node.daemon import plan_after
+    from varunad.store.keys import Keys
+
+    class _Plan:
+        def __init__(self, writes_at: float, epoch: int) -> None:
+            self.start, self.writes_at, self.epoch = time.monotonic(), writes_at, epoch
+
+        async def get(self, key, *, timeout=None):
+            assert key == "/t/plan"
+            moved = time.monotonic() - self.start >= self.writes_at
+            return SimpleNamespace(mod_revision=self.epoch + (5 if moved else 0))
+
+    keys = Keys("/t/")
+    assert asyncio.run(plan_after(_Plan(0.3, 40), keys, 40, within=5.0))
+    began = time.monotonic()
+    assert not asyncio.run(plan_after(_Plan(99.0, 40), keys, 40, within=0.4))
+    assert 0.35 <= time.monotonic() - began < 2.0

@@ -366,6 +366,7 @@ class Daemon(PlanFollowing):
         self.draining = True
         t = self.config.retry_timeout
         sup = getattr(self, "supervisor", None)
+        planned = self.applied_epoch if sup is not None and sup.alive() else None   # a plan runs workers here
         if hasattr(self, "membership") and self.membership.lease is not None:
             with contextlib.suppress(StoreError, RuntimeError):
                 await self.membership.update(dataclasses.replace(self.membership.member, draining=True))
@@ -383,6 +384,10 @@ class Daemon(PlanFollowing):
                 await sup.kill_all("they did not stop within the notice timeout")
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(sup.reporter.flush(), 2 * t)
+        if planned is not None and hasattr(self, "membership"):
+            # the workers stopped at a step boundary on their own; a key gone before the leader
+            # read it draining reads as a VM lost (a probe's notice, 0.5 s from SIGTERM to gone)
+            await plan_after(self.store, self.keys, planned, within=_NOTICED_WITHIN_S + self.config.loop_wait)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*(self._end(task, 2 * t) for task in self._tasks))   # one deadline for all
@@ -427,6 +432,22 @@ class Daemon(PlanFollowing):
                       self.name, task.get_name(), timeout, where.getvalue())
         elif not task.cancelled() and task.exception() is not None:
             log.debug("%s: task %s ended with %r while stopping", self.name, task.get_name(), task.exception())
+
+
+_NOTICED_WITHIN_S = 2.0   # the leader's next cycle, at most, after the draining member record
+
+
+async def plan_after(store, keys: Keys, epoch: int, *, within: float) -> bool:
+    """Wait until the plan key holds a plan newer than ``epoch`` (the leader saw this daemon
+    leaving and stopped its epoch), at most ``within`` seconds; whether it did."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        with contextlib.suppress(StoreError):
+            kv = await store.get(keys.plan, timeout=max(0.1, deadline - time.monotonic()))
+            if kv is not None and kv.mod_revision > epoch:
+                return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 def _setup_child_watcher() -> None:

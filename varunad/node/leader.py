@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -585,7 +586,9 @@ class Leader(LeaderPlanning, LeaderPace):
         state = after.states.get(job) or snap.states.get(job)
         shape = (state.plan or {}) if state is not None else {}
         members = shape.get("members") if isinstance(shape.get("members"), list) else []
-        gone = sorted(m for m in members if isinstance(m, str) and m not in after.members)
+        # the VMs the stop's own words name (the one leaving) are not news
+        gone = sorted(m for m in members if isinstance(m, str) and m not in after.members
+                      and not re.search(rf"(?<![\w.-]){re.escape(m)}(?![\w.-])", reason))
         if gone:
             reason = f"{reason}; {', '.join(gone)} left meanwhile"
         store = self._store_of(state, after.entry(job))
