@@ -118,7 +118,6 @@ def classify(summary: str, previous: str | None) -> str:
     return "retry"
 
 
-
 @dataclass(frozen=True, slots=True)
 class MemoryBackoff:
     """What the leader does after a stage ran out: count on `scale` of a `kind` slot's memory."""

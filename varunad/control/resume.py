@@ -122,7 +122,8 @@ def resume_source(store: str, plan: PlanDoc | None, lost: Collection[str]) -> Re
 
 def _losses(value: object, before: int) -> tuple[int, tuple[tuple[int, float], ...]]:
     """A manifest's {"epoch": e, "steps": [[step, loss], ...]} as trainer.checkpoint.contents
-    writes it (a diverged step's loss null: NaN); what is not that (an older worker's manifest has none) is no losses."""
+    writes it (a diverged step's loss null: NaN); what is not that (an older worker's manifest has
+    none) is no losses."""
     if not isinstance(value, dict) or type(value.get("epoch")) is not int or not isinstance(value.get("steps"), list):
         return 0, ()
     return value["epoch"], tuple(
