@@ -79,15 +79,17 @@ class CalibrationRun:
         sizes = self.sizes
         # What trains a model that depends on the micro-batch: calibrated at one size, the planner
         # chooses that one under every plan, so every plan (and every morph) trains the same model
-        why = ("the model's BatchNorm makes what it trains depend on the micro-batch size"
-               if batch_statistics(profiler.traced.graph_module) else
-               # a micro-batch's fp16 backward sums its rows' gradients in fp16: whether a step overflows
-               # (and is skipped, and the scale backs off) depends on how many rows (a probe's Llama
-               # was 0.24 off at step 14 between micro-batches 16 and 4; bf16 has no such cliff)
-               "fp16 with a dynamic loss scale skips the steps that overflow, and whether a step overflows "
-               "depends on the micro-batch size (bf16, or a fixed --chunk-size, leaves the planner free)"
-               if dynamic_loss_scale else "")
-        if not self.fixed and why:
+        # (a size the job fixed at submit is measured with every other, as for any job)
+        why = ""
+        if not self.fixed and batch_statistics(profiler.traced.graph_module):
+            why = "the model's BatchNorm makes what it trains depend on the micro-batch size"
+        elif not self.fixed and dynamic_loss_scale:
+            # a micro-batch's fp16 backward sums its rows' gradients in fp16: whether a step overflows
+            # (and is skipped, and the scale backs off) depends on how many rows (a probe's Llama
+            # was 0.24 off at step 14 between micro-batches 16 and 4; bf16 has no such cliff)
+            why = ("fp16 with a dynamic loss scale skips the steps that overflow, and whether a step overflows "
+                   "depends on the micro-batch size (bf16, or a fixed --chunk-size, leaves the planner free)")
+        if why:
             sizes = [self.one_size]
             log.warning("calibrating micro-batch size %d only (from the script's chunk_size): %s", self.one_size,
                         why)

@@ -6,7 +6,7 @@ epoch that lost a VM is the VM's doing and is never counted against the script. 
 * ``fail``: the error cannot go away by starting again: a ``ConfigError``/``PartitionError``
   (the script and the job disagree), a ``SyntaxError`` or missing import, a script that ended on
   its own before the job's last step (``ended_early``), or any error that repeats word for word
-  the one that ended the previous attempt;
+  the one that ended the previous attempt (a store path's epoch or checkpoint number aside);
 * ``outage``: the checkpoint store refused a write (full, over quota, read-only, I/O errors): the
   job is fine and starts again, but the attempt is not counted against ``max_restarts``, because
   a full disk can last longer than any budget of restarts and says nothing about the script;

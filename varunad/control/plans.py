@@ -51,7 +51,8 @@ from varunad.control.speeds import base_kind, slowed_calibrations, slowed_kind
 from varunad.store import schemas
 from varunad.store.keys import check_component
 
-__all__ = ["PlanDoc", "PlanSlot", "KINDS", "make_plan", "uniform_calibration", "calibrations_for", "describe", "shape"]
+__all__ = ["PlanDoc", "PlanSlot", "KINDS", "make_plan", "uniform_calibration", "calibrations_for", "describe",
+           "described_shape", "shape"]
 
 log = logging.getLogger(__name__)
 
@@ -423,6 +424,11 @@ def describe(doc: PlanDoc, epoch: int) -> dict[str, Any]:
         "members": list(doc.members),
         "estimated_s": doc.estimated_s, "calibrated": doc.calibrated,
     }
+
+
+def described_shape(desc: Mapping[str, Any]) -> str:
+    """"PxD" of a plan as `describe` recorded it (a job state's ``plan``), "-" where it records none."""
+    return f"{desc['P']}x{desc['D']}" if all(type(desc.get(k)) is int for k in "PD") else "-"
 
 
 def _version(data: bytes) -> int | None:

@@ -38,6 +38,8 @@ FILES_PATIENCE = 30.0   # seconds a new epoch's start retries reading the job's 
 
 
 class PlanFollowing:
+    _raised_for = -1   # the applied epoch this daemon last moved etcd's revision past (_history_went_back)
+
     async def _read_plan(self, why: str, *, seen: int = 0) -> None:
         """Read the plan and apply it. `seen`: the revision that prompted the read (a watch
         event's, a pushed epoch); none is made if a read since has returned that plan. A new plan
@@ -116,7 +118,7 @@ class PlanFollowing:
         longer holds. Meanwhile the older plans are not applied: they would start workers of an
         epoch the store's fences refuse."""
         applied = self.applied_epoch
-        if self.__dict__.get("_raised_for") == applied:   # once per epoch applied; the leader re-plans next
+        if self._raised_for == applied:   # once per epoch applied; the leader re-plans next
             return
         self._raised_for = applied
         self.supervisor.reporter.mark()   # the report etcd restored may name an older epoch: the leader reads this one
@@ -137,9 +139,9 @@ class PlanFollowing:
                     await asyncio.sleep(1.0)
             await self._read_plan("etcd's revision moved forward")
 
-        self._raising = asyncio.get_running_loop().create_task(raise_floor(), name="revision-floor")
-        self._background.add(self._raising)
-        self._raising.add_done_callback(self._background.discard)
+        task = asyncio.get_running_loop().create_task(raise_floor(), name="revision-floor")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _planned_for_me(self, doc: PlanDoc) -> bool:
         lease = self.membership.lease

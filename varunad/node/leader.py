@@ -26,7 +26,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 
 from protocol.messages import StopWorkers
@@ -53,7 +53,7 @@ from varunad.control.fleet import (
 )
 from varunad.control.jobs import JobState, job_store
 from varunad.control.links import LinkSurvey
-from varunad.control.plans import PlanDoc, describe
+from varunad.control.plans import PlanDoc, describe, described_shape
 from varunad.control.records import encode_history
 from varunad.control.resume import ResumeSource, complete_manifest, resume_source
 from varunad.control.speeds import SlotSpeeds
@@ -559,7 +559,9 @@ class Leader(LeaderPlanning, LeaderPace):
                                  if outage else f"(restart {restarts} of at most {self.config.max_restarts})"))
         # from here until it runs again, status and watch call it what it is: a restart or a morph
         await self._put_state((await self._state(job)).but(change="restart" if restart else "morph", reason=reason))
-        resumed = await self._resume_source(after, job, plan, lost, checkpointed=d.checkpoint)
+        # after a checkpoint at the step boundary, no VM was lost: a member that left, left
+        gone = [] if d.checkpoint else sorted(set(lost) | {m for m in plan.members if m not in after.members})
+        resumed = await self._resume_source(after, job, plan, gone)
         await self._keep_losses(job, resumed)
         self.memory.morph[job] = dict(reason=reason, from_shape=plan.shape, from_epoch=epoch, noticed_at=noticed,
                                       stopped_at=stopped, checkpoint=d.checkpoint, restart=restart, cause=cause,
@@ -584,22 +586,19 @@ class Leader(LeaderPlanning, LeaderPace):
         Its start is when this leader took it over: the previous leader's moment went with it."""
         after = await read_fleet(self.store, self.keys, timeout=self.t)
         state = after.states.get(job) or snap.states.get(job)
-        shape = (state.plan or {}) if state is not None else {}
-        members = shape.get("members") if isinstance(shape.get("members"), list) else []
+        ran = (state.plan or {}) if state is not None else {}
+        members = ran.get("members") if isinstance(ran.get("members"), list) else []
+        gone = sorted(m for m in members if isinstance(m, str) and m not in after.members)
         # the VMs the stop's own words name (the one leaving) are not news
-        gone = sorted(m for m in members if isinstance(m, str) and m not in after.members
-                      and not re.search(rf"(?<![\w.-]){re.escape(m)}(?![\w.-])", reason))
-        if gone:
-            reason = f"{reason}; {', '.join(gone)} left meanwhile"
-        store = self._store_of(state, after.entry(job))
-        resumed = (await asyncio.to_thread(resume_source, store, None, () if stop.checkpoint else gone)
-                   if store else ResumeSource("", None, ""))
+        news = [m for m in gone if not re.search(rf"(?<![\w.-]){re.escape(m)}(?![\w.-])", reason)]
+        if news:
+            reason = f"{reason}; {', '.join(news)} left meanwhile"
+        resumed = await self._resume_source(after, job, None, () if stop.checkpoint else gone)
         await self._keep_losses(job, resumed)
         self.memory.morph[job] = dict(
-            reason=reason, from_shape=f"{shape['P']}x{shape['D']}" if all(type(shape.get(k)) is int for k in "PD")
-            else "-", from_epoch=stop.stop_epoch, noticed_at=since, stopped_at=time.time(), checkpoint=stop.checkpoint,
-            restart=False, cause=cause_of(reason), source=resumed.source,
-            resumed_from=-1 if resumed.step is None else resumed.step, source_why=resumed.why)
+            reason=reason, from_shape=described_shape(ran), from_epoch=stop.stop_epoch, noticed_at=since,
+            stopped_at=time.time(), checkpoint=stop.checkpoint, restart=False, cause=cause_of(reason),
+            source=resumed.source, resumed_from=-1 if resumed.step is None else resumed.step, source_why=resumed.why)
         return reason
 
     async def _keep_losses(self, job: str, resumed: ResumeSource) -> None:
@@ -621,11 +620,10 @@ class Leader(LeaderPlanning, LeaderPace):
         return {p.rank: p.peak_bytes for p in await read_progress(self.store, self.keys, job)
                 if p.epoch == epoch and p.peak_bytes}
 
-    async def _resume_source(self, snap: FleetSnapshot, job: str, plan: PlanDoc, lost: list[str], *,
-                             checkpointed: bool) -> ResumeSource:
-        """Where the next epoch will resume, read from the store once the old workers are gone
-        (after a checkpoint at the step boundary, no VM was lost: a member that left, left)."""
-        gone = [] if checkpointed else sorted(set(lost) | {m for m in plan.members if m not in snap.members})
+    async def _resume_source(self, snap: FleetSnapshot, job: str, plan: PlanDoc | None,
+                             gone: Collection[str]) -> ResumeSource:
+        """Where the next epoch will resume, read from the store once the old workers are gone, the
+        VMs ``gone`` with them (``plan``: the old run plan, None where only its stop is known)."""
         store = self._store_of(snap.states.get(job), snap.entry(job))
         if not store:
             return ResumeSource("", None, "")

@@ -27,6 +27,7 @@ from varunad.control.plans import (
     PlanDoc,
     calibrations_for,
     describe,
+    described_shape,
     machine_slots,
     make_plan,
     profile_slots,
@@ -244,10 +245,8 @@ class LeaderPlanning:
         morphs = state.morphs
         info = self.memory.morph.pop(job, None)
         if info is not None or state.epochs:
-            shape = state.plan or {}
             stopped = info or dict(reason=reason, from_epoch=state.epoch, noticed_at=planned_at, stopped_at=planned_at,
-                                   checkpoint=False, from_shape=f"{shape['P']}x{shape['D']}"
-                                   if all(type(shape.get(k)) is int for k in "PD") else "-")
+                                   checkpoint=False, from_shape=described_shape(state.plan or {}))
             morphs = morphs + (MorphEvent(**stopped, to_shape=doc.shape, to_epoch=epoch, planned_at=planned_at),)
             if not stopped.get("restart"):
                 self.metrics.morphs.inc()
