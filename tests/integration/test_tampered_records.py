@@ -37,6 +37,24 @@ async def test_a_spec_overwritten_with_a_bad_value_after_submit_is_read_as_submi
         assert entry.spec is None and "expected an integer" in entry.error
 
 
+async def test_watch_and_the_report_read_a_spec_overwritten_after_submit_as_submitted(etcd, etcd_root):
+    """A storage probe wrote `12345` over a running job's spec: the fleet trained on as submitted
+    and status showed the job, but `watch` and `report` failed with "job spec is not a JSON
+    object", and the leader's end-of-job report was lost."""
+    from varunad.ctl.progress import watch
+    from varunad.report.record import collect
+
+    keys = Keys(etcd_root)
+    async with EtcdStore(etcd.endpoint) as store:
+        assert await store.create_if_absent(keys.job("f1"), SPEC.encode())
+        await store.put(keys.state("f1"), JobState(job="f1", state="done", epoch=9, epochs=(9,)).encode())
+        await store.put(keys.job("f1"), b"12345")
+        assert (await collect(store, keys, "f1")).spec == SPEC
+        out = io.StringIO()
+        assert await watch(store, keys, "f1", out, interval=0.05, tty=False) == 0
+        assert "f1" in out.getvalue()
+
+
 async def test_status_counts_only_the_ranks_of_the_epochs_plan(etcd, etcd_root):
     keys = Keys(etcd_root)
     async with EtcdStore(etcd.endpoint) as store:

@@ -218,14 +218,20 @@ async def watch(store, keys, job: str, out: TextIO = sys.stdout, *, interval: fl
 
     ``on_status(doc)``, awaited after each poll, may act on the job (the demo kills a daemon
     halfway) and return a line to print; on a terminal it goes above the bar."""
-    from varunad.control.jobs import JobSpec
+    from varunad.control.fleet import usable_spec
+    from varunad.control.jobs import JobSpecError
     from varunad.ctl import commands as ctl
     from varunad.store.contract import StoreUnavailable
 
     kv = await store.get(keys.job(job))
     if kv is None:
         raise ctl.CtlError(f"no job named {job} (see `varunactl jobs`)")
-    shown = start(job, JobSpec.decode(kv.value).steps, tty=out.isatty() if tty is None else tty)
+    try:   # the spec the fleet runs: as submitted, whatever was written over its key since
+        spec = (await usable_spec(store, kv, job, timeout=None))[0]
+    except JobSpecError as exc:
+        raise ctl.CtlError(f"job {job}: its spec in etcd is unreadable ({exc}), and so is the one it was "
+                           "submitted with") from None
+    shown = start(job, spec.steps, tty=out.isatty() if tty is None else tty)
     doc: dict[str, Any] = {}
     unanswered = 0.0   # since when etcd has not answered (0: it answers)
     try:

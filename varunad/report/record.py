@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from varunad.control.fleet import usable_spec
 from varunad.control.jobs import JobSpec, JobState, script_fingerprint
 from varunad.control.status import job_status, memory_lines, plan_lines, speed_lines
 from varunad.report.cost import Interval, cost_lines, cost_report, morph_losses, plural, run_intervals
@@ -65,7 +66,8 @@ class ReportInputs:
 async def collect(store: Store, keys: Keys, job: str, *, store_dir: str | None = None) -> ReportInputs:
     """Everything the report reads from etcd (UnknownJob if there is no such job)."""
     status = await job_status(store, keys, job)
-    spec = JobSpec.decode((await store.get(keys.job(job))).value, job=job)
+    # the spec the fleet ran: as submitted, whatever was written over its key since
+    spec = (await usable_spec(store, await store.get(keys.job(job)), job, timeout=None))[0]
     kv = await store.get(keys.state(job))
     state = JobState.decode(kv.value) if kv is not None else JobState(job=job)
     listing = await store.get_prefix(keys.calibration_of(script_fingerprint(spec)))
