@@ -243,6 +243,25 @@ def test_calibration_grows_by_less_than_the_weights_plus_one_slot():
     assert got["growth"] < got["weights"] + 200e6, got
 
 
+def test_a_loss_segment_measures_twice_its_logits_working_beyond_what_its_graph_saves():
+    """A loss holds its logits beside their log-softmax in the forward, and the gradients of both
+    in the backward: about twice the logits beyond the log-softmax that the graph saves. The
+    planner promised none of it, and a last stage's worker peaked 17-52% above its estimate (an
+    outside probe: nanoGPT, GPT-2, Llama, Qwen2, OPT, NeoX and BERT heads of 16k-48k tokens)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(TESTS / "workers" / "working_bytes.py"), "--vocab", "16384"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    logits, working, saved = got["logits"], got["working"], got["saved"]
+    assert saved[-1] >= logits   # the log-softmax, counted before
+    assert 1.8 * logits <= working[-1] <= 3 * logits, got
+    assert max(working[1:-1]) < logits / 4, got   # the blocks' passes hold little beyond their graphs
+
+
 def test_a_calibration_run_of_a_batchnorm_model_measures_the_scripts_micro_batch_alone(tmp_path, caplog):
     """BatchNorm normalises each micro-batch with its own statistics: the model depends on the
     micro-batch size. Calibrated at the script's chunk_size alone, the planner can choose no other,

@@ -76,7 +76,16 @@ def test_round_trip_keeps_overheads_and_tied_weights():
     assert again.links["intra"].recv_overhead_s == 3e-4
 
 
+def _v7(doc: dict) -> dict:
+    doc["version"] = 7
+    for seg in doc["segments"]:
+        for cost in seg["costs"]:
+            del cost["working_bytes"]
+    return doc
+
+
 def _v5(doc: dict) -> dict:
+    doc = _v7(doc)
     doc["version"] = 5
     for seg in doc["segments"]:
         for cost in seg["costs"]:
@@ -115,7 +124,7 @@ def test_version_1_documents_migrate_with_no_overheads_and_no_tied_weights():
         for v in doc[table].values():
             del v["send_overhead_s"], v["recv_overhead_s"]
     cal = Calibration.from_dict(doc)
-    assert cal.version == SCHEMA_VERSION == 7 and cal.tied == ()
+    assert cal.version == SCHEMA_VERSION == 8 and cal.tied == ()
     assert cal.links == LINKS and cal.links["intra"].send_overhead_s == cal.links["intra"].recv_overhead_s == 0
     assert cal.segments == _cal().segments
     doc["links"]["intra"]["send_overhead_s"] = 0.1   # a version 1 document has none
@@ -320,21 +329,49 @@ def test_version_5_documents_migrate_with_no_split_backward_times():
         SegmentCost(1.0, 2.0, 1.0, 1, 1, split_bytes=1.5)
 
 
-def test_a_stored_cpu_calibration_of_version_6_is_measured_again_a_gpus_is_kept():
-    """Version 6 left a CPU worker's process (about 300 MB) out of its worker bytes: a daemon that
-    planned from it would promise a slot what its worker cannot keep."""
+def test_version_7_documents_migrate_with_no_working_bytes():
+    cal = Calibration.from_dict(_v7(_doc()))
+    assert cal.segments == _cal().segments
+    assert all(c.working_bytes is None for seg in cal.segments for c in seg.costs)
+    doc = _v7(_doc())
+    doc["segments"][0]["costs"][0]["working_bytes"] = 5   # a version 7 document has none
+    with pytest.raises(CalibrationError, match="unexpected"):
+        Calibration.from_dict(doc)
+    base = _cal()
+    working = SegmentCost(1.0, 2.0, 1.0, 1, 1, working_bytes=4096)
+    measured = dataclasses.replace(base, segments=tuple(dataclasses.replace(seg, costs=(working,) * len(seg.costs))
+                                                        for seg in base.segments))
+    assert Calibration.from_bytes(measured.to_bytes()) == measured
+    with pytest.raises(CalibrationError, match="working_bytes"):
+        SegmentCost(1.0, 2.0, 1.0, 1, 1, working_bytes=-1)
+
+
+def _stored(version: int, kinds) -> dict[str, bytes]:
     import json
 
+    return {kind: json.dumps({**json.loads(dataclasses.replace(_cal(), device_kind=kind).to_bytes()),
+                              "version": version}).encode() for kind in kinds}
+
+
+_SPEC_KW = dict(job="j", script="t.py", batch_size=8, steps=2, checkpoint_every=2, bundle_digest="0" * 64,
+                bundle_bytes=1)
+
+
+def test_a_stored_calibration_older_than_its_memory_terms_is_measured_again(caplog):
+    """Version 6 left a CPU worker's process (about 300 MB) out of its worker bytes, and every
+    version before 8 a pass's working memory (twice a loss's logits): a daemon that planned from
+    them would promise a slot what its worker cannot keep. The current version is kept."""
     from varunad.control.jobs import JobSpec
     from varunad.control.plans import calibrations_for
 
-    spec = JobSpec(job="j", script="t.py", batch_size=8, steps=2, checkpoint_every=2, bundle_digest="0" * 64,
-                   bundle_bytes=1)
-    stored = {}
-    for kind in ("cpu", "cpu-2slots", "NVIDIA H100"):
-        doc = json.loads(dataclasses.replace(_cal(), device_kind=kind).to_bytes())
-        stored[kind] = json.dumps({**doc, "version": 6}).encode()
-    found, missing = calibrations_for(spec, sorted(stored), stored)
-    assert sorted(missing) == ["cpu", "cpu-2slots"] and list(found) == ["NVIDIA H100"]
-    current = {k: dataclasses.replace(_cal(), device_kind=k).to_bytes() for k in stored}
-    assert calibrations_for(spec, sorted(current), current)[1] == []
+    spec = JobSpec(**_SPEC_KW)
+    kinds = ("cpu", "cpu-2slots", "NVIDIA H100")
+    with caplog.at_level("WARNING", logger="varunad.control.plans"):
+        found, missing = calibrations_for(spec, sorted(kinds), _stored(6, kinds))
+    assert sorted(missing) == sorted(kinds) and found == {}
+    assert "the worker's process" in caplog.text and "working memory" in caplog.text
+    found, missing = calibrations_for(JobSpec(**{**_SPEC_KW, "job": "k"}), sorted(kinds), _stored(7, kinds))
+    assert sorted(missing) == sorted(kinds) and found == {}
+    current = {k: dataclasses.replace(_cal(), device_kind=k).to_bytes() for k in kinds}
+    found, missing = calibrations_for(spec, sorted(kinds), current)
+    assert missing == [] and sorted(found) == sorted(kinds)

@@ -181,6 +181,45 @@ def test_plan_estimate_is_a_replay_of_its_own_table(schedule):
         assert peak <= stage.memory_bytes  # the planner's memory is the schedule's bound
 
 
+def _working(cal: Calibration, by_segment: dict[int, int]) -> Calibration:
+    """`cal` with a pass's working bytes measured on the given segments (0 elsewhere)."""
+    segs = tuple(dataclasses.replace(seg, costs=tuple(dataclasses.replace(c, working_bytes=by_segment.get(i, 0))
+                                                      for c in seg.costs))
+                 for i, seg in enumerate(cal.segments))
+    return dataclasses.replace(cal, segments=segs)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_a_stage_is_promised_its_largest_segments_working_bytes(schedule):
+    """A loss's logits and their gradients live only while the last segment's passes run: the
+    stage holding it is promised them once (not per micro-batch), another stage its own largest."""
+    cal = _cal(links={"intra": LinkCost(1e-3, 1e3), "inter": LinkCost(1e-2, 1e2)})
+    worked = _working(cal, {0: 7_000, 1: 9_000, 3: 300_000_000})
+    p = plan(_slots(8, per_host=2, mem=8), 16, [cal], schedule=schedule)
+    q = plan(_slots(8, per_host=2, mem=8), 16, [worked], schedule=schedule)
+    assert (q.P, q.cuts) == (p.P, p.cuts) and p.P > 1, q.explain()
+    held = {s.first_segment: (s.end_segment, s.memory_bytes) for s in p.stages}
+    for stage in q.stages:
+        end, before = held[stage.first_segment]
+        extra = max({0: 7_000, 1: 9_000, 3: 300_000_000}.get(i, 0) for i in range(stage.first_segment, end))
+        assert stage.memory_bytes == before + extra
+    costs = stage_costs([worked] * q.P, [s.first_segment for s in q.stages] + [4], q.micro_batch_size, q.D,
+                        q.link_kinds, q.allreduce_kinds)
+    replay = simulate(q.table(), costs)
+    assert replay.peak_bytes[-1] > 300_000_000
+    for stage, peak in zip(q.stages, replay.peak_bytes):
+        assert peak <= stage.memory_bytes  # the planner's memory is still the schedule's bound
+
+
+def test_working_bytes_can_push_a_model_onto_more_stages():
+    """Twice the logits on the last stage is what made a plan that fit on paper fail on a slot."""
+    cal = _cal(param=GiB // 4, opt=GiB // 2)   # 1 GiB a segment: the four fit one 5 GiB slot
+    p = plan(_slots(2, mem=5), 2, [cal])
+    q = plan(_slots(2, mem=5), 2, [_working(cal, {3: GiB})])
+    assert p.P == 1 and q.P == 2, (p.explain(), q.explain())
+    assert max(s.memory_bytes for s in q.stages) <= 5 * GiB
+
+
 def test_explain_prints_the_choice_and_its_runners_up():
     p = plan(_slots(4), 8, [_cal()])
     text = p.explain()

@@ -146,6 +146,9 @@ def test_peak_memory_follows_the_schedule(name, recompute, stage, expected):
     costs = [StageCost(F, B, recompute_s=F, **MEM) for _ in range(P)]
     result = simulate(build_table(name, P, m, recompute), costs)
     assert result.stages[stage].peak_bytes == expected
+    # a pass's working bytes come once, on top of the most it stashes (a pass runs at its peak)
+    working = [StageCost(F, B, recompute_s=F, working_bytes=7, **MEM) for _ in range(P)]
+    assert simulate(build_table(name, P, m, recompute), working).stages[stage].peak_bytes == expected + 7
 
 
 def test_stage_costs_sum_segments_and_pick_link_kinds():

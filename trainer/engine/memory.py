@@ -141,7 +141,8 @@ if _a_cpu_worker():
     return_freed_blocks()
 
 
-def _reset_high_water() -> bool:
+def reset_high_water() -> bool:
+    """Reset this process's VmHWM to its resident size; False where the kernel does not allow it."""
     try:
         with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
             f.write("5")   # resets VmHWM to the current resident size
@@ -164,7 +165,7 @@ class PeakMemory:
             return
         if self.device.type != "cpu":
             return
-        if not _reset_high_water():
+        if not reset_high_water():
             # the mark still holds the build's peak: only how far it rises from here counts, on
             # top of the resident size now, an under-estimate rather than the build
             log.info("cannot reset the resident high-water mark here: the measured peak leaves out "

@@ -12,6 +12,11 @@ Memory model (shared by the simulator and the planner):
     stage and, when recomputing, stashed; its gradient has the same size;
   * `peak_activation_bytes` is what the autograd graph keeps for one micro-batch of the segment
     (a forward with grad, or a recompute), freed by its backward;
+  * `working_bytes` is what one micro-batch's forward and backward hold at their peak beyond that
+    graph and the segment's output, measured: the temporaries the saved tensors do not show and the
+    gradients in flight (on a loss segment the logits beside their log-softmax, then the gradients
+    of both: about twice the logits), and the gradient the segment receives. A stage runs one pass
+    at a time, so it holds one such set, its largest segment's, on top of what it stashes;
   * `step_bytes` is what the optimizer's step allocates and frees again for the segment's
     parameters (Adam's `sqrt(v)` and its quotient, the gradient norms): measured, since it depends
     on the optimizer's implementation. A for-loop optimizer holds one tensor's temporaries at a
@@ -45,7 +50,9 @@ busy slowdown: it reads as 0 (unknown: a lone worker is taken to compute as cali
 Version 4 had no worker bytes: they read as 0. Version 5 had no split backward times: they read
 as unknown (None), and the simulator takes a split backward as two halves. Version 6's worker
 bytes on a CPU left out the worker's process: a daemon measures such a calibration again
-(`PROCESS_COUNTED_FROM`; varunad.control.plans.calibrations_for).
+(`PROCESS_COUNTED_FROM`; varunad.control.plans.calibrations_for). Version 7 had no working
+bytes: they read as unknown (counted as 0), and a daemon measures such a calibration again
+(`WORKING_COUNTED_FROM`), since its stages' peaks were promised too little.
 """
 
 from __future__ import annotations
@@ -73,13 +80,15 @@ __all__ = [
 ]
 
 SCHEMA = "varunad.calibration"
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # older ones migrate: zero message overheads, no tied sets, no step temporaries, no busy slowdown,
 # no worker bytes, no split backward times, a CPU worker's process not in its worker bytes
-_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 _SPLIT = ("input_grad_s", "weight_grad_s")   # measured together, or not at all
 _ADDED_IN_6 = (*_SPLIT, "split_bytes")
+_ADDED_IN_8 = ("working_bytes",)
 PROCESS_COUNTED_FROM = 7   # the first version whose CPU worker bytes hold the worker's process
+WORKING_COUNTED_FROM = 8   # the first version that measures a pass's working bytes
 LINK_KINDS = ("intra", "inter")  # same host, across hosts
 
 
@@ -156,6 +165,9 @@ class SegmentCost:
     # what the split holds from one pass to the other beyond the activations: the gradients
     # recorded where the parameters branch off (None: not measured)
     split_bytes: int | None = None
+    # a pass's own peak beyond the graph it keeps (module docstring); None: not measured (an
+    # older calibration), counted as 0, as the planner did then
+    working_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "recompute_s"):
@@ -165,8 +177,9 @@ class SegmentCost:
         for name in _SPLIT:
             if getattr(self, name) is not None:
                 _num("SegmentCost", name, getattr(self, name))
-        if self.split_bytes is not None:
-            _int("SegmentCost", "split_bytes", self.split_bytes)
+        for name in ("split_bytes", "working_bytes"):
+            if getattr(self, name) is not None:
+                _int("SegmentCost", name, getattr(self, name))
         for name in ("activation_bytes", "peak_activation_bytes"):
             _int("SegmentCost", name, getattr(self, name))
 
@@ -343,7 +356,8 @@ class Calibration:
         names |= {"step_bytes_add"} if version >= 3 else set()
         names |= {"busy_slowdown", "busy_load"} if version >= 4 else set()
         names |= {"worker_bytes"} if version >= 5 else set()
-        cost_fields = set(SegmentCost.__slots__) - (set() if version >= 6 else set(_ADDED_IN_6))
+        cost_fields = (set(SegmentCost.__slots__) - (set() if version >= 6 else set(_ADDED_IN_6))
+                       - (set() if version >= 8 else set(_ADDED_IN_8)))
         top = _fields(doc, "calibration", names)
         if top["schema"] != SCHEMA:
             raise CalibrationError(f"not a calibration document (schema {top['schema']!r})")

@@ -13,8 +13,10 @@ Conventions:
   * a stage's memory is the schedule's bound, the same accounting the simulator replays:
     parameters, gradients and optimizer state, plus the micro-batches the schedule stashes
     (`Schedule.stash_bound`: inputs only on a recomputing stage, full activation sets
-    otherwise), plus one full set while recomputing, or the optimizer step's temporaries
-    (`Calibration.step_bytes`) where they are more: the step runs once the activations are freed;
+    otherwise), plus one full set while recomputing, plus one pass's working bytes (its largest
+    segment's `working_bytes`: a loss's logits and their gradients), or the optimizer step's
+    temporaries (`Calibration.step_bytes`) where they are more: the step runs once the
+    activations are freed;
   * slots of one stage are one device kind, so its replicas run in step; the pipeline puts
     kinds with more memory first (early stages stash more) and gives slower kinds fewer layers;
   * workers on one machine share its CPU cores (`Slot.machine`, `machine_cores`): where a placement
@@ -71,6 +73,7 @@ class _Kind:
     fbr: list[list[float]] = field(default_factory=list)
     act: list[list[float]] = field(default_factory=list)
     split: list[list[float]] = field(default_factory=list)   # held between a split backward's passes
+    work: list[list[int]] = field(default_factory=list)   # per segment: a pass's working bytes (not summed)
     out: list[list[int]] = field(default_factory=list)
     static: list[float] = field(default_factory=list)
     params: list[float] = field(default_factory=list)
@@ -87,6 +90,7 @@ class _Kind:
             # not measured (an older calibration): as much as the activations, as the simulator takes it
             self.split.append(acc(x.peak_activation_bytes if x.split_bytes is None else x.split_bytes for x in c))
             self.out.append([x.activation_bytes for x in c])
+            self.work.append([x.working_bytes or 0 for x in c])   # not measured (an older calibration): 0, as then
         self.static = acc(s.static_bytes for s in segs)
         self.params = acc(s.param_bytes for s in segs)
 
@@ -603,10 +607,12 @@ def _stage_bytes(k: _Kind, j: int, a: int, b: int, c: int, rec: bool, splits: bo
     its worker, weights and training state, and the larger of its optimizer step's temporaries
     and what it holds for the ``c`` micro-batches in flight: their inputs, and as many activation
     sets or, recomputing, one; plus, where it ``splits`` its backwards, the gradients kept between
-    the passes for as many micro-batches (one where it recomputes: it weighs after each backward)."""
+    the passes for as many micro-batches (one where it recomputes: it weighs after each backward);
+    plus one pass's working bytes, its largest segment's (a stage runs one pass at a time)."""
     act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
     split = k.split[j][b] - k.split[j][a] if splits else 0
     held = c * in_b + act + split if rec else c * (in_b + act + split)
+    held += max(k.work[j][a:b], default=0)
     return k.cal.worker_bytes + k.static[b] - k.static[a] + max(k.cal.step_bytes(a, b), held)
 
 

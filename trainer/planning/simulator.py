@@ -21,7 +21,8 @@ executor runs; there is no second copy of any schedule here) with calibrated cos
 
 Memory per stage is replayed too: parameters, gradients and optimizer state, plus what the
 schedule stashes (a recomputing stage keeps only each micro-batch's input until its backward and
-one full set of activations while recomputing; otherwise the full activations are kept).
+one full set of activations while recomputing; otherwise the full activations are kept), plus,
+during a FORWARD or BACKWARD, the pass's working bytes (`StageCost.working_bytes`).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class StageCost:
     # its size, one for the input, one for the weight)
     split_s: tuple[float, float] | None = None
     split_bytes: int = 0   # held from a split backward's input pass to its weight pass (per micro-batch)
+    working_bytes: int = 0   # what one pass holds at its peak beyond the graphs (its largest segment's)
 
     def __post_init__(self) -> None:
         if self.forward_graph_s is None:
@@ -109,6 +111,7 @@ class StageCost:
             input_bytes=self.input_bytes,
             activation_bytes=self.activation_bytes,
             split_bytes=self.split_bytes,
+            working_bytes=self.working_bytes,
         )
         if self.split_s is not None:
             _nonneg("StageCost", input_pass_s=self.split_s[0], weight_pass_s=self.split_s[1])
@@ -226,6 +229,7 @@ def stage_costs(
                 static_bytes=sum(seg.static_bytes for seg in segs) + cal.worker_bytes,
                 input_bytes=in_bytes,
                 activation_bytes=sum(c.peak_activation_bytes for c in costs),
+                working_bytes=max((c.working_bytes or 0 for c in costs), default=0),
             )
         )
     return tuple(out)
@@ -305,9 +309,11 @@ def simulate(
                     t += f
                     compute[s] += f
                     held[s] += keep
+                    peak[s] = max(peak[s], held[s] + c.working_bytes)
                 elif code == _B:
                     t += b_cost
                     compute[s] += b_cost
+                    peak[s] = max(peak[s], held[s] + c.working_bytes)
                     if split[s]:
                         held[s] += c.split_bytes
                     else:

@@ -10,11 +10,12 @@ import ctypes
 import ctypes.util
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from trainer.engine.memory import reset_high_water, resident_bytes
 from trainer.engine.precision import Precision, autocast
 from trainer.engine.split_backward import backward_input, backward_weight
 from trainer.errors import ConfigError
@@ -57,10 +58,12 @@ class SegmentMeasurement:
     input_grad_s: float | None = None   # the split backward's two passes, where the segment has an input gradient
     weight_grad_s: float | None = None
     split_bytes: int | None = None      # held from one pass to the other (the gradients recorded between)
+    working_bytes: int | None = None    # a pass's peak beyond its graph (`_working_bytes`)
 
     def cost(self) -> SegmentCost:
         return SegmentCost(self.forward_s, self.backward_s, self.recompute_s, self.activation_bytes,
-                           self.peak_activation_bytes, self.input_grad_s, self.weight_grad_s, self.split_bytes)
+                           self.peak_activation_bytes, self.input_grad_s, self.weight_grad_s, self.split_bytes,
+                           self.working_bytes)
 
 
 def tied_weights(slices: Sequence[StageSlice]) -> tuple[TiedWeights, ...]:
@@ -266,11 +269,13 @@ def _measure_one(sl: StageSlice, batch, x: torch.Tensor | None, device: torch.de
         bwd += [t for t in b_times if t is not None]
         parts += [t for t in s_times if t is not None]
     peak = _peak_bytes(sl, batch, x, device, precision, list(sl.module.parameters()))
+    working = _working_bytes(sl, batch, x, device, precision, root)
     # The last stage never recomputes: its FORWARD always keeps the graph.
     forward_s = _median(rec) if is_last else _median(fwd)
     split_part = (_median([a for a, _, _ in parts]), _median([w for _, w, _ in parts]), max(h for _, _, h in parts)
                   ) if parts else (None, None, None)
-    return SegmentMeasurement(forward_s, _median(rec), _median(bwd) if bwd else 0.0, act_bytes, peak, *split_part)
+    return SegmentMeasurement(forward_s, _median(rec), _median(bwd) if bwd else 0.0, act_bytes, peak, *split_part,
+                              working)
 
 
 def _backward_start_s(device: torch.device, repeats: int, warmup: int) -> float:
@@ -319,3 +324,46 @@ def _peak_bytes(sl: StageSlice, batch, x_in, device: torch.device, precision: Pr
         y = mod(**kw)
     del y
     return int(counter.total)
+
+
+def _working_bytes(sl: StageSlice, batch, x_in, device: torch.device, precision: Precision,
+                   root: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]) -> int | None:
+    """What one micro-batch's forward and backward hold at their peak beyond what the forward
+    leaves (its graph and output): the transients that saved tensors do not show (a loss's
+    logits beside their log-softmax, then the gradients of both), the gradients in flight and the
+    one the segment receives (trainer.planning.calibration's `working_bytes`). The rise of the
+    device's allocation peak on CUDA, of the process's resident high-water mark on a CPU (where a
+    worker hands blocks of 1 MiB and more back as it frees them: trainer.engine.memory); None
+    where the kernel keeps no resettable mark."""
+    mod = sl.module
+    # A worker's later micro-batches add into gradients that exist: their sums' temporaries count,
+    # not the first micro-batch's allocation of the gradients (the stage's static bytes).
+    fresh = [p for p in mod.parameters() if p.requires_grad and p.grad is None]
+    for p in fresh:
+        p.grad = torch.zeros_like(p)
+    kw = _inputs(sl, batch, x_in)
+    if sl.takes_activation and x_in is not None and x_in.is_floating_point():
+        kw[ACTIVATION] = x_in.detach().requires_grad_(True)
+    try:
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        elif not reset_high_water():
+            return None
+        with torch.enable_grad(), autocast(precision, device):
+            y = mod(**kw)
+        _sync(device)
+        after_forward = torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
+        if y.requires_grad:
+            out, grad = root(y)
+            out.backward(grad)
+            del out, grad
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resident_bytes("VmHWM")
+        del y
+        if peak is None or after_forward is None:
+            return None
+        return max(0, int(peak - after_forward))
+    finally:
+        for p in fresh:
+            p.grad = None

@@ -127,9 +127,15 @@ def _run_concurrently(job: _Job, slots: int, timeout_s: float = 1800.0):
         per_size[b] = {}
         for k in results[0][0][b]:
             ms = [res[0][b][k] for res in results]
+            split = all(m.input_grad_s is not None for m in ms)
+            working = [m.working_bytes for m in ms if m.working_bytes is not None]
             per_size[b][k] = SegmentMeasurement(
                 max(m.forward_s for m in ms), max(m.recompute_s for m in ms),
-                max(m.backward_s for m in ms), ms[0].activation_bytes, ms[0].peak_activation_bytes)
+                max(m.backward_s for m in ms), ms[0].activation_bytes, ms[0].peak_activation_bytes,
+                max(m.input_grad_s for m in ms) if split else None,
+                max(m.weight_grad_s for m in ms) if split else None,
+                ms[0].split_bytes if split else None,
+                max(working) if working else None)
     steps = [(max(res[1][i][0] for res in results), *results[0][1][i][1:]) for i in range(len(results[0][1]))]
     return per_size, steps
 

@@ -37,6 +37,7 @@ from typing import Any
 from trainer.planning import planner
 from trainer.planning.calibration import (
     PROCESS_COUNTED_FROM,
+    WORKING_COUNTED_FROM,
     Calibration,
     LinkCost,
     SegmentCost,
@@ -386,6 +387,18 @@ def _machines(members: Sequence[DaemonMember], calibrations: Mapping[str, Calibr
 _SAID: set[tuple[str, str, bytes]] = set()
 
 
+def _left_out(kind: str, version: int | None) -> str | None:
+    """What a stored calibration of `version` leaves out of a slot's memory, where a daemon
+    measures it again; None where nothing."""
+    if version is None:
+        return None
+    if (kind == "cpu" or kind.startswith("cpu-")) and version < PROCESS_COUNTED_FROM:
+        return "the worker's process"
+    if version < WORKING_COUNTED_FROM:
+        return "a pass's working memory (a loss's logits and their gradients)"
+    return None
+
+
 def calibrations_for(
     spec: JobSpec, kinds: Sequence[str], stored: Mapping[str, bytes]
 ) -> tuple[dict[str, Calibration], list[str]]:
@@ -400,11 +413,12 @@ def calibrations_for(
             continue
         # a CPU kind as facts.detect_device_kind names it ("cpu", "cpu-<n>slots")
         version = _version(data)
-        if (kind == "cpu" or kind.startswith("cpu-")) and version is not None and version < PROCESS_COUNTED_FROM:
+        left_out = _left_out(kind, version)
+        if left_out is not None:
             if (spec.job, kind, data) not in _SAID:
                 _SAID.add((spec.job, kind, data))
                 log.warning("calibrating %s for %s again: its stored calibration is of a version that left "
-                            "the worker's process out of a CPU slot's memory", spec.job, kind)
+                            "%s out of a slot's memory", spec.job, kind, left_out)
             missing.append(kind)
             continue
         try:
