@@ -144,7 +144,7 @@ def _why_no_manifest(storage: CheckpointStorage, ckpt_dir: str) -> str:
         rescued = False
     if rescued:
         return "incomplete: the survivors saved it from memory, but no survivor held every stage"
-    return "incomplete: no manifest, the writer probably died"
+    return "incomplete: no manifest (its writer died, or the store refused its writes)"
 
 
 def read_manifest(storage: CheckpointStorage, ckpt_dir: str) -> dict:

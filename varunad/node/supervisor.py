@@ -528,7 +528,7 @@ class Supervisor(WorkerStopping):
         in the worker report at once, where `varunactl status` and the leader read it."""
         if (w.store_failing_since, w.store_error) == (since, error):
             return
-        if since >= 0:
+        if since >= 0 and since != w.store_failing_since:   # once an outage: each failed write names another file
             log.warning("%s: rank %d of %s epoch %d: checkpoints failing since step %d: %s", self.name, w.rank,
                         w.job, w.epoch, since, error)
         elif w.store_failing_since >= 0:
