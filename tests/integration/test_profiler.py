@@ -137,6 +137,27 @@ def test_add_to_existing_measures_only_missing_sizes(profiled, tmp_path):
     assert saved.cost(3, 3).activation_bytes == 3 * saved.cost(3, 1).activation_bytes
 
 
+def test_a_cached_calibration_of_a_schema_without_working_bytes_is_measured_again(profiled, tmp_path):
+    """A reviewer's find: a VM's cache of version 7 read as a current calibration with no working
+    bytes, and a daemon stored it as version 8, never to be measured again."""
+    import json
+
+    model, data = profiled["model"], profiled["data"]
+    doc = profiled["cal"].to_dict()
+    doc["version"] = 7
+    for seg in doc["segments"]:
+        for cost in seg["costs"]:
+            del cost["working_bytes"]
+    path = tmp_path / profiled["prof"].path.name
+    path.write_text(json.dumps(doc))
+    assert Calibration.load(path).cost(4, 1).working_bytes is None   # it does read
+    prof = Profiler(model, data.sample_batch, out_folder=tmp_path, **FAST)
+    cal = prof.profile_all(SIZES)
+    assert prof.measured == cal.n_segments * len(SIZES)
+    assert all(c.working_bytes is not None for seg in cal.segments for c in seg.costs)
+    assert json.loads(path.read_bytes())["version"] == cal.version == 8
+
+
 def test_profile_some_segments_fills_the_rest_from_the_cache(profiled, tmp_path):
     model, data = profiled["model"], profiled["data"]
     profiled["cal"].save(tmp_path / profiled["prof"].path.name)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from support.calibrations import calibration
 
-from trainer.engine.memory import PeakMemory, process_bytes, resident_bytes
+from trainer.engine.memory import PeakMemory, device_peak, process_bytes, reset_peak, resident_bytes
 from trainer.planning.calibration import LinkCost
 from trainer.planning.plan import Slot
 from trainer.planning.planner import plan
@@ -45,6 +45,23 @@ def test_the_peak_on_a_cpu_is_the_whole_process_from_the_stage_on_not_the_build(
     peak = meter.peak_bytes()
     assert start + (150 << 20) <= peak < start + (300 << 20)
     assert meter.peak_bytes() >= peak   # a high-water mark: freeing does not lower it
+
+
+def test_a_measurement_inside_a_meters_span_keeps_the_meters_peak():
+    """The profiler resets the mark for each segment's pass inside a calibration run's meter: a
+    reviewer saw the run's peak lose everything before the last reset. A new meter starts afresh."""
+    if kernel_oom_kills() is None or not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux /proc")
+    cpu = torch.device("cpu")
+    meter = PeakMemory(cpu)
+    start = resident_bytes()
+    work = _touch(160 << 20)
+    del work
+    assert reset_peak(cpu)
+    assert device_peak(cpu) < start + (100 << 20)   # the inner measurement starts low
+    assert meter.peak_bytes() >= start + (150 << 20)   # the meter's span keeps what came before
+    later = PeakMemory(cpu)
+    assert later.peak_bytes() < resident_bytes() + (100 << 20)
 
 
 def test_a_process_holds_its_resident_size_beyond_the_models_tensors_each_storage_once():

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "memory_job"))
 from mlp import MLP  # noqa: E402  (the issue's model, as the memory job and benchmark build it)
 
 from trainer import Profiler  # noqa: E402
+from trainer.engine.memory import PeakMemory  # noqa: E402
 from trainer.planning.calibration import LinkCost  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -23,12 +24,6 @@ p.add_argument("--width", type=int, default=2048)
 p.add_argument("--depth", type=int, default=8)
 p.add_argument("--sizes", type=int, nargs="+", default=[4])
 args = p.parse_args()
-
-
-def status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
 
 
 torch.manual_seed(0)
@@ -40,11 +35,9 @@ with tempfile.TemporaryDirectory() as folder:
     prof = Profiler(model, batch, out_folder=folder, links={"intra": link}, allreduce={"intra": link},
                     repeats=2, warmup=1)
     prof.set_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")   # VmHWM starts again from the current resident size
-    base = status("VmRSS")
+    meter = PeakMemory(torch.device("cpu"))   # VmHWM starts again from the current resident size
     cal = prof.profile_all(args.sizes)
-    growth = status("VmHWM") - base
+    growth = meter.growth_bytes()   # the profiler's own resets of the mark inside kept
 weights = sum(q.numel() * q.element_size() for q in model.parameters())
 print(json.dumps({"weights": weights, "growth": growth, "segments": cal.n_segments,
                   "segment_bytes": max(s.param_bytes for s in cal.segments)}))

@@ -141,14 +141,43 @@ if _a_cpu_worker():
     return_freed_blocks()
 
 
-def reset_high_water() -> bool:
-    """Reset this process's VmHWM to its resident size; False where the kernel does not allow it."""
+def _reset_high_water() -> bool:
     try:
         with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
             f.write("5")   # resets VmHWM to the current resident size
         return True
     except OSError:
         return False
+
+
+# device type -> the peak before the resets that measurements made inside a meter's span
+_carried: dict[str, int] = {}
+
+
+def device_peak(device: torch.device) -> int | None:
+    """The mark since the last reset: CUDA's allocation peak, or the process's resident
+    high-water mark on a CPU (None where /proc is not there)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resident_bytes("VmHWM")
+
+
+def reset_peak(device: torch.device) -> bool:
+    """Start a measurement of `device`'s peak (the profiler's, of one segment's pass) inside the
+    span a `PeakMemory` meters (a calibration run's), which keeps the peak so far. False where a
+    CPU's mark cannot be reset."""
+    before = device_peak(device)
+    if before is not None:
+        _carried[device.type] = max(_carried.get(device.type, 0), before)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    return _reset_high_water()
+
+
+def _peak_so_far(device: torch.device) -> int | None:
+    mark = device_peak(device)
+    return None if mark is None else max(mark, _carried.get(device.type, 0))
 
 
 class PeakMemory:
@@ -160,12 +189,13 @@ class PeakMemory:
         self.device = torch.device(device)
         self._base: int | None = None
         self._mark: int | None = None
+        _carried.pop(self.device.type, None)   # a new span: what was held before it is not its peak
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         if self.device.type != "cpu":
             return
-        if not reset_high_water():
+        if not _reset_high_water():
             # the mark still holds the build's peak: only how far it rises from here counts, on
             # top of the resident size now, an under-estimate rather than the build
             log.info("cannot reset the resident high-water mark here: the measured peak leaves out "
@@ -183,8 +213,8 @@ class PeakMemory:
 
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        hwm = resident_bytes("VmHWM") if self._base is not None and self._mark is not None else None
+            return int(_peak_so_far(self.device))
+        hwm = _peak_so_far(self.device) if self._base is not None and self._mark is not None else None
         if hwm is None:
             return 0
         # the whole process, as the estimate counts it on a CPU (module docstring)

@@ -77,12 +77,14 @@ __all__ = [
     "SegmentCost",
     "SegmentProfile",
     "Calibration",
+    "left_out_of_memory",
 ]
 
 SCHEMA = "varunad.calibration"
 SCHEMA_VERSION = 8
 # older ones migrate: zero message overheads, no tied sets, no step temporaries, no busy slowdown,
-# no worker bytes, no split backward times, a CPU worker's process not in its worker bytes
+# no worker bytes, no split backward times, a CPU worker's process not in its worker bytes, no
+# working bytes
 _READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 _SPLIT = ("input_grad_s", "weight_grad_s")   # measured together, or not at all
 _ADDED_IN_6 = (*_SPLIT, "split_bytes")
@@ -462,6 +464,23 @@ class Calibration:
             tied=tuple(tied),
             step_bytes_add=step_bytes_add,
         )
+
+
+def left_out_of_memory(data: bytes, device_kind: str) -> str | None:
+    """What a stored calibration (its bytes, of `device_kind`) leaves out of a slot's memory by
+    the schema version it was written in, where it must be measured again; None where nothing,
+    or where it names no version (what is wrong with it is `from_bytes`'s to say)."""
+    try:
+        version = json.loads(data).get("version")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(version, int) or isinstance(version, bool):
+        return None
+    if (device_kind == "cpu" or device_kind.startswith("cpu-")) and version < PROCESS_COUNTED_FROM:
+        return "the worker's process"
+    if version < WORKING_COUNTED_FROM:
+        return "a pass's working memory (a loss's logits and their gradients)"
+    return None
 
 
 def _fields(doc: Any, where: str, names: set[str]) -> dict[str, Any]:

@@ -73,7 +73,8 @@ class _Kind:
     fbr: list[list[float]] = field(default_factory=list)
     act: list[list[float]] = field(default_factory=list)
     split: list[list[float]] = field(default_factory=list)   # held between a split backward's passes
-    work: list[list[int]] = field(default_factory=list)   # per segment: a pass's working bytes (not summed)
+    # [a][b]: the largest working bytes of segments a..b-1 (a stage holds one pass's at a time)
+    work: list[list[list[int]]] = field(default_factory=list)
     out: list[list[int]] = field(default_factory=list)
     static: list[float] = field(default_factory=list)
     params: list[float] = field(default_factory=list)
@@ -90,12 +91,25 @@ class _Kind:
             # not measured (an older calibration): as much as the activations, as the simulator takes it
             self.split.append(acc(x.peak_activation_bytes if x.split_bytes is None else x.split_bytes for x in c))
             self.out.append([x.activation_bytes for x in c])
-            self.work.append([x.working_bytes or 0 for x in c])   # not measured (an older calibration): 0, as then
+            self.work.append(_running_max([x.working_bytes or 0 for x in c]))   # not measured: 0, as before
         self.static = acc(s.static_bytes for s in segs)
         self.params = acc(s.param_bytes for s in segs)
 
     def in_bytes(self, j: int, i: int) -> int:
         return self.cal.input_bytes[j] if i == 0 else self.out[j][i - 1]
+
+
+def _running_max(xs: Sequence[int]) -> list[list[int]]:
+    """[a][b] = max(xs[a:b]) (0 where empty): the planner asks for every stage it weighs."""
+    n = len(xs)
+    out = []
+    for a in range(n + 1):
+        row, most = [0] * (n + 1), 0
+        for b in range(a + 1, n + 1):
+            most = max(most, xs[b - 1])
+            row[b] = most
+        out.append(row)
+    return out
 
 
 def _fill(kinds: Sequence[_Kind], j: int, X: float, schedule: Schedule, m: int, allow_recompute: bool):
@@ -612,7 +626,7 @@ def _stage_bytes(k: _Kind, j: int, a: int, b: int, c: int, rec: bool, splits: bo
     act, in_b = k.act[j][b] - k.act[j][a], k.in_bytes(j, a)
     split = k.split[j][b] - k.split[j][a] if splits else 0
     held = c * in_b + act + split if rec else c * (in_b + act + split)
-    held += max(k.work[j][a:b], default=0)
+    held += k.work[j][a][b]
     return k.cal.worker_bytes + k.static[b] - k.static[a] + max(k.cal.step_bytes(a, b), held)
 
 

@@ -22,7 +22,7 @@ executor runs; there is no second copy of any schedule here) with calibrated cos
 Memory per stage is replayed too: parameters, gradients and optimizer state, plus what the
 schedule stashes (a recomputing stage keeps only each micro-batch's input until its backward and
 one full set of activations while recomputing; otherwise the full activations are kept), plus,
-during a FORWARD or BACKWARD, the pass's working bytes (`StageCost.working_bytes`).
+during a FORWARD, RECOMPUTE, BACKWARD or WEIGHT, the pass's working bytes (`StageCost.working_bytes`).
 """
 
 from __future__ import annotations
@@ -321,11 +321,13 @@ def simulate(
                 elif code == _W:
                     t += w_cost
                     compute[s] += w_cost
+                    peak[s] = max(peak[s], held[s] + c.working_bytes)
                     held[s] -= c.input_bytes + c.activation_bytes + c.split_bytes
                 elif code == _R:
                     t += c.recompute_s
                     compute[s] += c.recompute_s
                     held[s] += c.activation_bytes
+                    peak[s] = max(peak[s], held[s] + c.working_bytes)
                 elif code == _RA:
                     got = arrive_act[s].get(mb)
                     if got is None:

@@ -17,7 +17,14 @@ from trainer.engine.precision import Precision
 from trainer.engine.setup import device_of
 from trainer.errors import ConfigError
 from trainer.graph.partition import capture_model
-from trainer.planning.calibration import LINK_KINDS, Calibration, CalibrationError, LinkCost, SegmentProfile
+from trainer.planning.calibration import (
+    LINK_KINDS,
+    Calibration,
+    CalibrationError,
+    LinkCost,
+    SegmentProfile,
+    left_out_of_memory,
+)
 from trainer.profiler.common import _nbytes, _workspace_bytes
 from trainer.profiler.identity import calibration_path, device_kind_of, model_fingerprint
 from trainer.profiler.network import measure_network
@@ -126,9 +133,15 @@ class Profiler:
         self._factory = _optimizer_factory(optimizer)
 
     def cached(self) -> Calibration | None:
-        """The saved calibration of this key, if there is a readable one."""
+        """The saved calibration of this key, if there is a readable one that counts all a slot's
+        memory (one of an older schema is measured again, as a daemon's stored one is)."""
         try:
-            cal = Calibration.load(self.path)
+            data = self.path.read_bytes()
+            left_out = left_out_of_memory(data, self.device_kind)
+            if left_out is not None:
+                log.info("measuring %s again: its schema version left %s out of a slot's memory", self.path, left_out)
+                return None
+            cal = Calibration.from_bytes(data)
         except FileNotFoundError:
             return None
         except CalibrationError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.engine.memory import reset_high_water, resident_bytes
+from trainer.engine.memory import device_peak, reset_peak, resident_bytes
 from trainer.engine.precision import Precision, autocast
 from trainer.engine.split_backward import backward_input, backward_weight
 from trainer.errors import ConfigError
@@ -39,6 +40,9 @@ def _libc():
 
 
 _LIBC = _libc()
+
+log = logging.getLogger(__name__)
+_UNMEASURED: set[str] = set()   # device types whose working bytes could not be measured, said once
 
 
 def segment_slices(traced: TracedModel) -> list[StageSlice]:
@@ -311,7 +315,7 @@ def _peak_bytes(sl: StageSlice, batch, x_in, device: torch.device, precision: Pr
     if device.type == "cuda":
         _sync(device)
         base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_peak(device)
         with torch.enable_grad(), autocast(precision, device):
             y = mod(**kw)
         _sync(device)
@@ -346,9 +350,12 @@ def _working_bytes(sl: StageSlice, batch, x_in, device: torch.device, precision:
         kw[ACTIVATION] = x_in.detach().requires_grad_(True)
     try:
         _sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        elif not reset_high_water():
+        if not reset_peak(device):
+            if device.type not in _UNMEASURED:
+                _UNMEASURED.add(device.type)
+                log.warning("cannot measure a pass's working memory here (the kernel does not let this process "
+                            "reset its resident high-water mark): the plan's memory leaves it out (twice the "
+                            "logits on a loss's stage)")
             return None
         with torch.enable_grad(), autocast(precision, device):
             y = mod(**kw)
@@ -359,7 +366,7 @@ def _working_bytes(sl: StageSlice, batch, x_in, device: torch.device, precision:
             out.backward(grad)
             del out, grad
         _sync(device)
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resident_bytes("VmHWM")
+        peak = device_peak(device)
         del y
         if peak is None or after_forward is None:
             return None

@@ -36,12 +36,11 @@ from typing import Any
 
 from trainer.planning import planner
 from trainer.planning.calibration import (
-    PROCESS_COUNTED_FROM,
-    WORKING_COUNTED_FROM,
     Calibration,
     LinkCost,
     SegmentCost,
     SegmentProfile,
+    left_out_of_memory,
 )
 from trainer.planning.parallel import MAX_WORKERS, ParallelPlan
 from trainer.planning.planner import Plan, PlanError, Slot
@@ -387,18 +386,6 @@ def _machines(members: Sequence[DaemonMember], calibrations: Mapping[str, Calibr
 _SAID: set[tuple[str, str, bytes]] = set()
 
 
-def _left_out(kind: str, version: int | None) -> str | None:
-    """What a stored calibration of `version` leaves out of a slot's memory, where a daemon
-    measures it again; None where nothing."""
-    if version is None:
-        return None
-    if (kind == "cpu" or kind.startswith("cpu-")) and version < PROCESS_COUNTED_FROM:
-        return "the worker's process"
-    if version < WORKING_COUNTED_FROM:
-        return "a pass's working memory (a loss's logits and their gradients)"
-    return None
-
-
 def calibrations_for(
     spec: JobSpec, kinds: Sequence[str], stored: Mapping[str, bytes]
 ) -> tuple[dict[str, Calibration], list[str]]:
@@ -412,8 +399,7 @@ def calibrations_for(
             missing.append(kind)
             continue
         # a CPU kind as facts.detect_device_kind names it ("cpu", "cpu-<n>slots")
-        version = _version(data)
-        left_out = _left_out(kind, version)
+        left_out = left_out_of_memory(data, kind)
         if left_out is not None:
             if (spec.job, kind, data) not in _SAID:
                 _SAID.add((spec.job, kind, data))
@@ -444,13 +430,4 @@ def described_shape(desc: Mapping[str, Any]) -> str:
     """"PxD" of a plan as `describe` recorded it (a job state's ``plan``), "-" where it records none."""
     return f"{desc['P']}x{desc['D']}" if all(type(desc.get(k)) is int for k in "PD") else "-"
 
-
-def _version(data: bytes) -> int | None:
-    """The schema version a stored calibration was written in (None where it says none: what is
-    wrong with it is from_bytes's to say)."""
-    try:
-        version = json.loads(data).get("version")
-    except (ValueError, AttributeError):
-        return None
-    return version if isinstance(version, int) else None
 
