@@ -315,6 +315,29 @@ def _stage_members(ring) -> dict[int, set[str]]:
 
 
 @pytest.mark.chaos  # the chaos suite's kill -9 of this kind (tests/integration/chaos/ does not repeat it)
+def test_a_store_emptied_under_a_running_job_is_named_when_it_resumes_from_scratch(healthy):
+    """A storage probe's `rm -rf` of a running job's checkpoints, then a lost VM: the job resumed
+    from scratch under an INFO line that read like a first start ('no complete checkpoint yet'),
+    though 51 checkpoints had been written. Now the morph record says the store lost them."""
+    import shutil
+
+    ring = healthy
+    ring.submit("emptied", steps=STEPS, script_args=SLEEP)
+    st = ring.wait_step("emptied", 2)
+    assert st["plan"]["P"] >= 2 and st["plan"]["D"] == 1, st["plan"]   # a lost VM takes a stage's only replica
+    ring.wait_checkpoint("emptied", 6)
+    victim = next(m for m in st["plan"]["members"] if m != ring.leader())
+    ring.daemons[victim].kill9()
+    for ckpt in (ring.store_dir / "emptied").glob("varuna_ckpt_*"):
+        shutil.rmtree(ckpt, ignore_errors=True)
+    st = ring.wait_state("emptied", ("done", "failed"))
+    assert st["state"] == "done", st
+    lost = next(m for m in st["morphs"] if victim in m["reason"])
+    assert lost["source"] == "scratch" and lost["resumed_from"] == 0, lost
+    assert f"had no live replica ({victim})" in lost["source_why"], lost
+    assert "holds no complete checkpoint, though the job trained to step" in lost["source_why"], lost
+
+
 def test_kill9_of_the_leader_elects_another_within_a_ttl_and_the_job_finishes(healthy, reference):
     ring = healthy
     ring.submit("kill-leader", steps=STEPS, script_args=SLEEP)

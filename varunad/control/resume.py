@@ -27,6 +27,9 @@ __all__ = ["ResumeSource", "complete_manifest", "resume_source"]
 _CKPT = re.compile(r"varuna_ckpt_(0|[1-9][0-9]*)")
 
 
+NO_CHECKPOINT_YET = "no complete checkpoint yet"
+
+
 @dataclass(frozen=True, slots=True)
 class ResumeSource:
     source: str            # "replicas" | "checkpoint" | "scratch" | "" (a store the leader cannot read)
@@ -110,7 +113,7 @@ def resume_source(store: str, plan: PlanDoc | None, lost: Collection[str]) -> Re
         return ResumeSource("", None, "")
     newest = _newest_complete(store)
     if newest is None:
-        return ResumeSource("scratch", 0, _orphaned_stages(plan, lost) or "no complete checkpoint yet")
+        return ResumeSource("scratch", 0, _orphaned_stages(plan, lost) or NO_CHECKPOINT_YET)
     step, doc = newest
     meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
     epoch, losses = _losses(meta.get("losses"), step)

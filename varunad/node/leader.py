@@ -55,7 +55,7 @@ from varunad.control.jobs import JobState, job_store
 from varunad.control.links import LinkSurvey
 from varunad.control.plans import PlanDoc, describe, described_shape
 from varunad.control.records import encode_history
-from varunad.control.resume import ResumeSource, complete_manifest, resume_source
+from varunad.control.resume import NO_CHECKPOINT_YET, ResumeSource, complete_manifest, resume_source
 from varunad.control.speeds import SlotSpeeds
 from varunad.node.config import DaemonConfig
 from varunad.node.leader_pace import LeaderPace
@@ -624,10 +624,26 @@ class Leader(LeaderPlanning, LeaderPace):
                              gone: Collection[str]) -> ResumeSource:
         """Where the next epoch will resume, read from the store once the old workers are gone, the
         VMs ``gone`` with them (``plan``: the old run plan, None where only its stop is known)."""
-        store = self._store_of(snap.states.get(job), snap.entry(job))
+        entry = snap.entry(job)
+        store = self._store_of(snap.states.get(job), entry)
         if not store:
             return ResumeSource("", None, "")
-        return await asyncio.to_thread(resume_source, store, plan, gone)
+        found = await asyncio.to_thread(resume_source, store, plan, gone)
+        every = entry.spec.checkpoint_every if entry is not None and entry.spec is not None else 0
+        if found.source != "scratch" or not every:
+            return found
+        # a job that trained past two checkpoints' steps and finds none: the store lost them (a
+        # probe's `rm -rf` of a store under a running job read like a first start)
+        state = snap.states.get(job)
+        epochs = set(state.epochs) if state is not None else set()
+        trained = max((p.step + 1 for p in await read_progress(self.store, self.keys, job) if p.epoch in epochs),
+                      default=0)
+        if trained < 2 * every:
+            return found
+        lost = (f"its store {store} holds no complete checkpoint, though the job trained to step {trained} with a "
+                f"checkpoint every {every}: they were deleted, or never written")
+        log.warning("leader: %s resumes from scratch: %s", job, lost)
+        return replace(found, why=lost if found.why == NO_CHECKPOINT_YET else f"{found.why}; {lost}")
 
 
 def _resume_hint(store: str | None) -> str:
