@@ -136,3 +136,7 @@ def test_a_failed_jobs_hint_promises_its_checkpoints_only_where_the_store_holds_
     assert _resume_hint(store) == f" (with --store {store} it resumes from this one's checkpoints (newest: step 4))"
     assert _resume_hint("s3://bucket/j") == " (with --store s3://bucket/j it resumes from this one's checkpoints)"
     assert _resume_hint(None) == ""
+    # a storage probe's job given a GPT's store failed to load it, and was told to use that store again
+    error = "CheckpointError: checkpoint 4 has no ['conv.weight'] (it was written by a different model)"
+    assert _resume_hint(store, error) == (f" (its store {store} holds another model's checkpoints: give the job a "
+                                          "--store of its own)")

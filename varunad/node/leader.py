@@ -535,7 +535,7 @@ class Leader(LeaderPlanning, LeaderPace):
                     await self._finish(snap, job, "failed",
                                        f"{what} ({who}{again}): not retried, starting again would fail the same "
                                        f"way; fix the script or the job and submit it again under a new --name"
-                                       + await asyncio.to_thread(_resume_hint, state.store), error=d.reason)
+                                       + await asyncio.to_thread(_resume_hint, state.store, d.reason), error=d.reason)
                     return True
                 if restarts > self.config.max_restarts:
                     await self._finish(snap, job, "failed", f"gave up after {state.restarts} restarts: {what} ({who})",
@@ -646,11 +646,17 @@ class Leader(LeaderPlanning, LeaderPace):
         return replace(found, why=lost if found.why == NO_CHECKPOINT_YET else f"{found.why}; {lost}")
 
 
-def _resume_hint(store: str | None) -> str:
+_ANOTHER_MODEL = "written by a different model"   # trainer.checkpoint's hint where a checkpoint does not fit
+
+
+def _resume_hint(store: str | None, error: str = "") -> str:
     """What a failed job's next submission can resume from: its store's checkpoints, only where it
-    holds a complete one (a probe's failed jobs were promised checkpoints their stores never had)."""
+    holds a complete one (a probe's failed jobs were promised checkpoints their stores never had),
+    and none where they are another model's (a probe's job given a GPT's store was told to use it again)."""
     if not store:
         return ""
+    if _ANOTHER_MODEL in error:
+        return f" (its store {store} holds another model's checkpoints: give the job a --store of its own)"
     found = resume_source(store, None, ())
     if found.source == "scratch":
         return " (its store holds no complete checkpoint: a new job starts from scratch)"
