@@ -28,6 +28,11 @@ class CheckpointError(VarunaError):
     """A checkpoint is missing, incomplete or corrupt; it was not loaded."""
 
 
+# The hint of a checkpoint that does not fit the model; the leader reads it in a failure's words
+# (varunad.node.leader: such a job is told to give the job a store of its own).
+ANOTHER_MODEL = "it was written by a different model"
+
+
 # What a store that is full, over quota, read-only or failing says. None of them is about the
 # checkpoint or the job: the same write succeeds once an operator frees space or remounts.
 OUTAGE_ERRNOS = frozenset({_errno.ENOSPC, _errno.EDQUOT, _errno.EROFS, _errno.EIO})

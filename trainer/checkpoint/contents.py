@@ -43,7 +43,7 @@ from trainer.checkpoint import fences, reading
 from trainer.checkpoint import store as ckpt_store
 from trainer.checkpoint.model_record import MANIFEST_KEY as MODEL_RECORD
 from trainer.checkpoint.storage import storage_for
-from trainer.errors import CheckpointError, StoreOutage
+from trainer.errors import ANOTHER_MODEL, CheckpointError, StoreOutage
 from trainer.planning.parallel import ParallelPlan
 
 __all__ = ["save", "load", "agree", "resume_point", "Upload", "Checkpointed", "stage_files", "meta_of",
@@ -364,7 +364,7 @@ def load(v: Checkpointed, store: str, iteration: int | None, *, check_complete: 
     missing = sorted(n for n in named if n not in index and n not in v.layout.untrained)
     if missing:
         raise CheckpointError(f"checkpoint {iteration} has no {missing[:5]}",
-                              hint="it was written by a different model")
+                              hint=ANOTHER_MODEL)
     for fname in sorted({index[n] for n in named if n in index}):
         content = reading.read_tensors(ckpt_dir, fname)
         for kind in ("params", "buffers"):
@@ -416,7 +416,7 @@ def _why_none(store: str, checksums: bool) -> str:
 def _copy_into(t: torch.Tensor, saved: torch.Tensor, name: str, iteration: int) -> None:
     if saved.shape != t.shape:
         raise CheckpointError(f"checkpoint {iteration}: {name} has shape {tuple(saved.shape)}, "
-                              f"the model's is {tuple(t.shape)}", hint="it was written by a different model")
+                              f"the model's is {tuple(t.shape)}", hint=ANOTHER_MODEL)
     with torch.no_grad():
         t.copy_(saved)
 

@@ -30,7 +30,7 @@ import torch
 from trainer.checkpoint import reading
 from trainer.checkpoint import store as ckpt_store
 from trainer.checkpoint.model_record import MANIFEST_KEY, ModelRecord
-from trainer.errors import CheckpointError
+from trainer.errors import ANOTHER_MODEL, CheckpointError
 
 __all__ = ["Exported", "export_checkpoint", "SINGLE", "INDEX", "CONFIG"]
 
@@ -81,7 +81,7 @@ def export_checkpoint(store: str, out: str | os.PathLike[str], step: int | None 
     if not by_file:
         raise CheckpointError(f"checkpoint {step} in {store} holds none of the tensors of "
                               f"{prefix.rstrip('.') or 'the model'}",
-                              hint="it was written by a different model; check --module")
+                              hint=f"{ANOTHER_MODEL}; check --module")
     save_file = _safetensors_save()
     _check_empty(out)
     made = not os.path.exists(out)

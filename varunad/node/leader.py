@@ -30,6 +30,7 @@ from collections.abc import Callable, Collection
 from dataclasses import replace
 
 from protocol.messages import StopWorkers
+from trainer.errors import ANOTHER_MODEL
 from varunad.cluster.election import Election, NotLeader
 from varunad.control.decide import (
     Decision,
@@ -646,16 +647,13 @@ class Leader(LeaderPlanning, LeaderPace):
         return replace(found, why=lost if found.why == NO_CHECKPOINT_YET else f"{found.why}; {lost}")
 
 
-_ANOTHER_MODEL = "written by a different model"   # trainer.checkpoint's hint where a checkpoint does not fit
-
-
 def _resume_hint(store: str | None, error: str = "") -> str:
     """What a failed job's next submission can resume from: its store's checkpoints, only where it
     holds a complete one (a probe's failed jobs were promised checkpoints their stores never had),
     and none where they are another model's (a probe's job given a GPT's store was told to use it again)."""
     if not store:
         return ""
-    if _ANOTHER_MODEL in error:
+    if ANOTHER_MODEL in error:
         return f" (its store {store} holds another model's checkpoints: give the job a --store of its own)"
     found = resume_source(store, None, ())
     if found.source == "scratch":
