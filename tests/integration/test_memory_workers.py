@@ -80,6 +80,16 @@ def _memory_cgroup() -> Path | None:
     return child
 
 
+def _with_peaks(ring, job: str) -> dict:
+    """`job`'s status once every stage's measured peak is in it: the workers' last reports may
+    reach etcd after the leader read the job done."""
+    def reported():
+        now = ring.status(job)
+        return now["stages"] and all(x["peak"] is not None for x in now["stages"]) and now
+
+    return ring.poll(reported, timeout=30, what=f"every stage's measured peak of {job}")
+
+
 @pytest.mark.slow
 def test_a_worker_the_oom_killer_ends_makes_the_leader_plan_with_less_memory(tmp_path, etcd, etcd_root):
     """One daemon whose slot promises 1.4 GB (1260 MB usable) to a model of 12 x 2048 (201 MB of
@@ -112,6 +122,7 @@ def test_a_worker_the_oom_killer_ends_makes_the_leader_plan_with_less_memory(tmp
         # this test took 245 to 275 s where it takes 50 s alone
         st = ring.wait_state("fits", ("done", "failed"), timeout=480)
         assert st["state"] == "done" and (st["plan"]["P"], st["plan"]["D"]) == (1, 1), st
+        st = _with_peaks(ring, "fits")
         estimate = st["stages"][0]["estimate"]
         # the tensors, the step's temporaries and the worker process
         assert 806_000_000 + 100_000_000 < estimate < 1_260_000_000, st["stages"]
@@ -161,12 +172,7 @@ def test_a_stage_holding_a_large_vocabularys_loss_keeps_within_its_estimate(tmp_
         assert r.returncode == 0, r.stderr
         st = ring.wait_state("logits", ("done", "failed"), timeout=480)
         assert st["state"] == "done", st
-        # the workers' last reports, with their peaks, may reach etcd after the leader read the job done
-        def peaks_reported():
-            now = ring.status("logits")
-            return now["stages"] and all(x["peak"] is not None for x in now["stages"]) and now
-
-        st = ring.poll(peaks_reported, timeout=30, what="every stage's measured peak")
+        st = _with_peaks(ring, "logits")
         # before: estimate 460 MB, measured 588 MB (1.28) on a plan of one stage
         for stage in st["stages"]:
             assert 0 < stage["peak"] < 1.1 * stage["estimate"], st["stages"]
